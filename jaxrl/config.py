@@ -1,0 +1,217 @@
+"""Experiment configuration: frozen dataclasses, built once from an ml_collections ConfigDict.
+
+Config files (`configs/*.py`) start from `default_config()`, a ConfigDict holding every field
+below with its default, and change what they need. Launch scripts call `from_config_dict` once;
+library code then sees only these dataclasses. Every default lives in exactly one field here or
+in the dataclass a field points to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from jaxrl.data.tasks import TaskConfig
+from jaxrl.model.config import ModelConfig, get_preset
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.train.losses import LossConfig
+from jaxrl.train.optimizer import OptimizerConfig
+
+
+class ConfigError(ValueError):
+  """A config key or value that cannot be used; the message names the key's full path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes; at most one may be -1 (use the remaining devices)."""
+
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+  expert: int = 1
+
+  def axes(self) -> dict[str, int]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+  """Which devices run rollout and training.
+
+  Attributes:
+    mode: "disaggregated" (rollout and training on disjoint device groups) or "colocated" (both
+      stages share one mesh of `train_devices` devices).
+    rollout_devices: devices of the rollout mesh (disaggregated mode).
+    train_devices: devices of the training mesh.
+    rollout_mesh: axis sizes of the rollout mesh.
+    train_mesh: axis sizes of the training mesh.
+  """
+
+  mode: str = "disaggregated"
+  rollout_devices: int = 4
+  train_devices: int = 4
+  rollout_mesh: MeshConfig = MeshConfig(data=-1)
+  train_mesh: MeshConfig = MeshConfig(fsdp=-1)
+
+  def __post_init__(self):
+    if self.mode not in PLACEMENTS:
+      raise ConfigError(f"config.placement.mode={self.mode!r}: use one of {PLACEMENTS}.")
+
+
+PLACEMENTS = ("disaggregated", "colocated")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Generation settings.
+
+  Attributes:
+    engine: a key of `jaxrl.rollout.ENGINES`.
+    prompts_per_step: prompts sampled per RL step.
+    group_size: responses generated per prompt (G of GRPO).
+    sampling: sampling parameters of every training response.
+  """
+
+  engine: str = "static"
+  prompts_per_step: int = 16
+  group_size: int = 8
+  sampling: SamplingParams = SamplingParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Learner settings.
+
+  Attributes:
+    steps: RL steps (each: generate, score, update, publish weights).
+    advantage: "grpo" or "drgrpo".
+    updates_per_step: optimizer updates each step's batch is split into (PPO mini-batches).
+    micro_batch_size: sequences per gradient-accumulation chunk.
+    loss: the policy loss.
+    optimizer: optimizer and schedule.
+  """
+
+  steps: int = 100
+  advantage: str = "grpo"
+  updates_per_step: int = 1
+  micro_batch_size: int = 64
+  loss: LossConfig = LossConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupConfig:
+  """Supervised warm-up on (prompt, answer) pairs before RL starts; 0 steps skips it."""
+
+  steps: int = 0
+  batch_size: int = 64
+  learning_rate: float = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out evaluation.
+
+  Attributes:
+    every: evaluate every this many RL steps (and at the start and the end); 0 disables it.
+    num_prompts: held-out prompts per evaluation.
+    temperature: sampling temperature for evaluation (0 = greedy).
+  """
+
+  every: int = 10
+  num_prompts: int = 128
+  temperature: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpoints under `<workdir>/checkpoints`; `every` 0 saves only at the end."""
+
+  every: int = 50
+  max_to_keep: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """Everything one RL run needs."""
+
+  seed: int = 0
+  tokenizer: str = "char"
+  resume: bool = False
+  model: ModelConfig = ModelConfig()
+  task: TaskConfig = TaskConfig()
+  placement: PlacementConfig = PlacementConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  train: TrainConfig = TrainConfig()
+  warmup: WarmupConfig = WarmupConfig()
+  eval: EvalConfig = EvalConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every field of `ExperimentConfig` with its default, as a ConfigDict to edit."""
+  return ml_collections.ConfigDict(dataclasses.asdict(ExperimentConfig()))
+
+
+def model_config(preset: str, **overrides) -> ml_collections.ConfigDict:
+  """A model preset as a ConfigDict, for `config.model = model_config("tiny")`."""
+  return ml_collections.ConfigDict(dataclasses.asdict(get_preset(preset, **overrides)))
+
+
+def from_config_dict(config: Mapping[str, Any] | ml_collections.ConfigDict) -> ExperimentConfig:
+  """Converts a ConfigDict into `ExperimentConfig`, checking every key and type."""
+  if isinstance(config, ml_collections.ConfigDict):
+    config = config.to_dict()
+  return _build(ExperimentConfig, config, "config")
+
+
+def _build(cls, values: Mapping[str, Any], path: str):
+  if not isinstance(values, Mapping):
+    raise ConfigError(
+      f"{path}: expected a mapping of fields of {cls.__name__}, got "
+      f"{type(values).__name__} {values!r}."
+    )
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - fields)
+  if unknown:
+    raise ConfigError(
+      f"{path}.{unknown[0]}: unknown key; {cls.__name__} has the keys {sorted(fields)}."
+    )
+  kwargs = {name: _convert(hints[name], value, f"{path}.{name}") for name, value in values.items()}
+  try:
+    return cls(**kwargs)
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"{path}: {e}") from e
+
+
+def _convert(hint, value, path: str):
+  if dataclasses.is_dataclass(hint):
+    return _build(hint, value, path)
+  origin = typing.get_origin(hint)
+  if origin is tuple:
+    item = typing.get_args(hint)[0]
+    if not isinstance(value, list | tuple):
+      raise ConfigError(f"{path}: expected a tuple of {item.__name__}, got {value!r}.")
+    return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+  if origin in (typing.Union, types.UnionType):
+    raise ConfigError(f"{path}: union-typed config fields are not supported.")
+  ok = {
+    bool: isinstance(value, bool),
+    int: isinstance(value, int) and not isinstance(value, bool),
+    float: isinstance(value, int | float) and not isinstance(value, bool),
+    str: isinstance(value, str),
+  }.get(hint)
+  if ok is None:
+    raise ConfigError(f"{path}: unsupported field type {hint!r}.")
+  if not ok:
+    raise ConfigError(f"{path}: expected {hint.__name__}, got {type(value).__name__} {value!r}.")
+  return float(value) if hint is float else value

@@ -1,0 +1,140 @@
+"""GSM8K-style JSONL: loading, final-answer extraction and the numeric reward.
+
+A row is a JSON object with a `question` and an `answer` string; the reference answer ends with
+a line `#### <number>`, as in GSM8K. Nothing is downloaded: point `TaskConfig.path` at a file.
+"""
+
+import fractions
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+
+REQUIRED_FIELDS = ("question", "answer")
+PROMPT_SUFFIX = "\nAnswer:"
+
+# A number with optional sign, dollar sign, thousands commas and decimals: "-$1,000.50".
+# The minus must not follow a word character or ")" so that "7-5" reads as 7 and 5, not -5;
+# thousands groups must have exactly three digits so that "1,2,3" reads as three numbers.
+_NUMBER = re.compile(r"((?<![\w)])-)?\$?([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(\.[0-9]+)?")
+_FINAL_MARK = "####"
+
+
+class DatasetError(ValueError):
+  """A malformed dataset file; the message starts with `path:line:`."""
+
+
+def _iter_rows(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+  """Yields (line number, row) for each non-blank line, with the required fields checked."""
+  with open(path, encoding="utf-8") as f:
+    for line_number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DatasetError(
+          f"{path}:{line_number}: invalid JSON ({e.msg} at column {e.colno})."
+        ) from None
+      if not isinstance(row, dict):
+        raise DatasetError(
+          f"{path}:{line_number}: expected a JSON object with fields {list(REQUIRED_FIELDS)}, "
+          f"got {type(row).__name__}."
+        )
+      for field in REQUIRED_FIELDS:
+        if field not in row:
+          raise DatasetError(
+            f"{path}:{line_number}: missing field {field!r}; the row has fields {sorted(row)}; "
+            f"every row needs {list(REQUIRED_FIELDS)}."
+          )
+        if not isinstance(row[field], str):
+          raise DatasetError(
+            f"{path}:{line_number}: field {field!r} must be a string, "
+            f"got {type(row[field]).__name__}."
+          )
+      yield line_number, row
+
+
+def load_jsonl(path: str | os.PathLike) -> list[dict]:
+  """Reads a JSONL file of rows with string `question` and `answer` fields.
+
+  Blank lines are skipped. Other fields are kept as they are.
+
+  Raises:
+    DatasetError: a line is not a JSON object, or lacks a field; the message starts with
+      `path:line:`.
+  """
+  return [row for _, row in _iter_rows(path)]
+
+
+def _number_text(match: re.Match) -> str:
+  sign, whole, frac = match.groups()
+  return (sign or "") + whole.replace(",", "") + (frac or "")
+
+
+def extract_final_answer(text: str) -> str | None:
+  """Returns the final numeric answer in `text`, normalised, or None if there is none.
+
+  For a GSM8K reference (with a `#### 72` line) this is the first number after the last `####`;
+  for a model's response it is the last number in the text. Thousands commas and `$` are
+  dropped: `"#### $1,000"` gives `"1000"`, `"... so -3.5 degrees."` gives `"-3.5"`.
+  """
+  if _FINAL_MARK in text:
+    match = _NUMBER.search(text.rsplit(_FINAL_MARK, 1)[1])
+    return None if match is None else _number_text(match)
+  matches = list(_NUMBER.finditer(text))
+  return _number_text(matches[-1]) if matches else None
+
+
+def numbers_equal(a: str, b: str) -> bool:
+  """Whether two decimal strings denote the same number (`"72"` and `"72.0"` do)."""
+  return fractions.Fraction(a) == fractions.Fraction(b)
+
+
+def reward(reference: str, response: str) -> float:
+  """1.0 if the response's final number equals the reference answer numerically, else 0.0.
+
+  Args:
+    reference: the reference final answer (as in a record's `answer`) or a full reference
+      solution ending with `#### <number>`.
+    response: the model's generated text.
+  """
+  ref = extract_final_answer(reference)
+  got = extract_final_answer(response)
+  if ref is None or got is None:
+    return 0.0
+  return float(numbers_equal(ref, got))
+
+
+def problem_id(question: str) -> str:
+  """A stable id for a question, from its text."""
+  return "gsm8k-" + hashlib.sha256(question.strip().encode("utf-8")).hexdigest()[:16]
+
+
+def load_prompt_records(path: str | os.PathLike) -> list[dict]:
+  """Reads a GSM8K-style JSONL file into prompt records.
+
+  Each record is `{"id", "prompt": question + "\\nAnswer:", "answer": final number,
+  "question"}`, in file order. A row's `id` field, when present, is used as the record id.
+
+  Raises:
+    DatasetError: a malformed row, or a reference answer without a number after `####`.
+  """
+  records = []
+  for line_number, row in _iter_rows(path):
+    final = extract_final_answer(row["answer"]) if _FINAL_MARK in row["answer"] else None
+    if final is None:
+      raise DatasetError(
+        f"{path}:{line_number}: the answer has no final line '#### <number>' "
+        f"(answer ends with {row['answer'][-40:]!r}); GSM8K references end with e.g. '#### 72'."
+      )
+    records.append(
+      {
+        "id": str(row.get("id", problem_id(row["question"]))),
+        "prompt": row["question"] + PROMPT_SUFFIX,
+        "answer": final,
+        "question": row["question"],
+      }
+    )
+  return records

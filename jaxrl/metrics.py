@@ -1,0 +1,88 @@
+"""What a run shows its user: metrics to JSONL and TensorBoard, and the reward-curve plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+
+class MetricsWriter:
+  """Appends one JSON object per record to `<workdir>/metrics.jsonl` and mirrors scalars to
+  TensorBoard under `<workdir>/tensorboard`."""
+
+  def __init__(self, workdir: str, tensorboard: bool = True):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, step: int, kind: str, values: Mapping[str, float]) -> None:
+    """Writes one record; `kind` ("train", "eval", "warmup") prefixes the TensorBoard tags."""
+    record = {"step": int(step), "kind": kind}
+    record.update({k: _scalar(v) for k, v in values.items()})
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in record.items():
+        if k not in ("step", "kind") and isinstance(v, float) and math.isfinite(v):
+          self._tb.add_scalar(f"{kind}/{k}", v, step)
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _scalar(value):
+  if isinstance(value, str | int | bool):
+    return value
+  return float(np.asarray(value))
+
+
+def read_metrics(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_reward_curve(metrics_path: str, png_path: str, title: str = "GRPO") -> None:
+  """Training reward per step and held-out eval reward, from a metrics.jsonl, into a PNG."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  records = read_metrics(metrics_path)
+  train = [r for r in records if r["kind"] == "train"]
+  evals = [r for r in records if r["kind"] == "eval"]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  if train:
+    ax.plot(
+      [r["step"] for r in train],
+      [r["reward_mean"] for r in train],
+      alpha=0.5,
+      label="train reward (sampled)",
+    )
+  if evals:
+    ax.plot(
+      [r["step"] for r in evals],
+      [r["eval_reward"] for r in evals],
+      "o-",
+      label="held-out eval reward",
+    )
+  ax.set_xlabel("RL step")
+  ax.set_ylabel("reward")
+  ax.set_ylim(-0.02, 1.02)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,19 @@
+"""Decoder-only transformer (dense and MoE) in Flax NNX, its configs, and a pure-function view."""
+
+from jaxrl.model.config import PRESETS, ModelConfig, get_preset
+from jaxrl.model.functional import Model, Params
+from jaxrl.model.moe import MoEMLP, route
+from jaxrl.model.transformer import LayerCache, Transformer, init_cache
+
+__all__ = [
+  "PRESETS",
+  "LayerCache",
+  "Model",
+  "ModelConfig",
+  "MoEMLP",
+  "Params",
+  "Transformer",
+  "get_preset",
+  "init_cache",
+  "route",
+]

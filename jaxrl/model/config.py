@@ -1,0 +1,155 @@
+"""Model shapes: one frozen dataclass and the named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes and options of a decoder-only transformer (dense or MoE).
+
+  Attributes:
+    vocab_size: number of token ids the embedding covers.
+    d_model: residual stream width.
+    num_layers: decoder blocks.
+    num_heads: query heads.
+    num_kv_heads: key/value heads (grouped-query attention); divides num_heads.
+    head_dim: width of one attention head.
+    mlp_dim: hidden width of the dense SwiGLU MLP.
+    max_seq_len: longest sequence (prompt + response) the model is used with.
+    rope_theta: RoPE base frequency.
+    norm_eps: RMSNorm epsilon.
+    qk_norm: RMSNorm on each query/key head before RoPE (Qwen3).
+    qkv_bias: bias on the q/k/v projections (Qwen2).
+    tie_embeddings: the LM head reuses the token embedding.
+    num_experts: 0 for a dense MLP, otherwise the experts of every MoE layer.
+    experts_per_token: top-k experts each token is routed to.
+    moe_mlp_dim: hidden width of one expert.
+    dtype: compute dtype; parameters stay in param_dtype and are cast at use.
+    param_dtype: storage dtype of parameters.
+  """
+
+  vocab_size: int = 64
+  d_model: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 32
+  mlp_dim: int = 384
+  max_seq_len: int = 64
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  qk_norm: bool = False
+  qkv_bias: bool = False
+  tie_embeddings: bool = True
+  num_experts: int = 0
+  experts_per_token: int = 2
+  moe_mlp_dim: int = 0
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in (
+      "vocab_size",
+      "d_model",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "mlp_dim",
+      "max_seq_len",
+    ):
+      if getattr(self, name) < 1:
+        raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
+        f"({self.num_kv_heads}) for grouped-query attention."
+      )
+    if self.head_dim % 2:
+      raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}.")
+    if self.num_experts < 0:
+      raise ValueError(f"model.num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
+    if self.num_experts:
+      if not 1 <= self.experts_per_token <= self.num_experts:
+        raise ValueError(
+          f"model.experts_per_token must be in [1, num_experts={self.num_experts}], "
+          f"got {self.experts_per_token}."
+        )
+      if self.moe_mlp_dim < 1:
+        raise ValueError("model.moe_mlp_dim must be >= 1 when model.num_experts > 0.")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"model.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")
+
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
+
+  def num_params(self) -> int:
+    """Parameter count (embedding counted once when tied)."""
+    d, e = self.d_model, self.head_dim
+    attn = d * e * (self.num_heads * 2 + self.num_kv_heads * 2)
+    if self.qkv_bias:
+      attn += e * (self.num_heads + 2 * self.num_kv_heads)
+    if self.qk_norm:
+      attn += 2 * e
+    if self.is_moe:
+      mlp = d * self.num_experts + self.num_experts * 3 * d * self.moe_mlp_dim
+    else:
+      mlp = 3 * d * self.mlp_dim
+    per_layer = attn + mlp + 2 * d
+    head = 0 if self.tie_embeddings else d * self.vocab_size
+    return self.num_layers * per_layer + self.vocab_size * d + head + d
+
+
+PRESETS: dict[str, ModelConfig] = {
+  # Small enough to train to competence on a 2-core CPU in minutes (tests and the demo).
+  "tiny": ModelConfig(),
+  "tiny-moe": ModelConfig(num_experts=8, experts_per_token=2, moe_mlp_dim=128),
+  "bench-tiny": ModelConfig(
+    vocab_size=1024,
+    d_model=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    mlp_dim=1024,
+    max_seq_len=1024,
+  ),
+  "bench-small": ModelConfig(
+    vocab_size=32768,
+    d_model=512,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    mlp_dim=2048,
+    max_seq_len=2048,
+  ),
+  "qwen3-0.6b": ModelConfig(
+    vocab_size=151936,
+    d_model=1024,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=3072,
+    max_seq_len=40960,
+    rope_theta=1_000_000.0,
+    qk_norm=True,
+    tie_embeddings=True,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+  ),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+  """Returns the named preset, with fields replaced by `overrides`."""
+  if name not in PRESETS:
+    raise ValueError(f"Unknown model preset {name!r}; known presets: {sorted(PRESETS)}.")
+  return dataclasses.replace(PRESETS[name], **overrides)

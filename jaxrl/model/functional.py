@@ -1,0 +1,65 @@
+"""The model as pure functions over a params pytree (what jit, sharding and checkpoints see).
+
+`Model` holds the static half (config and NNX graph definition); parameters travel separately as
+a nested dict of arrays, so the rollout engine, the learner and the weight store can place,
+transfer and save them without touching NNX objects.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from flax import nnx
+
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.transformer import LayerCache, Transformer, init_cache
+
+Params = dict
+
+
+class Model:
+  """Pure-function view of `Transformer` for one `ModelConfig`."""
+
+  def __init__(self, config: ModelConfig):
+    self.config = config
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    self.graphdef, self._abstract_state = nnx.split(abstract)
+
+  def init(self, seed: int | jax.Array) -> Params:
+    """Fresh parameters; jit it with `out_shardings` to build them already sharded."""
+    key = (
+      seed
+      if jax.dtypes.issubdtype(jax.numpy.asarray(seed).dtype, jax.dtypes.prng_key)
+      else jax.random.key(seed)
+    )
+    module = Transformer(self.config, rngs=nnx.Rngs(key))
+    return nnx.to_pure_dict(nnx.state(module))
+
+  def abstract_params(self) -> Params:
+    """Parameters as ShapeDtypeStructs (no memory touched)."""
+    return nnx.to_pure_dict(self._abstract_state)
+
+  @functools.cached_property
+  def logical_axes(self) -> Params:
+    """The logical axes of every parameter, as a tree shaped like the params."""
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    axes = jax.tree.map(
+      lambda v: v.get_metadata()["logical_axes"], self._abstract_state, is_leaf=is_var
+    )
+    return nnx.to_pure_dict(axes)
+
+  def apply(
+    self,
+    params: Params,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array | None = None,
+    cache: tuple[LayerCache, ...] | None = None,
+  ):
+    """Forward pass; returns (logits_btv in fp32, updated cache or None)."""
+    state = jax.tree.map(lambda x: x, self._abstract_state)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(self.graphdef, state)(tokens_bt, positions_bt, cache)
+
+  def init_cache(self, batch: int, max_len: int) -> tuple[LayerCache, ...]:
+    return init_cache(self.config, batch, max_len)

@@ -1,0 +1,191 @@
+"""Flax NNX decoder-only transformer: RMSNorm, RoPE, GQA, SwiGLU or MoE, optional KV cache.
+
+Glossary: b batch, t query positions, s key positions (cache slots), d model width,
+h query heads, k kv heads, g query heads per kv head, e head dim, f mlp width, v vocab.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.moe import MoEMLP, param
+
+
+class LayerCache(NamedTuple):
+  """Keys and values of one layer for every cache slot: [b, s, k, e]."""
+
+  k_bske: jax.Array
+  v_bske: jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> tuple[LayerCache, ...]:
+  """An empty (zeroed) KV cache with `max_len` slots per sequence."""
+  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  dtype = jnp.dtype(cfg.dtype)
+  return tuple(
+    LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)
+  )
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * self.scale.get_value().astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_bthe: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding in the rotate-half layout used by Llama/Qwen checkpoints."""
+  half = x_bthe.shape[-1] // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles_bte = positions_bt[..., None].astype(jnp.float32) * inv_freq
+  sin, cos = jnp.sin(angles_bte)[:, :, None, :], jnp.cos(angles_bte)[:, :, None, :]
+  x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_bthe.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention; writes its keys/values into the cache when one is given."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, h, k, e = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd = jnp.dtype(cfg.param_dtype)
+    self.wq_dhe = param(rngs, (d, h, e), ("embed", "heads", "head_dim"), d, pd)
+    self.wk_dke = param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), d, pd)
+    self.wv_dke = param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), d, pd)
+    self.wo_hed = param(rngs, (h, e, d), ("heads", "head_dim", "embed"), h * e, pd)
+    if cfg.qkv_bias:
+      self.bq_he = nnx.Param(jnp.zeros((h, e), pd), logical_axes=("heads", "head_dim"))
+      self.bk_ke = nnx.Param(jnp.zeros((k, e), pd), logical_axes=("kv_heads", "head_dim"))
+      self.bv_ke = nnx.Param(jnp.zeros((k, e), pd), logical_axes=("kv_heads", "head_dim"))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(e, cfg.norm_eps, pd)
+      self.k_norm = RMSNorm(e, cfg.norm_eps, pd)
+
+  def __call__(self, x_btd, positions_bt, cache: LayerCache | None):
+    cfg = self.cfg
+    dt = x_btd.dtype
+    q = jnp.einsum("btd,dhe->bthe", x_btd, self.wq_dhe.get_value().astype(dt))
+    k = jnp.einsum("btd,dke->btke", x_btd, self.wk_dke.get_value().astype(dt))
+    v = jnp.einsum("btd,dke->btke", x_btd, self.wv_dke.get_value().astype(dt))
+    if cfg.qkv_bias:
+      q = q + self.bq_he.get_value().astype(dt)
+      k = k + self.bk_ke.get_value().astype(dt)
+      v = v + self.bv_ke.get_value().astype(dt)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = rope(q, positions_bt, cfg.rope_theta), rope(k, positions_bt, cfg.rope_theta)
+
+    if cache is None:
+      keys, values, key_pos_bs = k, v, positions_bt
+    else:
+      # Each row writes its new keys at its own positions (ragged batch); slots past a row's
+      # current position hold stale values that the causal mask below never lets through.
+      rows_b1 = jnp.arange(x_btd.shape[0])[:, None]
+      keys = cache.k_bske.at[rows_b1, positions_bt].set(k.astype(cache.k_bske.dtype))
+      values = cache.v_bske.at[rows_b1, positions_bt].set(v.astype(cache.v_bske.dtype))
+      cache = LayerCache(keys, values)
+      key_pos_bs = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
+
+    b, t, h, e = q.shape
+    g = h // cfg.num_kv_heads
+    q_btkge = q.reshape(b, t, cfg.num_kv_heads, g, e)
+    scores = jnp.einsum("btkge,bske->bkgts", q_btkge, keys.astype(dt)).astype(jnp.float32)
+    scores = scores * (e**-0.5)
+    visible_bts = key_pos_bs[:, None, :] <= positions_bt[:, :, None]
+    scores = jnp.where(visible_bts[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out_btkge = jnp.einsum("bkgts,bske->btkge", probs, values.astype(dt))
+    out_bthe = out_btkge.reshape(b, t, h, e)
+    return jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt)), cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, f, pd = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
+    self.w_gate_df = param(rngs, (d, f), ("embed", "mlp"), d, pd)
+    self.w_up_df = param(rngs, (d, f), ("embed", "mlp"), d, pd)
+    self.w_down_fd = param(rngs, (f, d), ("mlp", "embed"), f, pd)
+
+  def __call__(self, x_btd):
+    dt = x_btd.dtype
+    gate = jnp.einsum("btd,df->btf", x_btd, self.w_gate_df.get_value().astype(dt))
+    up = jnp.einsum("btd,df->btf", x_btd, self.w_up_df.get_value().astype(dt))
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.w_down_fd.get_value().astype(dt))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = jnp.dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.mlp = MoEMLP(cfg, rngs=rngs) if cfg.is_moe else MLP(cfg, rngs=rngs)
+
+  def __call__(self, x_btd, positions_bt, cache):
+    attn_out, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache)
+    x_btd = x_btd + attn_out
+    return x_btd + self.mlp(self.mlp_norm(x_btd)), cache
+
+
+class Transformer(nnx.Module):
+  """Decoder-only language model. Call with token ids; returns logits and the updated cache."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = jnp.dtype(cfg.param_dtype)
+    self.embed_vd = nnx.Param(
+      jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), pd) * cfg.d_model**-0.5,
+      logical_axes=("vocab", "embed"),
+    )
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    if not cfg.tie_embeddings:
+      self.lm_head_dv = param(
+        rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model, pd
+      )
+
+  def __call__(
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array | None = None,
+    cache: tuple[LayerCache, ...] | None = None,
+  ):
+    """Runs the model.
+
+    Args:
+      tokens_bt: int token ids.
+      positions_bt: position of each token (defaults to 0..t-1); with a cache, token i of row b
+        is written to slot positions_bt[b, i] and attends to slots <= its position.
+      cache: per-layer KV cache from `init_cache`, or None for a plain causal forward.
+
+    Returns:
+      (logits_btv in fp32, updated cache or None).
+    """
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    if positions_bt is None:
+      positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+    embed_vd = self.embed_vd.get_value()
+    x_btd = embed_vd[tokens_bt].astype(dt)
+    new_cache = []
+    for i, block in enumerate(self.blocks):
+      x_btd, layer_cache = block(x_btd, positions_bt, None if cache is None else cache[i])
+      new_cache.append(layer_cache)
+    x_btd = self.final_norm(x_btd)
+    head_dv = embed_vd.T if cfg.tie_embeddings else self.lm_head_dv.get_value()
+    logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt)).astype(jnp.float32)
+    return logits_btv, (None if cache is None else tuple(new_cache))

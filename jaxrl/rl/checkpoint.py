@@ -1,0 +1,55 @@
+"""Orbax checkpoints of a run: params, optimizer state, data-iterator and controller state."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+  """Saves and restores everything a run needs to continue exactly where it stopped."""
+
+  def __init__(self, directory: str, max_to_keep: int):
+    self.directory = os.path.abspath(directory)
+    self._manager = ocp.CheckpointManager(
+      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    )
+
+  def save(
+    self, step: int, *, params, opt_state, loader_state: dict, controller_state: dict
+  ) -> None:
+    self._manager.save(
+      step,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params),
+        opt_state=ocp.args.StandardSave(opt_state),
+        loader=ocp.args.JsonSave(loader_state),
+        controller=ocp.args.JsonSave(controller_state),
+      ),
+      force=True,
+    )
+    self._manager.wait_until_finished()
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def restore(self, step: int, *, params, opt_state) -> dict[str, Any]:
+    """Restores onto the shardings of `params`/`opt_state` (arrays or abstract arrays)."""
+    abstract = lambda tree: jax.tree.map(  # noqa: E731
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+    )
+    return self._manager.restore(
+      step,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract(params)),
+        opt_state=ocp.args.StandardRestore(abstract(opt_state)),
+        loader=ocp.args.JsonRestore(),
+        controller=ocp.args.JsonRestore(),
+      ),
+    )
+
+  def close(self) -> None:
+    self._manager.close()

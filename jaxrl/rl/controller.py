@@ -1,0 +1,228 @@
+"""The synchronous RL controller: sample -> generate -> reward -> advantages -> update -> publish.
+
+Every step runs the stages one after another on their own meshes and times each one, so the
+metrics show where a step's time goes (rollout / reward / train / weight sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+import tqdm
+
+from jaxrl.data.tasks import Task
+from jaxrl.data.tokenizer import Tokenizer
+from jaxrl.metrics import MetricsWriter
+from jaxrl.rl.checkpoint import Checkpointer
+from jaxrl.rl.experience import build_batch
+from jaxrl.rl.weights import WeightStore
+from jaxrl.rollout.engine import RolloutEngine
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.train.advantages import group_advantages
+from jaxrl.train.learner import Learner
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerSettings:
+  """What the controller needs from the experiment config."""
+
+  steps: int
+  prompts_per_step: int
+  group_size: int
+  sampling: SamplingParams
+  advantage: str
+  eval_every: int
+  eval_sampling: SamplingParams
+  checkpoint_every: int
+  seed: int
+
+
+@dataclasses.dataclass
+class ControllerState:
+  """Host-side state saved with every checkpoint."""
+
+  step: int = 0
+  version: int = 0
+
+
+class Controller:
+  """Runs synchronous GRPO steps; the stages come in through the constructor."""
+
+  def __init__(
+    self,
+    *,
+    settings: ControllerSettings,
+    rollout: RolloutEngine,
+    learner: Learner,
+    weights: WeightStore,
+    task: Task,
+    tokenizer: Tokenizer,
+    loader: Iterator,
+    eval_records: Sequence[dict],
+    writer: MetricsWriter,
+    checkpointer: Checkpointer | None,
+    show_progress: bool = True,
+  ):
+    self.s = settings
+    self.rollout = rollout
+    self.learner = learner
+    self.weights = weights
+    self.task = task
+    self.tokenizer = tokenizer
+    self.loader = loader
+    self.eval_records = list(eval_records)
+    self.writer = writer
+    self.checkpointer = checkpointer
+    self.show_progress = show_progress
+    self.state = ControllerState()
+
+  # -- weights -----------------------------------------------------------------------------------
+
+  def publish(self) -> None:
+    """Hands the learner's current weights to the store and the rollout engine."""
+    self.weights.publish(self.learner.params, self.state.version)
+    version, params = self.weights.latest()
+    self.rollout.update_weights(params, version)
+    jax.block_until_ready(self.rollout.params)
+
+  # -- checkpoints -------------------------------------------------------------------------------
+
+  def save(self) -> None:
+    if self.checkpointer is not None:
+      self.checkpointer.save(
+        self.state.step,
+        params=self.learner.params,
+        opt_state=self.learner.opt_state,
+        loader_state=self.loader.get_state(),
+        controller_state=dataclasses.asdict(self.state),
+      )
+
+  def restore(self, step: int) -> None:
+    restored = self.checkpointer.restore(
+      step, params=self.learner.params, opt_state=self.learner.opt_state
+    )
+    self.learner.params = restored["params"]
+    self.learner.opt_state = restored["opt_state"]
+    self.loader.set_state(restored["loader"])
+    self.state = ControllerState(**restored["controller"])
+
+  # -- one step ----------------------------------------------------------------------------------
+
+  def encode_prompts(self, records: Sequence[dict]) -> list[list[int]]:
+    return [[self.tokenizer.bos_id, *self.tokenizer.encode(r["prompt"])] for r in records]
+
+  def score(self, records: Sequence[dict], completions) -> np.ndarray:
+    return np.array(
+      [
+        self.task.reward(r, self.tokenizer.decode(c.token_ids))
+        for r, c in zip(records, completions, strict=True)
+      ],
+      np.float32,
+    )
+
+  def step(self) -> dict[str, float]:
+    """One synchronous RL step; returns its metrics (host floats)."""
+    s, step = self.s, self.state.step
+    records = next(self.loader)
+    group_records = [r for r in records for _ in range(s.group_size)]
+    times = {}
+
+    t = time.perf_counter()
+    completions = self.rollout.generate(
+      self.encode_prompts(group_records), s.sampling, seed=_step_seed(s.seed, step)
+    )
+    times["time_rollout"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    rewards_b = self.score(group_records, completions)
+    advantages_b = np.asarray(group_advantages(rewards_b, s.group_size, mode=s.advantage))
+    batch = build_batch(completions, advantages_b, self.tokenizer.pad_id)
+    times["time_reward"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    train_metrics = jax.device_get(self.learner.update(batch))
+    times["time_train"] = time.perf_counter() - t
+    if train_metrics["skipped"]:
+      log.warning(
+        "Step %d: non-finite loss or gradient (loss=%s, grad_norm=%s) on the batch of "
+        "prompts %s; the update was skipped.",
+        step,
+        train_metrics["loss"],
+        train_metrics["grad_norm"],
+        [r["id"] for r in records],
+      )
+
+    t = time.perf_counter()
+    self.state.version += 1
+    self.publish()
+    times["time_weight_sync"] = time.perf_counter() - t
+    self.state.step += 1
+
+    lengths = np.array([len(c.token_ids) for c in completions])
+    metrics = {
+      "reward_mean": float(rewards_b.mean()),
+      "reward_std": float(rewards_b.std()),
+      "response_length": float(lengths.mean()),
+      "truncated_frac": float(np.mean([c.finish_reason == "length" for c in completions])),
+      "version": self.state.version,
+      **{k: float(v) for k, v in train_metrics.items()},
+      **times,
+    }
+    metrics["time_step"] = sum(times.values())
+    return metrics
+
+  def evaluate(self) -> float:
+    """Mean reward on the held-out records, one response each."""
+    completions = self.rollout.generate(
+      self.encode_prompts(self.eval_records), self.s.eval_sampling, seed=_step_seed(self.s.seed, -1)
+    )
+    return float(self.score(self.eval_records, completions).mean())
+
+  # -- the loop ----------------------------------------------------------------------------------
+
+  def run(self) -> dict[str, float]:
+    """Runs until `steps`; returns the first and last eval rewards of this call."""
+    s = self.s
+    self.publish()
+    evals = {}
+    if s.eval_every and self.state.step < s.steps:
+      evals["eval_reward_start"] = self._eval_and_write()
+    bar = tqdm.tqdm(
+      total=s.steps,
+      initial=self.state.step,
+      desc="GRPO",
+      unit="step",
+      disable=not self.show_progress,
+      dynamic_ncols=True,
+    )
+    while self.state.step < s.steps:
+      metrics = self.step()
+      self.writer.write(self.state.step, "train", metrics)
+      postfix = {"reward": f"{metrics['reward_mean']:.3f}"}
+      bar.update(1)
+      last = self.state.step == s.steps
+      if s.eval_every and (self.state.step % s.eval_every == 0 or last):
+        evals["eval_reward_end"] = self._eval_and_write()
+        postfix["eval"] = f"{evals['eval_reward_end']:.3f}"
+      bar.set_postfix(postfix)
+      if (s.checkpoint_every and self.state.step % s.checkpoint_every == 0) or last:
+        self.save()
+    bar.close()
+    return evals
+
+  def _eval_and_write(self) -> float:
+    value = self.evaluate()
+    self.writer.write(self.state.step, "eval", {"eval_reward": value})
+    return value
+
+
+def _step_seed(seed: int, step: int) -> int:
+  """A sampling seed that depends only on (seed, step), so a resumed run samples the same."""
+  return (seed * 1_000_003 + step + 1) % (2**31 - 1)

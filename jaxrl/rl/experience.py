@@ -1,0 +1,58 @@
+"""Turning completions and rewards into the learner's padded batch.
+
+Glossary: b sequences, t target positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxrl.rollout.engine import Completion
+from jaxrl.train.learner import TrainBatch
+
+
+def pad_sequences(
+  prompts: Sequence[Sequence[int]],
+  responses: Sequence[Sequence[int]],
+  pad_id: int,
+  length: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads prompt + response rows; returns (tokens [b, t + 1], response-target mask [b, t]).
+
+  `length` fixes t + 1 (rounded up to a multiple of 8 by default, so jit shapes repeat).
+  """
+  longest = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+  if length is None:
+    length = -(-longest // 8) * 8
+  if longest > length:
+    raise ValueError(f"A sequence of {longest} tokens does not fit the batch length {length}.")
+  tokens_bt = np.full((len(prompts), length), pad_id, np.int32)
+  mask_bt = np.zeros((len(prompts), length - 1), np.float32)
+  for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+    tokens_bt[i, : len(p) + len(r)] = [*p, *r]
+    mask_bt[i, len(p) - 1 : len(p) + len(r) - 1] = 1.0
+  return tokens_bt, mask_bt
+
+
+def build_batch(
+  completions: Sequence[Completion],
+  advantages_b: np.ndarray,
+  pad_id: int,
+  length: int | None = None,
+) -> TrainBatch:
+  """The learner's batch for these completions, with rollout log-probs as behaviour log-probs."""
+  tokens_bt, mask_bt = pad_sequences(
+    [c.prompt_ids for c in completions], [c.token_ids for c in completions], pad_id, length
+  )
+  old_logp_bt = np.zeros(mask_bt.shape, np.float32)
+  for i, c in enumerate(completions):
+    start = len(c.prompt_ids) - 1
+    old_logp_bt[i, start : start + len(c.token_ids)] = c.logprobs
+  return TrainBatch(
+    tokens_bt=tokens_bt,
+    mask_bt=mask_bt,
+    old_logp_bt=old_logp_bt,
+    advantages_b=np.asarray(advantages_b, np.float32),
+  )

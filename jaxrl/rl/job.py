@@ -1,0 +1,163 @@
+"""One RL job from an `ExperimentConfig`: build the stages, warm up, run, plot.
+
+This is the only place that turns config names into objects (task, tokenizer, engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+
+import tqdm
+
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.data.pipeline import PromptLoader
+from jaxrl.data.tasks import make_task
+from jaxrl.data.tokenizer import TOKENIZERS
+from jaxrl.metrics import MetricsWriter, plot_reward_curve
+from jaxrl.model import Model
+from jaxrl.rl.checkpoint import Checkpointer
+from jaxrl.rl.controller import Controller, ControllerSettings
+from jaxrl.rl.experience import pad_sequences
+from jaxrl.rl.placement import Placement, make_placement
+from jaxrl.rl.weights import WeightStore
+from jaxrl.rollout.engine import ENGINES
+from jaxrl.sharding import STAGE_RULES
+from jaxrl.train.learner import Learner
+from jaxrl.train.sft import SupervisedTrainer
+
+log = logging.getLogger(__name__)
+
+
+def _choose(registry: dict, name: str, key: str):
+  if name not in registry:
+    raise ConfigError(f"{key}={name!r}: use one of {sorted(registry)}.")
+  return registry[name]
+
+
+def build_controller(
+  cfg: ExperimentConfig,
+  workdir: str,
+  *,
+  show_progress: bool = True,
+  placement: Placement | None = None,
+) -> Controller:
+  """Wires task, tokenizer, meshes, engine, learner, store, writer and checkpointer."""
+  tokenizer = _choose(TOKENIZERS, cfg.tokenizer, "config.tokenizer")()
+  if tokenizer.vocab_size > cfg.model.vocab_size:
+    raise ConfigError(
+      f"config.model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.tokenizer!r} "
+      f"tokenizer's {tokenizer.vocab_size} ids; raise config.model.vocab_size."
+    )
+  task = make_task(cfg.task)
+  placement = placement or make_placement(cfg.placement)
+  model = Model(cfg.model)
+  engine_cls = _choose(ENGINES, cfg.rollout.engine, "config.rollout.engine")
+  engine = engine_cls(
+    model,
+    placement.rollout_mesh,
+    STAGE_RULES["rollout"],
+    eos_id=tokenizer.eos_id,
+    pad_id=tokenizer.pad_id,
+  )
+  train = cfg.train
+  learner = Learner(
+    model,
+    placement.train_mesh,
+    STAGE_RULES["train"],
+    loss=train.loss,
+    optimizer=train.optimizer,
+    updates_per_step=train.updates_per_step,
+    micro_batch_size=train.micro_batch_size,
+    temperature=cfg.rollout.sampling.temperature,
+    seed=cfg.seed,
+  )
+  try:
+    learner.check_batch_size(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  settings = ControllerSettings(
+    steps=train.steps,
+    prompts_per_step=cfg.rollout.prompts_per_step,
+    group_size=cfg.rollout.group_size,
+    sampling=cfg.rollout.sampling,
+    advantage=train.advantage,
+    eval_every=cfg.eval.every,
+    eval_sampling=dataclasses.replace(cfg.rollout.sampling, temperature=cfg.eval.temperature),
+    checkpoint_every=cfg.checkpoint.every,
+    seed=cfg.seed,
+  )
+  train_records = task.records("train", None, cfg.seed)
+  loader = PromptLoader(train_records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
+  eval_records = task.records("test", cfg.eval.num_prompts) if cfg.eval.every else []
+  return Controller(
+    settings=settings,
+    rollout=engine,
+    learner=learner,
+    weights=WeightStore(),
+    task=task,
+    tokenizer=tokenizer,
+    loader=loader,
+    eval_records=eval_records,
+    writer=MetricsWriter(workdir),
+    checkpointer=Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.max_to_keep),
+    show_progress=show_progress,
+  )
+
+
+def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = True) -> None:
+  """Supervised steps on train (prompt, answer) pairs, so that RL starts with some reward."""
+  w = cfg.warmup
+  trainer = SupervisedTrainer(controller.learner, w.learning_rate)
+  records = controller.task.records("train", None, cfg.seed + 1)
+  loader = PromptLoader(records, batch_size=w.batch_size, seed=cfg.seed + 1)
+  tok = controller.tokenizer
+  for i in tqdm.trange(
+    w.steps, desc="warm-up", unit="step", disable=not show_progress, dynamic_ncols=True
+  ):
+    batch = next(loader)
+    prompts = controller.encode_prompts(batch)
+    answers = [[*tok.encode(r["answer"]), tok.eos_id] for r in batch]
+    tokens_bt, mask_bt = pad_sequences(prompts, answers, tok.pad_id)
+    metrics = trainer.step(tokens_bt, mask_bt)
+    if (i + 1) % 50 == 0 or i + 1 == w.steps:
+      controller.writer.write(i + 1, "warmup", {"loss": metrics["loss"]})
+
+
+def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> dict:
+  """Runs (or resumes) the job; returns a summary with the eval reward at RL start and end."""
+  os.makedirs(workdir, exist_ok=True)
+  start = time.perf_counter()
+  controller = build_controller(cfg, workdir, show_progress=show_progress)
+  latest = controller.checkpointer.latest_step()
+  if latest is not None and not cfg.resume:
+    raise ConfigError(
+      f"{workdir} already holds checkpoints (latest step {latest}); pass "
+      "--config.resume=True to continue that run, or choose an empty --workdir."
+    )
+  if latest is not None:
+    controller.restore(latest)
+    log.info("Resumed from step %d of %s.", latest, workdir)
+  else:
+    if cfg.warmup.steps:
+      warmup(controller, cfg, show_progress)
+    controller.save()  # step 0: the checkpoint RL starts from
+  evals = controller.run()
+  controller.writer.close()
+  controller.checkpointer.close()
+  metrics_path = controller.writer.path
+  plot_reward_curve(metrics_path, os.path.join(workdir, "reward_curve.png"))
+  summary = {
+    "workdir": workdir,
+    "steps": controller.state.step,
+    "wall_time_s": round(time.perf_counter() - start, 1),
+    **evals,
+  }
+  if "eval_reward_start" in evals and "eval_reward_end" in evals:
+    summary["eval_reward_gain"] = evals["eval_reward_end"] - evals["eval_reward_start"]
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary

@@ -1,0 +1,53 @@
+"""Which devices serve rollout and which train: the meshes of the two stages."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+
+from jaxrl.config import ConfigError, PlacementConfig
+from jaxrl.sharding import make_mesh, split_devices
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """The rollout and training meshes; in colocated mode both span the same devices."""
+
+  mode: str
+  rollout_mesh: jax.sharding.Mesh
+  train_mesh: jax.sharding.Mesh
+
+
+def make_placement(cfg: PlacementConfig, devices: Sequence[jax.Device] | None = None) -> Placement:
+  """Builds the two stage meshes from the local devices (or `devices`)."""
+  devices = list(jax.devices() if devices is None else devices)
+  if cfg.mode == "colocated":
+    groups = [_take(devices, [cfg.train_devices], "config.placement.train_devices")[0]] * 2
+  else:
+    groups = _take(
+      devices,
+      [cfg.rollout_devices, cfg.train_devices],
+      "config.placement.rollout_devices + config.placement.train_devices",
+    )
+  meshes = []
+  for group, axes, key in (
+    (groups[0], cfg.rollout_mesh, "rollout_mesh"),
+    (groups[1], cfg.train_mesh, "train_mesh"),
+  ):
+    try:
+      meshes.append(make_mesh(group, axes.axes()))
+    except ValueError as e:
+      raise ConfigError(f"config.placement.{key}: {e}") from None
+  return Placement(mode=cfg.mode, rollout_mesh=meshes[0], train_mesh=meshes[1])
+
+
+def _take(devices, sizes, what: str):
+  try:
+    return split_devices(devices, sizes)
+  except ValueError as e:
+    raise ConfigError(
+      f"{what} = {sum(sizes)} devices, but this process has {len(devices)} "
+      f"({devices[0].platform}); lower the device counts in config.placement. ({e})"
+    ) from None

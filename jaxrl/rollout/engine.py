@@ -1,0 +1,224 @@
+"""The rollout-engine interface and its first implementation: static batches over a KV cache.
+
+`StaticEngine` prefills a padded batch of prompts and decodes it inside one jitted while-loop
+until every row has stopped. It is the baseline the paged, continuously batched engine replaces;
+both answer to `RolloutEngine`, which is all the RL loop knows.
+
+Glossary: b batch rows, p prompt slots, n new-token slots, s cache slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.model import Model, Params
+from jaxrl.rollout.sampling import SamplingParams, sample_tokens
+from jaxrl.sharding import batch_sharding, tree_shardings
+
+
+@dataclasses.dataclass
+class Completion:
+  """One finished response and what produced it.
+
+  Attributes:
+    prompt_ids: the prompt's token ids.
+    token_ids: generated ids, including the stop token if one ended the response.
+    logprobs: log-probability of each generated id under the distribution it was sampled from.
+    versions: policy version of the weights that produced each token.
+    finish_reason: "stop" (a stop token) or "length" (max_new_tokens reached).
+  """
+
+  prompt_ids: list[int]
+  token_ids: np.ndarray
+  logprobs: np.ndarray
+  versions: np.ndarray
+  finish_reason: str
+
+
+class RolloutEngine(Protocol):
+  """What the RL loop needs from a generation engine."""
+
+  version: int
+
+  def update_weights(self, params: Params, version: int) -> None:
+    """Takes new weights (placed onto the engine's own mesh layout) and their version."""
+
+  def generate(
+    self,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams],
+    *,
+    seed: int,
+  ) -> list[Completion]:
+    """Generates one completion per prompt, in prompt order."""
+
+
+def _bucket(n: int, minimum: int = 8) -> int:
+  """Rounds up to a power of two so that jit shapes repeat across calls."""
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+class StaticEngine:
+  """Generation over a static batch: prefill everything, decode until every row stops."""
+
+  def __init__(self, model: Model, mesh: jax.sharding.Mesh, rules, *, eos_id: int, pad_id: int):
+    self.model = model
+    self.mesh = mesh
+    self.eos_id = eos_id
+    self.pad_id = pad_id
+    self.version = -1
+    self.params: Params | None = None
+    self.param_shardings = tree_shardings(
+      model.logical_axes, mesh, rules, jax.tree.map(lambda x: x.shape, model.abstract_params())
+    )
+    self._row_sharding = batch_sharding(mesh, rules, 1)
+    self._matrix_sharding = batch_sharding(mesh, rules, 2)
+    batch_axes = self._row_sharding.spec[0] or ()
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    # Batch buckets are multiples of this so every data shard gets whole rows.
+    self._data_size = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    self._generate = jax.jit(self._generate_impl, static_argnames=("max_new",))
+
+  def update_weights(self, params: Params, version: int) -> None:
+    self.params = jax.device_put(params, self.param_shardings)
+    self.version = version
+
+  def validate(self, prompt_len: int, sampling: SamplingParams) -> None:
+    """Raises if a request cannot fit the model's context."""
+    limit = self.model.config.max_seq_len
+    if prompt_len < 1:
+      raise ValueError("An empty prompt was submitted; every prompt needs at least one token.")
+    if prompt_len + sampling.max_new_tokens > limit:
+      raise ValueError(
+        f"Prompt of {prompt_len} tokens plus max_new_tokens={sampling.max_new_tokens} exceeds "
+        f"the model's max_seq_len={limit}; shorten the prompt or lower max_new_tokens."
+      )
+
+  def generate(self, prompts, sampling, *, seed: int) -> list[Completion]:
+    if self.params is None:
+      raise RuntimeError("StaticEngine.generate called before update_weights gave it weights.")
+    if not prompts:
+      return []
+    per_row = list(sampling) if isinstance(sampling, Sequence) else [sampling] * len(prompts)
+    if len(per_row) != len(prompts):
+      raise ValueError(f"Got {len(per_row)} SamplingParams for {len(prompts)} prompts.")
+    for prompt, sp in zip(prompts, per_row, strict=True):
+      self.validate(len(prompt), sp)
+
+    rows = len(prompts)
+    b = -(-_bucket(rows) // self._data_size) * self._data_size
+    p = _bucket(max(len(x) for x in prompts))
+    n = _bucket(max(sp.max_new_tokens for sp in per_row))
+    prompt_bp = np.full((b, p), self.pad_id, np.int32)
+    prompt_len_b = np.ones((b,), np.int32)
+    temperature_b = np.ones((b,), np.float32)
+    top_k_b = np.zeros((b,), np.int32)
+    top_p_b = np.ones((b,), np.float32)
+    max_new_b = np.ones((b,), np.int32)  # padding rows stop after one token
+    stop_ids = sorted({self.eos_id} | {t for sp in per_row for t in sp.stop_token_ids})
+    stop_rows = np.full((b, len(stop_ids)), -1, np.int32)
+    for i, (prompt, sp) in enumerate(zip(prompts, per_row, strict=True)):
+      prompt_bp[i, : len(prompt)] = prompt
+      prompt_len_b[i] = len(prompt)
+      temperature_b[i], top_k_b[i], top_p_b[i] = sp.temperature, sp.top_k, sp.top_p
+      max_new_b[i] = sp.max_new_tokens
+      row_stops = [self.eos_id, *sp.stop_token_ids]
+      stop_rows[i, : len(row_stops)] = row_stops
+
+    put = lambda x: jax.device_put(
+      x,
+      self._row_sharding
+      if x.ndim == 1
+      # noqa: E731
+      else self._matrix_sharding,
+    )
+    tokens_bn, logprobs_bn, lengths_b, stopped_b = jax.device_get(
+      self._generate(
+        self.params,
+        put(prompt_bp),
+        put(prompt_len_b),
+        put(temperature_b),
+        put(top_k_b),
+        put(top_p_b),
+        put(max_new_b),
+        put(stop_rows),
+        jax.random.key(seed),
+        max_new=n,
+      )
+    )
+    out = []
+    for i in range(rows):
+      length = int(lengths_b[i])
+      out.append(
+        Completion(
+          prompt_ids=list(prompts[i]),
+          token_ids=tokens_bn[i, :length].copy(),
+          logprobs=logprobs_bn[i, :length].copy(),
+          versions=np.full((length,), self.version, np.int32),
+          finish_reason="stop" if stopped_b[i] else "length",
+        )
+      )
+    return out
+
+  def _generate_impl(
+    self,
+    params,
+    prompt_bp,
+    prompt_len_b,
+    temperature_b,
+    top_k_b,
+    top_p_b,
+    max_new_b,
+    stop_rows_bs,
+    rng,
+    *,
+    max_new: int,
+  ):
+    b, p = prompt_bp.shape
+    cache = self.model.init_cache(b, p + max_new)
+    logits_bpv, cache = self.model.apply(params, prompt_bp, None, cache)
+    last_logits_bv = jnp.take_along_axis(logits_bpv, (prompt_len_b - 1)[:, None, None], axis=1)[
+      :, 0
+    ]
+
+    def cond(carry):
+      i, _, _, _, _, done_b, _, _ = carry
+      return (i < max_new) & ~jnp.all(done_b)
+
+    def body(carry):
+      i, logits_bv, cache, tokens_bn, logprobs_bn, done_b, lengths_b, stopped_b = carry
+      token_b, logprob_b = sample_tokens(
+        jax.random.fold_in(rng, i), logits_bv, temperature_b, top_k_b, top_p_b
+      )
+      token_b = jnp.where(done_b, self.pad_id, token_b)
+      tokens_bn = tokens_bn.at[:, i].set(token_b)
+      logprobs_bn = logprobs_bn.at[:, i].set(jnp.where(done_b, 0.0, logprob_b))
+      lengths_b = lengths_b + (~done_b).astype(jnp.int32)
+      hit_stop_b = jnp.any(token_b[:, None] == stop_rows_bs, axis=-1) & ~done_b
+      stopped_b = stopped_b | hit_stop_b
+      done_b = done_b | hit_stop_b | (lengths_b >= max_new_b)
+      positions_b1 = (prompt_len_b + i)[:, None]
+      logits_b1v, cache = self.model.apply(params, token_b[:, None], positions_b1, cache)
+      return i + 1, logits_b1v[:, 0], cache, tokens_bn, logprobs_bn, done_b, lengths_b, stopped_b
+
+    carry = (
+      jnp.int32(0),
+      last_logits_bv,
+      cache,
+      jnp.full((b, max_new), self.pad_id, jnp.int32),
+      jnp.zeros((b, max_new), jnp.float32),
+      jnp.zeros((b,), bool),
+      jnp.zeros((b,), jnp.int32),
+      jnp.zeros((b,), bool),
+    )
+    _, _, _, tokens_bn, logprobs_bn, _, lengths_b, stopped_b = jax.lax.while_loop(cond, body, carry)
+    return tokens_bn, logprobs_bn, lengths_b, stopped_b
+
+
+ENGINES = {"static": StaticEngine}

@@ -1,0 +1,209 @@
+"""The learner: token log-probs and policy-gradient updates on the training mesh.
+
+One `update` = one RL step's batch, split into `updates_per_step` optimizer updates (PPO
+mini-batches), each accumulated over micro-batches inside one jitted `lax.scan`. Losses are
+normalised by the mini-batch's token/sequence counts, so accumulation gives exactly the loss of
+the whole mini-batch. A non-finite loss or gradient skips the update (parameters and optimizer
+state stay as they were) and is reported in the metrics.
+
+Glossary: m micro-batches, b sequences, t target positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxrl.model import Model, Params
+from jaxrl.sharding import tree_shardings
+from jaxrl.train.losses import LossConfig, policy_loss, token_logprobs
+from jaxrl.train.optimizer import make_optimizer
+
+
+@dataclasses.dataclass
+class TrainBatch:
+  """Host arrays of one RL batch; position t of every `_bt` array scores token t + 1.
+
+  Attributes:
+    tokens_bt: [b, t + 1] prompt + response ids, right-padded.
+    mask_bt: [b, t] 1 where the target (token t + 1) is a response token.
+    old_logp_bt: [b, t] behaviour log-probs of the targets (rollout's), 0 off the mask.
+    advantages_b: [b] one advantage per sequence.
+  """
+
+  tokens_bt: np.ndarray
+  mask_bt: np.ndarray
+  old_logp_bt: np.ndarray
+  advantages_b: np.ndarray
+
+  @property
+  def size(self) -> int:
+    return self.tokens_bt.shape[0]
+
+
+class Learner:
+  """Owns the trained parameters, the optimizer state and the jitted update."""
+
+  def __init__(
+    self,
+    model: Model,
+    mesh: jax.sharding.Mesh,
+    rules,
+    *,
+    loss: LossConfig,
+    optimizer,
+    updates_per_step: int,
+    micro_batch_size: int,
+    temperature: float,
+    params: Params | None = None,
+    seed: int = 0,
+  ):
+    self.model = model
+    self.mesh = mesh
+    self.loss_cfg = loss
+    self.updates_per_step = updates_per_step
+    self.micro_batch_size = micro_batch_size
+    self.temperature = temperature if temperature > 0 else 1.0
+    shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
+    self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
+    batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
+    self._batch_size_multiple = int(np.prod([mesh.shape[a] for a in batch_axes or ()]))
+    self._micro_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, batch_axes)
+    )
+    self.optimizer = make_optimizer(optimizer)
+    if params is None:
+      params = jax.jit(model.init, out_shardings=self.param_shardings)(seed)
+    self.params = jax.device_put(params, self.param_shardings)
+    self.opt_state = onto_mesh(jax.jit(self.optimizer.init)(self.params), mesh)
+    # No reference copy unless the KL term needs one.
+    self.ref_params = jax.tree.map(jnp.copy, self.params) if loss.kl_weight > 0 else None
+    self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
+    self._logprobs = jax.jit(self._logprobs_impl)
+
+  def check_batch_size(self, batch_size: int) -> None:
+    """Raises unless a batch of this many sequences splits into updates and micro-batches."""
+    per_update, rem = divmod(batch_size, self.updates_per_step)
+    if rem or per_update % self.micro_batch_size:
+      raise ValueError(
+        f"A batch of {batch_size} sequences must split into train.updates_per_step="
+        f"{self.updates_per_step} updates of whole micro-batches of train.micro_batch_size="
+        f"{self.micro_batch_size}; change prompts_per_step, group_size or these settings."
+      )
+    if self.micro_batch_size % self._batch_size_multiple:
+      raise ValueError(
+        f"train.micro_batch_size={self.micro_batch_size} must be a multiple of the training "
+        f"mesh's data*fsdp size {self._batch_size_multiple}."
+      )
+
+  def logprobs(self, params: Params, tokens_bt: np.ndarray) -> jax.Array:
+    """Log-probs [b, t] of tokens 1..t+1 under `params` at the rollout temperature."""
+    return self._logprobs(params, jnp.asarray(tokens_bt))
+
+  def _logprobs_impl(self, params, tokens_bt):
+    logits_btv, _ = self.model.apply(params, tokens_bt[:, :-1])
+    return token_logprobs(logits_btv, tokens_bt[:, 1:], self.temperature)
+
+  def update(self, batch: TrainBatch) -> dict[str, jax.Array]:
+    """Runs `updates_per_step` optimizer updates over the batch; returns averaged metrics.
+
+    Metrics stay on device (no host sync here); `skipped` counts updates dropped because the
+    loss or gradient was not finite.
+    """
+    self.check_batch_size(batch.size)
+    per_update = batch.size // self.updates_per_step
+    all_metrics = []
+    for u in range(self.updates_per_step):
+      rows = slice(u * per_update, (u + 1) * per_update)
+      arrays = [
+        batch.tokens_bt[rows],
+        batch.mask_bt[rows],
+        batch.old_logp_bt[rows],
+        batch.advantages_b[rows],
+      ]
+      micro = [
+        jax.device_put(x.reshape(-1, self.micro_batch_size, *x.shape[1:]), self._micro_sharding)
+        for x in arrays
+      ]
+      self.params, self.opt_state, metrics = self._update(
+        self.params, self.opt_state, self.ref_params, *micro
+      )
+      all_metrics.append(metrics)
+    return jax.tree.map(lambda *xs: sum(xs) / len(xs), *all_metrics) | {
+      "skipped": sum(m["skipped"] for m in all_metrics)
+    }
+
+  def _update_impl(
+    self, params, opt_state, ref_params, tokens_mbt, mask_mbt, old_logp_mbt, advantages_mb
+  ):
+    num_tokens = jnp.sum(mask_mbt).astype(jnp.float32)
+    num_seqs = jnp.float32(mask_mbt.shape[0] * mask_mbt.shape[1])
+
+    def micro_loss(p, tokens_bt, mask_bt, old_logp_bt, advantages_b):
+      logp_bt = self._logprobs_impl(p, tokens_bt)
+      ref_logp_bt = (
+        None
+        if ref_params is None
+        else jax.lax.stop_gradient(self._logprobs_impl(ref_params, tokens_bt))
+      )
+      return policy_loss(
+        logp_bt,
+        old_logp_bt,
+        advantages_b,
+        mask_bt,
+        self.loss_cfg,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        ref_logp_bt=ref_logp_bt,
+      )
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def accumulate(grads, micro):
+      (loss, metrics), g = grad_fn(params, *micro)
+      return jax.tree.map(jnp.add, grads, g), (loss, metrics)
+
+    # Per-micro-batch losses and metrics are whole-batch-normalised, so their sums are the
+    # mini-batch values.
+    grads, (losses_m, metrics_m) = jax.lax.scan(
+      accumulate,
+      jax.tree.map(jnp.zeros_like, params),
+      (tokens_mbt, mask_mbt, old_logp_mbt, advantages_mb),
+    )
+    loss = jnp.sum(losses_m)
+    metrics = jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics_m)
+    return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)
+
+
+def onto_mesh(tree, mesh: jax.sharding.Mesh):
+  """Replicates onto `mesh` the leaves jit left on a default device (e.g. Adam's step count).
+
+  Moment estimates inherit their parameter's sharding; scalars that depend on no input do not,
+  and a checkpoint restored onto them would land off the training mesh.
+  """
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  on_mesh = lambda x: (
+    isinstance(x.sharding, jax.sharding.NamedSharding)
+    and (  # noqa: E731
+      x.sharding.mesh == mesh
+    )
+  )
+  return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated), tree)
+
+
+def apply_if_finite(
+  optimizer: optax.GradientTransformation, params, opt_state, grads, loss, metrics: dict
+):
+  """Applies the update unless loss or gradient is NaN/inf; returns (params, opt_state, metrics)."""
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, new_opt_state = optimizer.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+  metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
+  return keep(new_params, params), keep(new_opt_state, opt_state), metrics

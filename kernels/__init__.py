@@ -1,0 +1,1 @@
+"""Pallas kernels, each with a pure-jnp reference (installed as `jaxrl.kernels`)."""

@@ -1,0 +1,146 @@
+"""End-to-end RL job tests on the 8 simulated CPU devices (3-step runs, resume, bad input)."""
+
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.config import ConfigError, from_config_dict
+from jaxrl.metrics import read_metrics
+from jaxrl.rl import job
+from jaxrl.rl.placement import make_placement
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def tiny_config(arg="test", **overrides):
+  path = os.path.join(REPO, "configs", "grpo_tiny.py")
+  spec = importlib.util.spec_from_file_location("grpo_tiny", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cd = module.get_config(arg)
+  for key, value in overrides.items():
+    node = cd
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return from_config_dict(cd)
+
+
+@pytest.mark.parametrize("arg", ["test", "colocated"])
+def test_three_step_run_completes(tmp_path, arg):
+  overrides = {}
+  if arg == "colocated":  # the colocated demo variant, cut to the test's size
+    overrides = {
+      "warmup.steps": 2,
+      "rollout.prompts_per_step": 4,
+      "rollout.group_size": 4,
+      "train.steps": 3,
+      "train.micro_batch_size": 8,
+      "eval.every": 3,
+      "eval.num_prompts": 8,
+      "checkpoint.every": 0,
+    }
+  cfg = tiny_config(arg, **overrides)
+  assert cfg.placement.mode == ("colocated" if arg == "colocated" else "disaggregated")
+  summary = job.run(cfg, str(tmp_path), show_progress=False)
+  assert summary["steps"] == 3
+  records = read_metrics(str(tmp_path / "metrics.jsonl"))
+  train = [r for r in records if r["kind"] == "train"]
+  assert [r["step"] for r in train] == [1, 2, 3]
+  for r in train:
+    for key in (
+      "reward_mean",
+      "response_length",
+      "loss",
+      "kl",
+      "clip_frac",
+      "time_rollout",
+      "time_reward",
+      "time_train",
+      "time_weight_sync",
+    ):
+      assert np.isfinite(r[key]), key
+    assert r["version"] == r["step"]
+  assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 3]
+  assert (tmp_path / "reward_curve.png").stat().st_size > 1000
+  assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+  assert os.listdir(tmp_path / "tensorboard")
+
+
+def test_placements_use_the_configured_devices():
+  cfg = tiny_config()
+  p = make_placement(cfg.placement)
+  rollout = {d.id for d in p.rollout_mesh.devices.flat}
+  train = {d.id for d in p.train_mesh.devices.flat}
+  assert len(rollout) == 4 and len(train) == 4 and not rollout & train
+  colocated = make_placement(tiny_config("colocated").placement)
+  assert colocated.rollout_mesh.devices.flat[0] == colocated.train_mesh.devices.flat[0]
+
+
+def test_published_weights_land_on_the_rollout_mesh(tmp_path):
+  cfg = tiny_config()
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  controller.publish()
+  rollout_devices = set(controller.rollout.mesh.devices.flat)
+  train_devices = set(controller.learner.mesh.devices.flat)
+  for name, array in jax.tree_util.tree_leaves_with_path(controller.rollout.params):
+    assert set(array.sharding.device_set) == rollout_devices, name
+  for name, array in jax.tree_util.tree_leaves_with_path(controller.learner.params):
+    assert set(array.sharding.device_set) == train_devices, name
+  # Rollout layout: no fsdp, weights replicated over `data`; training shards embed over fsdp.
+  emb_rollout = controller.rollout.params["embed_vd"]
+  emb_train = controller.learner.params["embed_vd"]
+  assert {s.data.shape for s in emb_rollout.addressable_shards} == {emb_rollout.shape}
+  assert {s.data.shape for s in emb_train.addressable_shards} == {
+    (emb_train.shape[0], emb_train.shape[1] // 4)
+  }
+  np.testing.assert_array_equal(np.asarray(emb_rollout), np.asarray(emb_train))
+
+
+def test_resume_reproduces_the_next_step(tmp_path):
+  full = tiny_config(**{"train.steps": 3, "checkpoint.every": 1, "eval.every": 0})
+  job.run(full, str(tmp_path / "full"), show_progress=False)
+  first = tiny_config(**{"train.steps": 2, "checkpoint.every": 1, "eval.every": 0})
+  job.run(first, str(tmp_path / "resumed"), show_progress=False)
+  resumed = tiny_config(
+    **{"train.steps": 3, "checkpoint.every": 1, "eval.every": 0, "resume": True}
+  )
+  job.run(resumed, str(tmp_path / "resumed"), show_progress=False)
+
+  def step3(workdir):
+    rows = [
+      r
+      for r in read_metrics(str(tmp_path / workdir / "metrics.jsonl"))
+      if r["kind"] == "train" and r["step"] == 3
+    ]
+    assert len(rows) == 1
+    return rows[0]
+
+  a, b = step3("full"), step3("resumed")
+  for key in ("reward_mean", "response_length", "loss", "grad_norm", "clip_frac", "ratio_mean"):
+    assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_existing_checkpoints_need_resume(tmp_path):
+  cfg = tiny_config(**{"train.steps": 1, "eval.every": 0})
+  job.run(cfg, str(tmp_path), show_progress=False)
+  with pytest.raises(ConfigError, match="resume=True"):
+    job.run(cfg, str(tmp_path), show_progress=False)
+
+
+def test_mesh_sizes_that_do_not_fit_are_reported():
+  with pytest.raises(ConfigError, match=r"rollout_devices \+ config.placement.train_devices"):
+    make_placement(tiny_config(**{"placement.rollout_devices": 6}).placement)
+  with pytest.raises(ConfigError, match="config.placement.train_mesh"):
+    make_placement(tiny_config(**{"placement.train_mesh.fsdp": 3}).placement)
+
+
+def test_batch_that_does_not_split_is_reported(tmp_path):
+  cfg = tiny_config(**{"train.micro_batch_size": 5})
+  with pytest.raises(ConfigError, match="micro_batch_size"):
+    job.build_controller(cfg, str(tmp_path), show_progress=False)

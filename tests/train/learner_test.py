@@ -1,0 +1,85 @@
+"""Learner tests on a 4-device training mesh: accumulation, NaN handling, KL reference."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.model import Model, get_preset
+from jaxrl.rl.experience import pad_sequences
+from jaxrl.sharding import TRAIN_RULES, make_mesh
+from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch
+
+MODEL = Model(get_preset("tiny"))
+
+
+def make_learner(micro, kl_weight=0.0, updates=1, params=None, eps=1e-8):
+  mesh = make_mesh(jax.devices()[4:], {"fsdp": 2, "tensor": 2})
+  return Learner(
+    MODEL,
+    mesh,
+    TRAIN_RULES,
+    loss=LossConfig(kl_weight=kl_weight),
+    optimizer=OptimizerConfig(learning_rate=1e-3, eps=eps),
+    updates_per_step=updates,
+    micro_batch_size=micro,
+    temperature=1.0,
+    params=params,
+  )
+
+
+def random_batch(rng, size=16):
+  prompts = [list(rng.integers(3, 60, rng.integers(2, 8))) for _ in range(size)]
+  responses = [list(rng.integers(3, 60, rng.integers(1, 9))) for _ in range(size)]
+  tokens, mask = pad_sequences(prompts, responses, 0, length=24)
+  old = np.where(mask > 0, rng.normal(-3.0, 0.3, mask.shape), 0.0).astype(np.float32)
+  return TrainBatch(tokens, mask, old, rng.normal(size=size).astype(np.float32))
+
+
+def test_micro_batching_does_not_change_the_update():
+  rng = np.random.default_rng()
+  batch = random_batch(rng)
+  params = MODEL.init(int(rng.integers(1 << 16)))
+  # A large Adam eps makes the first step ~ lr * gradient instead of ~ lr * sign(gradient), so
+  # the parameters show the gradient's scale and tiny round-off cannot flip a sign.
+  a, b = make_learner(16, params=params, eps=1.0), make_learner(4, params=params, eps=1.0)
+  ma, mb = a.update(batch), b.update(batch)
+  for key in ("loss", "grad_norm", "clip_frac", "ratio_mean"):
+    assert float(ma[key]) == pytest.approx(float(mb[key]), rel=1e-4), key
+  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-7)
+  changed = [
+    np.any(np.asarray(x) != np.asarray(y))
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(params), strict=True)
+  ]
+  assert all(changed)
+
+
+def test_non_finite_loss_skips_the_update():
+  rng = np.random.default_rng()
+  batch = random_batch(rng)
+  batch.advantages_b[3] = np.nan
+  learner = make_learner(8)
+  before = jax.tree.map(np.asarray, learner.params)
+  metrics = jax.device_get(learner.update(batch))
+  assert metrics["skipped"] == 1 and not np.isfinite(metrics["loss"])
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(learner.params), strict=True):
+    np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_reference_copy_only_with_kl():
+  assert make_learner(8).ref_params is None
+  rng = np.random.default_rng()
+  learner = make_learner(8, kl_weight=0.1, updates=2)
+  assert learner.ref_params is not None
+  batch = random_batch(rng)
+  first = jax.device_get(learner.update(batch))
+  second = jax.device_get(learner.update(batch))
+  assert first["kl"] >= 0 and second["kl"] > 0
+
+
+def test_batch_size_checks():
+  learner = make_learner(8, updates=2)
+  with pytest.raises(ValueError, match="updates_per_step"):
+    learner.check_batch_size(24)
+  with pytest.raises(ValueError, match="data\\*fsdp"):
+    make_learner(3).check_batch_size(12)
