@@ -4,8 +4,8 @@ Run:
   python launch/train.py --config configs/grpo_tiny.py --workdir /tmp/grpo_tiny
 
 Variants (`--config configs/grpo_tiny.py:ARG`):
-  (none)      the demo: a short supervised warm-up, then 500 GRPO steps; about 3 minutes on a
-              2-core CPU. Held-out exact-match reward goes from about 0.45 to about 0.8.
+  (none)      the demo: a short supervised warm-up, then 600 GRPO steps; about 3 minutes on a
+              2-core CPU. Held-out exact-match reward goes from about 0.55 to about 0.85.
   colocated   the same with rollout and training sharing one mesh.
   test        3 RL steps, tiny batches: the smoke test the test suite runs.
 """
@@ -38,7 +38,7 @@ def get_config(arg: str | None = None):
   config.warmup.batch_size = 64
   config.warmup.learning_rate = 3e-3
 
-  config.train.steps = 500
+  config.train.steps = 600
   config.train.advantage = "grpo"
   config.train.updates_per_step = 2
   config.train.micro_batch_size = 32

@@ -36,6 +36,7 @@ def main(argv):
   # Must happen before the backend starts; only affects the CPU platform.
   jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   from jaxrl.config import ConfigError, from_config_dict
+  from jaxrl.data import DatasetError
   from jaxrl.rl import job
 
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -46,6 +47,8 @@ def main(argv):
     summary = job.run(cfg, _WORKDIR.value)
   except ConfigError as e:
     sys.exit(f"Config error: {e}")
+  except DatasetError as e:
+    sys.exit(f"Dataset error: {e}")
   print(json.dumps(summary, indent=2))
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxrl.rollout.engine import Completion
-from jaxrl.train.learner import TrainBatch
+from jaxrl.train.learner import Learner, TrainBatch
 
 
 def pad_sequences(
@@ -56,3 +56,22 @@ def build_batch(
     old_logp_bt=old_logp_bt,
     advantages_b=np.asarray(advantages_b, np.float32),
   )
+
+
+def logprob_mismatch(
+  learner: Learner, completions: Sequence[Completion], pad_id: int
+) -> dict[str, float]:
+  """How far the rollout's log-probs are from the learner's for the same tokens.
+
+  Meaningful when the learner holds the weights that generated `completions`: then any
+  difference is train/inference mismatch (numerics, sharding, or a sampler bug).
+  """
+  batch = build_batch(completions, np.zeros(len(completions)), pad_id)
+  learner_logp_bt = np.asarray(learner.logprobs(learner.params, batch.tokens_bt))
+  mask_bt = batch.mask_bt > 0
+  diff = np.abs(learner_logp_bt - batch.old_logp_bt)[mask_bt]
+  return {
+    "tokens": int(mask_bt.sum()),
+    "max_abs_diff": float(diff.max()),
+    "mean_abs_diff": float(diff.mean()),
+  }

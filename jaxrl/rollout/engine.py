@@ -45,6 +45,7 @@ class RolloutEngine(Protocol):
   """What the RL loop needs from a generation engine."""
 
   version: int
+  params: Params | None  # on the engine's own mesh, None until update_weights
 
   def update_weights(self, params: Params, version: int) -> None:
     """Takes new weights (placed onto the engine's own mesh layout) and their version."""

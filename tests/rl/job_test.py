@@ -144,3 +144,27 @@ def test_batch_that_does_not_split_is_reported(tmp_path):
   cfg = tiny_config(**{"train.micro_batch_size": 5})
   with pytest.raises(ConfigError, match="micro_batch_size"):
     job.build_controller(cfg, str(tmp_path), show_progress=False)
+
+
+def test_nan_loss_is_reported_with_step_and_not_applied(tmp_path, caplog):
+  cfg = tiny_config(**{"eval.every": 0})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  controller.publish()
+  controller.task.reward = lambda record, response: float("nan")
+  before = jax.tree.map(np.asarray, controller.learner.params)
+  with caplog.at_level("WARNING"):
+    metrics = controller.step()
+  assert metrics["skipped"] == cfg.train.updates_per_step
+  assert "Step 0: non-finite loss" in caplog.text and "update was skipped" in caplog.text
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(controller.learner.params), strict=True):
+    np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_malformed_dataset_row_is_reported_with_file_and_line(tmp_path):
+  path = tmp_path / "rows.jsonl"
+  path.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?"}\n')
+  cfg = tiny_config(
+    **{"task.name": "gsm8k", "task.path": str(path), "tokenizer": "byte", "model.vocab_size": 320}
+  )
+  with pytest.raises(ValueError, match=rf"{path}:2: .*answer"):
+    job.build_controller(cfg, str(tmp_path / "run"), show_progress=False)

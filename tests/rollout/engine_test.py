@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl.model import Model, get_preset
-from jaxrl.rl.experience import build_batch
+from jaxrl.rl.experience import logprob_mismatch
 from jaxrl.rollout import SamplingParams, StaticEngine, filter_logits, sample_tokens
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig
@@ -130,12 +130,9 @@ def test_rollout_logprobs_match_learner(setup):
     SamplingParams(temperature=temperature, max_new_tokens=10),
     seed=int(rng.integers(1 << 30)),
   )
-  batch = build_batch(outs, np.zeros(8), PAD)
-  learner_logp = np.asarray(learner.logprobs(learner.params, batch.tokens_bt))
-  mask = batch.mask_bt > 0
-  mismatch = np.abs(learner_logp - batch.old_logp_bt)[mask]
-  assert mask.sum() > 8
-  assert mismatch.max() < 1e-4, f"train/inference log-prob mismatch {mismatch.max():.2e}"
+  mismatch = logprob_mismatch(learner, outs, PAD)
+  assert mismatch["tokens"] > 8
+  assert mismatch["max_abs_diff"] < 1e-4, f"train/inference log-prob mismatch {mismatch}"
 
 
 def test_bad_requests_rejected_at_submit(setup):
