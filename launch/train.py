@@ -15,12 +15,18 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CONFIG = config_flags.DEFINE_config_file(
-  "config",
-  os.path.join(_REPO, "configs", "grpo_tiny.py"),
-  "Experiment config file.",
-  lock_config=True,
-)
+try:
+  _CONFIG = config_flags.DEFINE_config_file(
+    "config",
+    os.path.join(_REPO, "configs", "grpo_tiny.py"),
+    "Experiment config file.",
+    lock_config=True,
+  )
+except (AttributeError, KeyError) as e:
+  # ml_collections resolves `--config.a.b=v` overrides while defining the flag; an unknown key
+  # surfaces here, with its "Did you mean" hint in the message.
+  hint = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'")
+  sys.exit(f"Config error: an override names a key the config does not have: {hint}")
 _WORKDIR = flags.DEFINE_string(
   "workdir", os.path.join("runs", "grpo_tiny"), "Directory for metrics, checkpoints and plots."
 )
