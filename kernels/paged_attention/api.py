@@ -1,0 +1,216 @@
+"""The public `paged_attention`: input checks, block sizes, and the choice of implementation.
+
+Shapes: n sequences, h query heads, k kv heads, d head dim, p pages in the pool, s tokens per
+page, m pages per sequence.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.kernels.paged_attention import reference
+
+IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiling of the paged attention kernels; a field left as None is derived from the shapes.
+
+  Attributes:
+    pages_per_compute_block: pages of one sequence attended to per inner step (both kernels).
+      The GPU kernel needs `pages_per_compute_block * page_size * head_dim` to be a power of
+      two and `pages_per_compute_block * page_size >= 16`.
+    num_splits: GPU only: the page axis of every sequence is cut into this many parts, each
+      its own program, merged afterwards (split-K / flash-decoding), to fill the GPU when
+      `num_seqs * num_kv_heads` is small. The TPU kernel accepts only None or 1.
+    num_warps: GPU only: Triton warps per program, a power of two.
+    num_stages: GPU only: Triton software-pipelining stages.
+  """
+
+  pages_per_compute_block: int | None = None
+  num_splits: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"BlockSizes.{field.name} must be a positive int or None, got {value!r}.")
+    if self.num_warps is not None and self.num_warps & (self.num_warps - 1):
+      raise ValueError(f"BlockSizes.num_warps must be a power of two, got {self.num_warps}.")
+
+
+def _load_tpu() -> Callable[..., jax.Array]:
+  from jaxrl.kernels.paged_attention import pallas_tpu
+
+  return pallas_tpu.paged_attention
+
+
+def _load_gpu() -> Callable[..., jax.Array]:
+  from jaxrl.kernels.paged_attention import pallas_gpu
+
+  return pallas_gpu.paged_attention
+
+
+# Kernels load lazily, so that a CPU-only install never imports a backend it cannot use.
+_LOADERS: dict[str, Callable[[], Callable[..., jax.Array]]] = {
+  "reference": lambda: reference.paged_attention,
+  "pallas_tpu": _load_tpu,
+  "pallas_gpu": _load_gpu,
+}
+_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
+
+
+def _platform(x: jax.Array) -> str:
+  """The platform of a concrete array's devices, else (under tracing) the default backend."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    return next(iter(x.devices())).platform
+  return jax.default_backend()
+
+
+def _check_inputs(q, k_pages, v_pages, lengths, page_indices) -> None:
+  if q.ndim != 3:
+    raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim], got shape {q.shape}.")
+  if k_pages.ndim != 4:
+    raise ValueError(
+      "k_pages must be [num_kv_heads, total_pages, page_size, head_dim], got shape "
+      f"{k_pages.shape}."
+    )
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(
+      f"k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}."
+    )
+  if v_pages.dtype != k_pages.dtype:
+    raise ValueError(
+      f"k_pages and v_pages must have the same dtype, got {k_pages.dtype} and {v_pages.dtype}."
+    )
+  for name, x in (("q", q), ("k_pages", k_pages)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a floating dtype, got {x.dtype}.")
+  n, h, d = q.shape
+  k, p, s, d_kv = k_pages.shape
+  if d_kv != d:
+    raise ValueError(f"q has head_dim {d} but k_pages/v_pages have head_dim {d_kv}.")
+  if min(k, p, s, d) < 1:
+    raise ValueError(f"k_pages/v_pages must have no empty dimension, got shape {k_pages.shape}.")
+  if h % k:
+    raise ValueError(
+      f"num_q_heads ({h}) must be a multiple of num_kv_heads ({k}): query head i uses kv head "
+      "i // (num_q_heads // num_kv_heads)."
+    )
+  if page_indices.ndim != 2 or page_indices.shape[0] != n or page_indices.shape[1] < 1:
+    raise ValueError(
+      f"page_indices must be [num_seqs={n}, pages_per_seq >= 1] like q's batch, got shape "
+      f"{page_indices.shape}."
+    )
+  if lengths.shape != (n,):
+    raise ValueError(f"lengths must be [num_seqs={n}] like q's batch, got shape {lengths.shape}.")
+  for name, x in (("lengths", lengths), ("page_indices", page_indices)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer (int32) array, got {x.dtype}.")
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "sm_scale", "block_sizes", "interpret"))
+def _run(q, k_pages, v_pages, lengths, page_indices, *, impl, sm_scale, block_sizes, interpret):
+  _, _, s, _ = k_pages.shape
+  m = page_indices.shape[1]
+  # Kernels never read past a sequence's m pages: lengths beyond m * s or below 0 are clipped.
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, m * s)
+  page_indices = page_indices.astype(jnp.int32)
+  fn = _LOADERS[impl]()
+  if impl == "reference":
+    return fn(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale)
+  return fn(
+    q,
+    k_pages,
+    v_pages,
+    lengths,
+    page_indices,
+    sm_scale=sm_scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
+
+
+def paged_attention(
+  q: jax.Array,
+  k_pages: jax.Array,
+  v_pages: jax.Array,
+  lengths: jax.Array,
+  page_indices: jax.Array,
+  *,
+  sm_scale: float | None = None,
+  impl: str = "auto",
+  block_sizes: BlockSizes | None = None,
+  interpret: Any = False,
+) -> jax.Array:
+  """Decode attention of one query per sequence over a paged KV cache (GQA/MQA aware).
+
+  Query head `i` attends with kv head `i // (num_q_heads // num_kv_heads)` to the first
+  `lengths[b]` tokens of sequence `b`, stored in order in pages `page_indices[b, 0], ...` of
+  the pools (token `t` lives in page `page_indices[b, t // page_size]`, slot
+  `t % page_size`). The softmax runs in float32.
+
+  Args:
+    q: `[num_seqs, num_q_heads, head_dim]` queries.
+    k_pages: `[num_kv_heads, total_pages, page_size, head_dim]` key pool.
+    v_pages: value pool, same shape and dtype as `k_pages`.
+    lengths: int32 `[num_seqs]` tokens in cache per sequence, counting the current token
+      (already written into the pages). 0 marks a padding row, whose output is zeros. Values
+      are clipped to `[0, pages_per_seq * page_size]`.
+    page_indices: int32 `[num_seqs, pages_per_seq]` page ids of each sequence in order;
+      entries past a sequence's last used page are never used but must be valid page ids.
+    sm_scale: logit multiplier, default `head_dim ** -0.5`.
+    impl: `"auto"` (`pallas_tpu` on TPU, `pallas_gpu` on GPU, `reference` elsewhere, from the
+      platform of q's devices, or of the default backend while tracing), `"reference"`,
+      `"pallas_tpu"` or `"pallas_gpu"`.
+    block_sizes: kernel tiling, None for defaults derived from the shapes.
+    interpret: run the Pallas kernel in interpret mode (on CPU). True, or for `pallas_tpu` a
+      `pltpu.InterpretParams`; it needs a kernel `impl`, since the reference has no kernel.
+
+  Returns:
+    `[num_seqs, num_q_heads, head_dim]` attention output in q's dtype.
+
+  Raises:
+    ValueError: unknown `impl`, inconsistent shapes or dtypes, `interpret` without a kernel,
+      or block sizes the chosen kernel cannot use.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"Unknown paged_attention impl {impl!r}; expected one of {IMPLS}.")
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes)}.")
+  _check_inputs(q, k_pages, v_pages, lengths, page_indices)
+  if impl == "auto":
+    platform = _platform(q)
+    impl = _AUTO.get(platform, "reference")
+    if interpret and impl == "reference":
+      raise ValueError(
+        f"interpret={interpret!r} with impl='auto' on platform {platform!r} would run the "
+        "reference, not a kernel: name the kernel, impl='pallas_tpu' or impl='pallas_gpu'."
+      )
+  if interpret and impl == "reference":
+    raise ValueError("interpret applies to the Pallas kernels, not to impl='reference'.")
+  if sm_scale is None:
+    sm_scale = q.shape[-1] ** -0.5
+  n, h, d = q.shape
+  if n == 0:
+    return jnp.zeros((0, h, d), q.dtype)
+  return _run(
+    q,
+    k_pages,
+    v_pages,
+    lengths,
+    page_indices,
+    impl=impl,
+    sm_scale=float(sm_scale),
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )

@@ -1,0 +1,58 @@
+"""Paged decode attention in pure jnp: the definition, the CPU path and the kernels' oracle.
+
+Shapes: n sequences, h query heads, k kv heads, g = h // k query heads per kv head, d head dim,
+p pages in the pool, s tokens per page, m pages per sequence, t = m * s token positions.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def paged_attention(
+  q_nhd: jax.Array,
+  k_pages_kpsd: jax.Array,
+  v_pages_kpsd: jax.Array,
+  lengths_n: jax.Array,
+  page_indices_nm: jax.Array,
+  *,
+  sm_scale: float,
+) -> jax.Array:
+  """One decode step of attention over a paged KV cache, written as plainly as possible.
+
+  Gathers every page each sequence lists, masks positions at or past its length (with
+  `where`, so whatever sits in the unused slots, NaN included, cannot leak in) and takes the
+  softmax in float32. A sequence of length 0 gets zeros.
+
+  Args:
+    q_nhd: queries, one per sequence.
+    k_pages_kpsd: key page pool.
+    v_pages_kpsd: value page pool, same shape as the keys.
+    lengths_n: int32 tokens in cache per sequence, already clipped to [0, m * s].
+    page_indices_nm: int32 page ids of each sequence, in order.
+    sm_scale: multiplier of the logits.
+
+  Returns:
+    The attention output `[n, h, d]` in q's dtype.
+  """
+  n, h, d = q_nhd.shape
+  k, _, s, _ = k_pages_kpsd.shape
+  m = page_indices_nm.shape[1]
+  g = h // k
+  f32 = jnp.float32
+  hi = jax.lax.Precision.HIGHEST
+
+  k_kntd = k_pages_kpsd[:, page_indices_nm].reshape(k, n, m * s, d).astype(f32)
+  v_kntd = v_pages_kpsd[:, page_indices_nm].reshape(k, n, m * s, d).astype(f32)
+  valid_nt = jnp.arange(m * s, dtype=jnp.int32)[None, :] < lengths_n[:, None]
+  q_nkgd = q_nhd.reshape(n, k, g, d).astype(f32)
+
+  logits_nkgt = jnp.einsum("nkgd,kntd->nkgt", q_nkgd, k_kntd, precision=hi) * sm_scale
+  logits_nkgt = jnp.where(valid_nt[:, None, None, :], logits_nkgt, -jnp.inf)
+  max_nkg1 = jnp.max(logits_nkgt, axis=-1, keepdims=True)
+  max_nkg1 = jnp.where(jnp.isfinite(max_nkg1), max_nkg1, 0.0)  # all-masked row: length 0
+  probs_nkgt = jnp.exp(logits_nkgt - max_nkg1)
+  denom_nkg1 = jnp.sum(probs_nkgt, axis=-1, keepdims=True)
+  v_kntd = jnp.where(valid_nt[None, :, :, None], v_kntd, 0.0)
+  out_nkgd = jnp.einsum("nkgt,kntd->nkgd", probs_nkgt, v_kntd, precision=hi)
+  out_nkgd = out_nkgd / jnp.where(denom_nkg1 > 0, denom_nkg1, 1.0)
+  return out_nkgd.reshape(n, h, d).astype(q_nhd.dtype)

@@ -1,0 +1,376 @@
+"""Paged attention: reference vs a numpy oracle, both Pallas kernels in interpret mode vs the
+reference on poisoned caches, lowering of each kernel for its platform, and input errors.
+
+Shapes: n sequences, h query heads, k kv heads, g = h // k, d head dim, p pages in the pool,
+s tokens per page, m pages per sequence.
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxrl.kernels.paged_attention import BlockSizes, paged_attention
+from jaxrl.kernels.paged_attention import pallas_gpu as gpu_kernel
+
+KERNELS = ("pallas_tpu", "pallas_gpu")
+TRITON_CALL = "__gpu$xla.gpu.triton"
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+
+
+def _rng(*key) -> np.random.Generator:
+  return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def _lengths(rng, n, s, m):
+  """Ragged lengths that always include 0, 1 and exactly full pages (and a full sequence)."""
+  special = [0, 1, s, min(2 * s, m * s), m * s]
+  rest = rng.integers(1, m * s + 1, size=max(0, n - len(special)))
+  return np.array((special + list(rest))[:n], np.int32)
+
+
+def _make_inputs(rng, *, n, h, k, d, s, m, dtype, lengths=None):
+  """A pool where every slot that no sequence owns, or that lies past its length, is NaN.
+
+  Page 0 is a pure-NaN page that every unused page-table entry points at; used pages are a
+  random permutation of the rest of the pool.
+  """
+  lengths_n = _lengths(rng, n, s, m) if lengths is None else np.asarray(lengths, np.int32)
+  p = n * m + 1
+  q_nhd = rng.standard_normal((n, h, d)).astype(np.float32)
+  k_kpsd = np.full((k, p, s, d), np.nan, np.float32)
+  v_kpsd = np.full((k, p, s, d), np.nan, np.float32)
+  page_indices_nm = np.zeros((n, m), np.int32)
+  owned = rng.permutation(np.arange(1, p))
+  for b in range(n):
+    length = int(np.clip(lengths_n[b], 0, m * s))
+    used = -(-length // s)
+    page_indices_nm[b, :used] = owned[b * m : b * m + used]
+    for t in range(length):
+      page, slot = page_indices_nm[b, t // s], t % s
+      k_kpsd[:, page, slot] = rng.standard_normal((k, d))
+      v_kpsd[:, page, slot] = rng.standard_normal((k, d))
+  cast = lambda x: jnp.asarray(x, dtype)
+  return (
+    cast(q_nhd),
+    cast(k_kpsd),
+    cast(v_kpsd),
+    jnp.asarray(lengths_n),
+    jnp.asarray(page_indices_nm),
+  )
+
+
+def _numpy_oracle(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
+  """Dense float64 attention, one sequence and head at a time."""
+  q, kp, vp = (np.asarray(x, np.float64) for x in (q_nhd, k_kpsd, v_kpsd))
+  n, h, d = q.shape
+  k, _, s, _ = kp.shape
+  m = page_indices_nm.shape[1]
+  out = np.zeros((n, h, d))
+  for b in range(n):
+    length = int(np.clip(lengths_n[b], 0, m * s))
+    if length == 0:
+      continue
+    pages = np.asarray(page_indices_nm[b])
+    for i in range(h):
+      kv = i // (h // k)
+      keys = kp[kv, pages].reshape(m * s, d)[:length]
+      values = vp[kv, pages].reshape(m * s, d)[:length]
+      logits = keys @ q[b, i] * sm_scale
+      weights = np.exp(logits - logits.max())
+      out[b, i] = weights @ values / weights.sum()
+  return out
+
+
+def _assert_close(out, ref, dtype, lengths_n):
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  assert out.shape == ref.shape
+  assert np.all(np.isfinite(out)), "NaN/inf leaked from the poisoned cache or output buffer"
+  empty = np.asarray(lengths_n) <= 0
+  np.testing.assert_array_equal(out[empty], 0.0)
+  tol = TOL[dtype]
+  np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize(
+  "g,s,dtype", [(1, 8, jnp.float32), (4, 16, jnp.float32), (2, 8, jnp.bfloat16)]
+)
+def test_reference_matches_numpy_oracle(g, s, dtype):
+  n, k, d, m = 6, 2, 32, 3
+  args = _make_inputs(_rng("ref", g, s), n=n, h=g * k, k=k, d=d, s=s, m=m, dtype=dtype)
+  out = paged_attention(*args, impl="reference")
+  assert out.dtype == dtype
+  ref = _numpy_oracle(*args, sm_scale=d**-0.5)
+  tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}[dtype]
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=tol, rtol=tol)
+
+
+def test_auto_is_reference_on_cpu_and_under_jit():
+  args = _make_inputs(_rng("auto"), n=5, h=4, k=2, d=16, s=8, m=3, dtype=jnp.float32)
+  ref = paged_attention(*args, impl="reference")
+  np.testing.assert_array_equal(paged_attention(*args), ref)
+  np.testing.assert_array_equal(jax.jit(paged_attention)(*args), ref)
+
+
+def test_lengths_are_clipped_and_sm_scale_is_used():
+  n, h, k, d, s, m = 4, 4, 1, 16, 8, 2
+  wild = jnp.array([-3, 1, 1000, 9], jnp.int32)
+  clipped = jnp.clip(wild, 0, m * s)
+  q, kp, vp, _, pages = _make_inputs(
+    _rng("clip"), n=n, h=h, k=k, d=d, s=s, m=m, dtype=jnp.float32, lengths=clipped
+  )
+  ref = _numpy_oracle(q, kp, vp, clipped, pages, sm_scale=0.3)
+  for impl, interpret in (("reference", False), ("pallas_gpu", True), ("pallas_tpu", True)):
+    out = paged_attention(q, kp, vp, wild, pages, sm_scale=0.3, impl=impl, interpret=interpret)
+    _assert_close(out, ref, jnp.float32, clipped)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+# (g, page_size, dtype, kv heads, head_dim, pages per sequence): GQA 1/2/4/8, pages of 8 to
+# 64 tokens, both dtypes; not the full cross product, to keep the file fast on 2 cores.
+KERNEL_CASES = [
+  (1, 8, jnp.float32, 2, 32, 5),
+  (2, 16, jnp.bfloat16, 2, 64, 4),
+  (4, 32, jnp.float32, 2, 32, 3),
+  (8, 64, jnp.bfloat16, 1, 64, 2),
+  (4, 8, jnp.bfloat16, 2, 16, 6),
+  (8, 16, jnp.float32, 2, 32, 4),
+  (1, 64, jnp.float32, 4, 16, 2),
+  (2, 32, jnp.bfloat16, 2, 32, 3),
+]
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("g,s,dtype,k,d,m", KERNEL_CASES)
+def test_kernel_matches_reference(impl, g, s, dtype, k, d, m):
+  n = 7
+  args = _make_inputs(_rng(impl, g, s, k, d, m), n=n, h=g * k, k=k, d=d, s=s, m=m, dtype=dtype)
+  out = paged_attention(*args, impl=impl, interpret=True)
+  assert out.dtype == dtype and out.shape == (n, g * k, d)
+  ref = paged_attention(*args, impl="reference")
+  _assert_close(out, ref, dtype, args[3])
+
+
+# Block sizes the defaults would not pick: blocks that do not divide the page table, one page
+# per block, and (GPU) more parts than blocks, so some parts see no token at all.
+BLOCK_CASES = [
+  ("pallas_tpu", BlockSizes(pages_per_compute_block=1)),
+  ("pallas_tpu", BlockSizes(pages_per_compute_block=3)),
+  ("pallas_tpu", BlockSizes(pages_per_compute_block=8, num_splits=1)),
+  ("pallas_gpu", BlockSizes(pages_per_compute_block=1, num_splits=1)),
+  ("pallas_gpu", BlockSizes(pages_per_compute_block=2, num_splits=3, num_warps=8)),
+  ("pallas_gpu", BlockSizes(pages_per_compute_block=4, num_splits=4, num_stages=3)),
+  ("pallas_gpu", BlockSizes(num_splits=7)),
+]
+
+
+@pytest.mark.parametrize("impl,block_sizes", BLOCK_CASES)
+def test_kernel_block_sizes(impl, block_sizes):
+  n, k, g, d, s, m = 6, 2, 2, 32, 16, 7
+  args = _make_inputs(_rng(impl, block_sizes), n=n, h=g * k, k=k, d=d, s=s, m=m, dtype=jnp.float32)
+  out = paged_attention(*args, impl=impl, block_sizes=block_sizes, interpret=True)
+  _assert_close(out, paged_attention(*args, impl="reference"), jnp.float32, args[3])
+
+
+def test_gpu_default_block_sizes_fill_the_gpu():
+  small = gpu_kernel.resolve_block_sizes(None, num_programs=4, page_size=16, pages_per_seq=64)
+  assert small.pages_per_compute_block * 16 >= 16 and small.num_splits > 1
+  big = gpu_kernel.resolve_block_sizes(None, num_programs=1024, page_size=16, pages_per_seq=64)
+  assert big.num_splits == 1
+  tiny_pages = gpu_kernel.resolve_block_sizes(None, num_programs=8, page_size=8, pages_per_seq=1)
+  assert tiny_pages.pages_per_compute_block * 8 >= 16
+
+
+@pytest.mark.parametrize("dma_execution_mode", ["eager", "on_wait"])
+def test_tpu_kernel_under_both_dma_modes(dma_execution_mode):
+  """Eager DMAs catch a copy into the slot being read; on-wait ones a read before the wait."""
+  n, k, g, d, s, m = 5, 2, 2, 32, 8, 6
+  args = _make_inputs(
+    _rng("dma", dma_execution_mode), n=n, h=g * k, k=k, d=d, s=s, m=m, dtype=jnp.float32
+  )
+  params = pltpu.InterpretParams(dma_execution_mode=dma_execution_mode)
+  out = paged_attention(
+    *args, impl="pallas_tpu", block_sizes=BlockSizes(pages_per_compute_block=2), interpret=params
+  )
+  _assert_close(out, paged_attention(*args, impl="reference"), jnp.float32, args[3])
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_interpret_really_runs_the_pallas_kernel(impl):
+  args = _make_inputs(_rng("jaxpr", impl), n=3, h=4, k=2, d=16, s=8, m=2, dtype=jnp.float32)
+  jaxpr = str(jax.make_jaxpr(functools.partial(paged_attention, impl=impl, interpret=True))(*args))
+  assert "pallas_call" in jaxpr
+  if impl == "pallas_tpu":  # the Mosaic TPU interpreter, which simulates DMAs and semaphores
+    assert "InterpretParams" in jaxpr
+  ref_jaxpr = str(jax.make_jaxpr(functools.partial(paged_attention, impl="reference"))(*args))
+  assert "pallas_call" not in ref_jaxpr
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_interpret_mode_poisons_unwritten_outputs(impl):
+  """The zero rows checked above prove something only if unwritten outputs read as NaN."""
+
+  def lazy_kernel(x_ref, o_ref):
+    del x_ref, o_ref  # writes nothing
+
+  interpret = pltpu.InterpretParams() if impl == "pallas_tpu" else True
+  out = pl.pallas_call(
+    lazy_kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), interpret=interpret
+  )(jnp.ones((8, 128), jnp.float32))
+  assert np.all(np.isnan(np.asarray(out)))
+
+
+# ----------------------------------------------------------------------------- lowering
+
+
+def _shapes(n, h, k, d, p, s, m, dtype):
+  sds = jax.ShapeDtypeStruct
+  return (
+    sds((n, h, d), dtype),
+    sds((k, p, s, d), dtype),
+    sds((k, p, s, d), dtype),
+    sds((n,), jnp.int32),
+    sds((n, m), jnp.int32),
+  )
+
+
+# (n, h, k, d, p, s, m, dtype, block_sizes): decode-sized shapes as a model would use them.
+LOWERING_CASES = [
+  (8, 32, 8, 128, 512, 16, 64, jnp.bfloat16, None),
+  (3, 8, 8, 64, 100, 8, 5, jnp.float32, None),
+  (16, 64, 8, 128, 2048, 32, 33, jnp.bfloat16, BlockSizes(pages_per_compute_block=4)),
+  (2, 12, 4, 128, 64, 64, 7, jnp.float32, None),
+]
+
+
+@pytest.mark.parametrize("n,h,k,d,p,s,m,dtype,block_sizes", LOWERING_CASES)
+def test_tpu_kernel_lowers_for_tpu(n, h, k, d, p, s, m, dtype, block_sizes):
+  f = functools.partial(paged_attention, impl="pallas_tpu", block_sizes=block_sizes)
+  exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*_shapes(n, h, k, d, p, s, m, dtype))
+  assert "tpu_custom_call" in exported.mlir_module()
+  assert exported.out_avals[0].shape == (n, h, d) and exported.out_avals[0].dtype == dtype
+
+
+def _triton_modules(stablehlo_text: str):
+  """Parses the Triton IR embedded in each Pallas GPU custom call and verifies it."""
+  from jax._src.interpreters import mlir
+  from jax._src.lib import triton
+  from jax._src.lib.mlir import ir
+
+  ctx = mlir.make_ir_context()
+  triton.dialect.register_dialect(ctx)
+  ctx.load_all_available_dialects()
+  found = []
+  with ctx:
+    module = ir.Module.parse(stablehlo_text)
+
+    def visit(op):
+      if op.name == "stablehlo.custom_call" and "mhlo.backend_config" in op.attributes:
+        config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+        found.append(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes))
+      return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    return [(m.operation.verify(), str(m)) for m in found]
+
+
+@pytest.mark.parametrize("n,h,k,d,p,s,m,dtype,block_sizes", LOWERING_CASES)
+def test_gpu_kernel_lowers_for_cuda(n, h, k, d, p, s, m, dtype, block_sizes):
+  f = functools.partial(paged_attention, impl="pallas_gpu", block_sizes=block_sizes)
+  # The Triton custom call carries IR with no cross-version guarantee, so export refuses it
+  # unless told; what we want here is the lowering itself, not a serialised artifact.
+  exported = jax.export.export(
+    jax.jit(f),
+    platforms=["cuda"],
+    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+  )(*_shapes(n, h, k, d, p, s, m, dtype))
+  text = exported.mlir_module()
+  assert TRITON_CALL in text
+  assert exported.out_avals[0].shape == (n, h, d) and exported.out_avals[0].dtype == dtype
+  modules = _triton_modules(text)
+  assert len(modules) == 1
+  verified, triton_ir = modules[0]
+  assert verified and "tt.dot" in triton_ir
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.fixture(scope="module")
+def small_args():
+  return _make_inputs(_rng("errors"), n=3, h=4, k=2, d=16, s=8, m=2, dtype=jnp.float32)
+
+
+def test_unknown_impl_lists_the_options(small_args):
+  with pytest.raises(ValueError, match="auto.*reference.*pallas_tpu.*pallas_gpu"):
+    paged_attention(*small_args, impl="triton")
+
+
+def test_bad_shapes(small_args):
+  q, kp, vp, lengths, pages = small_args
+  with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    paged_attention(q[:, :3], kp, vp, lengths, pages)
+  with pytest.raises(ValueError, match="page_indices"):
+    paged_attention(q, kp, vp, lengths, pages[:2])
+  with pytest.raises(ValueError, match="lengths"):
+    paged_attention(q, kp, vp, lengths[:2], pages)
+  with pytest.raises(ValueError, match="same shape"):
+    paged_attention(q, kp, vp[:, :-1], lengths, pages)
+  with pytest.raises(ValueError, match="head_dim"):
+    paged_attention(q[..., :8], kp, vp, lengths, pages)
+  with pytest.raises(ValueError, match="q must be"):
+    paged_attention(q[0], kp, vp, lengths, pages)
+  with pytest.raises(ValueError, match="integer"):
+    paged_attention(q, kp, vp, lengths.astype(jnp.float32), pages)
+  with pytest.raises(ValueError, match="same dtype"):
+    paged_attention(q, kp, vp.astype(jnp.bfloat16), lengths, pages)
+
+
+@pytest.mark.parametrize(
+  "fields,match",
+  [
+    ({"pages_per_compute_block": 0}, "positive int"),
+    ({"num_splits": -1}, "positive int"),
+    ({"num_stages": 2.0}, "positive int"),
+    ({"pages_per_compute_block": True}, "positive int"),
+    ({"num_warps": 3}, "power of two"),
+  ],
+)
+def test_bad_block_sizes(fields, match):
+  with pytest.raises(ValueError, match=match):
+    BlockSizes(**fields)
+
+
+def test_block_sizes_a_kernel_cannot_use(small_args):
+  q, kp, vp, lengths, pages = small_args
+  run = functools.partial(paged_attention, interpret=True)
+  with pytest.raises(ValueError, match="GPU setting"):
+    run(*small_args, impl="pallas_tpu", block_sizes=BlockSizes(num_splits=2))
+  with pytest.raises(ValueError, match="power of two"):
+    run(*small_args, impl="pallas_gpu", block_sizes=BlockSizes(pages_per_compute_block=3))
+  with pytest.raises(ValueError, match=">= 16"):
+    run(*small_args, impl="pallas_gpu", block_sizes=BlockSizes(pages_per_compute_block=1))
+  with pytest.raises(ValueError, match="block_sizes must be"):
+    run(*small_args, impl="pallas_gpu", block_sizes={"pages_per_compute_block": 2})
+  odd = _make_inputs(_rng("odd"), n=2, h=2, k=1, d=80, s=4, m=2, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="power of two"):
+    run(*odd, impl="pallas_gpu")
+  with pytest.raises(ValueError, match="multiple of 8"):
+    run(*odd, impl="pallas_tpu")
+
+
+def test_interpret_needs_a_kernel(small_args):
+  with pytest.raises(ValueError, match="interpret"):
+    paged_attention(*small_args, impl="reference", interpret=True)
+  with pytest.raises(ValueError, match="name the kernel"):
+    paged_attention(*small_args, interpret=True)
