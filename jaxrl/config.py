@@ -18,6 +18,7 @@ import ml_collections
 
 from jaxrl.data.tasks import TaskConfig
 from jaxrl.model.config import ModelConfig, get_preset
+from jaxrl.rollout.paged import PagedConfig
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.train.losses import LossConfig
 from jaxrl.train.optimizer import OptimizerConfig
@@ -72,16 +73,19 @@ class RolloutConfig:
   """Generation settings.
 
   Attributes:
-    engine: a key of `jaxrl.rollout.ENGINES`.
+    engine: "paged" (continuous batching over a paged KV cache) or "static" (the whole batch
+      prefilled and decoded together; the baseline).
     prompts_per_step: prompts sampled per RL step.
     group_size: responses generated per prompt (G of GRPO).
     sampling: sampling parameters of every training response.
+    paged: options of the paged engine.
   """
 
-  engine: str = "static"
+  engine: str = "paged"
   prompts_per_step: int = 16
   group_size: int = 8
   sampling: SamplingParams = SamplingParams()
+  paged: PagedConfig = PagedConfig()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,15 @@
 """Decoder-only transformer (dense and MoE) in Flax NNX, its configs, and a pure-function view."""
 
+from jaxrl.model.cache import LayerCache, PagedLayerCache, init_cache
 from jaxrl.model.config import PRESETS, ModelConfig, get_preset
 from jaxrl.model.functional import Model, Params
 from jaxrl.model.moe import MoEMLP, route
-from jaxrl.model.transformer import LayerCache, Transformer, init_cache
+from jaxrl.model.transformer import Transformer
 
 __all__ = [
   "PRESETS",
   "LayerCache",
+  "PagedLayerCache",
   "Model",
   "ModelConfig",
   "MoEMLP",

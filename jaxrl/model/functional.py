@@ -12,8 +12,9 @@ import functools
 import jax
 from flax import nnx
 
+from jaxrl.model.cache import LayerCache, init_cache
 from jaxrl.model.config import ModelConfig
-from jaxrl.model.transformer import LayerCache, Transformer, init_cache
+from jaxrl.model.transformer import Transformer
 
 Params = dict
 
@@ -54,7 +55,7 @@ class Model:
     params: Params,
     tokens_bt: jax.Array,
     positions_bt: jax.Array | None = None,
-    cache: tuple[LayerCache, ...] | None = None,
+    cache: tuple | None = None,
   ):
     """Forward pass; returns (logits_btv in fp32, updated cache or None)."""
     state = jax.tree.map(lambda x: x, self._abstract_state)

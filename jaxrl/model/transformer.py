@@ -6,30 +6,13 @@ h query heads, k kv heads, g query heads per kv head, e head dim, f mlp width, v
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.model.cache import attend
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.moe import MoEMLP, param
-
-
-class LayerCache(NamedTuple):
-  """Keys and values of one layer for every cache slot: [b, s, k, e]."""
-
-  k_bske: jax.Array
-  v_bske: jax.Array
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> tuple[LayerCache, ...]:
-  """An empty (zeroed) KV cache with `max_len` slots per sequence."""
-  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-  dtype = jnp.dtype(cfg.dtype)
-  return tuple(
-    LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)
-  )
 
 
 class RMSNorm(nnx.Module):
@@ -73,7 +56,7 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(e, cfg.norm_eps, pd)
       self.k_norm = RMSNorm(e, cfg.norm_eps, pd)
 
-  def __call__(self, x_btd, positions_bt, cache: LayerCache | None):
+  def __call__(self, x_btd, positions_bt, cache):
     cfg = self.cfg
     dt = x_btd.dtype
     q = jnp.einsum("btd,dhe->bthe", x_btd, self.wq_dhe.get_value().astype(dt))
@@ -87,27 +70,7 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions_bt, cfg.rope_theta), rope(k, positions_bt, cfg.rope_theta)
 
-    if cache is None:
-      keys, values, key_pos_bs = k, v, positions_bt
-    else:
-      # Each row writes its new keys at its own positions (ragged batch); slots past a row's
-      # current position hold stale values that the causal mask below never lets through.
-      rows_b1 = jnp.arange(x_btd.shape[0])[:, None]
-      keys = cache.k_bske.at[rows_b1, positions_bt].set(k.astype(cache.k_bske.dtype))
-      values = cache.v_bske.at[rows_b1, positions_bt].set(v.astype(cache.v_bske.dtype))
-      cache = LayerCache(keys, values)
-      key_pos_bs = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
-
-    b, t, h, e = q.shape
-    g = h // cfg.num_kv_heads
-    q_btkge = q.reshape(b, t, cfg.num_kv_heads, g, e)
-    scores = jnp.einsum("btkge,bske->bkgts", q_btkge, keys.astype(dt)).astype(jnp.float32)
-    scores = scores * (e**-0.5)
-    visible_bts = key_pos_bs[:, None, :] <= positions_bt[:, :, None]
-    scores = jnp.where(visible_bts[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out_btkge = jnp.einsum("bkgts,bske->btkge", probs, values.astype(dt))
-    out_bthe = out_btkge.reshape(b, t, h, e)
+    out_bthe, cache = attend(q, k, v, positions_bt, cache)
     return jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt)), cache
 
 
@@ -162,7 +125,7 @@ class Transformer(nnx.Module):
     self,
     tokens_bt: jax.Array,
     positions_bt: jax.Array | None = None,
-    cache: tuple[LayerCache, ...] | None = None,
+    cache: tuple | None = None,
   ):
     """Runs the model.
 
@@ -170,7 +133,8 @@ class Transformer(nnx.Module):
       tokens_bt: int token ids.
       positions_bt: position of each token (defaults to 0..t-1); with a cache, token i of row b
         is written to slot positions_bt[b, i] and attends to slots <= its position.
-      cache: per-layer KV cache from `init_cache`, or None for a plain causal forward.
+      cache: per-layer KV caches (`LayerCache` from `init_cache`, or `PagedLayerCache`), or
+        None for a plain causal forward. Paged rows mark padding tokens with position -1.
 
     Returns:
       (logits_btv in fp32, updated cache or None).

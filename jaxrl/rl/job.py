@@ -24,12 +24,24 @@ from jaxrl.rl.controller import Controller, ControllerSettings
 from jaxrl.rl.experience import pad_sequences
 from jaxrl.rl.placement import Placement, make_placement
 from jaxrl.rl.weights import WeightStore
-from jaxrl.rollout.engine import ENGINES
+from jaxrl.rollout.engine import StaticEngine
+from jaxrl.rollout.paged import PagedEngine
 from jaxrl.sharding import STAGE_RULES
 from jaxrl.train.learner import Learner
 from jaxrl.train.sft import SupervisedTrainer
 
 log = logging.getLogger(__name__)
+
+
+# Rollout engines by name: (model, mesh, rules, tokenizer, RolloutConfig) -> engine.
+ENGINES = {
+  "static": lambda model, mesh, rules, tok, rollout: StaticEngine(
+    model, mesh, rules, eos_id=tok.eos_id, pad_id=tok.pad_id
+  ),
+  "paged": lambda model, mesh, rules, tok, rollout: PagedEngine(
+    model, mesh, rules, eos_id=tok.eos_id, pad_id=tok.pad_id, config=rollout.paged
+  ),
+}
 
 
 def _choose(registry: dict, name: str, key: str):
@@ -55,13 +67,9 @@ def build_controller(
   task = make_task(cfg.task)
   placement = placement or make_placement(cfg.placement)
   model = Model(cfg.model)
-  engine_cls = _choose(ENGINES, cfg.rollout.engine, "config.rollout.engine")
-  engine = engine_cls(
-    model,
-    placement.rollout_mesh,
-    STAGE_RULES["rollout"],
-    eos_id=tokenizer.eos_id,
-    pad_id=tokenizer.pad_id,
+  make_engine = _choose(ENGINES, cfg.rollout.engine, "config.rollout.engine")
+  engine = make_engine(
+    model, placement.rollout_mesh, STAGE_RULES["rollout"], tokenizer, cfg.rollout
   )
   train = cfg.train
   learner = Learner(

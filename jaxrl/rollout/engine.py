@@ -60,7 +60,7 @@ class RolloutEngine(Protocol):
     """Generates one completion per prompt, in prompt order."""
 
 
-def _bucket(n: int, minimum: int = 8) -> int:
+def bucket(n: int, minimum: int = 8) -> int:
   """Rounds up to a power of two so that jit shapes repeat across calls."""
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
@@ -68,8 +68,19 @@ def _bucket(n: int, minimum: int = 8) -> int:
 class StaticEngine:
   """Generation over a static batch: prefill everything, decode until every row stops."""
 
-  def __init__(self, model: Model, mesh: jax.sharding.Mesh, rules, *, eos_id: int, pad_id: int):
+  def __init__(
+    self,
+    model: Model,
+    mesh: jax.sharding.Mesh,
+    rules,
+    *,
+    eos_id: int,
+    pad_id: int,
+    max_batch: int | None = None,
+  ):
+    """`max_batch` caps the rows generated together; more prompts run in successive batches."""
     self.model = model
+    self.max_batch = max_batch
     self.mesh = mesh
     self.eos_id = eos_id
     self.pad_id = pad_id
@@ -111,26 +122,33 @@ class StaticEngine:
       raise ValueError(f"Got {len(per_row)} SamplingParams for {len(prompts)} prompts.")
     for prompt, sp in zip(prompts, per_row, strict=True):
       self.validate(len(prompt), sp)
+    size = self.max_batch or len(prompts)
+    out = []
+    for start in range(0, len(prompts), size):
+      out += self._generate_batch(
+        prompts[start : start + size], per_row[start : start + size], seed + start
+      )
+    return out
 
+  def _generate_batch(self, prompts, per_row, seed: int) -> list[Completion]:
     rows = len(prompts)
-    b = -(-_bucket(rows) // self._data_size) * self._data_size
-    p = _bucket(max(len(x) for x in prompts))
-    n = _bucket(max(sp.max_new_tokens for sp in per_row))
+    b = -(-bucket(rows) // self._data_size) * self._data_size
+    p = bucket(max(len(x) for x in prompts))
+    n = bucket(max(sp.max_new_tokens for sp in per_row))
     prompt_bp = np.full((b, p), self.pad_id, np.int32)
     prompt_len_b = np.ones((b,), np.int32)
     temperature_b = np.ones((b,), np.float32)
     top_k_b = np.zeros((b,), np.int32)
     top_p_b = np.ones((b,), np.float32)
     max_new_b = np.ones((b,), np.int32)  # padding rows stop after one token
-    stop_ids = sorted({self.eos_id} | {t for sp in per_row for t in sp.stop_token_ids})
-    stop_rows = np.full((b, len(stop_ids)), -1, np.int32)
+    stops = [[*([] if sp.ignore_eos else [self.eos_id]), *sp.stop_token_ids] for sp in per_row]
+    stop_rows = np.full((b, max(1, max(map(len, stops)))), -1, np.int32)
     for i, (prompt, sp) in enumerate(zip(prompts, per_row, strict=True)):
       prompt_bp[i, : len(prompt)] = prompt
       prompt_len_b[i] = len(prompt)
       temperature_b[i], top_k_b[i], top_p_b[i] = sp.temperature, sp.top_k, sp.top_p
       max_new_b[i] = sp.max_new_tokens
-      row_stops = [self.eos_id, *sp.stop_token_ids]
-      stop_rows[i, : len(row_stops)] = row_stops
+      stop_rows[i, : len(stops[i])] = stops[i]
 
     put = lambda x: jax.device_put(
       x,
@@ -194,9 +212,8 @@ class StaticEngine:
 
     def body(carry):
       i, logits_bv, cache, tokens_bn, logprobs_bn, done_b, lengths_b, stopped_b = carry
-      token_b, logprob_b = sample_tokens(
-        jax.random.fold_in(rng, i), logits_bv, temperature_b, top_k_b, top_p_b
-      )
+      keys_b = jax.random.split(jax.random.fold_in(rng, i), b)
+      token_b, logprob_b = sample_tokens(keys_b, logits_bv, temperature_b, top_k_b, top_p_b)
       token_b = jnp.where(done_b, self.pad_id, token_b)
       tokens_bn = tokens_bn.at[:, i].set(token_b)
       logprobs_bn = logprobs_bn.at[:, i].set(jnp.where(done_b, 0.0, logprob_b))
@@ -220,6 +237,3 @@ class StaticEngine:
     )
     _, _, _, tokens_bn, logprobs_bn, _, lengths_b, stopped_b = jax.lax.while_loop(cond, body, carry)
     return tokens_bn, logprobs_bn, lengths_b, stopped_b
-
-
-ENGINES = {"static": StaticEngine}

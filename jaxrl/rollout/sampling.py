@@ -21,6 +21,7 @@ class SamplingParams:
     top_k: sample among the k most likely tokens; 0 disables it.
     max_new_tokens: the response stops after this many tokens.
     stop_token_ids: tokens that end the response (kept in the output); the engine adds EOS.
+    ignore_eos: do not stop at EOS (forced lengths, for benchmarks).
   """
 
   temperature: float = 1.0
@@ -28,6 +29,7 @@ class SamplingParams:
   top_k: int = 0
   max_new_tokens: int = 16
   stop_token_ids: tuple[int, ...] = ()
+  ignore_eos: bool = False
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -60,13 +62,13 @@ def filter_logits(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) 
 
 
 def sample_tokens(
-  rng: jax.Array,
+  keys_b: jax.Array,
   logits_bv: jax.Array,
   temperature_b: jax.Array,
   top_k_b: jax.Array,
   top_p_b: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-  """Samples one token per row; returns (tokens_b, logprobs_b).
+  """Samples one token per row with that row's key; returns (tokens_b, logprobs_b).
 
   The log-probability is that of the distribution actually sampled from (temperature-scaled,
   then top-k/top-p filtered and renormalised). Greedy rows (temperature 0) report the
@@ -79,7 +81,7 @@ def sample_tokens(
   filtered_bv = jax.lax.cond(
     needs_filter, filter_logits, lambda x, *_: x, scaled_bv, top_k_b, top_p_b
   )
-  sampled_b = jax.random.categorical(rng, filtered_bv, axis=-1)
+  sampled_b = jax.vmap(jax.random.categorical)(keys_b, filtered_bv)
   tokens_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), sampled_b).astype(jnp.int32)
   logp_bv = jax.nn.log_softmax(jnp.where(greedy_b[:, None], scaled_bv, filtered_bv), axis=-1)
   logprobs_b = jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=-1)[:, 0]

@@ -95,9 +95,8 @@ def test_top_k_top_p_sample_only_allowed_tokens():
   for b in range(6):
     assert set(np.flatnonzero(np.isfinite(masked[b])).tolist()) == allowed[b]
   keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 300)
-  toks, logp = jax.jit(jax.vmap(lambda k: sample_tokens(k, logits, jnp.ones(6), top_k, top_p)))(
-    keys
-  )
+  draw = lambda k: sample_tokens(jax.random.split(k, 6), logits, jnp.ones(6), top_k, top_p)  # noqa: E731
+  toks, logp = jax.jit(jax.vmap(draw))(keys)
   toks, logp = np.asarray(toks), np.asarray(logp)
   seen = [set(toks[:, b].tolist()) for b in range(6)]
   # The log-prob is that of the renormalised filtered distribution.

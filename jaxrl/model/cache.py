@@ -1,0 +1,119 @@
+"""KV caches and the attention that reads them: none (training), dense slots, or pages.
+
+Every path writes the new keys/values first and then attends, with visibility decided by
+positions alone (key position <= query position). Stale cache contents beyond a row's current
+position are therefore never read, and a ragged batch needs no extra mask.
+
+Glossary: b batch, t query positions, s key slots, k kv heads, g query heads per kv head,
+e head dim, p pages, z page size (slots per page), n pages per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.kernels.paged_attention import paged_attention
+
+
+class LayerCache(NamedTuple):
+  """Dense cache of one layer: keys and values for every slot of every row, [b, s, k, e]."""
+
+  k_bske: jax.Array
+  v_bske: jax.Array
+
+
+class PagedLayerCache(NamedTuple):
+  """Paged cache of one layer plus the page table of the rows in this call.
+
+  Attributes:
+    k_pages_kpze: keys, [kv heads, pages, page size, head dim]; shared by all sequences.
+    v_pages_kpze: values, same shape.
+    page_table_bn: page ids of each row's sequence in order; token at position i of row b
+      lives in page page_table_bn[b, i // page_size], slot i % page_size.
+  """
+
+  k_pages_kpze: jax.Array
+  v_pages_kpze: jax.Array
+  page_table_bn: jax.Array
+
+
+def init_cache(cfg, batch: int, max_len: int) -> tuple[LayerCache, ...]:
+  """An empty (zeroed) dense KV cache with `max_len` slots per row."""
+  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  dtype = jnp.dtype(cfg.dtype)
+  return tuple(
+    LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)
+  )
+
+
+def dot_attention(q_bthe, keys_bske, values_bske, q_pos_bt, key_pos_bs):
+  """Grouped-query softmax attention (fp32 softmax); a key is visible iff its position <= the
+  query's."""
+  b, t, h, e = q_bthe.shape
+  k = keys_bske.shape[2]
+  dt = q_bthe.dtype
+  q_btkge = q_bthe.reshape(b, t, k, h // k, e)
+  scores = jnp.einsum("btkge,bske->bkgts", q_btkge, keys_bske.astype(dt)).astype(jnp.float32)
+  scores = scores * (e**-0.5)
+  visible_bts = key_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
+  scores = jnp.where(visible_bts[:, None, None], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  out_btkge = jnp.einsum("bkgts,bske->btkge", probs, values_bske.astype(dt))
+  return out_btkge.reshape(b, t, h, e)
+
+
+def attend(q_bthe, k_btke, v_btke, positions_bt, cache):
+  """Writes this call's keys/values into `cache` (if any) and attends; returns (out, cache)."""
+  if cache is None:
+    return dot_attention(q_bthe, k_btke, v_btke, positions_bt, positions_bt), None
+  if isinstance(cache, LayerCache):
+    return _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache)
+  return _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache)
+
+
+def _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache: LayerCache):
+  # Each row writes at its own positions (ragged batch).
+  rows_b1 = jnp.arange(q_bthe.shape[0])[:, None]
+  keys = cache.k_bske.at[rows_b1, positions_bt].set(k_btke.astype(cache.k_bske.dtype))
+  values = cache.v_bske.at[rows_b1, positions_bt].set(v_btke.astype(cache.v_bske.dtype))
+  key_pos_bs = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
+  out = dot_attention(q_bthe, keys, values, positions_bt, key_pos_bs)
+  return out, LayerCache(keys, values)
+
+
+def _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache):
+  """Positions < 0 mark padding tokens: they write nothing and their outputs are ignored."""
+  num_pages, page_size = cache.k_pages_kpze.shape[1:3]
+  valid_bt = positions_bt >= 0
+  safe_pos_bt = jnp.maximum(positions_bt, 0)
+  page_bt = jnp.take_along_axis(cache.page_table_bn, safe_pos_bt // page_size, axis=1)
+  page_bt = jnp.where(valid_bt, page_bt, num_pages)  # out of range: the write is dropped
+  slot_bt = safe_pos_bt % page_size
+  dtype = cache.k_pages_kpze.dtype
+  k_pages = cache.k_pages_kpze.at[:, page_bt, slot_bt].set(
+    jnp.moveaxis(k_btke, 2, 0).astype(dtype), mode="drop"
+  )
+  v_pages = cache.v_pages_kpze.at[:, page_bt, slot_bt].set(
+    jnp.moveaxis(v_btke, 2, 0).astype(dtype), mode="drop"
+  )
+  new_cache = PagedLayerCache(k_pages, v_pages, cache.page_table_bn)
+  if q_bthe.shape[1] == 1:
+    # Decode: one query per row, read straight from the pages.
+    lengths_b = jnp.where(valid_bt[:, 0], positions_bt[:, 0] + 1, 0).astype(jnp.int32)
+    out_bhe = paged_attention(
+      q_bthe[:, 0], k_pages, v_pages, lengths_b, cache.page_table_bn.astype(jnp.int32)
+    )
+    return out_bhe[:, None], new_cache
+  # Prefill chunk: gather each row's pages into contiguous slots and attend densely.
+  b, n = cache.page_table_bn.shape
+  keys = jnp.moveaxis(k_pages[:, cache.page_table_bn], 0, -2).reshape(
+    b, n * page_size, -1, k_pages.shape[-1]
+  )
+  values = jnp.moveaxis(v_pages[:, cache.page_table_bn], 0, -2).reshape(
+    b, n * page_size, -1, v_pages.shape[-1]
+  )
+  key_pos_bs = jnp.broadcast_to(jnp.arange(n * page_size), (b, n * page_size))
+  return dot_attention(q_bthe, keys, values, positions_bt, key_pos_bs), new_cache

@@ -1,0 +1,367 @@
+"""Continuous batching over a paged KV cache.
+
+Requests join and leave a running batch at every step. Keys and values live in fixed-size pages
+shared by all sequences; a host-side scheduler hands pages out, frees them when a request
+finishes, and, when pages run out, preempts the youngest running request (frees its pages, keeps
+its tokens) to resume it later by re-prefilling its prompt plus generated prefix.
+
+Invariant: a running request has keys/values cached for all its tokens but the last; the next
+decode step feeds that last token, caches it, and samples the following one. Prefill therefore
+only fills the cache (in chunks); it never samples.
+
+Glossary: b rows, t tokens per row, n pages per row, k kv heads, p pages, z page size, e head dim.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.model import Model, PagedLayerCache, Params
+from jaxrl.rollout.engine import Completion, bucket
+from jaxrl.rollout.requests import PageAllocator, RequestRecord, pages_for
+from jaxrl.rollout.sampling import SamplingParams, sample_tokens
+from jaxrl.sharding import batch_sharding, logical_to_pspec, tree_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedConfig:
+  """Settings of the paged engine.
+
+  Attributes:
+    page_size: token slots per KV page.
+    num_pages: the page budget (per layer); bounds the tokens cached at once.
+    max_running: most requests decoded together in one step.
+    prefill_chunk: most prompt tokens of one request prefilled per call.
+  """
+
+  page_size: int = 16
+  num_pages: int = 256
+  max_running: int = 64
+  prefill_chunk: int = 128
+
+  def __post_init__(self):
+    for name in ("page_size", "num_pages", "max_running", "prefill_chunk"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"rollout.paged.{name} must be >= 1, got {getattr(self, name)}.")
+
+
+@dataclasses.dataclass
+class _Running:
+  record: RequestRecord
+  pages: list[int]
+  admitted: int  # admission order; the highest is the youngest
+
+
+class PagedEngine:
+  """Continuous-batching engine; also answers to `RolloutEngine` through `generate`."""
+
+  def __init__(
+    self,
+    model: Model,
+    mesh: jax.sharding.Mesh,
+    rules,
+    *,
+    eos_id: int,
+    pad_id: int,
+    config: PagedConfig = PagedConfig(),
+  ):
+    self.model = model
+    self.mesh = mesh
+    self.cfg = config
+    self.eos_id = eos_id
+    self.pad_id = pad_id
+    self.version = -1
+    self.params: Params | None = None
+    shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
+    self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
+    mc = model.config
+    kv_shape = (mc.num_kv_heads, config.num_pages, config.page_size, mc.head_dim)
+    kv_sharding = jax.sharding.NamedSharding(
+      mesh, logical_to_pspec(("kv_heads", None, None, "head_dim"), rules, mesh, kv_shape)
+    )
+    zeros = jax.jit(lambda: jnp.zeros(kv_shape, jnp.dtype(mc.dtype)), out_shardings=kv_sharding)
+    self._kv = [(zeros(), zeros()) for _ in range(mc.num_layers)]
+    self._row_sharding = batch_sharding(mesh, rules, 1)
+    self._matrix_sharding = batch_sharding(mesh, rules, 2)
+    batch_axes = self._row_sharding.spec[0] or ()
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    self._row_multiple = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    self.allocator = PageAllocator(config.num_pages)
+    self.waiting: collections.deque[RequestRecord] = collections.deque()
+    self.running: dict[str, _Running] = {}
+    self._admissions = itertools.count()
+    self._ids = itertools.count()
+    self.num_preemptions = 0
+    self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
+    self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
+
+  # -- requests ----------------------------------------------------------------------------------
+
+  def update_weights(self, params: Params, version: int) -> None:
+    """New weights take effect at the next decode step; later tokens carry `version`."""
+    self.params = jax.device_put(params, self.param_shardings)
+    self.version = version
+
+  def submit(
+    self,
+    request: RequestRecord | Sequence[int],
+    sampling: SamplingParams | None = None,
+    *,
+    request_id: str | None = None,
+    seed: int = 0,
+  ) -> str:
+    """Queues a new prompt, or a record from `snapshot`/`abort` to continue; returns its id."""
+    if isinstance(request, RequestRecord):
+      record = request
+    else:
+      record = RequestRecord(
+        request_id=request_id or f"r{next(self._ids)}",
+        prompt_ids=[int(t) for t in request],
+        sampling=sampling or SamplingParams(),
+        seed=seed,
+      )
+    self._validate(record)
+    self.waiting.append(record)
+    return record.request_id
+
+  def _validate(self, record: RequestRecord) -> None:
+    rid, limit = record.request_id, self.model.config.max_seq_len
+    if record.finish_reason is not None:
+      raise ValueError(f"Request {rid} is already finished ({record.finish_reason}).")
+    if rid in self.running or any(r.request_id == rid for r in self.waiting):
+      raise ValueError(f"Request id {rid} is already in this engine.")
+    if not record.prompt_ids:
+      raise ValueError(f"Request {rid} has an empty prompt; give it at least one token.")
+    if len(record.prompt_ids) > limit:
+      raise ValueError(
+        f"Request {rid}: prompt of {len(record.prompt_ids)} tokens exceeds the "
+        f"model's max_seq_len={limit}; shorten the prompt."
+      )
+    longest = min(len(record.prompt_ids) + record.sampling.max_new_tokens, limit)
+    if pages_for(longest, self.cfg.page_size) > self.cfg.num_pages:
+      raise ValueError(
+        f"Request {rid} may reach {longest} tokens = {pages_for(longest, self.cfg.page_size)} "
+        f"pages of {self.cfg.page_size}, more than the page budget of {self.cfg.num_pages}; "
+        "raise rollout.paged.num_pages or lower max_new_tokens."
+      )
+
+  @property
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def snapshot(self, request_id: str) -> RequestRecord:
+    """Stops a request and returns its record; `submit` it on any engine to continue."""
+    return self.abort([request_id])[0]
+
+  def abort(self, request_ids: Sequence[str]) -> list[RequestRecord]:
+    """Removes requests (running or waiting) and returns their partial records."""
+    out = []
+    for rid in request_ids:
+      if rid in self.running:
+        state = self.running.pop(rid)
+        self.allocator.free(state.pages)
+        out.append(state.record)
+        continue
+      match = [r for r in self.waiting if r.request_id == rid]
+      if not match:
+        raise KeyError(f"Request {rid} is not running or waiting in this engine.")
+      self.waiting.remove(match[0])
+      out.append(match[0])
+    return out
+
+  # -- the loop ----------------------------------------------------------------------------------
+
+  def step(self) -> list[RequestRecord]:
+    """Admits what fits, decodes one token for every running request; returns the finished."""
+    if self.params is None:
+      raise RuntimeError("PagedEngine.step called before update_weights gave it weights.")
+    self._admit()
+    if not self.running:
+      if self.waiting:
+        raise RuntimeError("No request fits the free pages although none is running.")
+      return []
+    self._grow_pages()
+    return self._decode_step()
+
+  def stream(self) -> Iterator[RequestRecord]:
+    """Steps until no work is left, yielding each request as soon as it finishes."""
+    while self.has_work:
+      yield from self.step()
+
+  def generate(self, prompts, sampling, *, seed: int) -> list[Completion]:
+    """Runs the prompts to completion (the `RolloutEngine` interface); results in order."""
+    per_row = list(sampling) if isinstance(sampling, Sequence) else [sampling] * len(prompts)
+    if len(per_row) != len(prompts):
+      raise ValueError(f"Got {len(per_row)} SamplingParams for {len(prompts)} prompts.")
+    ids = [
+      self.submit(p, sp, seed=(seed * 1_000_003 + i) % (2**31 - 1))
+      for i, (p, sp) in enumerate(zip(prompts, per_row, strict=True))
+    ]
+    done = {r.request_id: r for r in self.stream()}
+    return [_completion(done[i]) for i in ids]
+
+  # -- scheduling --------------------------------------------------------------------------------
+
+  def _admit(self) -> None:
+    admitted = []
+    while self.waiting and len(self.running) < self.cfg.max_running:
+      record = self.waiting[0]
+      pages = self.allocator.allocate(pages_for(record.num_tokens, self.cfg.page_size))
+      if pages is None:
+        break
+      self.waiting.popleft()
+      state = _Running(record, pages, next(self._admissions))
+      self.running[record.request_id] = state
+      admitted.append(state)
+    if admitted:
+      self._prefill_states(admitted)
+
+  def _grow_pages(self) -> None:
+    """Gives every running request a page for its next token, preempting the youngest."""
+    for state in sorted(self.running.values(), key=lambda s: s.admitted):
+      if state.record.request_id not in self.running:
+        continue  # preempted below while serving an older request
+      need = pages_for(state.record.num_tokens, self.cfg.page_size) - len(state.pages)
+      while need > 0:
+        pages = self.allocator.allocate(need)
+        if pages is not None:
+          state.pages.extend(pages)
+          break
+        youngest = max(self.running.values(), key=lambda s: s.admitted)
+        self._preempt(youngest)
+        if youngest is state:
+          break
+
+  def _preempt(self, state: _Running) -> None:
+    del self.running[state.record.request_id]
+    self.allocator.free(state.pages)
+    self.waiting.appendleft(state.record)
+    self.num_preemptions += 1
+
+  # -- device calls ------------------------------------------------------------------------------
+
+  def _put(self, x: np.ndarray):
+    return jax.device_put(x, self._row_sharding if x.ndim == 1 else self._matrix_sharding)
+
+  def _page_table(self, states: Sequence[_Running], rows: int) -> np.ndarray:
+    width = bucket(max(len(s.pages) for s in states), 1)
+    table = np.zeros((rows, width), np.int32)
+    for i, s in enumerate(states):
+      table[i, : len(s.pages)] = s.pages
+    return table
+
+  def _rows(self, n: int) -> int:
+    return -(-bucket(n, 1) // self._row_multiple) * self._row_multiple
+
+  def _prefill_states(self, states: Sequence[_Running]) -> None:
+    """Caches every token but the last of each admitted request, chunk by chunk."""
+    seqs = [s.record.prompt_ids + s.record.token_ids for s in states]
+    longest = max(len(x) for x in seqs) - 1
+    chunk = self.cfg.prefill_chunk
+    for start in range(0, longest, chunk):
+      live = [(s, x) for s, x in zip(states, seqs, strict=True) if start < len(x) - 1]
+      rows, width = self._rows(len(live)), bucket(min(chunk, longest - start))
+      tokens = np.full((rows, width), self.pad_id, np.int32)
+      positions = np.full((rows, width), -1, np.int32)
+      for i, (_, x) in enumerate(live):
+        part = x[start : min(start + chunk, len(x) - 1)]
+        tokens[i, : len(part)] = part
+        positions[i, : len(part)] = np.arange(start, start + len(part))
+      table = self._page_table([s for s, _ in live], rows)
+      self._kv = self._prefill(
+        self.params, self._kv, self._put(tokens), self._put(positions), self._put(table)
+      )
+
+  def _decode_step(self) -> list[RequestRecord]:
+    states = sorted(self.running.values(), key=lambda s: s.admitted)
+    rows = self._rows(len(states))
+    tokens = np.full((rows,), self.pad_id, np.int32)
+    positions = np.full((rows,), -1, np.int32)
+    seeds = np.zeros((rows,), np.uint32)
+    index = np.zeros((rows,), np.int32)
+    temperature = np.ones((rows,), np.float32)
+    top_k = np.zeros((rows,), np.int32)
+    top_p = np.ones((rows,), np.float32)
+    for i, s in enumerate(states):
+      r = s.record
+      tokens[i] = r.token_ids[-1] if r.token_ids else r.prompt_ids[-1]
+      positions[i] = r.num_tokens - 1
+      seeds[i], index[i] = r.seed, len(r.token_ids)
+      temperature[i], top_k[i], top_p[i] = (
+        r.sampling.temperature,
+        r.sampling.top_k,
+        r.sampling.top_p,
+      )
+    table = self._page_table(states, rows)
+    new_tokens, logprobs, self._kv = self._decode(
+      self.params,
+      self._kv,
+      *map(self._put, (tokens, positions, table, seeds, index, temperature, top_k, top_p)),
+    )
+    new_tokens, logprobs = np.asarray(new_tokens), np.asarray(logprobs)
+    finished = []
+    limit = self.model.config.max_seq_len
+    for i, s in enumerate(states):
+      r = s.record
+      token = int(new_tokens[i])
+      r.token_ids.append(token)
+      r.logprobs.append(float(logprobs[i]))
+      r.versions.append(self.version)
+      if (token == self.eos_id and not r.sampling.ignore_eos) or token in r.sampling.stop_token_ids:
+        r.finish_reason = "stop"
+      elif len(r.token_ids) >= r.sampling.max_new_tokens or r.num_tokens >= limit:
+        r.finish_reason = "length"
+      if r.finish_reason:
+        del self.running[r.request_id]
+        self.allocator.free(s.pages)
+        finished.append(r)
+    return finished
+
+  def _layers(self, kv, table):
+    return tuple(PagedLayerCache(k, v, table) for k, v in kv)
+
+  def _prefill_impl(self, params, kv, tokens_bt, positions_bt, table_bn):
+    _, cache = self.model.apply(params, tokens_bt, positions_bt, self._layers(kv, table_bn))
+    return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
+
+  def _decode_impl(
+    self,
+    params,
+    kv,
+    tokens_b,
+    positions_b,
+    table_bn,
+    seeds_b,
+    index_b,
+    temperature_b,
+    top_k_b,
+    top_p_b,
+  ):
+    logits_b1v, cache = self.model.apply(
+      params, tokens_b[:, None], positions_b[:, None], self._layers(kv, table_bn)
+    )
+    keys_b = jax.vmap(_token_key)(seeds_b, index_b)
+    tokens_b, logprobs_b = sample_tokens(keys_b, logits_b1v[:, 0], temperature_b, top_k_b, top_p_b)
+    return tokens_b, logprobs_b, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
+
+
+def _token_key(seed, index):
+  """The key of token `index` of the request with `seed`: independent of batching."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), index)
+
+
+def _completion(record: RequestRecord) -> Completion:
+  return Completion(
+    prompt_ids=list(record.prompt_ids),
+    token_ids=np.asarray(record.token_ids, np.int32),
+    logprobs=np.asarray(record.logprobs, np.float32),
+    versions=np.asarray(record.versions, np.int32),
+    finish_reason=record.finish_reason,
+  )
