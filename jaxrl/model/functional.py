@@ -56,11 +56,16 @@ class Model:
     tokens_bt: jax.Array,
     positions_bt: jax.Array | None = None,
     cache: tuple | None = None,
+    return_routing: bool = False,
   ):
-    """Forward pass; returns (logits_btv in fp32, updated cache or None)."""
+    """Forward pass; returns (logits_btv in fp32, updated cache or None[, routing_btlk]).
+
+    With `return_routing`, also the expert ids every token was routed to per layer (MoE), or
+    None for a dense model; see `Transformer.__call__`.
+    """
     state = jax.tree.map(lambda x: x, self._abstract_state)
     nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(self.graphdef, state)(tokens_bt, positions_bt, cache)
+    return nnx.merge(self.graphdef, state)(tokens_bt, positions_bt, cache, return_routing)
 
   def init_cache(self, batch: int, max_len: int) -> tuple[LayerCache, ...]:
     return init_cache(self.config, batch, max_len)

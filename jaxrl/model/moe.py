@@ -31,7 +31,7 @@ def route(router_logits_btx: jax.Array, top_k: int) -> tuple[jax.Array, jax.Arra
 
 
 class MoEMLP(nnx.Module):
-  """Top-k softmax router over SwiGLU experts."""
+  """Top-k softmax router over SwiGLU experts; returns (output, expert ids_btk chosen)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.top_k = cfg.experts_per_token
@@ -53,4 +53,4 @@ class MoEMLP(nnx.Module):
     out_btxd = jnp.einsum(
       "btxf,xfd->btxd", jax.nn.silu(gate) * up, self.w_down_xfd.get_value().astype(dt)
     )
-    return jnp.einsum("btxd,btx->btd", out_btxd, combine_btx.astype(dt))
+    return jnp.einsum("btxd,btx->btd", out_btxd, combine_btx.astype(dt)), ids_btk

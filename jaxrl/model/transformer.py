@@ -75,7 +75,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU feed-forward."""
+  """SwiGLU feed-forward; returns (output, None) to match `MoEMLP`'s (output, expert ids)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f, pd = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
@@ -87,7 +87,8 @@ class MLP(nnx.Module):
     dt = x_btd.dtype
     gate = jnp.einsum("btd,df->btf", x_btd, self.w_gate_df.get_value().astype(dt))
     up = jnp.einsum("btd,df->btf", x_btd, self.w_up_df.get_value().astype(dt))
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.w_down_fd.get_value().astype(dt))
+    down_fd = self.w_down_fd.get_value().astype(dt)
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, down_fd), None
 
 
 class Block(nnx.Module):
@@ -99,9 +100,11 @@ class Block(nnx.Module):
     self.mlp = MoEMLP(cfg, rngs=rngs) if cfg.is_moe else MLP(cfg, rngs=rngs)
 
   def __call__(self, x_btd, positions_bt, cache):
+    """Returns (output, cache, expert ids_btk chosen by an MoE MLP or None)."""
     attn_out, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache)
     x_btd = x_btd + attn_out
-    return x_btd + self.mlp(self.mlp_norm(x_btd)), cache
+    mlp_out, expert_ids_btk = self.mlp(self.mlp_norm(x_btd))
+    return x_btd + mlp_out, cache, expert_ids_btk
 
 
 class Transformer(nnx.Module):
@@ -126,6 +129,7 @@ class Transformer(nnx.Module):
     tokens_bt: jax.Array,
     positions_bt: jax.Array | None = None,
     cache: tuple | None = None,
+    return_routing: bool = False,
   ):
     """Runs the model.
 
@@ -135,9 +139,11 @@ class Transformer(nnx.Module):
         is written to slot positions_bt[b, i] and attends to slots <= its position.
       cache: per-layer KV caches (`LayerCache` from `init_cache`, or `PagedLayerCache`), or
         None for a plain causal forward. Paged rows mark padding tokens with position -1.
+      return_routing: also return the MoE routing trace.
 
     Returns:
-      (logits_btv in fp32, updated cache or None).
+      (logits_btv in fp32, updated cache or None), plus, with `return_routing`, the expert ids
+      each token was routed to, int32 `[b, t, layers, top_k]` (None for a dense model).
     """
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
@@ -145,11 +151,17 @@ class Transformer(nnx.Module):
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     embed_vd = self.embed_vd.get_value()
     x_btd = embed_vd[tokens_bt].astype(dt)
-    new_cache = []
+    new_cache, routing = [], []
     for i, block in enumerate(self.blocks):
-      x_btd, layer_cache = block(x_btd, positions_bt, None if cache is None else cache[i])
+      x_btd, layer_cache, expert_ids_btk = block(
+        x_btd, positions_bt, None if cache is None else cache[i]
+      )
       new_cache.append(layer_cache)
+      routing.append(expert_ids_btk)
     x_btd = self.final_norm(x_btd)
     head_dv = embed_vd.T if cfg.tie_embeddings else self.lm_head_dv.get_value()
     logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt)).astype(jnp.float32)
-    return logits_btv, (None if cache is None else tuple(new_cache))
+    out = logits_btv, (None if cache is None else tuple(new_cache))
+    if not return_routing:
+      return out
+    return *out, (jnp.stack(routing, axis=2).astype(jnp.int32) if cfg.is_moe else None)

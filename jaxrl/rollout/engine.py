@@ -32,6 +32,10 @@ class Completion:
     logprobs: log-probability of each generated id under the distribution it was sampled from.
     versions: policy version of the weights that produced each token.
     finish_reason: "stop" (a stop token) or "length" (max_new_tokens reached).
+    routing: MoE routing trace of the tokens, int32 `[tokens, layers, top_k]`: the experts
+      chosen for the input that produced each token (see `RequestRecord.routing`). None for
+      dense models and for engines that do not record it (`StaticEngine`).
+    prompt_routing: the same for prompt tokens but the last, `[len(prompt) - 1, layers, top_k]`.
   """
 
   prompt_ids: list[int]
@@ -39,6 +43,8 @@ class Completion:
   logprobs: np.ndarray
   versions: np.ndarray
   finish_reason: str
+  routing: np.ndarray | None = None
+  prompt_routing: np.ndarray | None = None
 
 
 class RolloutEngine(Protocol):

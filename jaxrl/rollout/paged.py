@@ -275,9 +275,20 @@ class PagedEngine:
         tokens[i, : len(part)] = part
         positions[i, : len(part)] = np.arange(start, start + len(part))
       table = self._page_table([s for s, _ in live], rows)
-      self._kv = self._prefill(
+      self._kv, routing_btlk = self._prefill(
         self.params, self._kv, self._put(tokens), self._put(positions), self._put(table)
       )
+      if routing_btlk is not None:
+        self._record_prompt_routing([s.record for s, _ in live], start, np.asarray(routing_btlk))
+
+  @staticmethod
+  def _record_prompt_routing(records, start: int, routing_btlk: np.ndarray) -> None:
+    """Keeps the routes of prompt tokens not yet traced (a re-prefill after preemption re-routes
+    tokens whose routes were recorded when they were first processed; those are kept)."""
+    for i, r in enumerate(records):
+      first, stop = len(r.prompt_routing), len(r.prompt_ids) - 1
+      for position in range(max(first, start), min(stop, start + routing_btlk.shape[1])):
+        r.prompt_routing.append(routing_btlk[i, position - start].tolist())
 
   def _decode_step(self) -> list[RequestRecord]:
     states = sorted(self.running.values(), key=lambda s: s.admitted)
@@ -300,12 +311,13 @@ class PagedEngine:
         r.sampling.top_p,
       )
     table = self._page_table(states, rows)
-    new_tokens, logprobs, self._kv = self._decode(
+    new_tokens, logprobs, routing_blk, self._kv = self._decode(
       self.params,
       self._kv,
       *map(self._put, (tokens, positions, table, seeds, index, temperature, top_k, top_p)),
     )
     new_tokens, logprobs = np.asarray(new_tokens), np.asarray(logprobs)
+    routing_blk = None if routing_blk is None else np.asarray(routing_blk)
     finished = []
     limit = self.model.config.max_seq_len
     for i, s in enumerate(states):
@@ -314,6 +326,8 @@ class PagedEngine:
       r.token_ids.append(token)
       r.logprobs.append(float(logprobs[i]))
       r.versions.append(self.version)
+      if routing_blk is not None:
+        r.routing.append(routing_blk[i].tolist())
       if (token == self.eos_id and not r.sampling.ignore_eos) or token in r.sampling.stop_token_ids:
         r.finish_reason = "stop"
       elif len(r.token_ids) >= r.sampling.max_new_tokens or r.num_tokens >= limit:
@@ -328,8 +342,10 @@ class PagedEngine:
     return tuple(PagedLayerCache(k, v, table) for k, v in kv)
 
   def _prefill_impl(self, params, kv, tokens_bt, positions_bt, table_bn):
-    _, cache = self.model.apply(params, tokens_bt, positions_bt, self._layers(kv, table_bn))
-    return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
+    _, cache, routing_btlk = self.model.apply(
+      params, tokens_bt, positions_bt, self._layers(kv, table_bn), return_routing=True
+    )
+    return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
 
   def _decode_impl(
     self,
@@ -344,12 +360,17 @@ class PagedEngine:
     top_k_b,
     top_p_b,
   ):
-    logits_b1v, cache = self.model.apply(
-      params, tokens_b[:, None], positions_b[:, None], self._layers(kv, table_bn)
+    logits_b1v, cache, routing_b1lk = self.model.apply(
+      params,
+      tokens_b[:, None],
+      positions_b[:, None],
+      self._layers(kv, table_bn),
+      return_routing=True,
     )
     keys_b = jax.vmap(_token_key)(seeds_b, index_b)
     tokens_b, logprobs_b = sample_tokens(keys_b, logits_b1v[:, 0], temperature_b, top_k_b, top_p_b)
-    return tokens_b, logprobs_b, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
+    routing_blk = None if routing_b1lk is None else routing_b1lk[:, 0]
+    return tokens_b, logprobs_b, routing_blk, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
 
 
 def _token_key(seed, index):
@@ -358,10 +379,16 @@ def _token_key(seed, index):
 
 
 def _completion(record: RequestRecord) -> Completion:
+  routing = prompt_routing = None
+  if record.routing:
+    routing = np.asarray(record.routing, np.int32)
+    prompt_routing = np.asarray(record.prompt_routing, np.int32).reshape(-1, *routing.shape[1:])
   return Completion(
     prompt_ids=list(record.prompt_ids),
     token_ids=np.asarray(record.token_ids, np.int32),
     logprobs=np.asarray(record.logprobs, np.float32),
     versions=np.asarray(record.versions, np.int32),
     finish_reason=record.finish_reason,
+    routing=routing,
+    prompt_routing=prompt_routing,
   )

@@ -26,6 +26,12 @@ class RequestRecord:
     token_ids: generated ids so far.
     logprobs: log-probability of each generated id under the distribution it was drawn from.
     versions: policy version of the weights that produced each generated id.
+    routing: MoE models only: per generated id, the expert ids each layer chose (`[layer][k]`)
+      in the forward pass that produced it, i.e. for its input token (the previous token, or
+      the last prompt token for the first id).
+    prompt_routing: MoE models only: the same for prompt tokens 0..len(prompt)-2, routed in
+      prefill. `prompt_routing + routing` covers exactly the inputs a learner feeds to score
+      the response (prompt + response without its last token), ready for routing replay.
     finish_reason: None while unfinished, else "stop" or "length".
   """
 
@@ -36,6 +42,8 @@ class RequestRecord:
   token_ids: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  routing: list[list[list[int]]] = dataclasses.field(default_factory=list)
+  prompt_routing: list[list[list[int]]] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None
 
   @property

@@ -166,3 +166,51 @@ def test_bad_requests_are_rejected_at_submit(mesh, params):
     e.submit([5, 6], SamplingParams(max_new_tokens=3), request_id="x")
   with pytest.raises(ValueError, match="num_pages"):
     PagedConfig(num_pages=0)
+
+
+def test_moe_routing_trace_matches_a_full_forward_and_survives_snapshot(mesh):
+  """The trace holds, per input position the learner feeds, the experts each layer chose."""
+  moe = Model(get_preset("tiny-moe"))
+  moe_params = moe.init(3)
+  cfg = moe.config
+  rng = np.random.default_rng(5)
+  ps = [list(rng.integers(3, 60, n)) for n in (1, 9, 23, 30)]
+  sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+  e = PagedEngine(
+    moe,
+    mesh,
+    ROLLOUT_RULES,
+    eos_id=EOS,
+    pad_id=PAD,
+    config=PagedConfig(page_size=8, num_pages=8, max_running=4, prefill_chunk=8),
+  )
+  e.update_weights(moe_params, 0)
+  for i, p in enumerate(ps):
+    e.submit(p, sp, request_id=str(i))
+  for _ in range(4):
+    e.step()
+  moved = RequestRecord.from_dict(json.loads(json.dumps(e.snapshot("2").to_dict())))
+  e.submit(moved)
+  done = {r.request_id: r for r in e.stream()}
+  assert e.num_preemptions > 0  # 8 pages of 8 slots cannot hold all four: re-prefill happens
+
+  forward = jax.jit(lambda p, t: moe.apply(p, t, return_routing=True)[2])
+  for i, prompt in enumerate(ps):
+    r = done[str(i)]
+    inputs = prompt + r.token_ids[:-1]
+    expected = np.asarray(forward(moe_params, np.asarray([inputs], np.int32)))[0]
+    got = np.asarray(r.prompt_routing + r.routing, np.int32).reshape(expected.shape)
+    assert expected.shape == (len(inputs), cfg.num_layers, cfg.experts_per_token)
+    assert len(r.prompt_routing) == len(prompt) - 1 and len(r.routing) == len(r.token_ids)
+    # The order of the top-k within a token does not matter to the layer.
+    np.testing.assert_array_equal(np.sort(got, -1), np.sort(expected, -1))
+
+  one_token_prompt = e.generate([ps[0]], sp, seed=0)[0]
+  trace_shape = (cfg.num_layers, cfg.experts_per_token)
+  assert one_token_prompt.routing.shape == (len(one_token_prompt.token_ids), *trace_shape)
+  assert one_token_prompt.prompt_routing.shape == (0, *trace_shape)
+
+
+def test_dense_models_have_no_routing_trace(mesh, params):
+  out = engine(mesh, params).generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), seed=0)[0]
+  assert out.routing is None and out.prompt_routing is None
