@@ -61,6 +61,18 @@ def filter_logits(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) 
   return jnp.where(logits_bv >= threshold_b1, logits_bv, -jnp.inf)
 
 
+def first_argmax(x_bv: jax.Array) -> jax.Array:
+  """`jnp.argmax(x, -1)` (first index of the maximum, int32) for rows without NaN.
+
+  Written as a max and a min over indices because XLA:CPU lowers argmax's two-operand reduce
+  to a scalar loop that also drags the elementwise producers fused into it out of SIMD: at
+  16 x 32768 logits plus Gumbel noise it took 5.4 ms against 1.0 ms for this form.
+  """
+  max_b1 = jnp.max(x_bv, axis=-1, keepdims=True)
+  index_v = jnp.arange(x_bv.shape[-1], dtype=jnp.int32)
+  return jnp.min(jnp.where(x_bv == max_b1, index_v, x_bv.shape[-1] - 1), axis=-1)
+
+
 def sample_tokens(
   keys_b: jax.Array,
   logits_bv: jax.Array,
@@ -81,8 +93,10 @@ def sample_tokens(
   filtered_bv = jax.lax.cond(
     needs_filter, filter_logits, lambda x, *_: x, scaled_bv, top_k_b, top_p_b
   )
-  sampled_b = jax.vmap(jax.random.categorical)(keys_b, filtered_bv)
-  tokens_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), sampled_b).astype(jnp.int32)
+  # Gumbel-max, as jax.random.categorical does it, but with first_argmax (see there).
+  gumbel_bv = jax.vmap(lambda key: jax.random.gumbel(key, filtered_bv.shape[-1:]))(keys_b)
+  sampled_b = first_argmax(filtered_bv + gumbel_bv)
+  tokens_b = jnp.where(greedy_b, first_argmax(logits_bv), sampled_b)
   logp_bv = jax.nn.log_softmax(jnp.where(greedy_b[:, None], scaled_bv, filtered_bv), axis=-1)
   logprobs_b = jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=-1)[:, 0]
   return tokens_b, logprobs_b

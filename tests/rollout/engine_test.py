@@ -8,6 +8,7 @@ import pytest
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import logprob_mismatch
 from jaxrl.rollout import SamplingParams, StaticEngine, filter_logits, sample_tokens
+from jaxrl.rollout.sampling import first_argmax
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig
 
@@ -105,6 +106,18 @@ def test_top_k_top_p_sample_only_allowed_tokens():
   for b in range(6):
     assert seen[b] <= allowed[b]
   assert len(seen[0]) == 1 and len(seen[2]) > 1
+
+
+def test_sampler_draws_what_categorical_draws_and_first_argmax_breaks_ties_low():
+  rng = np.random.default_rng()
+  logits = jnp.asarray(rng.normal(size=(5, 300)) * 2, jnp.float32)
+  keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 5)
+  ones, no_k, no_p = jnp.ones(5), jnp.zeros(5, jnp.int32), jnp.ones(5)
+  toks, _ = sample_tokens(keys, logits, ones, no_k, no_p)
+  np.testing.assert_array_equal(toks, jax.vmap(jax.random.categorical)(keys, logits))
+  tied = jnp.asarray(rng.integers(0, 3, size=(64, 50)), jnp.float32)  # many ties
+  np.testing.assert_array_equal(first_argmax(tied), jnp.argmax(tied, axis=-1))
+  np.testing.assert_array_equal(first_argmax(logits), jnp.argmax(logits, axis=-1))
 
 
 def test_rollout_logprobs_match_learner(setup):
