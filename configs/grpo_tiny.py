@@ -7,12 +7,14 @@ Variants (`--config configs/grpo_tiny.py:ARG`):
   (none)      the demo: a short supervised warm-up, then 600 GRPO steps; about 3 minutes on a
               2-core CPU. Held-out exact-match reward goes from about 0.55 to about 0.85.
   colocated   the same with rollout and training sharing one mesh.
+  planned     the same with the rollout/training split and mesh shapes chosen by the
+              scheduler's planner for these devices (jaxrl.scheduler.local).
   test        3 RL steps, tiny batches: the smoke test the test suite runs.
 """
 
 from jaxrl.config import default_config, model_config
 
-VARIANTS = (None, "colocated", "test")
+VARIANTS = (None, "colocated", "planned", "test")
 
 
 def get_config(arg: str | None = None):
@@ -61,6 +63,8 @@ def get_config(arg: str | None = None):
 
   if arg == "colocated":
     config.placement.mode = "colocated"
+  elif arg == "planned":
+    config.placement.mode = "planned"
   elif arg == "test":
     config.warmup.steps = 2
     config.rollout.prompts_per_step = 4
@@ -71,5 +75,5 @@ def get_config(arg: str | None = None):
     config.eval.num_prompts = 8
     config.checkpoint.every = 0
   elif arg:
-    raise ValueError(f"Unknown variant {arg!r} of grpo_tiny; use colocated or test.")
+    raise ValueError(f"Unknown variant {arg!r} of grpo_tiny; use colocated, planned or test.")
   return config

@@ -46,8 +46,10 @@ class PlacementConfig:
   """Which devices run rollout and training.
 
   Attributes:
-    mode: "disaggregated" (rollout and training on disjoint device groups) or "colocated" (both
-      stages share one mesh of `train_devices` devices).
+    mode: "disaggregated" (rollout and training on disjoint device groups), "colocated" (both
+      stages share one mesh of `train_devices` devices) or "planned" (disaggregated, with the
+      device counts and mesh shapes chosen by the scheduler's planner for this model and step;
+      the four fields below are then ignored).
     rollout_devices: devices of the rollout mesh (disaggregated mode).
     train_devices: devices of the training mesh.
     rollout_mesh: axis sizes of the rollout mesh.
@@ -65,7 +67,7 @@ class PlacementConfig:
       raise ConfigError(f"config.placement.mode={self.mode!r}: use one of {PLACEMENTS}.")
 
 
-PLACEMENTS = ("disaggregated", "colocated")
+PLACEMENTS = ("disaggregated", "colocated", "planned")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,12 +2,14 @@
 
   python launch/bench.py logprob_mismatch [--json]
   python launch/bench.py rollout [--json] [--presets bench-tiny,bench-small]
+  python launch/bench.py plan [--json]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
 
 import argparse
 import json
+import os
 import platform
 import resource
 import sys
@@ -211,7 +213,50 @@ def bench_rollout(
   return out
 
 
-BENCHMARKS = {"logprob_mismatch": bench_logprob_mismatch, "rollout": bench_rollout}
+def bench_plan(
+  sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024),
+  models: tuple[str, ...] = ("qwen3-8b", "qwen3-30b-a3b"),
+  repeats: int = 3,
+) -> dict:
+  """Planner solve time (candidate enumeration + MILP) on six-type clusters of 16-1024 devices.
+
+  Best of `repeats` wall times per (size, model, staleness), with the plan's throughput and
+  the number of candidate rollout and training configurations the MILP chose from.
+  """
+  from jaxrl.scheduler import PlannerConfig, Workload, build_problem, load_cluster, plan
+
+  out = {}
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+  for size in sizes:
+    cluster = load_cluster(os.path.join(path, "clusters", "six_types.py"), str(size))
+    for name in models:
+      for staleness in (0, 2):
+        best, result = float("inf"), None
+        for _ in range(repeats):
+          start = time.perf_counter()
+          problem = build_problem(
+            cluster, get_preset(name), Workload(max_staleness=staleness), model_name=name
+          )
+          result = plan(problem, PlannerConfig())
+          best = min(best, time.perf_counter() - start)
+        out[f"{size}/{name}/staleness{staleness}"] = {
+          "devices": cluster.num_devices,
+          "types": len({p.accelerator for p in cluster.pools}),
+          "solve_seconds": best,
+          "rollout_candidates": len(problem.rollout),
+          "train_candidates": len(problem.train),
+          "throughput_samples_per_s": result.throughput_samples_per_s,
+          "cost_per_hour": result.cost_per_hour,
+          "bottleneck": result.bottleneck,
+        }
+  return out
+
+
+BENCHMARKS = {
+  "logprob_mismatch": bench_logprob_mismatch,
+  "plan": bench_plan,
+  "rollout": bench_rollout,
+}
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from jaxrl.rl.placement import Placement, make_placement
 from jaxrl.rl.weights import WeightStore
 from jaxrl.rollout.engine import StaticEngine
 from jaxrl.rollout.paged import PagedEngine
+from jaxrl.scheduler.local import plan_for_experiment
 from jaxrl.sharding import STAGE_RULES
 from jaxrl.train.learner import Learner
 from jaxrl.train.sft import SupervisedTrainer
@@ -65,7 +66,14 @@ def build_controller(
       f"tokenizer's {tokenizer.vocab_size} ids; raise config.model.vocab_size."
     )
   task = make_task(cfg.task)
-  placement = placement or make_placement(cfg.placement)
+  if placement is None:
+    plan = None
+    if cfg.placement.mode == "planned":
+      prompts = task.records("train", 64, cfg.seed)
+      prompt_len = max(1 + len(tokenizer.encode(r["prompt"])) for r in prompts)
+      plan = plan_for_experiment(cfg, prompt_len)
+      log.info("placement planned by the scheduler:\n%s", plan.table())
+    placement = make_placement(cfg.placement, plan=plan)
   model = Model(cfg.model)
   make_engine = _choose(ENGINES, cfg.rollout.engine, "config.rollout.engine")
   engine = make_engine(

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import jax
 
-from jaxrl.config import ConfigError, PlacementConfig
+from jaxrl.config import ConfigError, MeshConfig, PlacementConfig
+from jaxrl.scheduler.plan import Plan
 from jaxrl.sharding import make_mesh, split_devices
 
 
@@ -20,9 +21,21 @@ class Placement:
   train_mesh: jax.sharding.Mesh
 
 
-def make_placement(cfg: PlacementConfig, devices: Sequence[jax.Device] | None = None) -> Placement:
-  """Builds the two stage meshes from the local devices (or `devices`)."""
+def make_placement(
+  cfg: PlacementConfig, devices: Sequence[jax.Device] | None = None, plan: Plan | None = None
+) -> Placement:
+  """Builds the two stage meshes from the local devices (or `devices`).
+
+  In "planned" mode the split and the mesh shapes come from `plan` (the scheduler's plan for
+  these devices, `jaxrl.scheduler.local.plan_for_experiment`), laid out as in disaggregated
+  mode: rollout first, as one mesh of `data` x `tensor` (the smallest tensor degree among the
+  plan's rollout instances), then training with the plan's device count and mesh.
+  """
   devices = list(jax.devices() if devices is None else devices)
+  if cfg.mode == "planned":
+    if plan is None:
+      raise ConfigError("config.placement.mode='planned' needs a plan from jaxrl.scheduler.")
+    cfg = _planned(cfg, plan)
   if cfg.mode == "colocated":
     groups = [_take(devices, [cfg.train_devices], "config.placement.train_devices")[0]] * 2
   else:
@@ -41,6 +54,17 @@ def make_placement(cfg: PlacementConfig, devices: Sequence[jax.Device] | None = 
     except ValueError as e:
       raise ConfigError(f"config.placement.{key}: {e}") from None
   return Placement(mode=cfg.mode, rollout_mesh=meshes[0], train_mesh=meshes[1])
+
+
+def _planned(cfg: PlacementConfig, plan: Plan) -> PlacementConfig:
+  tensor = min(r.mesh["tensor"] for r in plan.rollout)
+  return dataclasses.replace(
+    cfg,
+    rollout_devices=sum(r.devices for r in plan.rollout),
+    train_devices=plan.train.devices,
+    rollout_mesh=MeshConfig(data=-1, tensor=tensor),
+    train_mesh=MeshConfig(**plan.train.mesh),
+  )
 
 
 def _take(devices, sizes, what: str):

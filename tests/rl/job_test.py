@@ -12,6 +12,7 @@ from jaxrl.config import ConfigError, from_config_dict
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
 from jaxrl.rl.placement import make_placement
+from jaxrl.scheduler.local import plan_for_experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,10 +32,10 @@ def tiny_config(arg="test", **overrides):
   return from_config_dict(cd)
 
 
-@pytest.mark.parametrize("arg", ["test", "colocated"])
+@pytest.mark.parametrize("arg", ["test", "colocated", "planned"])
 def test_three_step_run_completes(tmp_path, arg):
   overrides = {}
-  if arg == "colocated":  # the colocated demo variant, cut to the test's size
+  if arg != "test":  # a demo variant, cut to the test's size
     overrides = {
       "warmup.steps": 2,
       "rollout.prompts_per_step": 4,
@@ -46,7 +47,9 @@ def test_three_step_run_completes(tmp_path, arg):
       "checkpoint.every": 0,
     }
   cfg = tiny_config(arg, **overrides)
-  assert cfg.placement.mode == ("colocated" if arg == "colocated" else "disaggregated")
+  assert cfg.placement.mode == {"colocated": "colocated", "planned": "planned"}.get(
+    arg, "disaggregated"
+  )
   summary = job.run(cfg, str(tmp_path), show_progress=False)
   assert summary["steps"] == 3
   records = read_metrics(str(tmp_path / "metrics.jsonl"))
@@ -80,6 +83,20 @@ def test_placements_use_the_configured_devices():
   assert len(rollout) == 4 and len(train) == 4 and not rollout & train
   colocated = make_placement(tiny_config("colocated").placement)
   assert colocated.rollout_mesh.devices.flat[0] == colocated.train_mesh.devices.flat[0]
+
+
+def test_planned_placement_takes_split_and_meshes_from_the_planner():
+  cfg = tiny_config("planned")
+  plan = plan_for_experiment(cfg, prompt_len=12)
+  p = make_placement(cfg.placement, plan=plan)
+  rollout = {d.id for d in p.rollout_mesh.devices.flat}
+  train = {d.id for d in p.train_mesh.devices.flat}
+  assert not rollout & train and len(rollout | train) <= len(jax.devices())
+  assert len(train) == plan.train.devices
+  assert len(rollout) == sum(r.devices for r in plan.rollout)
+  assert dict(p.train_mesh.shape) == plan.train.mesh
+  with pytest.raises(ConfigError, match="needs a plan"):
+    make_placement(cfg.placement)
 
 
 def test_published_weights_land_on_the_rollout_mesh(tmp_path):

@@ -1,0 +1,322 @@
+"""Roofline cost model of the two stages: rollout instances and training meshes.
+
+Rollout: a decode step reads the weights and every running sequence's KV once, and does
+2·N_active FLOPs per sequence, so its time is the larger of bytes over memory bandwidth and
+FLOPs over compute (each scaled by a fitted efficiency), plus tensor-parallel all-reduces and a
+fixed per-step overhead. Prefill is compute-bound. Long-tail lengths enter three ways: the mean
+length sets the work per sample, the token-weighted mean position sets the KV a running
+sequence holds, and the expected longest response of a step sets the tail latency.
+
+Training: (6 + 2·extra forward passes)·N_active·tokens over devices·FLOP/s·MFU, overlapped with
+the FSDP all-gathers and reduce-scatters; tensor and expert exchanges are added. Memory per
+device is a hard limit for both stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from jaxrl.model.config import ModelConfig
+from jaxrl.scheduler.catalog import Accelerator
+
+# Share of device memory a plan may fill (the rest: runtime, fragmentation, compiler scratch).
+USABLE_MEMORY = 0.9
+# Latency of one collective call, seconds.
+COLLECTIVE_LATENCY_S = 10e-6
+# Training state bytes per parameter: fp32 master + Adam m and v + bf16 weights + bf16 grads.
+TRAIN_STATE_BYTES_PER_PARAM = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What one RL step asks of the stages.
+
+  Attributes:
+    prompts_per_step: prompts per training step.
+    group_size: responses per prompt.
+    prompt_len: tokens per prompt.
+    response_median: median response length (lognormal).
+    response_sigma: lognormal sigma of response lengths (0: all equal to the median).
+    response_cap: maximum response length (max_new_tokens).
+    max_staleness: versions a trained sample may lag the learner (0: synchronous).
+    updates_per_step: optimizer updates per step (PPO mini-batches).
+    extra_forward_passes: forward passes besides the one inside backprop (reference model,
+      proximal / old log-probs).
+    micro_batch_size: if > 0, sequences per training micro-batch, which the training mesh's
+      batch axes (fsdp x expert) must divide.
+  """
+
+  prompts_per_step: int = 64
+  group_size: int = 8
+  prompt_len: int = 256
+  response_median: float = 1024
+  response_sigma: float = 1.0
+  response_cap: int = 8192
+  max_staleness: int = 1
+  updates_per_step: int = 1
+  extra_forward_passes: int = 2
+  micro_batch_size: int = 0
+
+  def __post_init__(self):
+    for name in ("prompts_per_step", "group_size", "prompt_len", "response_cap"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"workload.{name} must be >= 1, got {getattr(self, name)}.")
+    if not 1 <= self.response_median <= self.response_cap:
+      raise ValueError("workload.response_median must be in [1, response_cap].")
+    if self.response_sigma < 0 or self.max_staleness < 0 or self.extra_forward_passes < 0:
+      raise ValueError("workload: response_sigma, max_staleness, extra_forward_passes >= 0.")
+    if self.updates_per_step < 1:
+      raise ValueError("workload.updates_per_step must be >= 1.")
+
+  @property
+  def samples_per_step(self) -> int:
+    return self.prompts_per_step * self.group_size
+
+  def lengths(self) -> LengthStats:
+    return _length_stats(
+      self.response_median, self.response_sigma, self.response_cap, self.samples_per_step
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthStats:
+  mean: float  # E[L]
+  mean_position: float  # E[L^2] / (2 E[L]): where a running sequence is, on average
+  expected_max: float  # E[max of one step's L]
+  quantiles: tuple[float, ...]  # 1024 equal-mass quantiles, for samplers
+
+
+@functools.lru_cache(maxsize=64)
+def _length_stats(median: float, sigma: float, cap: int, n: int) -> LengthStats:
+  from scipy.stats import norm
+
+  u = (np.arange(4096) + 0.5) / 4096
+  q = np.clip(median * np.exp(sigma * norm.ppf(u)), 1, cap)
+  # E[max of n] = E[Q(U^(1/n))] for U uniform.
+  top = np.clip(median * np.exp(sigma * norm.ppf(u ** (1.0 / n))), 1, cap)
+  return LengthStats(
+    mean=float(q.mean()),
+    mean_position=float((q**2).mean() / (2 * q.mean())),
+    expected_max=float(top.mean()),
+    quantiles=tuple(float(x) for x in q[2::4]),
+  )
+
+
+def _itemsize(dtype: str) -> int:
+  return {"float32": 4, "bfloat16": 2}[dtype]
+
+
+def active_params(model: ModelConfig) -> int:
+  """Parameters one token uses (MoE: only its top-k experts)."""
+  idle = 0
+  if model.is_moe:
+    idle = model.num_layers * (model.num_experts - model.experts_per_token) * 3 * model.d_model
+    idle *= model.moe_mlp_dim
+  return model.num_params() - idle
+
+
+def weight_bytes(model: ModelConfig) -> float:
+  return model.num_params() * _itemsize(model.param_dtype)
+
+
+def kv_bytes_per_token(model: ModelConfig) -> float:
+  return model.num_layers * 2 * model.num_kv_heads * model.head_dim * _itemsize(model.dtype)
+
+
+def _allreduce_seconds(nbytes: float, group: int, bandwidth: float) -> float:
+  if group <= 1:
+    return 0.0
+  return 2 * (group - 1) / group * nbytes / bandwidth + COLLECTIVE_LATENCY_S
+
+
+# --------------------------------------------------------------------------------- rollout
+@dataclasses.dataclass(frozen=True)
+class RolloutCost:
+  """One rollout instance: `tensor` devices serving `batch` running sequences."""
+
+  tensor: int
+  batch: int
+  step_seconds: float  # one decode step at the mean context
+  samples_per_s: float  # finished responses per second, prefill included
+  tail_seconds: float  # latency of the step's expected longest response
+  memory_bytes: float  # per device
+
+
+def decode_bytes_flops(
+  model: ModelConfig, tensor: int, batch: int, context: float
+) -> tuple[float, float]:
+  """Bytes read and FLOPs done per device by one decode step (weights + KV of the batch)."""
+  kv_shards = min(tensor, model.num_kv_heads)
+  nbytes = weight_bytes(model) / tensor + batch * context * kv_bytes_per_token(model) / kv_shards
+  attn_flops = 4 * model.num_layers * model.num_heads * model.head_dim * context
+  return nbytes, batch * (2 * active_params(model) + attn_flops) / tensor
+
+
+def decode_roofline_seconds(
+  model: ModelConfig, acc: Accelerator, tensor: int, batch: int, context: float
+) -> float:
+  """Ideal decode step: max(bytes / bandwidth, FLOPs / peak), no efficiency or overhead."""
+  nbytes, flops = decode_bytes_flops(model, tensor, batch, context)
+  return max(nbytes / acc.hbm_bytes_per_s, flops / acc.flops)
+
+
+def decode_step_seconds(
+  model: ModelConfig, acc: Accelerator, tensor: int, batch: int, context: float
+) -> float:
+  """Modelled decode step: the roofline at fitted efficiencies, plus overhead and all-reduces."""
+  nbytes, flops = decode_bytes_flops(model, tensor, batch, context)
+  memory_s = nbytes / (acc.hbm_bytes_per_s * acc.decode_efficiency)
+  compute_s = flops / (acc.flops * acc.compute_efficiency)
+  # Two all-reduces of the residual stream per layer under tensor parallelism.
+  act = batch * model.d_model * _itemsize(model.dtype)
+  comm_s = 2 * model.num_layers * _allreduce_seconds(act, tensor, acc.link_bytes_per_s)
+  return acc.step_overhead_s + max(memory_s, compute_s) + comm_s
+
+
+def prefill_seconds(model: ModelConfig, acc: Accelerator, tensor: int, tokens: float) -> float:
+  attn = 2 * model.num_layers * model.num_heads * model.head_dim * tokens
+  flops = tokens * (2 * active_params(model) + attn)
+  return flops / (tensor * acc.flops * acc.compute_efficiency)
+
+
+def rollout_cost(
+  model: ModelConfig, acc: Accelerator, tensor: int, batch: int, workload: Workload
+) -> RolloutCost | None:
+  """Throughput, tail latency and memory of one instance, or None when it does not fit."""
+  lengths = workload.lengths()
+  context = workload.prompt_len + lengths.mean_position
+  kv_shards = min(tensor, model.num_kv_heads)
+  kv = kv_bytes_per_token(model) / kv_shards
+  # Pages for the running batch at its mean context (+25% for the spread), plus one sequence
+  # at full length so the longest response can always finish; logits of the batch in fp32.
+  memory = (
+    weight_bytes(model) / tensor
+    + (1.25 * batch * context + workload.prompt_len + workload.response_cap) * kv
+    + batch * model.vocab_size * 4
+  )
+  if memory > USABLE_MEMORY * acc.memory_bytes:
+    return None
+  step = decode_step_seconds(model, acc, tensor, batch, context)
+  prefill = prefill_seconds(model, acc, tensor, workload.prompt_len)
+  if workload.max_staleness == 0:
+    # Synchronous steps drain: the longest response runs its first `mean` tokens in a full
+    # batch and the rest nearly alone.
+    alone = decode_step_seconds(model, acc, tensor, 1, workload.prompt_len + lengths.expected_max)
+    tail = prefill + lengths.mean * step + (lengths.expected_max - lengths.mean) * alone
+  else:
+    # Asynchronous engines keep admitting work: the batch stays full all along.
+    tail = prefill + lengths.expected_max * step
+  return RolloutCost(
+    tensor=tensor,
+    batch=batch,
+    step_seconds=step,
+    samples_per_s=1.0 / (lengths.mean * step / batch + prefill),
+    tail_seconds=tail,
+    memory_bytes=memory,
+  )
+
+
+# --------------------------------------------------------------------------------- training
+@dataclasses.dataclass(frozen=True)
+class TrainCost:
+  """One training mesh of `devices` devices of one type."""
+
+  devices: int
+  mesh: dict[str, int]
+  step_seconds: float
+  memory_bytes: float  # per device
+
+
+def train_cost(
+  model: ModelConfig,
+  acc: Accelerator,
+  devices: int,
+  devices_per_node: int,
+  network_bytes_per_s: float,
+  workload: Workload,
+) -> TrainCost | None:
+  """The fastest mesh (fsdp x tensor x expert) of `devices` devices that fits, or None."""
+  tokens = workload.samples_per_step * (workload.prompt_len + workload.lengths().mean)
+  best = None
+  for tensor in _powers_of_two(min(devices, devices_per_node, model.num_heads)):
+    experts = _powers_of_two(devices // tensor) if model.is_moe else [1]
+    for expert in experts:
+      if devices % (tensor * expert) or not mesh_divides(
+        model, workload, devices // (tensor * expert), tensor, expert
+      ):
+        continue
+      cost = _train_mesh_cost(
+        model, acc, devices, tensor, expert, devices_per_node, network_bytes_per_s, workload, tokens
+      )
+      if cost is not None and (best is None or cost.step_seconds < best.step_seconds):
+        best = cost
+  return best
+
+
+def _train_mesh_cost(
+  model, acc, devices, tensor, expert, devices_per_node, network_bytes_per_s, workload, tokens
+):
+  fsdp = devices // (tensor * expert)
+  seq = workload.prompt_len + workload.response_cap
+  d, layers = model.d_model, model.num_layers
+  per_layer_params = (model.num_params() - model.vocab_size * d) / layers
+  memory = (
+    TRAIN_STATE_BYTES_PER_PARAM * model.num_params() / devices
+    # Rematerialised layer inputs and one layer's live activations, one sequence per device.
+    + seq * d * 2 * (layers + 16) / tensor
+    + seq * model.vocab_size * 4 / tensor
+    + 2 * 2 * per_layer_params / max(tensor * expert, 1)  # gathered weights, double-buffered
+  )
+  if memory > USABLE_MEMORY * acc.memory_bytes:
+    return None
+  flops = (6 + 2 * workload.extra_forward_passes) * active_params(model) * tokens
+  compute_s = flops / (devices * acc.flops * acc.train_mfu)
+
+  def group_bandwidth(span: int) -> float:
+    return acc.link_bytes_per_s if span <= devices_per_node else network_bytes_per_s
+
+  # FSDP: all-gather for forward and backward, reduce-scatter of gradients, per update.
+  shard_bytes = 2 * model.num_params() / (tensor * expert)
+  fsdp_s = 0.0
+  if fsdp > 1:
+    bw = group_bandwidth(devices)
+    fsdp_s = workload.updates_per_step * 3 * ((fsdp - 1) / fsdp * shard_bytes / bw)
+  local_tokens = tokens / max(fsdp, 1)
+  passes = 3 + workload.extra_forward_passes  # forward, backward (x2), extra forwards
+  tensor_s = (
+    passes * 2 * layers * _allreduce_seconds(local_tokens * d * 2, tensor, group_bandwidth(tensor))
+  )
+  expert_s = 0.0
+  if expert > 1:
+    moved = local_tokens * model.experts_per_token * d * 2 * (expert - 1) / expert
+    expert_s = passes * 2 * layers * moved / group_bandwidth(tensor * expert)
+  step = max(compute_s, fsdp_s) + tensor_s + expert_s
+  mesh = {"data": 1, "fsdp": fsdp, "tensor": tensor, "expert": expert}
+  return TrainCost(devices=devices, mesh=mesh, step_seconds=step, memory_bytes=memory)
+
+
+def mesh_divides(model: ModelConfig, workload: Workload, fsdp: int, tensor: int, expert: int):
+  """Whether the sharded dimensions split evenly (the logical-axis rules require it)."""
+  dims_ok = (
+    model.d_model % fsdp == 0
+    and model.num_heads % tensor == 0
+    and model.num_kv_heads % tensor == 0
+    and model.mlp_dim % tensor == 0
+    and model.vocab_size % tensor == 0
+    and (not model.is_moe or model.num_experts % expert == 0)
+  )
+  batch = workload.micro_batch_size
+  return dims_ok and (batch == 0 or batch % (fsdp * expert) == 0)
+
+
+def weight_sync_seconds(model: ModelConfig, bandwidth: float) -> float:
+  """Time to send the policy's weights over one link of `bandwidth` bytes/s."""
+  return weight_bytes(model) / bandwidth
+
+
+def _powers_of_two(limit: int) -> list[int]:
+  return [1 << i for i in range(int(math.log2(max(limit, 1))) + 1)]
