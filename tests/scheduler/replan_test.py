@@ -28,7 +28,7 @@ def test_growing_spot_pool_is_adopted_only_if_it_pays_back():
   assert d.adopted and not d.forced
   assert d.new_throughput > d.kept_throughput
   assert d.plan.throughput_samples_per_s == pytest.approx(d.new_throughput)
-  assert 0 < d.reconfigure_seconds and d.payback_seconds <= 3600
+  assert d.reconfigure_seconds > 0 and d.payback_seconds <= 3600
   # The same gain does not pay for the stall within a window shorter than its payback.
   short = decide(after, before, window_s=d.payback_seconds / 2)
   assert not short.adopted
