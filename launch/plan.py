@@ -13,7 +13,6 @@ RL step (prompts x group responses, lognormal response lengths, staleness bound)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -34,7 +33,7 @@ from jaxrl.scheduler.planner import plan_colocated  # noqa: E402
 
 
 def workload_flags(parser: argparse.ArgumentParser) -> None:
-  """The `Workload` fields as flags (shared with launch/simulate.py)."""
+  """The `Workload` fields as flags."""
   defaults = Workload()
   for name, kind, help_ in (
     ("prompts_per_step", int, "prompts per training step"),
@@ -54,19 +53,6 @@ def workload_flags(parser: argparse.ArgumentParser) -> None:
 def workload_from_args(args: argparse.Namespace) -> Workload:
   fields = Workload.__dataclass_fields__
   return Workload(**{k: getattr(args, k) for k in fields})
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr():
-  sys.stdout.flush()
-  saved = os.dup(1)
-  os.dup2(2, 1)
-  try:
-    yield
-  finally:
-    sys.stdout.flush()
-    os.dup2(saved, 1)
-    os.close(saved)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
       train_on_preemptible=args.train_on_preemptible,
     )
     config = PlannerConfig(budget_per_hour=args.budget, min_throughput=args.min_throughput)
-    with _stdout_to_stderr():  # HiGHS may print debug lines from C; keep stdout pure JSON
-      result = plan_colocated(problem) if args.colocated else plan(problem, config)
+    result = plan_colocated(problem) if args.colocated else plan(problem, config)
   except (PlanningError, ValueError, FileNotFoundError) as e:
     print(f"plan: {e}", file=sys.stderr)
     return 2

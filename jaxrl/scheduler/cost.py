@@ -5,7 +5,8 @@ Rollout: a decode step reads the weights and every running sequence's KV once, a
 FLOPs over compute (each scaled by a fitted efficiency), plus tensor-parallel all-reduces and a
 fixed per-step overhead. Prefill is compute-bound. Long-tail lengths enter three ways: the mean
 length sets the work per sample, the token-weighted mean position sets the KV a running
-sequence holds, and the expected longest response of a step sets the tail latency.
+sequence holds, and the longest responses of a step set the tail latency (the expected longest
+on the instance that hosts the top share, the longest of the rest on every other instance).
 
 Training: (6 + 2·extra forward passes)·N_active·tokens over devices·FLOP/s·MFU, overlapped with
 the FSDP all-gathers and reduce-scatters; tensor and expert exchanges are added. Memory per
@@ -87,6 +88,8 @@ class LengthStats:
   mean: float  # E[L]
   mean_position: float  # E[L^2] / (2 E[L]): where a running sequence is, on average
   expected_max: float  # E[max of one step's L]
+  tail_count: int  # a step's longest responses a tail host must hold: top 1% or all at the cap
+  bulk_max: float  # the longest response left to the other instances (quantile past tail_count)
   quantiles: tuple[float, ...]  # 1024 equal-mass quantiles, for samplers
 
 
@@ -98,10 +101,15 @@ def _length_stats(median: float, sigma: float, cap: int, n: int) -> LengthStats:
   q = np.clip(median * np.exp(sigma * norm.ppf(u)), 1, cap)
   # E[max of n] = E[Q(U^(1/n))] for U uniform.
   top = np.clip(median * np.exp(sigma * norm.ppf(u ** (1.0 / n))), 1, cap)
+  at_cap = norm.sf(math.log(cap / median) / sigma) if sigma > 0 else float(median >= cap)
+  tail_count = max(math.ceil(n / 100), math.ceil(n * at_cap))
+  bulk = median * math.exp(sigma * norm.ppf(1 - min(tail_count, n - 0.5) / n)) if sigma else median
   return LengthStats(
     mean=float(q.mean()),
     mean_position=float((q**2).mean() / (2 * q.mean())),
     expected_max=float(top.mean()),
+    tail_count=int(tail_count),
+    bulk_max=float(np.clip(bulk, 1, cap)),
     quantiles=tuple(float(x) for x in q[2::4]),
   )
 
@@ -142,7 +150,8 @@ class RolloutCost:
   batch: int
   step_seconds: float  # one decode step at the mean context
   samples_per_s: float  # finished responses per second, prefill included
-  tail_seconds: float  # latency of the step's expected longest response
+  tail_seconds: float  # latency of the step's expected longest response (as the tail host)
+  bulk_tail_seconds: float  # latency of the longest response left after the tail host's share
   memory_bytes: float  # per device
 
 
@@ -203,19 +212,24 @@ def rollout_cost(
   step = decode_step_seconds(model, acc, tensor, batch, context)
   prefill = prefill_seconds(model, acc, tensor, workload.prompt_len)
   if workload.max_staleness == 0:
-    # Synchronous steps drain: the longest response runs its first `mean` tokens in a full
-    # batch and the rest nearly alone.
+    # Synchronous steps drain: a long response runs its first `mean` tokens in a full batch
+    # and the rest nearly alone.
     alone = decode_step_seconds(model, acc, tensor, 1, workload.prompt_len + lengths.expected_max)
-    tail = prefill + lengths.mean * step + (lengths.expected_max - lengths.mean) * alone
+
+    def latency(length):
+      return prefill + lengths.mean * step + max(0.0, length - lengths.mean) * alone
   else:
     # Asynchronous engines keep admitting work: the batch stays full all along.
-    tail = prefill + lengths.expected_max * step
+    def latency(length):
+      return prefill + length * step
+
   return RolloutCost(
     tensor=tensor,
     batch=batch,
     step_seconds=step,
     samples_per_s=1.0 / (lengths.mean * step / batch + prefill),
-    tail_seconds=tail,
+    tail_seconds=latency(lengths.expected_max),
+    bulk_tail_seconds=latency(lengths.bulk_max),
     memory_bytes=memory,
   )
 
