@@ -21,16 +21,20 @@ def run_train(tmp_path, *flags):
 
 
 @pytest.mark.parametrize(
-  "flag, message",
+  "flags, message",
   [
-    ("--config.train.stepz=3", 'Did you mean "steps"'),
-    ("--config.train.steps=abc", "--config.train.steps=abc"),
-    ("--config.placement.train_devices=6", "this process has 8"),
-    ("--config.train.loss.aggregation=sum", "config.train.loss"),
+    (["--config.train.stepz=3"], 'Did you mean "steps"'),
+    (["--config.train.steps=abc"], "--config.train.steps=abc"),
+    (
+      ["--config=configs/grpo_tiny.py:fixed", "--config.placement.train_devices=6"],
+      "this process has 8",
+    ),
+    (["--config.train.loss.aggregation=sum"], "config.train.loss"),
+    (["--config.model.mlp_dim=4000000"], "config.placement.mode='planned'"),
   ],
 )
-def test_bad_command_line_gives_one_clear_message(tmp_path, flag, message):
-  result = run_train(tmp_path, flag)
+def test_bad_command_line_gives_one_clear_message(tmp_path, flags, message):
+  result = run_train(tmp_path, *flags)
   assert result.returncode != 0
   assert message in result.stderr
   assert "Traceback" not in result.stderr

@@ -27,6 +27,7 @@ from jaxrl.rl.weights import WeightStore
 from jaxrl.rollout.engine import StaticEngine
 from jaxrl.rollout.paged import PagedEngine
 from jaxrl.scheduler.local import plan_for_experiment
+from jaxrl.scheduler.planner import PlanningError
 from jaxrl.sharding import STAGE_RULES
 from jaxrl.train.learner import Learner
 from jaxrl.train.sft import SupervisedTrainer
@@ -71,7 +72,13 @@ def build_controller(
     if cfg.placement.mode == "planned":
       prompts = task.records("train", 64, cfg.seed)
       prompt_len = max(1 + len(tokenizer.encode(r["prompt"])) for r in prompts)
-      plan = plan_for_experiment(cfg, prompt_len)
+      try:
+        plan = plan_for_experiment(cfg, prompt_len)
+      except PlanningError as e:
+        raise ConfigError(
+          f"config.placement.mode='planned': {e} Set placement.mode='disaggregated' with "
+          "explicit device counts, or change the batch settings."
+        ) from None
       log.info("placement planned by the scheduler:\n%s", plan.table())
     placement = make_placement(cfg.placement, plan=plan)
   model = Model(cfg.model)

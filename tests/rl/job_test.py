@@ -32,7 +32,7 @@ def tiny_config(arg="test", **overrides):
   return from_config_dict(cd)
 
 
-@pytest.mark.parametrize("arg", ["test", "colocated", "planned"])
+@pytest.mark.parametrize("arg", ["test", "colocated", "fixed"])
 def test_three_step_run_completes(tmp_path, arg):
   overrides = {}
   if arg != "test":  # a demo variant, cut to the test's size
@@ -47,8 +47,8 @@ def test_three_step_run_completes(tmp_path, arg):
       "checkpoint.every": 0,
     }
   cfg = tiny_config(arg, **overrides)
-  assert cfg.placement.mode == {"colocated": "colocated", "planned": "planned"}.get(
-    arg, "disaggregated"
+  assert cfg.placement.mode == {"colocated": "colocated", "fixed": "disaggregated"}.get(
+    arg, "planned"
   )
   summary = job.run(cfg, str(tmp_path), show_progress=False)
   assert summary["steps"] == 3
@@ -76,7 +76,7 @@ def test_three_step_run_completes(tmp_path, arg):
 
 
 def test_placements_use_the_configured_devices():
-  cfg = tiny_config()
+  cfg = tiny_config("fixed")
   p = make_placement(cfg.placement)
   rollout = {d.id for d in p.rollout_mesh.devices.flat}
   train = {d.id for d in p.train_mesh.devices.flat}
@@ -86,7 +86,7 @@ def test_placements_use_the_configured_devices():
 
 
 def test_planned_placement_takes_split_and_meshes_from_the_planner():
-  cfg = tiny_config("planned")
+  cfg = tiny_config()
   plan = plan_for_experiment(cfg, prompt_len=12)
   p = make_placement(cfg.placement, plan=plan)
   rollout = {d.id for d in p.rollout_mesh.devices.flat}
@@ -100,7 +100,7 @@ def test_planned_placement_takes_split_and_meshes_from_the_planner():
 
 
 def test_published_weights_land_on_the_rollout_mesh(tmp_path):
-  cfg = tiny_config()
+  cfg = tiny_config(**{"placement.mode": "disaggregated"})  # 4 + 4 devices
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
   controller.publish()
   rollout_devices = set(controller.rollout.mesh.devices.flat)
@@ -152,9 +152,9 @@ def test_existing_checkpoints_need_resume(tmp_path):
 
 def test_mesh_sizes_that_do_not_fit_are_reported():
   with pytest.raises(ConfigError, match=r"rollout_devices \+ config.placement.train_devices"):
-    make_placement(tiny_config(**{"placement.rollout_devices": 6}).placement)
+    make_placement(tiny_config("fixed", **{"placement.rollout_devices": 6}).placement)
   with pytest.raises(ConfigError, match="config.placement.train_mesh"):
-    make_placement(tiny_config(**{"placement.train_mesh.fsdp": 3}).placement)
+    make_placement(tiny_config("fixed", **{"placement.train_mesh.fsdp": 3}).placement)
 
 
 def test_batch_that_does_not_split_is_reported(tmp_path):
