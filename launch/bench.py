@@ -3,6 +3,7 @@
   python launch/bench.py logprob_mismatch [--json]
   python launch/bench.py rollout [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py plan [--json]
+  python launch/bench.py calibrate [--json]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
@@ -252,7 +253,56 @@ def bench_plan(
   return out
 
 
+def bench_calibrate(
+  presets: tuple[str, ...] = ("bench-tiny", "bench-small"),
+  batches: tuple[int, ...] = (1, 4, 16, 64),
+  prompt_len: int = 32,
+  new_tokens: int = 64,
+) -> dict:
+  """Fits the scheduler's decode efficiency and per-step overhead for this CPU to measured
+  steady-state decode steps of the paged engine (one device = the whole machine)."""
+  from jaxrl.scheduler import calibrate_cpu, fit_decode_efficiency
+  from jaxrl.scheduler.cost import decode_roofline_seconds
+
+  machine = calibrate_cpu(devices_sharing=1)
+  rng = np.random.default_rng(0)
+  steps, rows = [], {}
+  context = prompt_len + new_tokens / 2
+  for preset in presets:
+    cfg = get_preset(preset)
+    model = Model(cfg)
+    engine = PagedEngine(
+      model,
+      make_mesh(jax.devices()[:1], {}),
+      ROLLOUT_RULES,
+      eos_id=2,
+      pad_id=0,
+      config=PagedConfig(page_size=16, num_pages=max(batches) * 8, max_running=max(batches)),
+    )
+    engine.update_weights(model.init(0), 0)
+    for batch in batches:
+      prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(batch)]
+      sampling = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)] * batch
+      measured = _decode_step_seconds(engine, prompts, sampling)
+      roof = decode_roofline_seconds(cfg, machine, 1, batch, context)
+      steps.append((roof, measured, 1.0 / measured**2))  # relative error, not absolute
+      rows[f"{preset}/batch{batch}"] = {"measured_ms": measured * 1e3, "roofline_ms": roof * 1e3}
+  fitted = fit_decode_efficiency(machine, steps)
+  for (roof, _, _), row in zip(steps, rows.values(), strict=True):
+    row["model_ms"] = (fitted.step_overhead_s + roof / fitted.decode_efficiency) * 1e3
+  return {
+    "machine": {
+      "memcpy_GBps": machine.hbm_bytes_per_s / 1e9,
+      "matmul_GFLOPs": machine.flops / 1e9,
+      "decode_efficiency": fitted.decode_efficiency,
+      "step_overhead_ms": fitted.step_overhead_s * 1e3,
+    },
+    **rows,
+  }
+
+
 BENCHMARKS = {
+  "calibrate": bench_calibrate,
   "logprob_mismatch": bench_logprob_mismatch,
   "plan": bench_plan,
   "rollout": bench_rollout,

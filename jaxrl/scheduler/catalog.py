@@ -6,7 +6,7 @@ typical 2025-2026 public-cloud list prices per device-hour, on demand and preemp
 Prices vary by provider and month: a cluster spec overrides any field (`overrides` of
 `configs/clusters/*.py`), and the efficiency factors are meant to be fitted from measured runs
 (`fit_decode_efficiency`). The `cpu` entry holds this project's measurement of the local CPU
-(launch/bench.py rollout, 2026-11-22); `calibrate_cpu()` measures it again.
+(`launch/bench.py calibrate`, 2026-11-22); `calibrate_cpu()` measures it again.
 """
 
 from __future__ import annotations
@@ -104,22 +104,23 @@ CATALOG: dict[str, Accelerator] = {
     _entry("v5p", "tpu", 459, 95, 2.76, 600, 4.20, 2.10),
     _entry("v6e", "tpu", 918, 32, 1.64, 448, 2.70, 1.35),
     # One of the 8 simulated devices of this 2-core VM (they share its cores and memory, so
-    # each gets 1/8 of the machine): measured 2026-11-22 by launch/bench.py rollout as an
-    # in-place copy at 42.7 GB/s and a 2048^3 fp32 matmul at 157 GFLOP/s for the machine.
-    # Efficiencies: see docs/BENCHMARKS.md (decode steps of the paged engine).
+    # each gets 1/8 of the machine). Measured 2026-11-22 by `launch/bench.py calibrate`: the
+    # machine copies at 61 GB/s and multiplies 1024^3 fp32 at 374 GFLOP/s; the paged engine's
+    # decode steps (bench-tiny and bench-small, batch 1-64) fit efficiency 0.26 on the
+    # roofline plus 0.1 ms per step (docs/BENCHMARKS.md). Training MFU is not measured here.
     _entry(
       "cpu",
       "cpu",
-      0.157 / 8,
-      3,
-      0.0427 / 8,
-      0.0427 / 8 * 1000,
+      0.374 / 8,  # TFLOP/s
+      3,  # GiB: 24 GiB of RAM over 8 devices
+      0.061 / 8,  # TB/s
+      61 / 8,  # GB/s: devices "link" through the same memory
       0.0,
       0.0,
-      decode_efficiency=0.5,
-      compute_efficiency=0.3,
+      decode_efficiency=0.26,
+      compute_efficiency=0.26,
       train_mfu=0.2,
-      step_overhead_s=2e-3,
+      step_overhead_s=1e-4,
       approximate=False,
     ),
   )
