@@ -81,6 +81,11 @@ class RolloutConfig:
     group_size: responses generated per prompt (G of GRPO).
     sampling: sampling parameters of every training response.
     paged: options of the paged engine.
+    dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal (they
+      carry no advantage) and generate more prompts until a step has `prompts_per_step`
+      informative groups.
+    dynamic_sampling_rounds: most generation rounds per step; if the step is still short, it
+      is filled with uninformative groups (zero advantage) and the metrics say how many.
   """
 
   engine: str = "paged"
@@ -88,6 +93,14 @@ class RolloutConfig:
   group_size: int = 8
   sampling: SamplingParams = SamplingParams()
   paged: PagedConfig = PagedConfig()
+  dynamic_sampling: bool = False
+  dynamic_sampling_rounds: int = 4
+
+  def __post_init__(self):
+    if self.dynamic_sampling_rounds < 1:
+      raise ConfigError(
+        f"config.rollout.dynamic_sampling_rounds must be >= 1, got {self.dynamic_sampling_rounds}."
+      )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,7 @@ class ControllerSettings:
   eval_sampling: SamplingParams
   checkpoint_every: int
   seed: int
+  dynamic_sampling_rounds: int = 0  # 0: off; else DAPO dynamic sampling with this many rounds
 
 
 @dataclasses.dataclass
@@ -127,24 +128,58 @@ class Controller:
       np.float32,
     )
 
+  def generate_groups(self) -> tuple[list[dict], list, np.ndarray, dict[str, float]]:
+    """One step's prompts, completions and rewards (`prompts_per_step` groups).
+
+    With dynamic sampling, groups whose rewards are all equal are dropped and further prompt
+    batches generated (up to `dynamic_sampling_rounds` rounds); a step still short after the
+    last round is filled with dropped groups, which carry zero advantage.
+    """
+    s, step = self.s, self.state.step
+    g = s.group_size
+    kept, dropped, times = [], [], {"time_rollout": 0.0, "time_reward": 0.0}
+    for round_ in range(max(1, s.dynamic_sampling_rounds)):
+      records = next(self.loader)
+      group_records = [r for r in records for _ in range(g)]
+      t = time.perf_counter()
+      # Round 0 keeps the seed of a step without dynamic sampling.
+      seed = _step_seed(s.seed, step) + round_ * 7919
+      completions = self.rollout.generate(self.encode_prompts(group_records), s.sampling, seed=seed)
+      times["time_rollout"] += time.perf_counter() - t
+      t = time.perf_counter()
+      rewards_b = self.score(group_records, completions)
+      times["time_reward"] += time.perf_counter() - t
+      for i in range(len(records)):
+        group = (group_records[i * g : (i + 1) * g], completions[i * g : (i + 1) * g])
+        rewards = rewards_b[i * g : (i + 1) * g]
+        informative = not s.dynamic_sampling_rounds or rewards.std() > 0
+        (kept if informative else dropped).append((*group, rewards))
+      if len(kept) >= s.prompts_per_step:
+        break
+    filler = max(0, s.prompts_per_step - len(kept))
+    groups = (kept + dropped[:filler])[: s.prompts_per_step]
+    info = {}
+    if s.dynamic_sampling_rounds:
+      info = {
+        "dynamic_rounds": round_ + 1,
+        "groups_dropped": len(dropped),
+        "groups_uninformative_in_batch": filler,
+      }
+    group_records = [r for recs, _, _ in groups for r in recs]
+    completions = [c for _, comps, _ in groups for c in comps]
+    rewards_b = np.concatenate([rewards for _, _, rewards in groups])
+    return group_records, completions, rewards_b, times | info
+
   def step(self) -> dict[str, float]:
     """One synchronous RL step; returns its metrics (host floats)."""
     s, step = self.s, self.state.step
-    records = next(self.loader)
-    group_records = [r for r in records for _ in range(s.group_size)]
-    times = {}
+    group_records, completions, rewards_b, times = self.generate_groups()
+    records = group_records[:: s.group_size]
 
     t = time.perf_counter()
-    completions = self.rollout.generate(
-      self.encode_prompts(group_records), s.sampling, seed=_step_seed(s.seed, step)
-    )
-    times["time_rollout"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    rewards_b = self.score(group_records, completions)
     advantages_b = np.asarray(group_advantages(rewards_b, s.group_size, mode=s.advantage))
     batch = build_batch(completions, advantages_b, self.tokenizer.pad_id)
-    times["time_reward"] = time.perf_counter() - t
+    times["time_reward"] += time.perf_counter() - t
 
     t = time.perf_counter()
     train_metrics = jax.device_get(self.learner.update(batch))
@@ -175,7 +210,7 @@ class Controller:
       **{k: float(v) for k, v in train_metrics.items()},
       **times,
     }
-    metrics["time_step"] = sum(times.values())
+    metrics["time_step"] = sum(v for k, v in times.items() if k.startswith("time_"))
     return metrics
 
   def evaluate(self) -> float:

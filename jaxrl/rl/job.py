@@ -112,6 +112,9 @@ def build_controller(
     eval_sampling=dataclasses.replace(cfg.rollout.sampling, temperature=cfg.eval.temperature),
     checkpoint_every=cfg.checkpoint.every,
     seed=cfg.seed,
+    dynamic_sampling_rounds=cfg.rollout.dynamic_sampling_rounds
+    if cfg.rollout.dynamic_sampling
+    else 0,
   )
   train_records = task.records("train", None, cfg.seed)
   loader = PromptLoader(train_records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)

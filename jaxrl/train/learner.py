@@ -32,7 +32,7 @@ class TrainBatch:
   Attributes:
     tokens_bt: [b, t + 1] prompt + response ids, right-padded.
     mask_bt: [b, t] 1 where the target (token t + 1) is a response token.
-    old_logp_bt: [b, t] behaviour log-probs of the targets (rollout's), 0 off the mask.
+    old_logp_bt: [b, t] behaviour log-probs of the targets (the rollout's), 0 off the mask.
     advantages_b: [b] one advantage per sequence.
   """
 
@@ -117,13 +117,18 @@ class Learner:
     """
     self.check_batch_size(batch.size)
     per_update = batch.size // self.updates_per_step
+    behaviour_bt = batch.old_logp_bt
+    proximal_bt = behaviour_bt
+    if self.loss_cfg.proximal == "recompute":  # decoupled PPO: the policy before this step
+      proximal_bt = self.proximal_logprobs(batch)
     all_metrics = []
     for u in range(self.updates_per_step):
       rows = slice(u * per_update, (u + 1) * per_update)
       arrays = [
         batch.tokens_bt[rows],
         batch.mask_bt[rows],
-        batch.old_logp_bt[rows],
+        proximal_bt[rows],
+        behaviour_bt[rows],
         batch.advantages_b[rows],
       ]
       micro = [
@@ -134,17 +139,35 @@ class Learner:
         self.params, self.opt_state, self.ref_params, *micro
       )
       all_metrics.append(metrics)
-    return jax.tree.map(lambda *xs: sum(xs) / len(xs), *all_metrics) | {
-      "skipped": sum(m["skipped"] for m in all_metrics)
-    }
+    out = jax.tree.map(lambda *xs: sum(xs) / len(xs), *all_metrics)
+    # Effective sample size of the behaviour weights, as a fraction of the tokens.
+    ess = out["behaviour_weight_mean"] ** 2 / jnp.maximum(out["behaviour_weight_sq_mean"], 1e-30)
+    return out | {"skipped": sum(m["skipped"] for m in all_metrics), "behaviour_ess": ess}
+
+  def proximal_logprobs(self, batch: TrainBatch) -> np.ndarray:
+    """The current weights' log-probs of the batch's targets (0 off the mask), computed one
+    micro-batch at a time: the proximal policy of decoupled PPO."""
+    chunks = [
+      np.asarray(self.logprobs(self.params, batch.tokens_bt[i : i + self.micro_batch_size]))
+      for i in range(0, batch.size, self.micro_batch_size)
+    ]
+    return np.concatenate(chunks) * (batch.mask_bt > 0)
 
   def _update_impl(
-    self, params, opt_state, ref_params, tokens_mbt, mask_mbt, old_logp_mbt, advantages_mb
+    self,
+    params,
+    opt_state,
+    ref_params,
+    tokens_mbt,
+    mask_mbt,
+    old_logp_mbt,
+    behaviour_logp_mbt,
+    advantages_mb,
   ):
     num_tokens = jnp.sum(mask_mbt).astype(jnp.float32)
     num_seqs = jnp.float32(mask_mbt.shape[0] * mask_mbt.shape[1])
 
-    def micro_loss(p, tokens_bt, mask_bt, old_logp_bt, advantages_b):
+    def micro_loss(p, tokens_bt, mask_bt, old_logp_bt, behaviour_logp_bt, advantages_b):
       logp_bt = self._logprobs_impl(p, tokens_bt)
       ref_logp_bt = (
         None
@@ -160,6 +183,7 @@ class Learner:
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         ref_logp_bt=ref_logp_bt,
+        behaviour_logp_bt=behaviour_logp_bt,
       )
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -173,7 +197,7 @@ class Learner:
     grads, (losses_m, metrics_m) = jax.lax.scan(
       accumulate,
       jax.tree.map(jnp.zeros_like, params),
-      (tokens_mbt, mask_mbt, old_logp_mbt, advantages_mb),
+      (tokens_mbt, mask_mbt, old_logp_mbt, behaviour_logp_mbt, advantages_mb),
     )
     loss = jnp.sum(losses_m)
     metrics = jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics_m)

@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+RATIO_LEVELS = ("token", "sequence")
+PROXIMAL = ("behaviour", "recompute")
+BEHAVIOUR_CORRECTIONS = ("none", "truncate", "mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +31,33 @@ class LossConfig:
       GRPO); `"seq-mean-token-mean"`: mean over each sequence's tokens, then mean over sequences
       (the original GRPO).
     kl_weight: weight of the k3 KL penalty to the reference policy; 0 turns it off.
+    ratio_level: `"token"`: one importance ratio per token (PPO, GRPO, DAPO); `"sequence"`:
+      GSPO's length-normalised sequence ratio `exp(mean_t(logp - old_logp))`, clipped per
+      sequence and shared by its tokens (pair it with `seq-mean-token-mean` and small clip
+      ranges, e.g. 3e-4 / 4e-4).
+    proximal: which log-probs the clipped ratio is taken against. `"behaviour"`: the rollout's
+      (the policy that sampled the tokens). `"recompute"`: decoupled PPO: the learner
+      recomputes them with its weights at the start of the step (the proximal policy), and the
+      gap between proximal and behaviour policy (staleness, or train/inference mismatch) is
+      corrected by the behaviour weight below.
+    behaviour_correction: with `proximal="recompute"`, how the importance weight
+      `w = pi_prox / pi_behaviour` (no gradient) enters the loss: `"none"` (w = 1),
+      `"truncate"` (truncated importance sampling: each token's loss times `min(w, cap)`) or
+      `"mask"` (tokens, or whole sequences, with `w` outside `[1 / cap, cap]` are dropped).
+    behaviour_level: `"token"`: a weight per token; `"sequence"`: one weight per sequence,
+      the product of its token weights.
+    behaviour_cap: the truncation cap / mask band of the behaviour weight; > 1.
   """
 
   clip_low: float = 0.2
   clip_high: float = 0.2
   aggregation: str = "token-mean"
   kl_weight: float = 0.0
+  ratio_level: str = "token"
+  proximal: str = "behaviour"
+  behaviour_correction: str = "none"
+  behaviour_level: str = "token"
+  behaviour_cap: float = 2.0
 
   def __post_init__(self):
     if not 0.0 <= self.clip_low < 1.0:
@@ -48,6 +72,23 @@ class LossConfig:
       )
     if self.kl_weight < 0.0:
       raise ValueError(f"LossConfig.kl_weight must be >= 0, got {self.kl_weight}.")
+    for name, allowed in (
+      ("ratio_level", RATIO_LEVELS),
+      ("proximal", PROXIMAL),
+      ("behaviour_correction", BEHAVIOUR_CORRECTIONS),
+      ("behaviour_level", RATIO_LEVELS),
+    ):
+      if getattr(self, name) not in allowed:
+        raise ValueError(
+          f"LossConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}."
+        )
+    if self.behaviour_correction != "none" and self.proximal != "recompute":
+      raise ValueError(
+        f"LossConfig.behaviour_correction={self.behaviour_correction!r} corrects the gap "
+        "between proximal and behaviour policy, so it needs proximal='recompute'."
+      )
+    if not self.behaviour_cap > 1.0:
+      raise ValueError(f"LossConfig.behaviour_cap must be > 1, got {self.behaviour_cap}.")
 
 
 def token_logprobs(
@@ -117,11 +158,14 @@ def policy_loss(
   num_tokens: jax.Array | float,
   num_seqs: jax.Array | float,
   ref_logp_bt: jax.Array | None = None,
+  behaviour_logp_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO clipped surrogate loss (plus an optional k3 KL penalty) of one micro-batch.
 
-  Per token, with `ratio = exp(logp - old_logp)` and the sequence's advantage `A`:
-  `loss_t = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+  Per token, with `ratio = exp(logp - old_logp)` (or GSPO's sequence ratio, see
+  `LossConfig.ratio_level`), the sequence's advantage `A` and the behaviour weight `w` (1
+  unless `cfg.behaviour_correction` says otherwise):
+  `loss_t = -w * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
   + kl_weight * k3(logp, ref_logp)`, aggregated over the masked tokens as `cfg.aggregation` says.
 
   Normalisation uses whole-batch counts, so that the sum of the returned loss over the
@@ -132,7 +176,8 @@ def policy_loss(
 
   Args:
     logp_bt: `[B, T]` log-probs of the sampled tokens under the policy being trained.
-    old_logp_bt: `[B, T]` log-probs under the policy that sampled them (no gradient).
+    old_logp_bt: `[B, T]` log-probs the ratio is taken against (no gradient): the behaviour
+      policy's, or with `cfg.proximal="recompute"` the proximal policy's.
     advantages_b: `[B]` one advantage per sequence (no gradient).
     mask_bt: `[B, T]` bool (or 0/1): the tokens that count (completion tokens, not padding or
       prompt). Values at unmasked positions are ignored, even if inf or NaN.
@@ -141,6 +186,8 @@ def policy_loss(
     num_seqs: sequences in the WHOLE batch, across all micro-batches.
     ref_logp_bt: `[B, T]` reference-policy log-probs (no gradient); required if
       `cfg.kl_weight > 0`.
+    behaviour_logp_bt: `[B, T]` log-probs of the policy that sampled the tokens (the rollout
+      engine's); required if `cfg.behaviour_correction != "none"`.
 
   Returns:
     `(loss, metrics)`. Every metric is, like the loss, a micro-batch sum over a whole-batch count,
@@ -153,6 +200,10 @@ def policy_loss(
         clipped term and it differs from the unclipped one, i.e. `A > 0` and
         `ratio > 1 + clip_high`, or `A < 0` and `ratio < 1 - clip_low`.
       - `ratio_mean`: mean importance ratio per masked token (over `num_tokens`).
+      - `behaviour_weight_mean`, `behaviour_weight_sq_mean`: mean of `w` and of `w^2` per
+        masked token (their ratio `mean^2 / sq_mean` is the effective sample size fraction).
+      - `behaviour_adjusted_frac`: fraction of masked tokens whose weight was truncated or
+        masked.
 
   Raises:
     ValueError: `cfg.kl_weight > 0` without `ref_logp_bt`, or mismatched shapes.
@@ -161,9 +212,16 @@ def policy_loss(
     raise ValueError(
       f"LossConfig.kl_weight={cfg.kl_weight} > 0 needs ref_logp_bt (reference-policy log-probs)."
     )
+  if cfg.behaviour_correction != "none" and behaviour_logp_bt is None:
+    raise ValueError(
+      f"LossConfig.behaviour_correction={cfg.behaviour_correction!r} needs behaviour_logp_bt "
+      "(the rollout's log-probs)."
+    )
   shapes = {"logp_bt": logp_bt.shape, "old_logp_bt": old_logp_bt.shape, "mask_bt": mask_bt.shape}
   if ref_logp_bt is not None:
     shapes["ref_logp_bt"] = ref_logp_bt.shape
+  if behaviour_logp_bt is not None:
+    shapes["behaviour_logp_bt"] = behaviour_logp_bt.shape
   if len(set(shapes.values())) != 1 or len(logp_bt.shape) != 2:
     raise ValueError(f"Expected equal [B, T] shapes, got {shapes}.")
   if advantages_b.shape != logp_bt.shape[:1]:
@@ -179,9 +237,16 @@ def policy_loss(
 
   # Zero the log-ratio where masked, before exp, so that padding garbage cannot overflow to inf
   # and turn the masked sum (or its gradient) into NaN.
-  ratio_bt = jnp.exp(jnp.where(mask_bt, logp_bt - old_logp_bt, 0.0))
+  log_ratio_bt = jnp.where(mask_bt, logp_bt - old_logp_bt, 0.0)
+  if cfg.ratio_level == "sequence":  # GSPO: exp of the mean token log-ratio, per sequence
+    seq_len_b1 = jnp.maximum(mask_bt.sum(axis=1, keepdims=True), 1)
+    log_ratio_bt = jnp.broadcast_to(
+      log_ratio_bt.sum(axis=1, keepdims=True) / seq_len_b1, mask_bt.shape
+    )
+  ratio_bt = jnp.exp(log_ratio_bt)
   clipped_ratio_bt = jnp.clip(ratio_bt, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-  pg_loss_bt = -jnp.minimum(ratio_bt * adv_b1, clipped_ratio_bt * adv_b1)
+  weight_bt, adjusted_bt = behaviour_weights(old_logp_bt, behaviour_logp_bt, mask_bt, cfg)
+  pg_loss_bt = -weight_bt * jnp.minimum(ratio_bt * adv_b1, clipped_ratio_bt * adv_b1)
   is_clipped_bt = ((adv_b1 > 0) & (ratio_bt > 1.0 + cfg.clip_high)) | (
     (adv_b1 < 0) & (ratio_bt < 1.0 - cfg.clip_low)
   )
@@ -202,5 +267,36 @@ def policy_loss(
     "kl": kl_tok,
     "clip_frac": (is_clipped_bt & mask_bt).sum() * inv_tokens,
     "ratio_mean": jnp.where(mask_bt, ratio_bt, 0.0).sum() * inv_tokens,
+    "behaviour_weight_mean": jnp.where(mask_bt, weight_bt, 0.0).sum() * inv_tokens,
+    "behaviour_weight_sq_mean": jnp.where(mask_bt, weight_bt**2, 0.0).sum() * inv_tokens,
+    "behaviour_adjusted_frac": (adjusted_bt & mask_bt).sum() * inv_tokens,
   }
   return pg_loss + kl_penalty, metrics
+
+
+def behaviour_weights(
+  prox_logp_bt: jax.Array,
+  behaviour_logp_bt: jax.Array | None,
+  mask_bt: jax.Array,
+  cfg: LossConfig,
+) -> tuple[jax.Array, jax.Array]:
+  """Importance weights `pi_prox / pi_behaviour` as `cfg` applies them, and where they were
+  truncated or masked. No gradient flows through them.
+
+  `"truncate"`: `min(w, cap)`; `"mask"`: `w` inside `[1 / cap, cap]`, else 0. At sequence level
+  `w` is the product of the sequence's token weights, applied to all its tokens.
+  """
+  ones = jnp.ones(mask_bt.shape, jnp.float32)
+  if cfg.behaviour_correction == "none" or behaviour_logp_bt is None:
+    return ones, jnp.zeros(mask_bt.shape, bool)
+  behaviour_logp_bt = jax.lax.stop_gradient(behaviour_logp_bt.astype(jnp.float32))
+  log_w_bt = jnp.where(mask_bt, jax.lax.stop_gradient(prox_logp_bt) - behaviour_logp_bt, 0.0)
+  if cfg.behaviour_level == "sequence":
+    log_w_bt = jnp.broadcast_to(log_w_bt.sum(axis=1, keepdims=True), mask_bt.shape)
+  log_cap = jnp.log(jnp.float32(cfg.behaviour_cap))
+  if cfg.behaviour_correction == "truncate":
+    adjusted_bt = log_w_bt > log_cap
+    return jnp.exp(jnp.minimum(log_w_bt, log_cap)), adjusted_bt
+  adjusted_bt = jnp.abs(log_w_bt) > log_cap
+  # Clamp before exp so that a huge log-weight that is masked anyway cannot become inf * 0.
+  return jnp.where(adjusted_bt, 0.0, jnp.exp(jnp.clip(log_w_bt, -log_cap, log_cap))), adjusted_bt

@@ -12,13 +12,13 @@ from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch
 MODEL = Model(get_preset("tiny"))
 
 
-def make_learner(micro, kl_weight=0.0, updates=1, params=None, eps=1e-8):
+def make_learner(micro, kl_weight=0.0, updates=1, params=None, eps=1e-8, loss=None):
   mesh = make_mesh(jax.devices()[4:], {"fsdp": 2, "tensor": 2})
   return Learner(
     MODEL,
     mesh,
     TRAIN_RULES,
-    loss=LossConfig(kl_weight=kl_weight),
+    loss=loss or LossConfig(kl_weight=kl_weight),
     optimizer=OptimizerConfig(learning_rate=1e-3, eps=eps),
     updates_per_step=updates,
     micro_batch_size=micro,
@@ -83,3 +83,33 @@ def test_batch_size_checks():
     learner.check_batch_size(24)
   with pytest.raises(ValueError, match="data\\*fsdp"):
     make_learner(3).check_batch_size(12)
+
+
+def test_decoupled_ppo_recomputes_the_proximal_policy():
+  rng = np.random.default_rng()
+  batch = random_batch(rng)
+  params = MODEL.init(int(rng.integers(1 << 16)))
+  plain = make_learner(8, params=params)
+  # Behaviour log-probs equal to the learner's own: the decoupled update is the plain PPO update
+  # against those log-probs, with every behaviour weight 1.
+  batch.old_logp_bt = plain.proximal_logprobs(batch).astype(np.float32)
+  decoupled = make_learner(
+    8,
+    params=params,
+    loss=LossConfig(proximal="recompute", behaviour_correction="truncate", behaviour_cap=1.5),
+  )
+  ma, mb = plain.update(batch), decoupled.update(batch)
+  assert float(ma["loss"]) == pytest.approx(float(mb["loss"]), rel=1e-4, abs=1e-7)
+  assert float(mb["behaviour_weight_mean"]) == pytest.approx(1.0, abs=1e-4)
+  assert float(mb["behaviour_ess"]) == pytest.approx(1.0, abs=1e-4)
+  # Stale behaviour log-probs: weights spread, some are truncated, the ESS drops below 1.
+  stale = make_learner(
+    8,
+    params=params,
+    loss=LossConfig(proximal="recompute", behaviour_correction="truncate", behaviour_cap=1.5),
+  )
+  noise = rng.normal(0.0, 0.7, batch.old_logp_bt.shape).astype(np.float32)
+  batch.old_logp_bt = np.where(batch.mask_bt > 0, batch.old_logp_bt + noise, 0.0)
+  mc = stale.update(batch)
+  assert 0 < float(mc["behaviour_adjusted_frac"]) < 1
+  assert float(mc["behaviour_ess"]) < 0.95

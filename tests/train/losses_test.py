@@ -226,6 +226,12 @@ def test_shape_errors():
     ({"clip_high": -0.1}, "clip_high"),
     ({"aggregation": "sum"}, "aggregation"),
     ({"kl_weight": -1.0}, "kl_weight"),
+    ({"ratio_level": "group"}, "ratio_level"),
+    ({"proximal": "old"}, "proximal"),
+    ({"behaviour_correction": "truncate"}, "behaviour_correction"),  # needs recompute
+    ({"proximal": "recompute", "behaviour_correction": "clip"}, "behaviour_correction"),
+    ({"behaviour_level": "batch"}, "behaviour_level"),
+    ({"behaviour_cap": 1.0}, "behaviour_cap"),
   ],
 )
 def test_loss_config_validation(kwargs, field):
@@ -265,3 +271,81 @@ def test_token_logprobs_bf16_logits_computed_in_fp32():
 def test_token_logprobs_bad_temperature():
   with pytest.raises(ValueError, match="temperature must be > 0"):
     losses.token_logprobs(jnp.ones((1, 1, 2)), jnp.zeros((1, 1), jnp.int32), 0.0)
+
+
+def test_gspo_sequence_ratio_and_gradient():
+  logp, old, adv, mask, _ = _random_batch(seed=int(np.random.default_rng().integers(1 << 30)))
+  logp = old + 0.01 * (logp - old)  # small log-ratios: sequence ratios inside a wide clip
+  cfg = losses.LossConfig(
+    clip_low=0.5, clip_high=0.5, ratio_level="sequence", aggregation="seq-mean-token-mean"
+  )
+  num_seqs = 8
+
+  def loss_fn(lp):
+    return losses.policy_loss(lp, old, adv, mask, cfg, num_tokens=mask.sum(), num_seqs=num_seqs)
+
+  (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(logp)
+  m, lp, od, a = (np.asarray(x, np.float64) for x in (mask, logp, old, adv))
+  lengths = m.sum(1)
+  s_b = np.exp(np.where(m > 0, lp - od, 0).sum(1) / np.maximum(lengths, 1))
+  # Unclipped: each sequence's loss is -s A; empty sequences contribute 0.
+  expected = np.sum(np.where(lengths > 0, -s_b * a, 0.0)) / num_seqs
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  # d(-s A / num_seqs) / d logp_t = -A s / (len * num_seqs) on the sequence's masked tokens.
+  g = -a * s_b / np.maximum(lengths, 1) / num_seqs
+  np.testing.assert_allclose(grad, np.where(m > 0, g[:, None], 0.0), rtol=1e-4, atol=1e-7)
+  assert float(metrics["clip_frac"]) == 0.0
+
+
+def _behaviour_case(rng, b=6, t=10):
+  prox = -rng.exponential(2.0, (b, t)).astype(np.float32)
+  behaviour = (prox + rng.normal(0.0, 0.8, (b, t))).astype(np.float32)
+  logp = (prox + rng.normal(0.0, 0.05, (b, t))).astype(np.float32)
+  mask = np.arange(t)[None, :] < rng.integers(1, t + 1, b)[:, None]
+  adv = rng.normal(size=b).astype(np.float32)
+  return logp, prox, behaviour, adv, mask
+
+
+@pytest.mark.parametrize("correction", ["truncate", "mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_behaviour_weights_match_numpy(correction, level):
+  rng = np.random.default_rng()
+  logp, prox, behaviour, adv, mask = _behaviour_case(rng)
+  cfg = losses.LossConfig(
+    clip_low=10.0**-9 + 0.2,
+    proximal="recompute",
+    behaviour_correction=correction,
+    behaviour_level=level,
+    behaviour_cap=1.5,
+  )
+  n = int(mask.sum())
+  loss, metrics = losses.policy_loss(
+    *map(jnp.asarray, (logp, prox, adv, mask)), cfg, num_tokens=n, num_seqs=6,
+    behaviour_logp_bt=jnp.asarray(behaviour),
+  )  # fmt: skip
+  log_w = np.where(mask, prox - behaviour, 0.0).astype(np.float64)
+  if level == "sequence":
+    log_w = np.broadcast_to(log_w.sum(1, keepdims=True), log_w.shape)
+  w = np.exp(log_w)
+  if correction == "truncate":
+    weight, adjusted = np.minimum(w, 1.5), w > 1.5
+  else:
+    adjusted = (w > 1.5) | (w < 1 / 1.5)
+    weight = np.where(adjusted, 0.0, w)
+  ratio = np.exp(np.where(mask, logp - prox, 0.0))
+  surrogate = np.minimum(ratio * adv[:, None], np.clip(ratio, 0.8, 1.2) * adv[:, None])
+  expected = np.sum(np.where(mask, -weight * surrogate, 0.0)) / n
+  np.testing.assert_allclose(loss, expected, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(metrics["behaviour_weight_mean"], weight[mask].mean(), rtol=1e-5)
+  np.testing.assert_allclose(
+    metrics["behaviour_weight_sq_mean"], (weight[mask] ** 2).mean(), rtol=1e-5
+  )
+  np.testing.assert_allclose(metrics["behaviour_adjusted_frac"], adjusted[mask].mean(), rtol=1e-6)
+  assert 0 < adjusted[mask].mean() < 1  # the case exercises both sides of the cap
+
+
+def test_behaviour_correction_needs_behaviour_logprobs():
+  logp, old, adv, mask, _ = _random_batch(seed=1)
+  cfg = losses.LossConfig(proximal="recompute", behaviour_correction="truncate")
+  with pytest.raises(ValueError, match="behaviour_logp_bt"):
+    losses.policy_loss(logp, old, adv, mask, cfg, num_tokens=mask.sum(), num_seqs=8)
