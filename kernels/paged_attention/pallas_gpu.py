@@ -32,6 +32,13 @@ _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16.
 _MAX_HEADS_PER_PROGRAM = 64
 _TARGET_BLOCK_TOKENS = 128
 _TARGET_PROGRAMS = 256  # about two waves on a 132-SM H100.
+# A part covers at most this many compute blocks (1024 tokens at the default block), so that in
+# a ragged batch the longest sequences are split over several programs instead of leaving one
+# program working long after the others are done; parts past a sequence's length exit at once.
+_MAX_BLOCKS_PER_SPLIT = 8
+# Triton runs float32 dots in TF32 at the default precision (about 1e-3 relative error); decode
+# attention is bound by memory, so full float32 costs little. A no-op for bfloat16 pools.
+_PRECISION = jax.lax.Precision.HIGHEST
 
 
 def _is_pow2(x: int) -> bool:
@@ -55,6 +62,7 @@ def resolve_block_sizes(
   if x is None:
     num_blocks = pl.cdiv(pages_per_seq, c)
     x = max(1, min(num_blocks, pl.cdiv(_TARGET_PROGRAMS, num_programs)))
+    x = max(x, pl.cdiv(num_blocks, _MAX_BLOCKS_PER_SPLIT))
     x = pl.cdiv(num_blocks, pl.cdiv(num_blocks, x))  # no part without blocks
   return BlockSizes(
     pages_per_compute_block=c,
@@ -120,7 +128,11 @@ def _kernel(
     valid_t = i * t + jax.lax.broadcasted_iota(jnp.int32, (t,), 0) < length
 
     logits_bt = jax.lax.dot_general(
-      q_bd, k_td, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+      q_bd,
+      k_td,
+      (((1,), (1,)), ((), ())),
+      precision=_PRECISION,
+      preferred_element_type=jnp.float32,
     )
     logits_bt = jnp.where(valid_t[None, :], logits_bt * sm_scale, -jnp.inf)
     new_max_b = jnp.maximum(max_b, jnp.max(logits_bt, axis=1))
@@ -131,6 +143,7 @@ def _kernel(
       probs_bt.astype(v_td.dtype),
       v_td,
       (((1,), (0,)), ((), ())),
+      precision=_PRECISION,
       preferred_element_type=jnp.float32,
     )
     o_bd = o_bd * rescale_b[:, None] + pv_bd

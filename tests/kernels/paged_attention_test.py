@@ -374,3 +374,35 @@ def test_interpret_needs_a_kernel(small_args):
     paged_attention(*small_args, impl="reference", interpret=True)
   with pytest.raises(ValueError, match="name the kernel"):
     paged_attention(*small_args, interpret=True)
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+# Compiled (not interpreted) on a real GPU: `JAX_PLATFORMS=cuda pytest -m gpu` on a machine
+# with one. Elsewhere these are reported as skipped. Both the kernel and the reference are
+# checked against the float64 oracle, since XLA's GPU matmuls may use TF32 for float32.
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
+
+# (n, g, k, d, s, m, dtype, block_sizes): model-sized heads, ragged batches, GQA 1-8.
+GPU_CASES = [
+  (37, 4, 8, 128, 16, 64, jnp.bfloat16, None),
+  (37, 4, 8, 128, 16, 64, jnp.float32, None),
+  (5, 8, 4, 128, 32, 40, jnp.bfloat16, None),
+  (64, 2, 8, 64, 64, 9, jnp.bfloat16, None),
+  (9, 1, 16, 128, 8, 33, jnp.float32, BlockSizes(pages_per_compute_block=4, num_splits=3)),
+  (12, 4, 2, 256, 16, 20, jnp.bfloat16, BlockSizes(num_warps=8, num_stages=3)),
+]
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("n,g,k,d,s,m,dtype,block_sizes", GPU_CASES)
+def test_gpu_kernel_compiled_matches_oracle(n, g, k, d, s, m, dtype, block_sizes):
+  args = _make_inputs(_rng("gpu", n, g, k, d, s, m), n=n, h=g * k, k=k, d=d, s=s, m=m, dtype=dtype)
+  out = paged_attention(*args, impl="pallas_gpu", block_sizes=block_sizes)
+  assert "pallas_call" in str(
+    jax.make_jaxpr(functools.partial(paged_attention, impl="auto", block_sizes=block_sizes))(*args)
+  ), "impl='auto' on a GPU should pick the Pallas kernel"
+  oracle = _numpy_oracle(*args, sm_scale=d**-0.5)
+  _assert_close(out, oracle, dtype, args[3])
+  _assert_close(paged_attention(*args, impl="reference"), oracle, dtype, args[3])
