@@ -4,11 +4,13 @@
   python launch/bench.py rollout [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py plan [--json]
   python launch/bench.py calibrate [--json]
+  python launch/bench.py paged_attention [--json]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -20,8 +22,10 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxrl.model import Model, get_preset  # noqa: E402
 from jaxrl.rl.experience import logprob_mismatch  # noqa: E402
 from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams, StaticEngine  # noqa: E402
@@ -98,16 +102,19 @@ def _matmul_flops_per_s(m: int = 2048, n: int = 2048, k: int = 2048) -> float:
 
 
 def _decode_step_seconds(engine, prompts, sampling) -> float:
-  """Mean time of the engine's decode steps once the requests are admitted and prefilled."""
+  """Mean time per decoded token of each row (one decode step) once the requests are admitted
+  and prefilled; a window of several steps per engine step is divided by its tokens."""
   engine.generate(prompts, sampling, seed=0)  # compiles every shape the timed run meets
   for i, (p, sp) in enumerate(zip(prompts, sampling, strict=True)):
     engine.submit(p, sp, seed=i)
-  engine.step()  # admission, prefill and the first token
-  steps, start = 0, time.perf_counter()
+  engine.step()  # admission, prefill and the first window
+  first = sum(len(s.record.token_ids) for s in engine.running.values())
+  start = time.perf_counter()
   while engine.has_work:
     engine.step()
-    steps += 1
-  return (time.perf_counter() - start) / steps
+  seconds = time.perf_counter() - start
+  total = sum(sp.max_new_tokens for sp in sampling)  # forced lengths: every row runs to its cap
+  return seconds / ((total - first) / len(prompts))
 
 
 def _timed_generate(engine, prompts, sampling) -> tuple[float, int]:
@@ -186,6 +193,11 @@ def bench_rollout(
       roofline_seqs
     )
     step_s = _decode_step_seconds(paged, prompts[:roofline_seqs], sampling)
+    single = PagedEngine(
+      model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=PagedConfig(decode_steps=1)
+    )
+    single.update_weights(params, 0)
+    single_step_s = _decode_step_seconds(single, prompts[:roofline_seqs], sampling)
     context = prompt_len + median / 2
     weight_bytes = cfg.num_params() * np.dtype(cfg.param_dtype).itemsize
     kv_bytes = roofline_seqs * context * slot_bytes
@@ -200,6 +212,7 @@ def bench_rollout(
         "speedup_equal_lengths": row["paged_equal_lengths_tokens_per_s"]
         / row["static_equal_lengths_tokens_per_s"],
         f"decode_step_ms_{roofline_seqs}_seqs": step_s * 1e3,
+        f"decode_step_ms_{roofline_seqs}_seqs_one_step_per_call": single_step_s * 1e3,
         "roofline_step_ms": roofline_s * 1e3,
         "roofline_fraction": roofline_s / step_s,
         "preemptions": paged.num_preemptions,
@@ -211,6 +224,70 @@ def bench_rollout(
     )
     out[preset] = row
   out["machine"]["peak_rss_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  return out
+
+
+# (name, sequences, query heads, kv heads, head dim, page size, context): decode shapes of one
+# layer. "ragged" contexts are lognormal around the given median, capped at 8x it.
+ATTENTION_CASES = (
+  ("qwen3-8b_64x2k", 64, 32, 8, 128, 16, 2048),
+  ("qwen3-8b_256x1k", 256, 32, 8, 128, 16, 1024),
+  ("qwen3-8b_16x8k", 16, 32, 8, 128, 16, 8192),
+  ("qwen3-8b_128xragged512", 128, 32, 8, 128, 16, -512),
+  ("qwen3-8b_64x2k_page64", 64, 32, 8, 128, 64, 2048),
+  ("qwen3-0.6b_128x2k", 128, 16, 8, 128, 16, 2048),
+  ("qwen3-32b_64x4k", 64, 64, 8, 128, 32, 4096),
+)
+
+
+def bench_paged_attention(cases=ATTENTION_CASES, dtype: str = "bfloat16") -> dict:
+  """Paged decode attention, one device: this backend's kernel against the jnp reference.
+
+  Pages are a random permutation of the pool (a fragmented cache). Reports each
+  implementation's time, the KV bytes it must read per second, that rate as a fraction of the
+  in-place copy rate (read + write) measured in the same run, and the kernel's largest
+  difference from the reference. On a backend without a kernel (CPU) only the reference runs.
+  """
+  device = jax.devices()[0]
+  kernel = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(device.platform)
+  bandwidth = _memcpy_bytes_per_s(1024 if kernel else 256)
+  out = {"machine": {"platform": device.platform, "kind": device.device_kind}}
+  out["machine"]["memcpy_GBps"] = bandwidth / 1e9
+  rng = np.random.default_rng(0)
+  dt = jnp.dtype(dtype)
+  for name, n, h, k, d, s, context in cases:
+    if context > 0:
+      lengths = np.full(n, context, np.int32)
+    else:
+      median = -context
+      lengths = np.clip(np.round(rng.lognormal(np.log(median), 1.0, n)), 1, 8 * median)
+      lengths = lengths.astype(np.int32)
+    m = -(-int(lengths.max()) // s)
+    p = n * m
+    page_indices = rng.permutation(p).reshape(n, m).astype(np.int32)
+    args = (
+      jax.device_put(rng.standard_normal((n, h, d)).astype(np.float32).astype(dt), device),
+      jax.device_put(rng.standard_normal((k, p, s, d), np.float32).astype(dt), device),
+      jax.device_put(rng.standard_normal((k, p, s, d), np.float32).astype(dt), device),
+      jax.device_put(lengths, device),
+      jax.device_put(page_indices, device),
+    )
+    # Keys and values of the used pages, the bytes a decode step cannot avoid reading.
+    kv_bytes = 2 * k * d * dt.itemsize * s * int(np.sum(-(-lengths // s)))
+    row = {"tokens": int(lengths.sum()), "kv_MB": kv_bytes / 2**20}
+    results = {}
+    for impl in ("reference", kernel) if kernel else ("reference",):
+      fn = jax.jit(functools.partial(paged_attention, impl=impl))
+      results[impl] = fn(*args)
+      seconds = _best_seconds(lambda fn=fn, args=args: fn(*args))
+      row[f"{impl}_us"] = seconds * 1e6
+      row[f"{impl}_GBps"] = kv_bytes / seconds / 1e9
+      row[f"{impl}_bandwidth_fraction"] = kv_bytes / seconds / bandwidth
+    if kernel:
+      diff = jnp.abs(results[kernel].astype(jnp.float32) - results["reference"].astype(jnp.float32))
+      row["max_abs_diff"] = float(jnp.max(diff))
+      row["speedup_vs_reference"] = row["reference_us"] / row[f"{kernel}_us"]
+    out[name] = row
   return out
 
 
@@ -304,6 +381,7 @@ def bench_calibrate(
 BENCHMARKS = {
   "calibrate": bench_calibrate,
   "logprob_mismatch": bench_logprob_mismatch,
+  "paged_attention": bench_paged_attention,
   "plan": bench_plan,
   "rollout": bench_rollout,
 }

@@ -9,6 +9,14 @@ Invariant: a running request has keys/values cached for all its tokens but the l
 decode step feeds that last token, caches it, and samples the following one. Prefill therefore
 only fills the cache (in chunks); it never samples.
 
+One device call runs a window of up to `decode_steps` decode steps (a scan on the device), so
+the host's per-step work (scheduling, page tables, transfers, reading tokens back) is paid once
+per window: on a GPU that work, not the model, was most of a step's time. A row stops inside
+the window at a stop token or its length limit and writes nothing after; pages are handed out
+for the whole window before it starts. Admission, preemption and weight updates happen between
+windows. Sampling keys depend only on (request seed, token index), so the tokens are the same
+for every window size.
+
 Glossary: b rows, t tokens per row, n pages per row, k kv heads, p pages, z page size, e head dim.
 """
 
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -39,15 +48,19 @@ class PagedConfig:
     num_pages: the page budget (per layer); bounds the tokens cached at once.
     max_running: most requests decoded together in one step.
     prefill_chunk: most prompt tokens of one request prefilled per call.
+    decode_steps: most decode steps per device call (the window). Larger windows pay the
+      host's per-step cost less often; a request that finishes inside a window leaves its row
+      idle until the window ends, and waiting requests are admitted only between windows.
   """
 
   page_size: int = 16
   num_pages: int = 256
   max_running: int = 64
   prefill_chunk: int = 128
+  decode_steps: int = 8
 
   def __post_init__(self):
-    for name in ("page_size", "num_pages", "max_running", "prefill_chunk"):
+    for name in ("page_size", "num_pages", "max_running", "prefill_chunk", "decode_steps"):
       if getattr(self, name) < 1:
         raise ValueError(f"rollout.paged.{name} must be >= 1, got {getattr(self, name)}.")
 
@@ -104,11 +117,9 @@ class PagedEngine:
     # the host time of a small model's decode step). Params and caches keep their placement.
     params_kv = (self.param_shardings, [(kv_sharding, kv_sharding)] * mc.num_layers)
     row, matrix = self._row_sharding, self._matrix_sharding
-    self._decode = jax.jit(
-      self._decode_impl,
-      donate_argnums=(1,),
-      in_shardings=(*params_kv, row, row, matrix, row, row, row, row, row),
-    )
+    # One jitted decode per window size (powers of two below decode_steps, and decode_steps).
+    self._decoders = {}
+    self._decode_shardings = (*params_kv, row, row, matrix, row, row, row, row, row, row, matrix)
     self._prefill = jax.jit(
       self._prefill_impl, donate_argnums=(1,), in_shardings=(*params_kv, matrix, matrix, matrix)
     )
@@ -116,7 +127,7 @@ class PagedEngine:
   # -- requests ----------------------------------------------------------------------------------
 
   def update_weights(self, params: Params, version: int) -> None:
-    """New weights take effect at the next decode step; later tokens carry `version`."""
+    """New weights take effect at the next decode window; later tokens carry `version`."""
     self.params = jax.device_put(params, self.param_shardings)
     self.version = version
 
@@ -190,7 +201,8 @@ class PagedEngine:
   # -- the loop ----------------------------------------------------------------------------------
 
   def step(self) -> list[RequestRecord]:
-    """Admits what fits, decodes one token for every running request; returns the finished."""
+    """Admits what fits, runs one decode window (up to `decode_steps` tokens for every running
+    request); returns the requests that finished."""
     if self.params is None:
       raise RuntimeError("PagedEngine.step called before update_weights gave it weights.")
     self._admit()
@@ -198,8 +210,9 @@ class PagedEngine:
       if self.waiting:
         raise RuntimeError("No request fits the free pages although none is running.")
       return []
-    self._grow_pages()
-    return self._decode_step()
+    window = self._window()
+    self._grow_pages(window)
+    return self._decode_window(window)
 
   def stream(self) -> Iterator[RequestRecord]:
     """Steps until no work is left, yielding each request as soon as it finishes."""
@@ -234,12 +247,28 @@ class PagedEngine:
     if admitted:
       self._prefill_states(admitted)
 
-  def _grow_pages(self) -> None:
-    """Gives every running request a page for its next token, preempting the youngest."""
+  def _budget(self, record: RequestRecord) -> int:
+    """Tokens the request may still generate before its length limit."""
+    return min(
+      record.sampling.max_new_tokens - len(record.token_ids),
+      self.model.config.max_seq_len - record.num_tokens,
+    )
+
+  def _window(self) -> int:
+    """Steps of the next device call: enough for the longest budget, bucketed, capped."""
+    longest = max(self._budget(s.record) for s in self.running.values())
+    return min(self.cfg.decode_steps, bucket(longest, 1))
+
+  def _grow_pages(self, window: int) -> None:
+    """Gives every running request pages for the tokens its window will cache, preempting the
+    youngest when pages run out. A window caches the request's last token and the tokens it
+    samples but the final one."""
     for state in sorted(self.running.values(), key=lambda s: s.admitted):
       if state.record.request_id not in self.running:
         continue  # preempted below while serving an older request
-      need = pages_for(state.record.num_tokens, self.cfg.page_size) - len(state.pages)
+      r = state.record
+      cached = r.num_tokens - 1 + min(window, self._budget(r))
+      need = pages_for(cached, self.cfg.page_size) - len(state.pages)
       while need > 0:
         pages = self.allocator.allocate(need)
         if pages is not None:
@@ -296,60 +325,81 @@ class PagedEngine:
       for position in range(max(first, start), min(stop, start + routing_btlk.shape[1])):
         r.prompt_routing.append(routing_btlk[i, position - start].tolist())
 
-  def _decode_step(self) -> list[RequestRecord]:
+  def _decode_window(self, window: int) -> list[RequestRecord]:
     states = sorted(self.running.values(), key=lambda s: s.admitted)
     rows = self._rows(len(states))
+    stops = [self._stop_ids(s.record) for s in states]
     tokens = np.full((rows,), self.pad_id, np.int32)
     positions = np.full((rows,), -1, np.int32)
+    budgets = np.zeros((rows,), np.int32)  # padding rows take no step
     seeds = np.zeros((rows,), np.uint32)
     index = np.zeros((rows,), np.int32)
     temperature = np.ones((rows,), np.float32)
     top_k = np.zeros((rows,), np.int32)
     top_p = np.ones((rows,), np.float32)
+    stop_ids = np.full((rows, bucket(max(map(len, stops)), 1)), -1, np.int32)
     for i, s in enumerate(states):
       r = s.record
       tokens[i] = r.token_ids[-1] if r.token_ids else r.prompt_ids[-1]
       positions[i] = r.num_tokens - 1
+      budgets[i] = self._budget(r)
       seeds[i], index[i] = r.seed, len(r.token_ids)
       temperature[i], top_k[i], top_p[i] = (
         r.sampling.temperature,
         r.sampling.top_k,
         r.sampling.top_p,
       )
+      stop_ids[i, : len(stops[i])] = stops[i]
     table = self._page_table(states, rows)
-    new_tokens, logprobs, routing_blk, self._kv = self._decode(
+    tokens_wb, logprobs_wb, routing_wblk, taken_b, self._kv = self._decoder(window)(
       self.params,
       self._kv,
       tokens,
       positions,
       table,
+      budgets,
       seeds,
       index,
       temperature,
       top_k,
       top_p,
+      stop_ids,
     )
-    new_tokens, logprobs = np.asarray(new_tokens), np.asarray(logprobs)
-    routing_blk = None if routing_blk is None else np.asarray(routing_blk)
+    tokens_wb, logprobs_wb = np.asarray(tokens_wb), np.asarray(logprobs_wb)
+    taken_b = np.asarray(taken_b)
+    routing_wblk = None if routing_wblk is None else np.asarray(routing_wblk)
     finished = []
-    limit = self.model.config.max_seq_len
     for i, s in enumerate(states):
       r = s.record
-      token = int(new_tokens[i])
-      r.token_ids.append(token)
-      r.logprobs.append(float(logprobs[i]))
-      r.versions.append(self.version)
-      if routing_blk is not None:
-        r.routing.append(routing_blk[i].tolist())
-      if (token == self.eos_id and not r.sampling.ignore_eos) or token in r.sampling.stop_token_ids:
-        r.finish_reason = "stop"
-      elif len(r.token_ids) >= r.sampling.max_new_tokens or r.num_tokens >= limit:
-        r.finish_reason = "length"
+      for j in range(int(taken_b[i])):
+        token = int(tokens_wb[j, i])
+        r.token_ids.append(token)
+        r.logprobs.append(float(logprobs_wb[j, i]))
+        r.versions.append(self.version)
+        if routing_wblk is not None:
+          r.routing.append(routing_wblk[j, i].tolist())
+        if token in stops[i]:
+          r.finish_reason = "stop"
+        elif self._budget(r) <= 0:
+          r.finish_reason = "length"
       if r.finish_reason:
         del self.running[r.request_id]
         self.allocator.free(s.pages)
         finished.append(r)
     return finished
+
+  def _stop_ids(self, record: RequestRecord) -> tuple[int, ...]:
+    eos = () if record.sampling.ignore_eos else (self.eos_id,)
+    return eos + tuple(record.sampling.stop_token_ids)
+
+  def _decoder(self, steps: int):
+    if steps not in self._decoders:
+      self._decoders[steps] = jax.jit(
+        functools.partial(self._decode_impl, steps=steps),
+        donate_argnums=(1,),
+        in_shardings=self._decode_shardings,
+      )
+    return self._decoders[steps]
 
   def _layers(self, kv, table):
     return tuple(PagedLayerCache(k, v, table) for k, v in kv)
@@ -367,23 +417,46 @@ class PagedEngine:
     tokens_b,
     positions_b,
     table_bn,
+    budgets_b,
     seeds_b,
     index_b,
     temperature_b,
     top_k_b,
     top_p_b,
+    stop_ids_bs,
+    *,
+    steps: int,
   ):
-    logits_b1v, cache, routing_b1lk = self.model.apply(
-      params,
-      tokens_b[:, None],
-      positions_b[:, None],
-      self._layers(kv, table_bn),
-      return_routing=True,
+    """`steps` decode steps; a row takes at most its budget and stops after a stop token.
+
+    Returns per step the sampled tokens, their log-probs and routes ([steps, b, ...]; a row's
+    entries after it stopped are junk), the steps each row took, and the caches.
+    """
+
+    def one_step(carry, j):
+      kv, tokens_b, taken_b, live_b = carry
+      positions_j = jnp.where(live_b, positions_b + j, -1)  # stopped rows write nothing
+      logits_b1v, cache, routing_b1lk = self.model.apply(
+        params,
+        tokens_b[:, None],
+        positions_j[:, None],
+        self._layers(kv, table_bn),
+        return_routing=True,
+      )
+      keys_b = jax.vmap(_token_key)(seeds_b, index_b + j)
+      new_b, logprobs_b = sample_tokens(keys_b, logits_b1v[:, 0], temperature_b, top_k_b, top_p_b)
+      taken_b = taken_b + live_b
+      stopped_b = jnp.any(new_b[:, None] == stop_ids_bs, axis=1) | (taken_b >= budgets_b)
+      kv = [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
+      routing_blk = None if routing_b1lk is None else routing_b1lk[:, 0]
+      carry = (kv, jnp.where(live_b, new_b, tokens_b), taken_b, live_b & ~stopped_b)
+      return carry, (new_b, logprobs_b, routing_blk)
+
+    init = (kv, tokens_b, jnp.zeros_like(budgets_b), budgets_b > 0)
+    (kv, _, taken_b, _), (tokens_wb, logprobs_wb, routing_wblk) = jax.lax.scan(
+      one_step, init, jnp.arange(steps, dtype=jnp.int32)
     )
-    keys_b = jax.vmap(_token_key)(seeds_b, index_b)
-    tokens_b, logprobs_b = sample_tokens(keys_b, logits_b1v[:, 0], temperature_b, top_k_b, top_p_b)
-    routing_blk = None if routing_b1lk is None else routing_b1lk[:, 0]
-    return tokens_b, logprobs_b, routing_blk, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
+    return tokens_wb, logprobs_wb, routing_wblk, taken_b, kv
 
 
 def _token_key(seed, index):

@@ -58,21 +58,22 @@ def test_greedy_matches_static_engine_under_preemption(mesh, params):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_snapshot_continues_on_another_engine_exactly(mesh, params, temperature):
+  """Stopped after a few single-token steps, continued on an engine with decode windows."""
   rng = np.random.default_rng()
   prompt = prompts(1, rng)[0]
-  sp = SamplingParams(temperature=temperature, max_new_tokens=20)
+  sp = SamplingParams(temperature=temperature, max_new_tokens=20, ignore_eos=True)
   reference = engine(mesh, params)
   reference.submit(prompt, sp, request_id="a", seed=7)
   whole = list(reference.stream())[0]
 
-  first = engine(mesh, params)
+  first = engine(mesh, params, decode_steps=1)
   first.submit(prompt, sp, request_id="a", seed=7)
   for _ in range(int(rng.integers(2, 8))):
     assert not first.step()
   record = first.snapshot("a")
   assert 0 < len(record.token_ids) < 20 and record.finish_reason is None
   moved = RequestRecord.from_dict(json.loads(json.dumps(record.to_dict())))
-  second = engine(mesh, params)
+  second = engine(mesh, params, decode_steps=4)
   second.submit(moved)
   continued = list(second.stream())[0]
   assert continued.token_ids == whole.token_ids
@@ -80,11 +81,49 @@ def test_snapshot_continues_on_another_engine_exactly(mesh, params, temperature)
   assert continued.token_ids[: len(record.token_ids)] == record.token_ids
 
 
-def test_out_of_pages_preemption_loses_no_request(mesh, params):
+def test_decode_windows_give_the_tokens_of_single_steps(mesh, params):
+  """Sampled, with stop tokens, ragged budgets and preemption: a window changes no token."""
+  rng = np.random.default_rng()
+  ps = prompts(10, rng)
+  sampling = [
+    SamplingParams(
+      temperature=1.0,
+      top_k=int(rng.choice([0, 5])),
+      max_new_tokens=int(rng.integers(1, 30)),
+      stop_token_ids=tuple(int(t) for t in rng.integers(3, 60, 2)),
+    )
+    for _ in ps
+  ]
+  small = dict(page_size=4, num_pages=24, max_running=6, prefill_chunk=8)
+  outs = {}
+  for steps in (1, 3, 8):
+    e = engine(mesh, params, decode_steps=steps, **small)
+    outs[steps] = e.generate(ps, sampling, seed=11)
+    assert e.allocator.num_free == 24 and not e.has_work
+    assert max(e._decoders) <= steps
+  for one, three, eight in zip(outs[1], outs[3], outs[8], strict=True):
+    for other in (three, eight):
+      np.testing.assert_array_equal(one.token_ids, other.token_ids)
+      np.testing.assert_allclose(one.logprobs, other.logprobs, atol=1e-5)
+      assert one.finish_reason == other.finish_reason
+  assert any(c.finish_reason == "stop" for c in outs[1])
+  assert any(c.finish_reason == "length" for c in outs[1])
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_out_of_pages_preemption_loses_no_request(mesh, params, decode_steps):
   rng = np.random.default_rng()
   ps = prompts(24, rng, longest=12)
   budgets = [int(x) for x in rng.integers(1, 40, len(ps))]
-  e = engine(mesh, params, page_size=4, num_pages=20, max_running=16, prefill_chunk=4)
+  e = engine(
+    mesh,
+    params,
+    page_size=4,
+    num_pages=20,
+    max_running=16,
+    prefill_chunk=4,
+    decode_steps=decode_steps,
+  )
   ids = [
     e.submit(p, SamplingParams(max_new_tokens=m, stop_token_ids=()), seed=i)
     for i, (p, m) in enumerate(zip(ps, budgets, strict=True))
@@ -95,8 +134,10 @@ def test_out_of_pages_preemption_loses_no_request(mesh, params):
     steps += 1
   assert e.num_preemptions > 0
   assert set(done) == set(ids)
-  # Shapes are bucketed: rows in {2, 4, 8, 16} x page-table widths in {1, 2, 4, 8, 16}.
-  assert steps > 40 and e._decode._cache_size() <= 20 and e._prefill._cache_size() <= 20
+  # Shapes are bucketed: rows in {2, 4, 8, 16} x page-table widths in {1, 2, 4, 8, 16}, for
+  # each window size in {1, 2, 4}.
+  assert steps > 40 // decode_steps and e._prefill._cache_size() <= 20
+  assert set(e._decoders) <= {1, 2, 4} and all(d._cache_size() <= 20 for d in e._decoders.values())
   for rid, p, m in zip(ids, ps, budgets, strict=True):
     r = done[rid]
     assert r.prompt_ids == p
@@ -109,28 +150,32 @@ def test_stream_yields_short_requests_first_and_abort_returns_partials(mesh, par
   rng = np.random.default_rng()
   e = engine(mesh, params)
   e.submit(prompts(1, rng)[0], SamplingParams(max_new_tokens=2), request_id="short")
-  e.submit(prompts(1, rng)[0], SamplingParams(max_new_tokens=40), request_id="long")
-  e.submit(prompts(1, rng)[0], SamplingParams(max_new_tokens=40), request_id="other")
+  long = SamplingParams(max_new_tokens=40, ignore_eos=True)  # 4 windows of 8 do not end it
+  e.submit(prompts(1, rng)[0], long, request_id="long")
+  e.submit(prompts(1, rng)[0], long, request_id="other")
   first = next(e.stream())
   assert first.request_id == "short"
   for _ in range(3):
     e.step()
   partial = {r.request_id: r for r in e.abort(["long", "other"])}
   for r in partial.values():
-    assert r.finish_reason is None or r.finish_reason == "stop"
-    assert len(r.token_ids) == len(r.logprobs) == len(r.versions) > 0
+    assert r.finish_reason is None
+    assert len(r.token_ids) == len(r.logprobs) == len(r.versions) == 32
   assert not e.has_work and e.allocator.num_free == e.cfg.num_pages
 
 
-def test_weight_update_takes_effect_at_the_next_step(mesh, params):
+@pytest.mark.parametrize("decode_steps", [1, 2])
+def test_weight_update_takes_effect_at_the_next_window(mesh, params, decode_steps):
   rng = np.random.default_rng()
-  e = engine(mesh, params, version=3)
-  e.submit(prompts(1, rng)[0], SamplingParams(max_new_tokens=10), request_id="a")
+  e = engine(mesh, params, version=3, decode_steps=decode_steps)
+  sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+  e.submit(prompts(1, rng)[0], sp, request_id="a")
   for _ in range(4):
     e.step()
   e.update_weights(jax.tree.map(lambda x: x * 1.01, params), version=4)
   record = list(e.stream())[0]
-  assert record.versions == [3] * 4 + [4] * (len(record.versions) - 4)
+  before = 4 * decode_steps
+  assert record.versions == [3] * before + [4] * (12 - before)
 
 
 def test_logprobs_match_the_learner(mesh, params):
@@ -187,7 +232,7 @@ def test_moe_routing_trace_matches_a_full_forward_and_survives_snapshot(mesh):
     ROLLOUT_RULES,
     eos_id=EOS,
     pad_id=PAD,
-    config=PagedConfig(page_size=8, num_pages=8, max_running=4, prefill_chunk=8),
+    config=PagedConfig(page_size=8, num_pages=8, max_running=4, prefill_chunk=8, decode_steps=2),
   )
   e.update_weights(moe_params, 0)
   for i, p in enumerate(ps):

@@ -1,0 +1,85 @@
+"""Block-size sweep of the GPU paged attention kernel, to check the defaults it derives.
+
+  JAX_PLATFORMS=cuda python benchmarks/paged_attention_tuning.py [--json]
+
+For a few decode shapes of `launch/bench.py paged_attention`, times the kernel with its
+default block sizes and with every combination of pages per compute block, splits, warps and
+stages, and prints each shape's default time next to the best found. Needs a GPU.
+"""
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "launch"))
+
+import bench  # noqa: E402
+
+from jaxrl.kernels.paged_attention import BlockSizes, paged_attention  # noqa: E402
+
+SHAPES = ("qwen3-8b_64x2k", "qwen3-8b_256x1k", "qwen3-8b_16x8k")
+
+
+def _inputs(rng, n, h, k, d, s, context, dtype):
+  if context > 0:
+    lengths = np.full(n, context, np.int32)
+  else:
+    lengths = np.clip(np.round(rng.lognormal(np.log(-context), 1.0, n)), 1, -8 * context)
+    lengths = lengths.astype(np.int32)
+  m = -(-int(lengths.max()) // s)
+  p = n * m
+  return (
+    jax.numpy.asarray(rng.standard_normal((n, h, d)), dtype),
+    jax.numpy.asarray(rng.standard_normal((k, p, s, d), np.float32), dtype),
+    jax.numpy.asarray(rng.standard_normal((k, p, s, d), np.float32), dtype),
+    jax.numpy.asarray(lengths),
+    jax.numpy.asarray(rng.permutation(p).reshape(n, m).astype(np.int32)),
+  )
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--json", action="store_true")
+  parser.add_argument("--shapes", default=",".join(SHAPES), help="names from ATTENTION_CASES")
+  args = parser.parse_args()
+  if jax.default_backend() != "gpu":
+    raise SystemExit("paged_attention_tuning needs a GPU backend (JAX_PLATFORMS=cuda).")
+  rng = np.random.default_rng(0)
+  cases = {case[0]: case[1:] for case in bench.ATTENTION_CASES}
+  out = {}
+  for name in args.shapes.split(","):
+    inputs = _inputs(rng, *cases[name], jax.numpy.bfloat16)
+    timings = {}
+    grid = itertools.product((4, 8, 16), (None, 1, 2, 4, 8), (4, 8), (2, 3))
+    for c, x, warps, stages in [(None, None, None, None), *grid]:
+      block_sizes = None if c is None else BlockSizes(c, x, warps, stages)
+      fn = jax.jit(functools.partial(paged_attention, impl="pallas_gpu", block_sizes=block_sizes))
+      try:
+        seconds = bench._best_seconds(lambda fn=fn, inputs=inputs: fn(*inputs), repeats=20)
+      except Exception as e:  # a tiling Triton cannot compile (shared memory, registers)
+        timings[str(block_sizes)] = f"failed: {type(e).__name__}"
+        continue
+      timings["default" if block_sizes is None else str(block_sizes)] = seconds * 1e6
+    measured = {k: v for k, v in timings.items() if isinstance(v, float) and k != "default"}
+    best = min(measured, key=measured.get)
+    out[name] = {
+      "default_us": timings["default"],
+      "best_us": measured[best],
+      "best": best,
+      "default_over_best": timings["default"] / measured[best],
+      "failed": sum(isinstance(v, str) for v in timings.values()),
+    }
+    print(name, out[name], flush=True)
+  if args.json:
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()
