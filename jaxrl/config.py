@@ -157,6 +157,39 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """How the RL loop connects rollout and training.
+
+  Attributes:
+    mode: "sync" (generate a step's groups, then train on them) or "async" (rollout workers
+      generate continuously while the learner trains; `jaxrl/rl/async_controller.py`).
+    max_staleness: async only: a trained token is at most this many policy versions older than
+      the weights it is trained on; 0 makes the async loop synchronous.
+    partial_rollouts: async only: workers switch to new weights at the next decode window and
+      carry unfinished responses over; otherwise a worker finishes its running responses first.
+    rollout_workers: async only: the rollout devices are split into this many workers, each
+      with its own engine on its own sub-mesh (`placement.rollout_mesh` shape per worker is
+      `data` = its device count).
+  """
+
+  mode: str = "sync"
+  max_staleness: int = 1
+  partial_rollouts: bool = True
+  rollout_workers: int = 2
+
+  def __post_init__(self):
+    if self.mode not in LOOP_MODES:
+      raise ConfigError(f"config.loop.mode={self.mode!r}: use one of {LOOP_MODES}.")
+    if self.max_staleness < 0:
+      raise ConfigError(f"config.loop.max_staleness must be >= 0, got {self.max_staleness}.")
+    if self.rollout_workers < 1:
+      raise ConfigError(f"config.loop.rollout_workers must be >= 1, got {self.rollout_workers}.")
+
+
+LOOP_MODES = ("sync", "async")
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   """Everything one RL run needs."""
 
@@ -167,6 +200,7 @@ class ExperimentConfig:
   task: TaskConfig = TaskConfig()
   placement: PlacementConfig = PlacementConfig()
   rollout: RolloutConfig = RolloutConfig()
+  loop: LoopConfig = LoopConfig()
   train: TrainConfig = TrainConfig()
   warmup: WarmupConfig = WarmupConfig()
   eval: EvalConfig = EvalConfig()

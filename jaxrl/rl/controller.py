@@ -102,7 +102,7 @@ class Controller:
         params=self.learner.params,
         opt_state=self.learner.opt_state,
         loader_state=self.loader.get_state(),
-        controller_state=dataclasses.asdict(self.state),
+        controller_state=self.controller_state(),
       )
 
   def restore(self, step: int) -> None:
@@ -112,7 +112,14 @@ class Controller:
     self.learner.params = restored["params"]
     self.learner.opt_state = restored["opt_state"]
     self.loader.set_state(restored["loader"])
-    self.state = ControllerState(**restored["controller"])
+    self.load_controller_state(dict(restored["controller"]))
+
+  def controller_state(self) -> dict:
+    """The host-side state a checkpoint keeps (JSON-serialisable)."""
+    return dataclasses.asdict(self.state)
+
+  def load_controller_state(self, state: dict) -> None:
+    self.state = ControllerState(**state)
 
   # -- one step ----------------------------------------------------------------------------------
 
@@ -200,12 +207,8 @@ class Controller:
     times["time_weight_sync"] = time.perf_counter() - t
     self.state.step += 1
 
-    lengths = np.array([len(c.token_ids) for c in completions])
     metrics = {
-      "reward_mean": float(rewards_b.mean()),
-      "reward_std": float(rewards_b.std()),
-      "response_length": float(lengths.mean()),
-      "truncated_frac": float(np.mean([c.finish_reason == "length" for c in completions])),
+      **batch_metrics(rewards_b, completions),
       "version": self.state.version,
       **{k: float(v) for k, v in train_metrics.items()},
       **times,
@@ -229,33 +232,50 @@ class Controller:
     evals = {}
     if s.eval_every and self.state.step < s.steps:
       evals["eval_reward_start"] = self._eval_and_write()
-    bar = tqdm.tqdm(
-      total=s.steps,
+    bar = self._progress_bar("GRPO")
+    while self.state.step < s.steps:
+      self._after_step(self.step(), bar, evals)
+    bar.close()
+    return evals
+
+  def _progress_bar(self, desc: str) -> tqdm.tqdm:
+    return tqdm.tqdm(
+      total=self.s.steps,
       initial=self.state.step,
-      desc="GRPO",
+      desc=desc,
       unit="step",
       disable=not self.show_progress,
       dynamic_ncols=True,
     )
-    while self.state.step < s.steps:
-      metrics = self.step()
-      self.writer.write(self.state.step, "train", metrics)
-      postfix = {"reward": f"{metrics['reward_mean']:.3f}"}
-      bar.update(1)
-      last = self.state.step == s.steps
-      if s.eval_every and (self.state.step % s.eval_every == 0 or last):
-        evals["eval_reward_end"] = self._eval_and_write()
-        postfix["eval"] = f"{evals['eval_reward_end']:.3f}"
-      bar.set_postfix(postfix)
-      if (s.checkpoint_every and self.state.step % s.checkpoint_every == 0) or last:
-        self.save()
-    bar.close()
-    return evals
+
+  def _after_step(self, metrics: dict[str, float], bar: tqdm.tqdm, evals: dict) -> None:
+    """Writes a finished step's metrics, evaluates and checkpoints when due."""
+    s = self.s
+    self.writer.write(self.state.step, "train", metrics)
+    postfix = {"reward": f"{metrics['reward_mean']:.3f}"}
+    bar.update(1)
+    last = self.state.step == s.steps
+    if s.eval_every and (self.state.step % s.eval_every == 0 or last):
+      evals["eval_reward_end"] = self._eval_and_write()
+      postfix["eval"] = f"{evals['eval_reward_end']:.3f}"
+    bar.set_postfix(postfix)
+    if (s.checkpoint_every and self.state.step % s.checkpoint_every == 0) or last:
+      self.save()
 
   def _eval_and_write(self) -> float:
     value = self.evaluate()
     self.writer.write(self.state.step, "eval", {"eval_reward": value})
     return value
+
+
+def batch_metrics(rewards_b: np.ndarray, completions) -> dict[str, float]:
+  """Reward and length statistics of a trained batch."""
+  return {
+    "reward_mean": float(rewards_b.mean()),
+    "reward_std": float(rewards_b.std()),
+    "response_length": float(np.mean([len(c.token_ids) for c in completions])),
+    "truncated_frac": float(np.mean([c.finish_reason == "length" for c in completions])),
+  }
 
 
 def _step_seed(seed: int, step: int) -> int:

@@ -19,16 +19,18 @@ from jaxrl.data.tasks import make_task
 from jaxrl.data.tokenizer import TOKENIZERS
 from jaxrl.metrics import MetricsWriter, plot_reward_curve
 from jaxrl.model import Model
+from jaxrl.rl.async_controller import AsyncController, AsyncSettings
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.controller import Controller, ControllerSettings
 from jaxrl.rl.experience import pad_sequences
 from jaxrl.rl.placement import Placement, make_placement
 from jaxrl.rl.weights import WeightStore
+from jaxrl.rl.workers import LocalWorker
 from jaxrl.rollout.engine import StaticEngine
 from jaxrl.rollout.paged import PagedEngine
 from jaxrl.scheduler.local import plan_for_experiment
 from jaxrl.scheduler.planner import PlanningError
-from jaxrl.sharding import STAGE_RULES
+from jaxrl.sharding import STAGE_RULES, make_mesh, split_devices
 from jaxrl.train.learner import Learner
 from jaxrl.train.sft import SupervisedTrainer
 
@@ -59,7 +61,8 @@ def build_controller(
   show_progress: bool = True,
   placement: Placement | None = None,
 ) -> Controller:
-  """Wires task, tokenizer, meshes, engine, learner, store, writer and checkpointer."""
+  """Wires task, tokenizer, meshes, engine, learner, store, writer and checkpointer; in async
+  mode (`config.loop.mode`) also the rollout workers, one per group of rollout devices."""
   tokenizer = _choose(TOKENIZERS, cfg.tokenizer, "config.tokenizer")()
   if tokenizer.vocab_size > cfg.model.vocab_size:
     raise ConfigError(
@@ -83,9 +86,19 @@ def build_controller(
     placement = make_placement(cfg.placement, plan=plan)
   model = Model(cfg.model)
   make_engine = _choose(ENGINES, cfg.rollout.engine, "config.rollout.engine")
-  engine = make_engine(
-    model, placement.rollout_mesh, STAGE_RULES["rollout"], tokenizer, cfg.rollout
-  )
+  asynchronous = cfg.loop.mode == "async"
+  if asynchronous and cfg.rollout.engine != "paged":
+    raise ConfigError(
+      f"config.loop.mode='async' needs config.rollout.engine='paged' (its requests can be "
+      f"stopped and moved), got {cfg.rollout.engine!r}."
+    )
+  if asynchronous and cfg.rollout.dynamic_sampling:
+    raise ConfigError(
+      "config.rollout.dynamic_sampling runs with config.loop.mode='sync' only; turn one off."
+    )
+  # In async mode this engine, on the learner's mesh, serves evaluation only.
+  engine_mesh = placement.train_mesh if asynchronous else placement.rollout_mesh
+  engine = make_engine(model, engine_mesh, STAGE_RULES["rollout"], tokenizer, cfg.rollout)
   train = cfg.train
   learner = Learner(
     model,
@@ -119,7 +132,7 @@ def build_controller(
   train_records = task.records("train", None, cfg.seed)
   loader = PromptLoader(train_records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
   eval_records = task.records("test", cfg.eval.num_prompts) if cfg.eval.every else []
-  return Controller(
+  kwargs = dict(
     settings=settings,
     rollout=engine,
     learner=learner,
@@ -132,6 +145,42 @@ def build_controller(
     checkpointer=Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.max_to_keep),
     show_progress=show_progress,
   )
+  if not asynchronous:
+    return Controller(**kwargs)
+  loop = cfg.loop
+  controller = AsyncController(
+    async_settings=AsyncSettings(
+      max_staleness=loop.max_staleness, partial_rollouts=loop.partial_rollouts
+    ),
+    **kwargs,
+  )
+  rollout_axes = {k: v for k, v in placement.rollout_mesh.shape.items() if k != "data"}
+
+  def make_worker(name: str, devices) -> LocalWorker:
+    try:
+      mesh = make_mesh(devices, {**rollout_axes, "data": -1})
+    except ValueError as e:
+      raise ConfigError(f"config.loop.rollout_workers: worker {name}: {e}") from None
+    worker_engine = make_engine(model, mesh, STAGE_RULES["rollout"], tokenizer, cfg.rollout)
+    return LocalWorker(
+      name, worker_engine, controller.weights, controller.events,
+      partial_rollouts=loop.partial_rollouts,
+    )  # fmt: skip
+
+  rollout_devices = list(placement.rollout_mesh.devices.flat)
+  n = loop.rollout_workers
+  if len(rollout_devices) % n:
+    raise ConfigError(
+      f"config.loop.rollout_workers={n} does not divide the {len(rollout_devices)} rollout "
+      "devices; choose a divisor."
+    )
+  size = len(rollout_devices) // n
+  controller.make_worker = make_worker
+  controller.initial_workers = [
+    make_worker(f"w{i}", group)
+    for i, group in enumerate(split_devices(rollout_devices, [size] * n))
+  ]
+  return controller
 
 
 def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = True) -> None:

@@ -1,0 +1,243 @@
+"""Rollout workers of the asynchronous loop, and the `local` backend that runs them as threads.
+
+A worker owns one paged engine on its own mesh. It takes requests as token-level records
+(`RequestRecord`, new or partly generated), pulls the newest weights from the store when it is
+between decode windows, decodes, and streams what it made back to the controller as events:
+after every window the records of the requests that grew (`progress`), finished records
+(`finished`), and on leaving the records it still held (`left`). The controller keeps the last
+streamed copy of every request, so a worker that dies without notice loses at most the window
+it was in.
+
+Weight switches. With `partial_rollouts` a worker switches to new weights at the next window
+boundary: its running requests are taken out and re-admitted, so their caches are rebuilt under
+the new weights (prompt + generated prefix re-prefilled) and their later tokens carry the new
+version. Without it, a worker finishes what it runs before it switches, and holds back requests
+that need newer weights meanwhile. Either way it never decodes with weights older than
+`min_version` (the learner's version minus the staleness bound): if it cannot get newer ones,
+it reports `store_unreachable` and waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+
+from jaxrl.rl.weights import StoreUnreachable, WeightStore
+from jaxrl.rollout.paged import PagedEngine
+from jaxrl.rollout.requests import RequestRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class WorkerEvent:
+  """What a worker tells the controller.
+
+  Attributes:
+    worker: the worker's name.
+    kind: "progress" (records that grew), "finished", "left" (records handed back on a
+      preemption notice), "crashed" (the worker died of an error; `detail` says which) or
+      "store_unreachable".
+    records: copies of the records concerned; the controller may keep them.
+    version: the weight version the worker holds.
+    detail: a message for "crashed" and "store_unreachable".
+  """
+
+  worker: str
+  kind: str
+  records: list[RequestRecord]
+  version: int
+  detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+  """A request for a worker and the oldest weight version allowed to decode it (its group's
+  version: tokens of a sample are never older than the version the sample was admitted at)."""
+
+  record: RequestRecord
+  min_version: int
+
+
+def copy_record(record: RequestRecord) -> RequestRecord:
+  """A copy that later decoding of `record` does not change (the engine appends in place)."""
+  return dataclasses.replace(
+    record,
+    token_ids=list(record.token_ids),
+    logprobs=list(record.logprobs),
+    versions=list(record.versions),
+    routing=list(record.routing),
+    prompt_routing=list(record.prompt_routing),
+  )
+
+
+class LocalWorker:
+  """A rollout worker running in a thread of this process (the `local` backend).
+
+  Control calls (`submit`, `set_min_version`, `preempt`, `kill`) are thread-safe and return at
+  once; the worker acts on them between decode windows.
+  """
+
+  def __init__(
+    self,
+    name: str,
+    engine: PagedEngine,
+    store: WeightStore,
+    events: queue.Queue,
+    *,
+    partial_rollouts: bool,
+    idle_wait_s: float = 0.01,
+  ):
+    self.name = name
+    self.engine = engine
+    self.store = store
+    self.events = events
+    self.partial_rollouts = partial_rollouts
+    self.idle_wait_s = idle_wait_s
+    self._inbox: queue.Queue = queue.Queue()
+    self._killed = threading.Event()
+    self._min_version = -1
+    self._held: list[Assignment] = []  # need newer weights than the engine has
+    self._streamed: dict[str, int] = {}  # request id -> tokens already streamed
+    self._unreachable_reported = False
+    self._thread = threading.Thread(target=self._run, name=f"rollout-{name}", daemon=True)
+
+  # -- control (any thread) ----------------------------------------------------------------------
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def submit(self, assignments: list[Assignment]) -> None:
+    self._inbox.put(("submit", assignments))
+
+  def set_min_version(self, version: int) -> None:
+    self._inbox.put(("min_version", version))
+
+  def preempt(self) -> None:
+    """A preemption notice: hand back every request (as records) and leave."""
+    self._inbox.put(("preempt", None))
+
+  def kill(self) -> None:
+    """Dies without notice: stops at once and says nothing more (a crashed machine)."""
+    self._killed.set()
+    self._inbox.put(("wake", None))
+
+  @property
+  def capacity(self) -> int:
+    """Requests worth handing this worker at once: a running batch and as many queued."""
+    return 2 * self.engine.cfg.max_running
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
+
+  def join(self, timeout: float | None = None) -> None:
+    self._thread.join(timeout)
+
+  # -- the thread --------------------------------------------------------------------------------
+
+  def _emit(self, kind: str, records: list[RequestRecord], detail: str = "") -> None:
+    if not self._killed.is_set():
+      self.events.put(WorkerEvent(self.name, kind, records, self.engine.version, detail))
+
+  def _run(self) -> None:
+    try:
+      while not self._killed.is_set():
+        if not self._handle_inbox(block=not self._can_decode()):
+          return  # left on a preemption notice
+        if self._killed.is_set():
+          return
+        self._pull_weights()
+        self._release_held()
+        if self._can_decode():
+          finished = self.engine.step()
+          if self._killed.is_set():
+            return  # died mid-window: nothing of it reaches the controller
+          self._stream(finished)
+    except Exception as e:  # a crash is reported; the controller re-dispatches the requests
+      log.exception("Rollout worker %s crashed.", self.name)
+      self._emit("crashed", [], detail=repr(e))
+
+  def _can_decode(self) -> bool:
+    e = self.engine
+    return e.params is not None and e.has_work and e.version >= self._min_version
+
+  def _handle_inbox(self, block: bool) -> bool:
+    """Applies queued control calls; False once the worker has left."""
+    try:
+      item = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
+    except queue.Empty:
+      return True
+    while True:
+      kind, arg = item
+      if kind == "submit":
+        self._held.extend(arg)
+      elif kind == "min_version":
+        self._min_version = max(self._min_version, arg)
+        self._unreachable_reported = False
+      elif kind == "preempt":
+        self._leave()
+        return False
+      try:
+        item = self._inbox.get_nowait()
+      except queue.Empty:
+        return True
+
+  def _leave(self) -> None:
+    e = self.engine
+    ids = [*e.running, *(r.request_id for r in e.waiting)]
+    records = [copy_record(r) for r in e.abort(ids)]
+    records += [copy_record(a.record) for a in self._held]
+    self._held.clear()
+    self._emit("left", records)
+
+  def _pull_weights(self) -> None:
+    e = self.engine
+    switch_now = self.partial_rollouts or not e.running or e.version < self._min_version
+    if not switch_now:
+      return
+    try:
+      pulled = self.store.pull(e.version)
+    except StoreUnreachable as err:
+      if not self._unreachable_reported and e.version < self._min_version:
+        self._emit("store_unreachable", [], detail=str(err))
+        self._unreachable_reported = True
+      return
+    if pulled is None:
+      return
+    version, params = pulled
+    running = e.abort(list(e.running))  # re-admitted below: caches rebuilt under new weights
+    e.update_weights(params, version)
+    waiting = list(e.waiting)
+    e.waiting.clear()
+    for record in [*running, *waiting]:
+      e.submit(record)
+
+  def _release_held(self) -> None:
+    """Moves held requests into the engine once its weights are new enough for them."""
+    e = self.engine
+    if e.params is None:
+      return
+    keep = []
+    for a in self._held:
+      if a.min_version <= e.version:
+        e.submit(a.record)
+      else:
+        keep.append(a)
+    self._held = keep
+
+  def _stream(self, finished: list[RequestRecord]) -> None:
+    grown = []
+    for state in self.engine.running.values():
+      r = state.record
+      if len(r.token_ids) > self._streamed.get(r.request_id, 0):
+        self._streamed[r.request_id] = len(r.token_ids)
+        grown.append(copy_record(r))
+    if grown:
+      self._emit("progress", grown)
+    if finished:
+      for r in finished:
+        self._streamed.pop(r.request_id, None)
+      self._emit("finished", [copy_record(r) for r in finished])

@@ -1,0 +1,271 @@
+"""The asynchronous loop on the 8 simulated CPU devices: staleness bound, elastic workers with
+and without notice, an unreachable weight store, and whole-job crashes resumed from checkpoints.
+
+Every test checks the same ledger: each released group is trained at most once and a group is
+either trained or still held by the controller (nothing lost, nothing duplicated); groups hold
+the loader's prompts in order (nothing skipped); no trained token is older than the bound; and
+the controller's copy of a response only ever grows (resumed responses keep their prefix).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from jaxrl.config import ConfigError
+from jaxrl.data.pipeline import PromptLoader
+from jaxrl.data.tasks import make_task
+from jaxrl.metrics import read_metrics
+from jaxrl.rl import job
+from jaxrl.rl.weights import StoreUnreachable
+
+from .job_test import tiny_config  # noqa: TID252
+
+
+def async_config(**overrides):
+  base = {
+    "warmup.steps": 0,
+    "eval.every": 0,
+    "loop.mode": "async",
+    "loop.rollout_workers": 2,
+    "rollout.sampling.max_new_tokens": 16,
+    "rollout.paged.decode_steps": 2,
+    "rollout.paged.max_running": 8,
+    "train.steps": 4,
+  }
+  return tiny_config("test", **(base | overrides))
+
+
+class Ledger:
+  """Watches a controller: trained groups, their staleness, and the growth of every response."""
+
+  def __init__(self, eta):
+    self.eta = eta
+    self.trained = {}  # gid -> step
+    self.prompts = {}  # gid -> prompt id
+    self.prefix = {}  # request id -> longest token list the controller held
+
+  def attach(self, controller):
+    controller.hooks.append(self.watch)
+    controller.on_train.append(self.train)
+
+  def watch(self, controller):
+    for g in controller.groups.values():
+      self.prompts[g.gid] = g.prompt["id"]
+      for r in g.records:
+        before = self.prefix.get(r.request_id, [])
+        assert list(r.token_ids[: len(before)]) == before, f"{r.request_id} lost its prefix"
+        self.prefix[r.request_id] = list(r.token_ids)
+
+  def train(self, step, groups):
+    version = step  # one publication per step: the learner trains version `step`
+    for g in groups:
+      assert g.gid not in self.trained, f"group {g.gid} trained twice"
+      self.trained[g.gid] = step
+      self.prompts[g.gid] = g.prompt["id"]
+      for r in g.records:
+        assert r.finish_reason is not None
+        assert version - min(r.versions) <= self.eta, (g.gid, r.versions, version)
+        before = self.prefix.get(r.request_id, [])
+        assert list(r.token_ids[: len(before)]) == before, f"{r.request_id} lost its prefix"
+
+  def check(self, controller, cfg):
+    self.watch(controller)  # the groups released by the last step
+    held = set(controller.groups)
+    assert not held & set(self.trained)
+    assert held | set(self.trained) == set(range(controller.next_group))
+    assert len(self.trained) == controller.s.steps * controller.s.prompts_per_step
+    # The groups hold the loader's prompts in the loader's order.
+    task = make_task(cfg.task)
+    loader = PromptLoader(
+      task.records("train", None, cfg.seed), batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed
+    )
+    expected = [
+      r["id"] for _ in range(controller.next_group // loader.batch_size) for r in next(loader)
+    ]
+    assert [self.prompts[g] for g in range(controller.next_group)] == expected
+
+
+@pytest.mark.parametrize(
+  "eta,partial", [(0, True), (1, False), (2, True)], ids=["sync", "eta1", "eta2-partial"]
+)
+def test_async_loop_trains_each_group_once_within_the_bound(tmp_path, eta, partial):
+  cfg = async_config(**{"loop.max_staleness": eta, "loop.partial_rollouts": partial})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  ledger = Ledger(eta)
+  ledger.attach(controller)
+  controller.run()
+  ledger.check(controller, cfg)
+  assert controller.state.version == cfg.train.steps
+  assert not controller.workers  # stopped on return
+
+
+def test_workers_killed_preempted_and_added_at_random_lose_nothing(tmp_path):
+  """Faults at random points of a run: kills without notice, preemption notices, new workers."""
+  seed = int(np.random.default_rng().integers(1 << 31))
+  rng = np.random.default_rng(seed)
+  cfg = async_config(
+    **{
+      "loop.max_staleness": 1,
+      "loop.rollout_workers": 4,
+      "train.steps": 5,
+      "placement.mode": "disaggregated",  # 4 + 4 devices, one per worker
+    }
+  )
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  devices = {w.name: list(w.engine.mesh.devices.flat) for w in controller.initial_workers}
+  ledger = Ledger(1)
+  ledger.attach(controller)
+  faults = {"kill": 0, "preempt": 0, "add": 0}
+  names = iter(f"new{i}" for i in range(1000))
+
+  noticed = set()
+
+  def inject(c):
+    if rng.random() > 0.08:
+      return
+    victims = [name for name in c.workers if name not in noticed]
+    action = rng.choice(["kill", "preempt", "add"])
+    if action != "add" and len(victims) > 1:
+      victim = str(rng.choice(victims))
+      if action == "kill":
+        c.kill_worker(victim)
+      else:
+        c.remove_worker(victim)
+        noticed.add(victim)
+      faults[action] += 1
+    elif len(c.workers) < 4:
+      used = {d.id for w in c.workers.values() for d in w.engine.mesh.devices.flat}
+      free = [group for group in devices.values() if group[0].id not in used]
+      if free:
+        c.add_worker(c.make_worker(next(names), free[0]))
+        faults["add"] += 1
+
+  controller.hooks.append(inject)
+  controller.run()
+  ledger.check(controller, cfg)
+  assert sum(faults.values()) > 0, f"seed {seed}: no fault was injected"
+  counters = controller.counters
+  assert counters["workers_killed"] == faults["kill"], (seed, faults, counters)
+  assert counters["workers_preempted"] <= faults["preempt"], (seed, faults, counters)
+  if counters["requests_redispatched"] + counters["requests_handed_back"] >= 8:
+    assert counters["tokens_kept_on_redispatch"] > 0, (seed, counters)  # prefixes moved
+
+
+class FlakyStore:
+  """The controller's store as one worker sees it: unreachable once `down` is set."""
+
+  def __init__(self, store):
+    self.store, self.down = store, False
+
+  def pull(self, have):
+    if self.down and have >= 0:
+      raise StoreUnreachable("test: the store is down")
+    return self.store.pull(have)
+
+
+def test_a_worker_that_cannot_reach_the_store_stops_and_hands_back(tmp_path):
+  cfg = async_config(**{"loop.max_staleness": 1, "train.steps": 5})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  flaky = FlakyStore(controller.weights)
+  controller.initial_workers[0].store = flaky
+  ledger = Ledger(1)
+  ledger.attach(controller)
+  controller.on_train.append(lambda step, groups: setattr(flaky, "down", True))
+  controller.run()
+  ledger.check(controller, cfg)
+  assert controller.counters["store_unreachable"] == 1
+  assert controller.counters["workers_preempted"] == 1
+
+
+class Crash(Exception):
+  pass
+
+
+def test_job_crashes_and_resumes_without_skipping_or_repeating_prompts(tmp_path):
+  seed = int(np.random.default_rng().integers(1 << 31))
+  rng = np.random.default_rng(seed)
+  steps = 6
+  cfg = async_config(
+    **{"loop.max_staleness": 2, "train.steps": steps, "checkpoint.every": 1, "resume": True}
+  )
+  workdir = str(tmp_path)
+  ledger = Ledger(2)
+  crashes = 0
+  while True:
+    controller = job.build_controller(cfg, workdir, show_progress=False)
+    latest = controller.checkpointer.latest_step()
+    if latest is not None:
+      controller.restore(latest)
+      # What the crashed run did after its last checkpoint is undone with it.
+      ledger.trained = {g: s for g, s in ledger.trained.items() if s < latest}
+      ledger.prefix = {}
+    else:
+      controller.save()
+    ledger.attach(controller)
+    crash_at = int(rng.integers(controller.state.step + 1, steps + 2))  # steps + 1: no crash
+    iterations = iter(range(10**9))
+    crash_after = int(rng.integers(0, 30))
+
+    def crash(c, crash_at=crash_at, iterations=iterations, crash_after=crash_after):
+      if c.state.step >= crash_at - 1 and next(iterations) >= crash_after:
+        raise Crash
+
+    controller.hooks.append(crash)
+    try:
+      controller.run()
+      break
+    except Crash:
+      crashes += 1
+      assert crashes < 20, f"seed {seed}: too many crashes"
+    finally:
+      controller.writer.close()
+      controller.checkpointer.close()
+  ledger.check(controller, cfg)
+  assert os.path.isdir(os.path.join(workdir, "checkpoints"))
+
+
+def test_a_crashing_worker_is_replaced_by_the_others(tmp_path):
+  cfg = async_config(**{"loop.max_staleness": 1, "train.steps": 3})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  engine = controller.initial_workers[0].engine
+  step, calls = engine.step, iter(range(10**9))
+
+  def failing_step():
+    if next(calls) == 3:
+      raise RuntimeError("test: device lost")
+    return step()
+
+  engine.step = failing_step
+  ledger = Ledger(1)
+  ledger.attach(controller)
+  controller.run()
+  ledger.check(controller, cfg)
+  assert controller.counters["workers_crashed"] == 1
+
+
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    ({"rollout.engine": "static"}, "needs config.rollout.engine='paged'"),
+    ({"rollout.dynamic_sampling": True}, "dynamic_sampling runs with"),
+    ({"loop.rollout_workers": 3}, "does not divide"),
+    ({"loop.max_staleness": -1}, "max_staleness must be >= 0"),
+  ],
+)
+def test_bad_async_settings_get_clear_errors(tmp_path, overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    job.build_controller(async_config(**overrides), str(tmp_path), show_progress=False)
+
+
+def test_async_job_runs_end_to_end_with_eval_and_metrics(tmp_path):
+  cfg = tiny_config("test", **{"loop.mode": "async", "train.loss.proximal": "recompute"})
+  summary = job.run(cfg, str(tmp_path), show_progress=False)
+  assert summary["steps"] == cfg.train.steps
+  assert 0.0 <= summary["eval_reward_end"] <= 1.0
+  train = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if r["kind"] == "train"]
+  assert [r["step"] for r in train] == list(range(1, cfg.train.steps + 1))
+  for r in train:
+    for key in ("staleness_mean", "off_policy_token_frac", "time_wait", "behaviour_ess"):
+      assert np.isfinite(r[key]), key
+    assert r["staleness_0"] + r["staleness_1"] == pytest.approx(1.0)
