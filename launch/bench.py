@@ -117,6 +117,79 @@ def _decode_step_seconds(engine, prompts, sampling) -> float:
   return seconds / ((total - first) / len(prompts))
 
 
+def _kv_bytes_per_token(cfg) -> int:
+  """Bytes of keys and values of one token, all layers."""
+  return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+
+
+def _decode_roofline_s(cfg, rows: int, context: float, bandwidth: float, flops_rate: float):
+  """The decode step's roofline: weights + KV bytes over the copy bandwidth, or its FLOPs
+  over the matmul rate, whichever is larger."""
+  weight_bytes = cfg.num_params() * np.dtype(cfg.param_dtype).itemsize
+  kv_bytes = rows * context * _kv_bytes_per_token(cfg)
+  return max((weight_bytes + kv_bytes) / bandwidth, 2 * cfg.num_params() * rows / flops_rate)
+
+
+def _matmul_only_step_seconds(cfg, rows: int) -> float:
+  """Time of a dense model's weight matmuls alone at `rows` rows (q, k, v, o, gate, up, down
+  per layer, then the LM head): a floor under the decode step on this backend, with no
+  attention, norms or sampling."""
+  if cfg.num_experts:
+    raise ValueError("The matmul floor is defined for dense models only (num_experts=0).")
+  d, q, kv, f = (
+    cfg.d_model,
+    cfg.num_heads * cfg.head_dim,
+    cfg.num_kv_heads * cfg.head_dim,
+    cfg.mlp_dim,
+  )
+  shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)] * cfg.num_layers
+  dev = jax.devices()[0]
+  weights = [jax.device_put(np.full(s, 1e-3, np.float32), dev) for s in shapes]
+  head = jax.device_put(np.full((d, cfg.vocab_size), 1e-3, np.float32), dev)
+  x = jax.device_put(np.ones((rows, d), np.float32), dev)
+
+  @jax.jit
+  def chain(x, weights, head):
+    for i in range(cfg.num_layers):
+      wq, wk, wv, wo, wg, wu, wd = weights[7 * i : 7 * i + 7]
+      a = x @ wq + jnp.sum(x @ wk) + jnp.sum(x @ wv)  # k and v feed the cache
+      x = x + a @ wo
+      x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+    return x @ head
+
+  return _best_seconds(lambda: chain(x, weights, head))
+
+
+def bench_decode_floor(
+  presets=("bench-small",), rows: int = 16, prompt_len: int = 32, new_tokens: int = 64
+):
+  """The paged engine's decode step against its roofline and against the model's weight
+  matmuls alone, all measured in one run (one device)."""
+  bandwidth, flops_rate = _memcpy_bytes_per_s(), _matmul_flops_per_s()
+  out = {"machine": {"memcpy_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops_rate / 1e9}}
+  rng = np.random.default_rng(0)
+  mesh = make_mesh(jax.devices()[:1], {})
+  for preset in presets:
+    cfg = get_preset(preset)
+    model = Model(cfg)
+    engine = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0)
+    engine.update_weights(model.init(0), 0)
+    prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(rows)]
+    sampling = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)] * rows
+    step_s = _decode_step_seconds(engine, prompts, sampling)
+    floor_s = _matmul_only_step_seconds(cfg, rows)
+    roof_s = _decode_roofline_s(cfg, rows, prompt_len + new_tokens / 2, bandwidth, flops_rate)
+    out[preset] = {
+      "decode_step_ms": step_s * 1e3,
+      "matmul_only_ms": floor_s * 1e3,
+      "roofline_ms": roof_s * 1e3,
+      "roofline_fraction": roof_s / step_s,
+      "matmul_only_roofline_fraction": roof_s / floor_s,
+      "matmul_only_GFLOPs": 2 * cfg.num_params() * rows / floor_s / 1e9,
+    }
+  return out
+
+
 def _timed_generate(engine, prompts, sampling) -> tuple[float, int]:
   start = time.perf_counter()
   outs = engine.generate(prompts, sampling, seed=0)
@@ -163,8 +236,7 @@ def bench_rollout(
     prompts = [p for p in prompts for _ in range(responses)]
     page_size = 16
     pages = max_running * -(-(prompt_len + cap) // page_size)
-    # Bytes of keys and values of one token, all layers.
-    slot_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+    slot_bytes = _kv_bytes_per_token(cfg)
     paged = PagedEngine(
       model,
       mesh,
@@ -198,11 +270,9 @@ def bench_rollout(
     )
     single.update_weights(params, 0)
     single_step_s = _decode_step_seconds(single, prompts[:roofline_seqs], sampling)
-    context = prompt_len + median / 2
-    weight_bytes = cfg.num_params() * np.dtype(cfg.param_dtype).itemsize
-    kv_bytes = roofline_seqs * context * slot_bytes
-    step_flops = 2 * cfg.num_params() * roofline_seqs
-    roofline_s = max((weight_bytes + kv_bytes) / bandwidth, step_flops / flops_rate)
+    roofline_s = _decode_roofline_s(
+      cfg, roofline_seqs, prompt_len + median / 2, bandwidth, flops_rate
+    )
     row.update(
       {
         "paged_tokens_per_s": row["paged_long_tail_tokens_per_s"],
@@ -380,6 +450,7 @@ def bench_calibrate(
 
 BENCHMARKS = {
   "calibrate": bench_calibrate,
+  "decode_floor": bench_decode_floor,
   "logprob_mismatch": bench_logprob_mismatch,
   "paged_attention": bench_paged_attention,
   "plan": bench_plan,
