@@ -167,6 +167,8 @@ class LoopConfig:
       the weights it is trained on; 0 makes the async loop synchronous.
     partial_rollouts: async only: workers switch to new weights at the next decode window and
       carry unfinished responses over; otherwise a worker finishes its running responses first.
+    skew_aware_dispatch: async only: start the prompts predicted to answer longest first (from
+      their earlier responses) and spread them over workers by predicted tokens.
     rollout_workers: async only: the rollout devices are split into this many workers, each
       with its own engine on its own sub-mesh (`placement.rollout_mesh` shape per worker is
       `data` = its device count).
@@ -175,6 +177,7 @@ class LoopConfig:
   mode: str = "sync"
   max_staleness: int = 1
   partial_rollouts: bool = True
+  skew_aware_dispatch: bool = True
   rollout_workers: int = 2
 
   def __post_init__(self):

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxrl.rl.controller import Controller, _step_seed, batch_metrics
+from jaxrl.rl.dispatch import LengthPredictor
 from jaxrl.rl.experience import build_batch
 from jaxrl.rl.workers import Assignment, LocalWorker, WorkerEvent, copy_record
 from jaxrl.rollout.paged import _completion
@@ -48,11 +49,15 @@ class AsyncSettings:
     partial_rollouts: workers switch to new weights at the next decode window, carrying their
       unfinished requests over (tokens keep their versions); otherwise a worker finishes its
       running requests before it switches.
+    skew_aware: start the requests of prompts predicted to answer longest first, and send
+      each to the worker with the fewest predicted tokens outstanding (`dispatch.py`);
+      otherwise release order and the fewest requests.
     poll_s: how long the controller waits for a worker event before checking on its workers.
   """
 
   max_staleness: int = 1
   partial_rollouts: bool = True
+  skew_aware: bool = True
   poll_s: float = 0.05
 
   def __post_init__(self):
@@ -130,6 +135,7 @@ class AsyncController(Controller):
     self.hooks: list[Callable[[AsyncController], None]] = []
     self.on_train: list[Callable[[int, list[Group]], None]] = []
     self.counters = collections.Counter()
+    self.lengths = LengthPredictor(default=self.s.sampling.max_new_tokens / 2)
     self._eval_version = -1
     # Set by the builder (`job.build_controller`): the workers `run` starts with, and a
     # factory (name, devices) -> LocalWorker for workers added later.
@@ -220,6 +226,7 @@ class AsyncController(Controller):
         del self.assigned[rid]
         group.done[j] = True
         if group.finished:
+          self.lengths.update(group.prompt["id"], [len(r.token_ids) for r in group.records])
           self._score(group)
       elif ev.kind == "left":
         del self.assigned[rid]
@@ -246,6 +253,7 @@ class AsyncController(Controller):
     """Starts the groups admission control allows: k < (version + eta + 1) x batch."""
     s = self.s
     cap = (self.state.version + self.a.max_staleness + 1) * s.prompts_per_step
+    released = []
     while self.next_group < cap:
       for prompt in next(self.loader):
         gid = self.next_group
@@ -261,23 +269,39 @@ class AsyncController(Controller):
           for j in range(s.group_size)
         ]
         self.groups[gid] = Group(gid, prompt, self.state.version, records, [False] * len(records))
-        self.pending.extend(r.request_id for r in records)
+        released += [r.request_id for r in records]
+    if self.a.skew_aware:  # longest predicted first; stable, so release order breaks ties
+      released.sort(key=lambda rid: -self._predicted_left(rid))
+    self.pending.extend(released)
+
+  def _predicted_left(self, rid: str) -> float:
+    """Tokens the request is predicted still to generate (at least 1)."""
+    gid, j = parse_request_id(rid)
+    group = self.groups[gid]
+    return max(1.0, self.lengths.predict(group.prompt["id"]) - len(group.records[j].token_ids))
 
   def _dispatch(self) -> None:
-    load = collections.Counter(self.assigned.values())
+    """Hands queued requests to workers with room, each to the least loaded one: by predicted
+    tokens outstanding (skew-aware) or by request count."""
+    count = collections.Counter(self.assigned.values())
+    load = collections.Counter()
+    for rid, name in self.assigned.items():
+      load[name] += self._predicted_left(rid) if self.a.skew_aware else 1
     live = [w for w in self.workers.values() if w.alive and w.name not in self.leaving]
     batches = collections.defaultdict(list)
-    while self.pending and live:
-      worker = min(live, key=lambda w: load[w.name] / w.capacity)
-      if load[worker.name] >= worker.capacity:
+    while self.pending:
+      open_ = [w for w in live if count[w.name] < w.capacity]
+      if not open_:
         break
+      worker = min(open_, key=lambda w: load[w.name] / w.capacity)
       rid = self.pending.popleft()
       gid, j = parse_request_id(rid)
       group = self.groups[gid]
       # A copy: the worker's engine appends to its record while the controller keeps its own.
       batches[worker.name].append(Assignment(copy_record(group.records[j]), group.version))
       self.assigned[rid] = worker.name
-      load[worker.name] += 1
+      count[worker.name] += 1
+      load[worker.name] += self._predicted_left(rid) if self.a.skew_aware else 1
     for name, assignments in batches.items():
       self.workers[name].submit(assignments)
 
@@ -367,12 +391,14 @@ class AsyncController(Controller):
       "next_group": self.next_group,
       "groups": [g.to_dict() for g in self.groups.values()],
       "ready": list(self.ready),
+      "lengths": self.lengths.state(),
     }
 
   def load_controller_state(self, state: dict) -> None:
     self.next_group = state.pop("next_group", 0)
     groups = [Group.from_dict(d) for d in state.pop("groups", [])]
     ready = state.pop("ready", [])
+    self.lengths.load(state.pop("lengths", {}))
     super().load_controller_state(state)
     self.groups = {g.gid: g for g in groups}
     self.assigned.clear()

@@ -150,7 +150,9 @@ def build_controller(
   loop = cfg.loop
   controller = AsyncController(
     async_settings=AsyncSettings(
-      max_staleness=loop.max_staleness, partial_rollouts=loop.partial_rollouts
+      max_staleness=loop.max_staleness,
+      partial_rollouts=loop.partial_rollouts,
+      skew_aware=loop.skew_aware_dispatch,
     ),
     **kwargs,
   )
