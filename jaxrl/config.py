@@ -169,6 +169,10 @@ class LoopConfig:
       carry unfinished responses over; otherwise a worker finishes its running responses first.
     skew_aware_dispatch: async only: start the prompts predicted to answer longest first (from
       their earlier responses) and spread them over workers by predicted tokens.
+    backend: async only: "local" (workers are threads of this process, each on a slice of the
+      rollout devices) or "ray" (each worker a Ray actor with its own process and devices, the
+      weight store an actor; needs the `ray` extra).
+    ray_address: the Ray cluster to join ("" starts a local one).
     rollout_workers: async only: the rollout devices are split into this many workers, each
       with its own engine on its own sub-mesh (`placement.rollout_mesh` shape per worker is
       `data` = its device count).
@@ -178,11 +182,15 @@ class LoopConfig:
   max_staleness: int = 1
   partial_rollouts: bool = True
   skew_aware_dispatch: bool = True
+  backend: str = "local"
+  ray_address: str = ""
   rollout_workers: int = 2
 
   def __post_init__(self):
     if self.mode not in LOOP_MODES:
       raise ConfigError(f"config.loop.mode={self.mode!r}: use one of {LOOP_MODES}.")
+    if self.backend not in LOOP_BACKENDS:
+      raise ConfigError(f"config.loop.backend={self.backend!r}: use one of {LOOP_BACKENDS}.")
     if self.max_staleness < 0:
       raise ConfigError(f"config.loop.max_staleness must be >= 0, got {self.max_staleness}.")
     if self.rollout_workers < 1:
@@ -190,6 +198,7 @@ class LoopConfig:
 
 
 LOOP_MODES = ("sync", "async")
+LOOP_BACKENDS = ("local", "ray")
 
 
 @dataclasses.dataclass(frozen=True)

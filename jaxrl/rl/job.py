@@ -132,11 +132,14 @@ def build_controller(
   train_records = task.records("train", None, cfg.seed)
   loader = PromptLoader(train_records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
   eval_records = task.records("test", cfg.eval.num_prompts) if cfg.eval.every else []
+  ray_backend = asynchronous and cfg.loop.backend == "ray"
+  if ray_backend:
+    ray_backend = _start_ray(cfg.loop.ray_address)
   kwargs = dict(
     settings=settings,
     rollout=engine,
     learner=learner,
-    weights=WeightStore(),
+    weights=ray_backend.RayWeightStore() if ray_backend else WeightStore(),
     task=task,
     tokenizer=tokenizer,
     loader=loader,
@@ -156,6 +159,14 @@ def build_controller(
     ),
     **kwargs,
   )
+  if ray_backend:
+    controller.make_worker = lambda name, devices=None: ray_backend.RayWorker(
+      name, cfg, controller.weights, controller.events
+    )
+    controller.initial_workers = [
+      controller.make_worker(f"w{i}") for i in range(loop.rollout_workers)
+    ]
+    return controller
   rollout_axes = {k: v for k, v in placement.rollout_mesh.shape.items() if k != "data"}
 
   def make_worker(name: str, devices) -> LocalWorker:
@@ -183,6 +194,21 @@ def build_controller(
     for i, group in enumerate(split_devices(rollout_devices, [size] * n))
   ]
   return controller
+
+
+def _start_ray(address: str):
+  """Imports the Ray backend (the optional extra) and joins or starts a Ray cluster."""
+  try:
+    import ray
+
+    from jaxrl.rl import ray_backend
+  except ImportError:
+    raise ConfigError(
+      "config.loop.backend='ray' needs Ray: pip install 'jaxrl[ray]' (or set loop.backend='local')."
+    ) from None
+  if not ray.is_initialized():
+    ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
+  return ray_backend
 
 
 def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = True) -> None:
