@@ -137,9 +137,11 @@ class AsyncController(Controller):
     self.counters = collections.Counter()
     self.lengths = LengthPredictor(default=self.s.sampling.max_new_tokens / 2)
     self._eval_version = -1
-    # Set by the builder (`job.build_controller`): the workers `run` starts with, and a
-    # factory (name, devices) -> LocalWorker for workers added later.
+    # Set by the builder (`job.build_controller`): the workers `run` starts with, a factory of
+    # such a set for later calls of `run` (each call stops its workers on return), and a
+    # factory (name, devices) -> LocalWorker for workers added during a run.
     self.initial_workers: list[LocalWorker] = []
+    self.fresh_workers: Callable[[], list[LocalWorker]] | None = None
     self.make_worker: Callable[..., LocalWorker] | None = None
 
   # -- workers -----------------------------------------------------------------------------------
@@ -418,11 +420,18 @@ class AsyncController(Controller):
     the controller's state as the records they last streamed.
     """
     s = self.s
-    self.publish()
+    if self.weights.version < self.state.version:  # a later call of run has published it
+      self.publish()
     self._release()
+    if not self.initial_workers and not self.workers and self.fresh_workers is not None:
+      self.initial_workers = self.fresh_workers()
     for worker in self.initial_workers:
       self.add_worker(worker)
     self.initial_workers = []
+    if not self.workers and self.state.step < s.steps:
+      raise RuntimeError(
+        "AsyncController.run has no rollout workers; add some with add_worker(make_worker(...))."
+      )
     evals = {}
     if s.eval_every and self.state.step < s.steps:
       evals["eval_reward_start"] = self._eval_and_write()

@@ -163,9 +163,10 @@ def build_controller(
     controller.make_worker = lambda name, devices=None: ray_backend.RayWorker(
       name, cfg, controller.weights, controller.events
     )
-    controller.initial_workers = [
+    controller.fresh_workers = lambda: [
       controller.make_worker(f"w{i}") for i in range(loop.rollout_workers)
     ]
+    controller.initial_workers = controller.fresh_workers()
     return controller
   rollout_axes = {k: v for k, v in placement.rollout_mesh.shape.items() if k != "data"}
 
@@ -189,10 +190,9 @@ def build_controller(
     )
   size = len(rollout_devices) // n
   controller.make_worker = make_worker
-  controller.initial_workers = [
-    make_worker(f"w{i}", group)
-    for i, group in enumerate(split_devices(rollout_devices, [size] * n))
-  ]
+  groups = split_devices(rollout_devices, [size] * n)
+  controller.fresh_workers = lambda: [make_worker(f"w{i}", g) for i, g in enumerate(groups)]
+  controller.initial_workers = controller.fresh_workers()
   return controller
 
 

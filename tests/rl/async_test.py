@@ -7,6 +7,7 @@ the loader's prompts in order (nothing skipped); no trained token is older than 
 the controller's copy of a response only ever grows (resumed responses keep their prefix).
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -94,6 +95,10 @@ def test_async_loop_trains_each_group_once_within_the_bound(tmp_path, eta, parti
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
   ledger = Ledger(eta)
   ledger.attach(controller)
+  # Two calls of run: the second starts fresh workers and carries the first one's groups over.
+  controller.s = dataclasses.replace(controller.s, steps=2)
+  controller.run()
+  controller.s = dataclasses.replace(controller.s, steps=cfg.train.steps)
   controller.run()
   ledger.check(controller, cfg)
   assert controller.state.version == cfg.train.steps
