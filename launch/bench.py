@@ -5,6 +5,8 @@
   python launch/bench.py plan [--json]
   python launch/bench.py calibrate [--json]
   python launch/bench.py paged_attention [--json]
+  python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
+  python launch/bench.py async [--json]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
@@ -24,6 +26,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_async import bench_async  # noqa: E402  (launch/ is on sys.path)
 
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxrl.model import Model, get_preset  # noqa: E402
@@ -449,6 +452,7 @@ def bench_calibrate(
 
 
 BENCHMARKS = {
+  "async": bench_async,
   "calibrate": bench_calibrate,
   "decode_floor": bench_decode_floor,
   "logprob_mismatch": bench_logprob_mismatch,
@@ -476,9 +480,16 @@ def main() -> None:
     f"{len(jax.devices())} {jax.default_backend()} devices, jax {jax.__version__}"
   )
   for key, row in result.items():
+    if not isinstance(row, dict):
+      print(f"  {key}: {row}")
+      continue
     print(
       f"  {key}: "
-      + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+      + ", ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in row.items()
+        if not isinstance(v, list)
+      )
     )
 
 

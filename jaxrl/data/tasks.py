@@ -47,7 +47,10 @@ class TaskConfig:
     name: a key of `TASKS`.
     num_digits: arithmetic: digits per operand (operands are 0 .. 10**num_digits - 1).
     operations: arithmetic: the operators to draw from, a subset of "+-*".
-    sort_length: digit_sort: how many digits to sort.
+    sort_length: digit_sort: how many digits to sort (the median when `sort_length_max` is set).
+    sort_length_max: digit_sort: 0 gives every problem `sort_length` digits; otherwise each
+      problem's length is drawn from a long tail (lognormal around `sort_length`, sigma 0.8,
+      capped at this), so response lengths are long-tailed too.
     countdown_numbers: countdown: how many numbers are given.
     path: gsm8k: the JSONL file to read.
     eval_size: test records when `records("test", None, ...)` is called.
@@ -58,6 +61,7 @@ class TaskConfig:
   num_digits: int = 2
   operations: str = "+"
   sort_length: int = 5
+  sort_length_max: int = 0
   countdown_numbers: int = 3
   path: str = ""
   eval_size: int = 128
@@ -71,6 +75,11 @@ class TaskConfig:
         raise ValueError(
           f"TaskConfig.{field}={getattr(self, field)}: set it between {low} and {high}."
         )
+    if self.sort_length_max and not self.sort_length <= self.sort_length_max <= 18:
+      raise ValueError(
+        f"TaskConfig.sort_length_max={self.sort_length_max}: set it to 0 (fixed length) or "
+        f"between sort_length={self.sort_length} and 18."
+      )
     if self.eval_size < 1:
       raise ValueError(f"TaskConfig.eval_size={self.eval_size}: set it to 1 or more.")
     ops = self.operations
@@ -212,12 +221,20 @@ class DigitSort(Task):
   name = "digit_sort"
   supports_partial = True
 
-  def _space_size(self) -> int:
-    return 10**self.cfg.sort_length
+  def _space_size(self) -> int | None:
+    return None if self.cfg.sort_length_max else 10**self.cfg.sort_length
 
-  def _make(self, index: int) -> dict[str, Any]:
-    digits = str(index).zfill(self.cfg.sort_length)
+  def _make(self, index: int, length: int | None = None) -> dict[str, Any]:
+    digits = str(index).zfill(length or self.cfg.sort_length)
     return {"prompt": f"sort:{digits}=", "answer": "".join(sorted(digits))}
+
+  def _sample(self, rng: np.random.Generator, count: int) -> list[dict[str, Any]]:
+    if not self.cfg.sort_length_max:
+      return super()._sample(rng, count)
+    lengths = np.clip(
+      np.round(rng.lognormal(np.log(self.cfg.sort_length), 0.8, count)), 1, self.cfg.sort_length_max
+    ).astype(int)
+    return [self._make(int(rng.integers(10**n)), int(n)) for n in lengths]
 
   def reward(self, record: dict[str, Any], response: str) -> float:
     got, want = response.strip(), record["answer"]

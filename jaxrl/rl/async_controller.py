@@ -135,6 +135,7 @@ class AsyncController(Controller):
     self.hooks: list[Callable[[AsyncController], None]] = []
     self.on_train: list[Callable[[int, list[Group]], None]] = []
     self.counters = collections.Counter()
+    self.rollout_busy_s = 0.0  # decode time of the workers that have left (local backend)
     self.lengths = LengthPredictor(default=self.s.sampling.max_new_tokens / 2)
     self._eval_version = -1
     # Set by the builder (`job.build_controller`): the workers `run` starts with, a factory of
@@ -172,8 +173,10 @@ class AsyncController(Controller):
 
   def _drop_worker(self, name: str, why: str) -> None:
     self.leaving.discard(name)
-    if self.workers.pop(name, None) is None:
+    worker = self.workers.pop(name, None)
+    if worker is None:
       return
+    self.rollout_busy_s += getattr(worker, "busy_s", 0.0)
     lost = [rid for rid, w in self.assigned.items() if w == name]
     for rid in lost:
       del self.assigned[rid]

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 
 from jaxrl.rl.weights import StoreUnreachable, WeightStore
 from jaxrl.rollout.paged import PagedEngine
@@ -102,6 +103,7 @@ class LocalWorker:
     self._held: list[Assignment] = []  # need newer weights than the engine has
     self._streamed: dict[str, int] = {}  # request id -> tokens already streamed
     self._unreachable_reported = False
+    self.busy_s = 0.0  # seconds spent in decode windows (prefill included), for idle metrics
     self._thread = threading.Thread(target=self._run, name=f"rollout-{name}", daemon=True)
 
   # -- control (any thread) ----------------------------------------------------------------------
@@ -152,7 +154,9 @@ class LocalWorker:
         self._pull_weights()
         self._release_held()
         if self._can_decode():
+          start = time.perf_counter()
           finished = self.engine.step()
+          self.busy_s += time.perf_counter() - start
           if self._killed.is_set():
             return  # died mid-window: nothing of it reaches the controller
           self._stream(finished)

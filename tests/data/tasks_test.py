@@ -26,6 +26,8 @@ _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
     ({"operations": ""}, "operations"),
     ({"operations": "++"}, "operations"),
     ({"sort_length": 0}, "sort_length"),
+    ({"sort_length": 5, "sort_length_max": 3}, "sort_length_max"),
+    ({"sort_length_max": 19}, "sort_length_max"),
     ({"countdown_numbers": 1}, "countdown_numbers"),
     ({"eval_size": 0}, "eval_size"),
     ({"reward": "fuzzy"}, "reward"),
@@ -211,3 +213,14 @@ def test_evaluate_countdown_matches_python_on_random_expressions(seed):
 def test_evaluate_countdown_rejects(expression, reason):
   with pytest.raises(ValueError, match=reason):
     evaluate_countdown(expression, [3, 4])
+
+
+def test_digit_sort_long_tail_lengths():
+  task = make_task(TaskConfig(name="digit_sort", sort_length=4, sort_length_max=18))
+  records = task.records("train", 1000, seed=0)
+  lengths = np.array([len(r["answer"]) for r in records])
+  assert 3 <= np.median(lengths) <= 5 and lengths.max() >= 14 and lengths.min() >= 1
+  for r in records[:50]:
+    digits = r["prompt"][len("sort:") : -1]
+    assert r["answer"] == "".join(sorted(digits))
+    assert task.reward(r, r["answer"]) == 1.0
