@@ -1,6 +1,8 @@
 """The asynchronous loop on the `ray` backend: rollout workers as Ray actors on a local Ray
 cluster, killed without notice, preempted with notice and added during a run."""
 
+import time
+
 import pytest
 
 ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
@@ -63,6 +65,12 @@ def test_a_worker_cannot_reach_a_dead_store(local_ray):
   remote = RemoteStore(store.actor, timeout_s=5.0)
   assert remote.pull(-1)[0] == 0
   assert remote.pull(0) is None
-  ray.kill(store.actor, no_restart=True)
+  ray.kill(store.actor, no_restart=True)  # asynchronous: wait until the actor is gone
+  for _ in range(200):
+    try:
+      ray.get(store.actor.version.remote(), timeout=5)
+    except ray.exceptions.RayError:
+      break
+    time.sleep(0.05)
   with pytest.raises(StoreUnreachable, match="weight store actor"):
     remote.pull(0)
