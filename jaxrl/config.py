@@ -9,6 +9,8 @@ in the dataclass a field points to.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -227,6 +229,24 @@ def default_config() -> ml_collections.ConfigDict:
 def model_config(preset: str, **overrides) -> ml_collections.ConfigDict:
   """A model preset as a ConfigDict, for `config.model = model_config("tiny")`."""
   return ml_collections.ConfigDict(dataclasses.asdict(get_preset(preset, **overrides)))
+
+
+def load_config(
+  path: str, arg: str | None = None, overrides: Mapping[str, Any] | None = None
+) -> ExperimentConfig:
+  """`get_config(arg)` of a config file, with dotted-key overrides ("rollout.group_size": 4)
+  applied before conversion: what `--config path:arg --config.a.b=v` does, for code."""
+  spec = importlib.util.spec_from_file_location(os.path.basename(path).removesuffix(".py"), path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cd = module.get_config(arg)
+  for key, value in (overrides or {}).items():
+    node = cd
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return from_config_dict(cd)
 
 
 def from_config_dict(config: Mapping[str, Any] | ml_collections.ConfigDict) -> ExperimentConfig:

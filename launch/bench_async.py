@@ -11,13 +11,12 @@ steps after the first `skip` (compilation).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 
 import numpy as np
 
-from jaxrl.config import from_config_dict
+from jaxrl.config import load_config
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
 
@@ -37,22 +36,6 @@ MODES = {
 }
 
 
-def _config(overrides: dict):
-  spec = importlib.util.spec_from_file_location(
-    "grpo_tiny", os.path.join(REPO, "configs", "grpo_tiny.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cd = module.get_config(None)
-  for key, value in overrides.items():
-    node = cd
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return from_config_dict(cd)
-
-
 def bench_async(steps: int = 40, skip: int = 5, modes: tuple[str, ...] = tuple(MODES)) -> dict:
   """samples/s, idle fractions, off-policy tokens and reward per mode, one run."""
   base = {
@@ -68,7 +51,7 @@ def bench_async(steps: int = 40, skip: int = 5, modes: tuple[str, ...] = tuple(M
   }
   out = {}
   for name in modes:
-    cfg = _config(base | MODES[name])
+    cfg = load_config(os.path.join(REPO, "configs", "grpo_tiny.py"), None, base | MODES[name])
     workdir = tempfile.mkdtemp(prefix=f"bench_async_{name}_")
     c = job.build_controller(cfg, workdir, show_progress=False)
     job.warmup(c, cfg, show_progress=False)

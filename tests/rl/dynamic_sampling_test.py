@@ -1,30 +1,20 @@
 """DAPO dynamic sampling in the synchronous controller: uninformative groups are replaced."""
 
 import hashlib
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-from jaxrl.config import ConfigError, from_config_dict
+from jaxrl.config import ConfigError, load_config
 from jaxrl.rl import job
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(**overrides):
-  path = os.path.join(REPO, "configs", "grpo_tiny.py")
-  spec = importlib.util.spec_from_file_location("grpo_tiny", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cd = module.get_config("test")
-  cd.warmup.steps = 0
-  cd.eval.every = 0
-  for key, value in overrides.items():
-    section, leaf = key.split(".")
-    cd[section][leaf] = value
-  return from_config_dict(cd)
+  base = {"warmup.steps": 0, "eval.every": 0}
+  return load_config(os.path.join(REPO, "configs", "grpo_tiny.py"), "test", base | overrides)
 
 
 def _fake_scores(informative):

@@ -1,6 +1,5 @@
 """End-to-end RL job tests on the 8 simulated CPU devices (3-step runs, resume, bad input)."""
 
-import importlib.util
 import json
 import os
 
@@ -8,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.config import ConfigError, from_config_dict
+from jaxrl.config import ConfigError, load_config
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
 from jaxrl.rl.placement import make_placement
@@ -18,18 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def tiny_config(arg="test", **overrides):
-  path = os.path.join(REPO, "configs", "grpo_tiny.py")
-  spec = importlib.util.spec_from_file_location("grpo_tiny", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cd = module.get_config(arg)
-  for key, value in overrides.items():
-    node = cd
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return from_config_dict(cd)
+  return load_config(os.path.join(REPO, "configs", "grpo_tiny.py"), arg, overrides)
 
 
 @pytest.mark.parametrize("arg", ["test", "colocated", "fixed"])
