@@ -32,7 +32,7 @@ from jaxrl.rl.controller import Controller, _step_seed, batch_metrics
 from jaxrl.rl.dispatch import LengthPredictor
 from jaxrl.rl.experience import build_batch
 from jaxrl.rl.workers import Assignment, LocalWorker, WorkerEvent, copy_record
-from jaxrl.rollout.paged import _completion
+from jaxrl.rollout.paged import record_completion
 from jaxrl.rollout.requests import RequestRecord
 from jaxrl.train.advantages import group_advantages
 
@@ -242,7 +242,7 @@ class AsyncController(Controller):
       self._drop_worker(ev.worker, "preempted")
 
   def _score(self, group: Group) -> None:
-    completions = [_completion(r) for r in group.records]
+    completions = [record_completion(r) for r in group.records]
     group.rewards = self.score([group.prompt] * len(completions), completions)
     self.ready.append(group.gid)
 
@@ -337,7 +337,7 @@ class AsyncController(Controller):
           f"Group {g.gid} has a token of version {g.oldest_version()} at learner version {v}, "
           f"beyond max_staleness={eta}; admission control is broken."
         )
-    completions = [_completion(r) for g in groups for r in g.records]
+    completions = [record_completion(r) for g in groups for r in g.records]
     rewards_b = np.concatenate([g.rewards for g in groups])
     advantages_b = np.asarray(group_advantages(rewards_b, s.group_size, mode=s.advantage))
     batch = build_batch(completions, advantages_b, self.tokenizer.pad_id)

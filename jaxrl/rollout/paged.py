@@ -229,7 +229,7 @@ class PagedEngine:
       for i, (p, sp) in enumerate(zip(prompts, per_row, strict=True))
     ]
     done = {r.request_id: r for r in self.stream()}
-    return [_completion(done[i]) for i in ids]
+    return [record_completion(done[i]) for i in ids]
 
   # -- scheduling --------------------------------------------------------------------------------
 
@@ -464,7 +464,8 @@ def _token_key(seed, index):
   return jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), index)
 
 
-def _completion(record: RequestRecord) -> Completion:
+def record_completion(record: RequestRecord) -> Completion:
+  """The `Completion` of a finished record (arrays, routing reshaped), as the learner takes it."""
   routing = prompt_routing = None
   if record.routing:
     routing = np.asarray(record.routing, np.int32)
