@@ -303,6 +303,10 @@ def _behaviour_case(rng, b=6, t=10):
   logp = (prox + rng.normal(0.0, 0.05, (b, t))).astype(np.float32)
   mask = np.arange(t)[None, :] < rng.integers(1, t + 1, b)[:, None]
   adv = rng.normal(size=b).astype(np.float32)
+  # Pin both sides of the cap for every level: row 0's weights are e per token (over the cap),
+  # row 1's are exactly 1 (inside it); the other rows stay random.
+  behaviour[0] = prox[0] - 1.0
+  behaviour[1] = prox[1]
   return logp, prox, behaviour, adv, mask
 
 
