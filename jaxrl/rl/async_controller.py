@@ -29,8 +29,9 @@ import jax
 import numpy as np
 
 from jaxrl.rl.controller import Controller, _step_seed, batch_metrics
-from jaxrl.rl.dispatch import LengthPredictor
+from jaxrl.rl.dispatch import LengthPredictor, WorkerRates
 from jaxrl.rl.experience import build_batch
+from jaxrl.rl.timeline import LEARNER_LANE
 from jaxrl.rl.workers import Assignment, LocalWorker, WorkerEvent, copy_record
 from jaxrl.rollout.paged import record_completion
 from jaxrl.rollout.requests import RequestRecord
@@ -137,6 +138,10 @@ class AsyncController(Controller):
     self.counters = collections.Counter()
     self.rollout_busy_s = 0.0  # decode time of the workers that have left (local backend)
     self.lengths = LengthPredictor(default=self.s.sampling.max_new_tokens / 2)
+    self.rates = WorkerRates()
+    self.split: dict[str, float] = {}  # worker -> share of the rollout work (`_replan_split`)
+    # worker -> (time of its last event or first assignment, whether it held requests then)
+    self._worker_clock: dict[str, tuple[float, bool]] = {}
     self._eval_version = -1
     # Set by the builder (`job.build_controller`): the workers `run` starts with, a factory of
     # such a set for later calls of `run` (each call stops its workers on return), and a
@@ -152,10 +157,14 @@ class AsyncController(Controller):
     if worker.name in self.workers:
       raise ValueError(f"A worker named {worker.name!r} is already running.")
     worker.events = self.events
+    if isinstance(worker, LocalWorker):  # a Ray worker's windows happen in another process
+      worker.timeline = self.timeline
     self.workers[worker.name] = worker
     worker.set_min_version(self.state.version - self.a.max_staleness)
     worker.start()
     self.counters["workers_added"] += 1
+    self.rates.add(worker.name, worker.predicted_tokens_per_s)
+    self._replan_split()
 
   def remove_worker(self, name: str) -> None:
     """A preemption notice: the worker hands back its requests and leaves (asynchronously)."""
@@ -177,6 +186,9 @@ class AsyncController(Controller):
     if worker is None:
       return
     self.rollout_busy_s += getattr(worker, "busy_s", 0.0)
+    self.rates.remove(name)
+    self._worker_clock.pop(name, None)
+    self._replan_split()
     lost = [rid for rid, w in self.assigned.items() if w == name]
     for rid in lost:
       del self.assigned[rid]
@@ -220,12 +232,14 @@ class AsyncController(Controller):
       )
       self.remove_worker(ev.worker)
       return
+    new_tokens = 0
     for record in ev.records:
       rid = record.request_id
       if self.assigned.get(rid) != ev.worker:
         continue  # re-dispatched meanwhile
       gid, j = parse_request_id(rid)
       group = self.groups[gid]
+      new_tokens += max(0, len(record.token_ids) - len(group.records[j].token_ids))
       group.records[j] = record
       if ev.kind == "finished":
         del self.assigned[rid]
@@ -240,6 +254,27 @@ class AsyncController(Controller):
         self.counters["tokens_kept_on_redispatch"] += len(record.token_ids)
     if ev.kind == "left":
       self._drop_worker(ev.worker, "preempted")
+      return
+    self._observe_rate(ev.worker, new_tokens)
+
+  # -- the rollout split -------------------------------------------------------------------------
+
+  def _observe_rate(self, name: str, tokens: int) -> None:
+    """Counts `tokens` a worker streamed, over the time it held requests since last time."""
+    now = time.perf_counter()
+    since, held = self._worker_clock.get(name, (now, False))
+    self.rates.observe(name, tokens, now - since if held else 0.0)
+    self._worker_clock[name] = (now, name in self.assigned.values())
+
+  def _replan_split(self) -> None:
+    """Re-plans each worker's share of the rollout work after the worker set changed."""
+    self.split = self.rates.shares()
+    self.counters["split_replans"] += 1
+    log.info(
+      "Rollout split over %d workers: %s",
+      len(self.split),
+      ", ".join(f"{n} {share:.0%}" for n, share in sorted(self.split.items())),
+    )
 
   def _score(self, group: Group) -> None:
     completions = [record_completion(r) for r in group.records]
@@ -286,19 +321,22 @@ class AsyncController(Controller):
     return max(1.0, self.lengths.predict(group.prompt["id"]) - len(group.records[j].token_ids))
 
   def _dispatch(self) -> None:
-    """Hands queued requests to workers with room, each to the least loaded one: by predicted
-    tokens outstanding (skew-aware) or by request count."""
+    """Hands queued requests to workers with room, each to the one that would finish its
+    outstanding work first: predicted tokens (skew-aware) or requests, over its rate."""
     count = collections.Counter(self.assigned.values())
     load = collections.Counter()
     for rid, name in self.assigned.items():
       load[name] += self._predicted_left(rid) if self.a.skew_aware else 1
     live = [w for w in self.workers.values() if w.alive and w.name not in self.leaving]
+    rate = {w.name: self.rates.rate(w.name) for w in live}
     batches = collections.defaultdict(list)
     while self.pending:
       open_ = [w for w in live if count[w.name] < w.capacity]
       if not open_:
         break
-      worker = min(open_, key=lambda w: load[w.name] / w.capacity)
+      worker = min(open_, key=lambda w: load[w.name] / rate[w.name])
+      if not count[worker.name]:  # it starts holding requests now: so does its busy time
+        self._worker_clock[worker.name] = (time.perf_counter(), True)
       rid = self.pending.popleft()
       gid, j = parse_request_id(rid)
       group = self.groups[gid]
@@ -342,7 +380,8 @@ class AsyncController(Controller):
     advantages_b = np.asarray(group_advantages(rewards_b, s.group_size, mode=s.advantage))
     batch = build_batch(completions, advantages_b, self.tokenizer.pad_id)
     t = time.perf_counter()
-    train_metrics = jax.device_get(self.learner.update(batch))
+    with self.timeline.span(LEARNER_LANE, "train"):
+      train_metrics = jax.device_get(self.learner.update(batch))
     time_train = time.perf_counter() - t
     for hook in self.on_train:
       hook(self.state.step, groups)
@@ -378,7 +417,8 @@ class AsyncController(Controller):
   def publish(self) -> None:
     """Publishes a host copy of the learner's weights (the learner donates its own buffers) and
     tells the workers the oldest version they may still generate with."""
-    self.weights.publish(jax.device_get(self.learner.params), self.state.version)
+    with self.timeline.span(LEARNER_LANE, "weight-sync"):
+      self.weights.publish(jax.device_get(self.learner.params), self.state.version)
     for worker in self.workers.values():
       worker.set_min_version(self.state.version - self.a.max_staleness)
 

@@ -20,6 +20,7 @@ from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.metrics import MetricsWriter
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.experience import build_batch
+from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline
 from jaxrl.rl.weights import WeightStore
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.sampling import SamplingParams
@@ -27,6 +28,8 @@ from jaxrl.train.advantages import group_advantages
 from jaxrl.train.learner import Learner
 
 log = logging.getLogger(__name__)
+
+ROLLOUT_LANE = "rollout"  # the synchronous loop's rollout engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +86,19 @@ class Controller:
     self.checkpointer = checkpointer
     self.show_progress = show_progress
     self.state = ControllerState()
+    self.timeline = StageTimeline()
 
   # -- weights -----------------------------------------------------------------------------------
 
   def publish(self) -> None:
     """Hands the learner's current weights to the store and the rollout engine."""
+    start = time.time()
     self.weights.publish(self.learner.params, self.state.version)
     version, params = self.weights.latest()
     self.rollout.update_weights(params, version)
     jax.block_until_ready(self.rollout.params)
+    for lane in (LEARNER_LANE, ROLLOUT_LANE):
+      self.timeline.add(lane, start, time.time(), "weight-sync")
 
   # -- checkpoints -------------------------------------------------------------------------------
 
@@ -151,7 +158,10 @@ class Controller:
       t = time.perf_counter()
       # Round 0 keeps the seed of a step without dynamic sampling.
       seed = _step_seed(s.seed, step) + round_ * 7919
-      completions = self.rollout.generate(self.encode_prompts(group_records), s.sampling, seed=seed)
+      with self.timeline.span(ROLLOUT_LANE, "decode"):
+        completions = self.rollout.generate(
+          self.encode_prompts(group_records), s.sampling, seed=seed
+        )
       times["time_rollout"] += time.perf_counter() - t
       t = time.perf_counter()
       rewards_b = self.score(group_records, completions)
@@ -189,7 +199,8 @@ class Controller:
     times["time_reward"] += time.perf_counter() - t
 
     t = time.perf_counter()
-    train_metrics = jax.device_get(self.learner.update(batch))
+    with self.timeline.span(LEARNER_LANE, "train"):
+      train_metrics = jax.device_get(self.learner.update(batch))
     times["time_train"] = time.perf_counter() - t
     if train_metrics["skipped"]:
       log.warning(

@@ -24,11 +24,12 @@ from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.controller import Controller, ControllerSettings
 from jaxrl.rl.experience import pad_sequences
 from jaxrl.rl.placement import Placement, make_placement
+from jaxrl.rl.timeline import plot_stage_timeline
 from jaxrl.rl.weights import WeightStore
 from jaxrl.rl.workers import LocalWorker
 from jaxrl.rollout.engine import StaticEngine
 from jaxrl.rollout.paged import PagedEngine
-from jaxrl.scheduler.local import plan_for_experiment
+from jaxrl.scheduler.local import plan_for_experiment, worker_tokens_per_s
 from jaxrl.scheduler.planner import PlanningError
 from jaxrl.sharding import STAGE_RULES, make_mesh, split_devices
 from jaxrl.train.learner import Learner
@@ -70,11 +71,11 @@ def build_controller(
       f"tokenizer's {tokenizer.vocab_size} ids; raise config.model.vocab_size."
     )
   task = make_task(cfg.task)
+  prompts = task.records("train", 64, cfg.seed)
+  prompt_len = max(1 + len(tokenizer.encode(r["prompt"])) for r in prompts)
   if placement is None:
     plan = None
     if cfg.placement.mode == "planned":
-      prompts = task.records("train", 64, cfg.seed)
-      prompt_len = max(1 + len(tokenizer.encode(r["prompt"])) for r in prompts)
       try:
         plan = plan_for_experiment(cfg, prompt_len)
       except PlanningError as e:
@@ -179,6 +180,7 @@ def build_controller(
     return LocalWorker(
       name, worker_engine, controller.weights, controller.events,
       partial_rollouts=loop.partial_rollouts,
+      predicted_tokens_per_s=worker_tokens_per_s(cfg, dict(mesh.shape), prompt_len),
     )  # fmt: skip
 
   rollout_devices = list(placement.rollout_mesh.devices.flat)
@@ -253,6 +255,11 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
   controller.checkpointer.close()
   metrics_path = controller.writer.path
   plot_reward_curve(metrics_path, os.path.join(workdir, "reward_curve.png"))
+  controller.timeline.save(os.path.join(workdir, "timeline.json"))
+  loop = f"{cfg.loop.mode}, {cfg.placement.mode}"
+  plot_stage_timeline(
+    controller.timeline.segments(), os.path.join(workdir, "stage_timeline.png"), loop
+  )
   summary = {
     "workdir": workdir,
     "steps": controller.state.step,

@@ -146,6 +146,7 @@ class RayWorker:
     self.name = name
     self.events = events
     self.capacity = 2 * cfg.rollout.paged.max_running
+    self.predicted_tokens_per_s = None  # its devices are the remote node's: unknown here
     self.poll_s = poll_s
     options = {"max_concurrency": 4, "num_cpus": 0} | (actor_options or {})
     self._actor = RolloutActor.options(**options).remote(name, cfg, store.actor, num_devices)

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 
+from jaxrl.rl.timeline import StageTimeline
 from jaxrl.rl.weights import StoreUnreachable, WeightStore
 from jaxrl.rollout.paged import PagedEngine
 from jaxrl.rollout.requests import RequestRecord
@@ -90,6 +91,7 @@ class LocalWorker:
     *,
     partial_rollouts: bool,
     idle_wait_s: float = 0.01,
+    predicted_tokens_per_s: float | None = None,
   ):
     self.name = name
     self.engine = engine
@@ -97,6 +99,9 @@ class LocalWorker:
     self.events = events
     self.partial_rollouts = partial_rollouts
     self.idle_wait_s = idle_wait_s
+    # The scheduler's prediction of this worker's decode rate (None: unknown); the controller
+    # splits the rollout work by it until it has measured the worker.
+    self.predicted_tokens_per_s = predicted_tokens_per_s
     self._inbox: queue.Queue = queue.Queue()
     self._killed = threading.Event()
     self._min_version = -1
@@ -104,6 +109,7 @@ class LocalWorker:
     self._streamed: dict[str, int] = {}  # request id -> tokens already streamed
     self._unreachable_reported = False
     self.busy_s = 0.0  # seconds spent in decode windows (prefill included), for idle metrics
+    self.timeline: StageTimeline | None = None  # set by the controller that runs the worker
     self._thread = threading.Thread(target=self._run, name=f"rollout-{name}", daemon=True)
 
   # -- control (any thread) ----------------------------------------------------------------------
@@ -154,9 +160,11 @@ class LocalWorker:
         self._pull_weights()
         self._release_held()
         if self._can_decode():
-          start = time.perf_counter()
+          start = time.time()
           finished = self.engine.step()
-          self.busy_s += time.perf_counter() - start
+          end = time.time()
+          self.busy_s += end - start
+          self._record(start, end, "decode")
           if self._killed.is_set():
             return  # died mid-window: nothing of it reaches the controller
           self._stream(finished)
@@ -211,6 +219,7 @@ class LocalWorker:
       return
     if pulled is None:
       return
+    start = time.time()
     version, params = pulled
     running = e.abort(list(e.running))  # re-admitted below: caches rebuilt under new weights
     e.update_weights(params, version)
@@ -218,6 +227,11 @@ class LocalWorker:
     e.waiting.clear()
     for record in [*running, *waiting]:
       e.submit(record)
+    self._record(start, time.time(), "weight-sync")
+
+  def _record(self, start: float, end: float, kind: str) -> None:
+    if self.timeline is not None:
+      self.timeline.add(f"worker {self.name}", start, end, kind)
 
   def _release_held(self) -> None:
     """Moves held requests into the engine once its weights are new enough for them."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -10,7 +11,7 @@ import jax
 from jaxrl.config import ExperimentConfig
 from jaxrl.scheduler.catalog import CATALOG
 from jaxrl.scheduler.cluster import Cluster, Pool
-from jaxrl.scheduler.cost import Workload
+from jaxrl.scheduler.cost import Workload, decode_step_seconds
 from jaxrl.scheduler.plan import Plan
 from jaxrl.scheduler.planner import build_problem, plan
 
@@ -86,3 +87,19 @@ def plan_for_experiment(
   cluster = local_cluster(devices)
   workload = experiment_workload(cfg, prompt_len)
   return plan(build_problem(cluster, cfg.model, workload, model_name="experiment"))
+
+
+def worker_tokens_per_s(
+  cfg: ExperimentConfig, mesh_shape: dict[str, int], prompt_len: int, all_devices=None
+) -> float:
+  """Predicted decode rate (tokens/s) of a rollout worker with `mesh_shape` over this
+  process's devices: its data-parallel replicas, each `tensor` devices wide, split the
+  engine's running batch, at the mean context of a response half the cap long."""
+  devices = list(jax.devices() if all_devices is None else all_devices)
+  cluster = local_cluster(devices)
+  acc = cluster.accelerator(cluster.pools[0])
+  tensor = max(1, mesh_shape.get("tensor", 1))
+  replicas = max(1, math.prod(mesh_shape.values()) // tensor)
+  batch = max(1, cfg.rollout.paged.max_running // replicas)
+  context = prompt_len + cfg.rollout.sampling.max_new_tokens / 2
+  return replicas * batch / decode_step_seconds(cfg.model, acc, tensor, batch, context)

@@ -1,5 +1,6 @@
-"""Timelines of simulated runs: the lane recorder the simulator fills, and plots of its
-results (`simulator.SimResult`): lane timelines and a policy comparison.
+"""Timelines: the lane recorder the simulator fills, plots of its results
+(`simulator.SimResult`): lane timelines and a policy comparison, and `plot_lanes`, which also
+draws the stage timelines of real runs (`jaxrl.rl.timeline`).
 
 Figures are drawn on matplotlib's Agg canvas directly (imported on first plot), so this module
 never changes the process's pyplot backend.
@@ -68,40 +69,62 @@ class Recorder:
 
 def plot_timeline(result: SimResult, path: str) -> str:
   """Draws `result.timeline` (one row per sampled lane, coloured by kind) to `path` (PNG)."""
-  from matplotlib.patches import Patch
-
   lanes = [TRAIN_LANE] + sorted(
     {lane for lane, *_ in result.timeline} - {TRAIN_LANE},
     key=lambda lane: int(lane.rsplit("#", 1)[-1]),  # instance id: creation order
   )
-  bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
-  for lane, start, end, kind in result.timeline:
-    bars.setdefault((lane, kind), []).append((start, end - start))
-  fig = _figure(12, 1.6 + 0.22 * len(lanes))
-  ax = fig.add_subplot()
-  for row, lane in enumerate(lanes):
-    for kind in KINDS:
-      if (lane, kind) in bars:
-        ax.broken_barh(bars[lane, kind], (row - 0.4, 0.8), facecolors=COLORS[kind], linewidth=0)
-  ax.set_yticks(range(len(lanes)), lanes, fontsize=7)
-  ax.set_ylim(len(lanes) - 0.5, -0.5)
-  ax.set_xlim(0, max(result.wall_seconds, 1e-9))
-  ax.set_xlabel("seconds")
-  ax.set_title(
+  title = (
     f"{result.policy}: {result.samples_per_s:.3g} samples/s, "
     f"${result.cost_per_1k_samples:.3g} per 1k samples, {result.steps} steps"
-    + (f", {result.preemptions} preemptions" if result.preemptions else ""),
-    fontsize=10,
+    + (f", {result.preemptions} preemptions" if result.preemptions else "")
   )
-  ax.legend(
-    handles=[Patch(color=COLORS[k], label=k) for k in KINDS],
-    loc="upper center",
-    bbox_to_anchor=(0.5, -0.6 / (1 + 0.1 * len(lanes))),
-    ncol=len(KINDS),
+  window = (0.0, max(result.wall_seconds, 1e-9))
+  return plot_lanes({title: (result.timeline, window)}, path, lane_order=lanes)
+
+
+def plot_lanes(
+  panels: dict[str, tuple[Sequence[tuple[str, float, float, str]], tuple[float, float] | None]],
+  path: str,
+  lane_order: Sequence[str] = (),
+) -> str:
+  """One panel per title: its (lane, start, end, kind) segments as coloured bars, one row per
+  lane, over its (start, end) window (None: the whole span). Lanes in `lane_order` come first,
+  the others in the order they first appear. Writes a PNG to `path`."""
+  from matplotlib.patches import Patch
+
+  rows = []
+  for segments, _ in panels.values():
+    for lane, *_ in segments:
+      if lane not in rows:
+        rows.append(lane)
+  lanes = [lane for lane in lane_order if lane in rows] + [r for r in rows if r not in lane_order]
+  height = 1.0 + 0.22 * len(lanes)
+  fig = _figure(12, 0.8 + height * len(panels))
+  for i, (title, (segments, window)) in enumerate(panels.items()):
+    ax = fig.add_subplot(len(panels), 1, i + 1)
+    bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for lane, start, end, kind in segments:
+      bars.setdefault((lane, kind), []).append((start, end - start))
+    for row, lane in enumerate(lanes):
+      for kind in KINDS:
+        if (lane, kind) in bars:
+          ax.broken_barh(bars[lane, kind], (row - 0.4, 0.8), facecolors=COLORS[kind], linewidth=0)
+    ax.set_yticks(range(len(lanes)), lanes, fontsize=7)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    if window is None:
+      window = (0.0, max((e for _, _, e, _ in segments), default=1.0))
+    ax.set_xlim(*window)
+    ax.set_xlabel("seconds")
+    ax.set_title(title, fontsize=10)
+  used = [k for k in KINDS if any(kind == k for segs, _ in panels.values() for *_, kind in segs)]
+  fig.legend(
+    handles=[Patch(color=COLORS[k], label=k) for k in used],
+    loc="lower center",
+    ncol=max(1, len(used)),
     fontsize=8,
     frameon=False,
   )
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.05, 1, 1))
   _makedirs(path)
   fig.savefig(path, dpi=110)
   return path

@@ -18,6 +18,7 @@ from jaxrl.data.pipeline import PromptLoader
 from jaxrl.data.tasks import make_task
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
+from jaxrl.rl.timeline import load_segments
 from jaxrl.rl.weights import StoreUnreachable
 
 from .job_test import tiny_config  # noqa: TID252
@@ -274,3 +275,11 @@ def test_async_job_runs_end_to_end_with_eval_and_metrics(tmp_path):
     for key in ("staleness_mean", "off_policy_token_frac", "time_wait", "behaviour_ess"):
       assert np.isfinite(r[key]), key
     assert r["staleness_0"] + r["staleness_1"] == pytest.approx(1.0)
+  assert (tmp_path / "stage_timeline.png").stat().st_size > 1000
+  spans = load_segments(str(tmp_path / "timeline.json"))
+  lanes = {lane for lane, *_ in spans}
+  workers = {lane for lane in lanes if lane.startswith("worker ")}
+  assert "learner" in lanes and len(workers) == cfg.loop.rollout_workers, lanes
+  assert sum(kind == "train" for *_, kind in spans) == cfg.train.steps
+  for lane in workers:
+    assert any(l_ == lane and kind == "decode" for l_, _, _, kind in spans)

@@ -11,6 +11,7 @@ from jaxrl.config import ConfigError, load_config
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
 from jaxrl.rl.placement import make_placement
+from jaxrl.rl.timeline import load_segments
 from jaxrl.scheduler.local import plan_for_experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,6 +61,13 @@ def test_three_step_run_completes(tmp_path, arg):
   assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 3]
   assert (tmp_path / "reward_curve.png").stat().st_size > 1000
   assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+  assert (tmp_path / "stage_timeline.png").stat().st_size > 1000
+  spans = load_segments(str(tmp_path / "timeline.json"))
+  # One update per step on the learner's lane; rollout decoded for each step before it.
+  train = [(s, e) for lane, s, e, kind in spans if (lane, kind) == ("learner", "train")]
+  decode = [(s, e) for lane, s, e, kind in spans if (lane, kind) == ("rollout", "decode")]
+  assert len(train) == 3 and len(decode) >= 3
+  assert all(d_end <= t_start for (_, d_end), (t_start, _) in zip(decode, train, strict=False))
   assert os.listdir(tmp_path / "tensorboard")
 
 
