@@ -12,9 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.kernels.common import IMPLS, check_block_fields, resolve_impl
 from jaxrl.kernels.paged_attention import reference
-
-IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +37,7 @@ class BlockSizes:
   num_stages: int | None = None
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if value is None:
-        continue
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"BlockSizes.{field.name} must be a positive int or None, got {value!r}.")
-    if self.num_warps is not None and self.num_warps & (self.num_warps - 1):
-      raise ValueError(f"BlockSizes.num_warps must be a power of two, got {self.num_warps}.")
+    check_block_fields(self)
 
 
 def _load_tpu() -> Callable[..., jax.Array]:
@@ -66,14 +58,6 @@ _LOADERS: dict[str, Callable[[], Callable[..., jax.Array]]] = {
   "pallas_tpu": _load_tpu,
   "pallas_gpu": _load_gpu,
 }
-_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
-
-
-def _platform(x: jax.Array) -> str:
-  """The platform of a concrete array's devices, else (under tracing) the default backend."""
-  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-    return next(iter(x.devices())).platform
-  return jax.default_backend()
 
 
 def _check_inputs(q, k_pages, v_pages, lengths, page_indices) -> None:
@@ -188,16 +172,7 @@ def paged_attention(
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes)}.")
   _check_inputs(q, k_pages, v_pages, lengths, page_indices)
-  if impl == "auto":
-    platform = _platform(q)
-    impl = _AUTO.get(platform, "reference")
-    if interpret and impl == "reference":
-      raise ValueError(
-        f"interpret={interpret!r} with impl='auto' on platform {platform!r} would run the "
-        "reference, not a kernel: name the kernel, impl='pallas_tpu' or impl='pallas_gpu'."
-      )
-  if interpret and impl == "reference":
-    raise ValueError("interpret applies to the Pallas kernels, not to impl='reference'.")
+  impl = resolve_impl("paged_attention", impl, interpret, q)
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   n, h, d = q.shape

@@ -1,0 +1,258 @@
+"""Grouped matmuls as Pallas GPU kernels (Triton lowering).
+
+Triton has no scalar prefetch, so the group metadata are ordinary inputs, computed in jnp:
+the group offsets (`offsets[g]` is the first row of group g, `offsets[g + 1]` its end) and,
+for `gmm`, the first group and the number of groups in each tile of rows.
+
+`gmm`, grid `(m_tiles, n_tiles)`: a program owns one output tile and loops over the groups
+that share rows with it; for each it runs the k loop with that group's weights and keeps the
+rows of the group. Every output row is written once, by the program of its tile, so tiles that
+span group boundaries need no atomics and no merge, and rows past the groups come out as zeros.
+
+`tgmm`, grid `(g, k_tiles, n_tiles)`: a program owns one tile of `out[g]` and loops over the
+row tiles of group g, masking rows of other groups to zero. Programs of large groups run
+longer than others; an empty group's programs only write zeros.
+
+Inputs are zero-padded up to whole tiles; Triton block dims are powers of two, and its dot
+needs every dim >= 16.
+
+Shapes: m rows, k contraction dim, n output columns, g groups; tm, tk, tn tiles.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxrl.kernels.gmm.api import BlockSizes
+
+# The Triton compiler-params class was `TritonCompilerParams` before it became
+# `CompilerParams`; take whichever this jax has.
+_TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+
+_MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16.
+# Common Triton matmul tiles; kept small-ish because a tile that spans k groups is computed k
+# times, and the tail rows of each group waste up to a whole tile.
+_DEFAULT_TM, _DEFAULT_TK, _DEFAULT_TN = 64, 32, 64
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, x - 1).bit_length()
+
+
+def resolve_block_sizes(block_sizes: BlockSizes | None, *, m: int, k: int, n: int) -> BlockSizes:
+  """Fills the None fields, clips tiles to the dims (rounded up to a power of two >= 16)."""
+  bs = block_sizes or BlockSizes()
+  tiles = {}
+  defaults = {"tm": (_DEFAULT_TM, m), "tk": (_DEFAULT_TK, k), "tn": (_DEFAULT_TN, n)}
+  for name, (default, dim) in defaults.items():
+    tile = getattr(bs, name) or default
+    if not _is_pow2(tile) or tile < _MIN_DOT:
+      raise ValueError(
+        f"impl='pallas_gpu' needs BlockSizes.{name} to be a power of two >= {_MIN_DOT} (Triton "
+        f"block shapes and dot), got {tile}."
+      )
+    tiles[name] = min(tile, max(_MIN_DOT, _next_pow2(dim)))
+  return BlockSizes(**tiles, num_warps=bs.num_warps or 4, num_stages=bs.num_stages or 2)
+
+
+def _precision(dtype) -> jax.lax.Precision:
+  # Triton runs float32 dots in TF32 by default (about 1e-3 relative error); the reference
+  # is full float32. A no-op for bf16.
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _offsets(group_sizes_g: jax.Array) -> jax.Array:
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes_g, dtype=jnp.int32)])
+
+
+def _gmm_kernel(
+  first_group_ref,  # int32[1]: first group with rows in this tile
+  num_groups_ref,  # int32[1]: groups with rows in this tile (0 past the groups)
+  offsets_ref,  # int32[g + 1]
+  lhs_ref,  # [tm, k_pad] rows of this tile
+  rhs_ref,  # [g, k_pad, tn], or [g, tn, k_pad] when transposed
+  out_ref,  # [tm, tn]
+  *,
+  tk: int,
+  k_tiles: int,
+  transpose_rhs: bool,
+  precision,
+):
+  tm, tn = out_ref.shape
+  rows = pl.program_id(0) * tm + jax.lax.broadcasted_iota(jnp.int32, (tm,), 0)
+  first = first_group_ref[0]
+
+  def group_body(group, out_tile):
+    lo, hi = offsets_ref[group], offsets_ref[group + 1]
+
+    def k_body(kk, acc):
+      lhs = lhs_ref[:, pl.ds(kk * tk, tk)]
+      if transpose_rhs:
+        rhs = rhs_ref[group, :, pl.ds(kk * tk, tk)]
+        dims = (((1,), (1,)), ((), ()))
+      else:
+        rhs = rhs_ref[group, pl.ds(kk * tk, tk), :]
+        dims = (((1,), (0,)), ((), ()))
+      return acc + jax.lax.dot_general(
+        lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32
+      )
+
+    # An empty group between two others in this tile runs no k step.
+    steps = (hi > lo).astype(jnp.int32) * k_tiles
+    acc = jax.lax.fori_loop(0, steps, k_body, jnp.zeros((tm, tn), jnp.float32))
+    in_group = (rows >= lo) & (rows < hi)
+    return jnp.where(in_group[:, None], acc, out_tile)
+
+  out_tile = jax.lax.fori_loop(
+    first, first + num_groups_ref[0], group_body, jnp.zeros((tm, tn), jnp.float32)
+  )
+  out_ref[...] = out_tile.astype(out_ref.dtype)
+
+
+def _tile_groups(offsets: jax.Array, *, m_tiles: int, tm: int):
+  """First group and number of groups with rows in each tile of rows."""
+  ends_g = offsets[1:]
+  total = offsets[-1]
+  tile_start = jnp.arange(m_tiles, dtype=jnp.int32) * tm
+  tile_last = jnp.minimum(tile_start + tm, total) - 1
+  # The group holding row r is the first whose end is past r (empty groups never are).
+  first = jnp.searchsorted(ends_g, tile_start, side="right").astype(jnp.int32)
+  last = jnp.searchsorted(ends_g, tile_last, side="right").astype(jnp.int32)
+  count = jnp.where(tile_start < total, last - first + 1, 0)
+  return first, count
+
+
+def gmm(
+  lhs_mk: jax.Array,
+  rhs_gkn: jax.Array,
+  group_sizes_g: jax.Array,
+  *,
+  transpose_rhs: bool = False,
+  out_dtype: Any,
+  block_sizes: BlockSizes | None = None,
+  interpret: Any = False,
+) -> jax.Array:
+  """Grouped matmul on GPU; arguments as in `jaxrl.kernels.gmm.reference.gmm`.
+
+  `group_sizes_g` must be non-negative and sum to at most m (the public function ensures it).
+  `interpret` goes to `pl.pallas_call` as is.
+  """
+  m, k = lhs_mk.shape
+  g = rhs_gkn.shape[0]
+  n = rhs_gkn.shape[1] if transpose_rhs else rhs_gkn.shape[2]
+  bs = resolve_block_sizes(block_sizes, m=m, k=k, n=n)
+  tm, tk, tn = bs.tm, bs.tk, bs.tn
+  m_tiles, k_tiles, n_tiles = pl.cdiv(m, tm), pl.cdiv(k, tk), pl.cdiv(n, tn)
+  k_pad = k_tiles * tk
+  lhs_mk = jnp.pad(lhs_mk, ((0, m_tiles * tm - m), (0, k_pad - k)))
+  pad_k, pad_n = (0, k_pad - k), (0, n_tiles * tn - n)
+  rhs_gkn = jnp.pad(rhs_gkn, ((0, 0), pad_n, pad_k) if transpose_rhs else ((0, 0), pad_k, pad_n))
+  offsets = _offsets(group_sizes_g)
+  first, count = _tile_groups(offsets, m_tiles=m_tiles, tm=tm)
+
+  if transpose_rhs:
+    rhs_spec = pl.BlockSpec((g, tn, k_pad), lambda i, j: (0, j, 0))
+  else:
+    rhs_spec = pl.BlockSpec((g, k_pad, tn), lambda i, j: (0, 0, j))
+  kernel = functools.partial(
+    _gmm_kernel,
+    tk=tk,
+    k_tiles=k_tiles,
+    transpose_rhs=transpose_rhs,
+    precision=_precision(lhs_mk.dtype),
+  )
+  out_mn = pl.pallas_call(
+    kernel,
+    grid=(m_tiles, n_tiles),
+    in_specs=[
+      pl.BlockSpec((1,), lambda i, j: (i,)),
+      pl.BlockSpec((1,), lambda i, j: (i,)),
+      pl.BlockSpec((g + 1,), lambda i, j: (0,)),
+      pl.BlockSpec((tm, k_pad), lambda i, j: (i, 0)),
+      rhs_spec,
+    ],
+    out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+    out_shape=jax.ShapeDtypeStruct((m_tiles * tm, n_tiles * tn), out_dtype),
+    compiler_params=_TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+    interpret=interpret,
+    name="gmm_gpu",
+  )(first, count, offsets, lhs_mk, rhs_gkn)
+  return out_mn[:m, :n]
+
+
+def _tgmm_kernel(
+  offsets_ref,  # int32[g + 1]
+  lhs_ref,  # [m_pad, tk]
+  grad_ref,  # [m_pad, tn]
+  out_ref,  # [tk, tn] of out[g]
+  *,
+  tm: int,
+  precision,
+):
+  group = pl.program_id(0)
+  lo, hi = offsets_ref[group], offsets_ref[group + 1]
+
+  def tile_body(tile, acc):
+    rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm,), 0)
+    in_group = ((rows >= lo) & (rows < hi))[:, None]
+    # Both operands are masked: rows of other groups, or past the groups, may hold anything.
+    lhs = lhs_ref[pl.ds(tile * tm, tm), :]
+    grad = grad_ref[pl.ds(tile * tm, tm), :]
+    lhs = jnp.where(in_group, lhs, jnp.zeros_like(lhs))
+    grad = jnp.where(in_group, grad, jnp.zeros_like(grad))
+    return acc + jax.lax.dot_general(
+      lhs, grad, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+  first_tile = jax.lax.div(lo, tm)
+  end_tile = jnp.where(hi > lo, jax.lax.div(hi + tm - 1, tm), first_tile)
+  acc = jax.lax.fori_loop(first_tile, end_tile, tile_body, jnp.zeros(out_ref.shape, jnp.float32))
+  out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def tgmm(
+  lhs_mk: jax.Array,
+  grad_mn: jax.Array,
+  group_sizes_g: jax.Array,
+  *,
+  out_dtype: Any,
+  block_sizes: BlockSizes | None = None,
+  interpret: Any = False,
+) -> jax.Array:
+  """Transposed grouped matmul on GPU; arguments as in `jaxrl.kernels.gmm.reference.tgmm`.
+
+  Same preconditions and `interpret` as `gmm`.
+  """
+  m, k = lhs_mk.shape
+  n = grad_mn.shape[1]
+  g = group_sizes_g.shape[0]
+  bs = resolve_block_sizes(block_sizes, m=m, k=k, n=n)
+  tm, tk, tn = bs.tm, bs.tk, bs.tn
+  m_tiles, k_tiles, n_tiles = pl.cdiv(m, tm), pl.cdiv(k, tk), pl.cdiv(n, tn)
+  m_pad = m_tiles * tm
+  lhs_mk = jnp.pad(lhs_mk, ((0, m_pad - m), (0, k_tiles * tk - k)))
+  grad_mn = jnp.pad(grad_mn, ((0, m_pad - m), (0, n_tiles * tn - n)))
+  kernel = functools.partial(_tgmm_kernel, tm=tm, precision=_precision(lhs_mk.dtype))
+  out_gkn = pl.pallas_call(
+    kernel,
+    grid=(g, k_tiles, n_tiles),
+    in_specs=[
+      pl.BlockSpec((g + 1,), lambda b, i, j: (0,)),
+      pl.BlockSpec((m_pad, tk), lambda b, i, j: (0, i)),
+      pl.BlockSpec((m_pad, tn), lambda b, i, j: (0, j)),
+    ],
+    out_specs=pl.BlockSpec((None, tk, tn), lambda b, i, j: (b, i, j)),
+    out_shape=jax.ShapeDtypeStruct((g, k_tiles * tk, n_tiles * tn), out_dtype),
+    compiler_params=_TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+    interpret=interpret,
+    name="tgmm_gpu",
+  )(_offsets(group_sizes_g), lhs_mk, grad_mn)
+  return out_gkn[:, :k, :n]
