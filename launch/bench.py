@@ -7,6 +7,7 @@
   python launch/bench.py paged_attention [--json]
   python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py async [--json]
+  python launch/bench.py balance [--json]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
@@ -27,6 +28,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_async import bench_async  # noqa: E402  (launch/ is on sys.path)
+from bench_balance import bench_balance  # noqa: E402
 
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxrl.model import Model, get_preset  # noqa: E402
@@ -453,6 +455,7 @@ def bench_calibrate(
 
 BENCHMARKS = {
   "async": bench_async,
+  "balance": bench_balance,
   "calibrate": bench_calibrate,
   "decode_floor": bench_decode_floor,
   "logprob_mismatch": bench_logprob_mismatch,

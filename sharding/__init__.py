@@ -1,6 +1,17 @@
-"""Meshes over a stage's devices and logical-axis rules from annotations to mesh layouts."""
+"""Meshes over a stage's devices and logical-axis rules from annotations to mesh layouts.
 
+Also expert placements (`plan_placement`) that balance MoE token load over the expert axis.
+"""
+
+from jaxrl.sharding.balance import METHODS, plan_placement
 from jaxrl.sharding.mesh import MESH_AXES, make_mesh, split_devices
+from jaxrl.sharding.placement import (
+  Placement,
+  bytes_moved,
+  device_loads,
+  home_placement,
+  imbalance,
+)
 from jaxrl.sharding.rules import (
   LOGICAL_AXES,
   ROLLOUT_RULES,
@@ -17,15 +28,22 @@ from jaxrl.sharding.rules import (
 __all__ = [
   "LOGICAL_AXES",
   "MESH_AXES",
+  "METHODS",
   "ROLLOUT_RULES",
   "STAGE_RULES",
   "TRAIN_RULES",
   "MeshAxes",
+  "Placement",
   "Rules",
   "batch_sharding",
+  "bytes_moved",
   "check_rules",
+  "device_loads",
+  "home_placement",
+  "imbalance",
   "logical_to_pspec",
   "make_mesh",
+  "plan_placement",
   "split_devices",
   "tree_shardings",
 ]
