@@ -171,16 +171,21 @@ class PlanMilp:
     upper = np.full(nv, np.inf)
     upper[: self.nr] = [o.max_instances for o in self.p.rollout]
     upper[self.nr : self.base] = 1
-    with _solver_prints_to_stderr():
-      res = milp(
-        cost,
-        constraints=LinearConstraint(a, lb, ub),
-        integrality=integrality,
-        bounds=Bounds(np.zeros(nv), upper),
-        options={"mip_rel_gap": self.cfg.mip_rel_gap, "presolve": True},
-      )
-    if res.x is None:
-      return None
+    # HiGHS now and then stops with "Solve error" (status 4) on a model it solves without
+    # presolve; only "infeasible" (status 2) means that no plan exists.
+    for presolve in (True, False):
+      with _solver_prints_to_stderr():
+        res = milp(
+          cost,
+          constraints=LinearConstraint(a, lb, ub),
+          integrality=integrality,
+          bounds=Bounds(np.zeros(nv), upper),
+          options={"mip_rel_gap": self.cfg.mip_rel_gap, "presolve": presolve},
+        )
+      if res.status != 4:
+        break
+    if res.x is None and res.status not in (2, 3):
+      raise PlanningError(f"the MILP solver failed: {res.message} (status {res.status}).")
     return res.x
 
   def _decode(self, x):
