@@ -6,7 +6,11 @@ the same warm-up and seed for every mode, and the same number of RL steps (so th
 of samples). Modes: synchronous colocated and disaggregated (the sync controller), asynchronous
 with staleness bound 1, 2 and 4 (workers finish their running responses before switching
 weights), and asynchronous with bound 2 plus partial rollouts. Throughput is taken over the
-steps after the first `skip` (compilation).
+steps after the first `skip` (compilation). Two training workloads (`WORKLOADS`): the demo's,
+where training is most of a synchronous step on this CPU, and a rollout-bound one. The result
+maps workload -> mode -> figures, plus `samples_per_s` and `speedup_async_vs_sync` (fastest
+asynchronous mode over synchronous disaggregated) per workload; timelines of each mode's last
+steps go to docs/images/async_timeline_<workload>.png.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import numpy as np
 from jaxrl.config import load_config
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
+from jaxrl.rl.controller import ROLLOUT_LANE
+from jaxrl.rl.timeline import LEARNER_LANE, last_steps_window
+from jaxrl.scheduler.timeline import plot_lanes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,8 +43,58 @@ MODES = {
 }
 
 
-def bench_async(steps: int = 40, skip: int = 5, modes: tuple[str, ...] = tuple(MODES)) -> dict:
-  """samples/s, idle fractions, off-policy tokens and reward per mode, one run."""
+# Training settings per workload. "demo": the demo's (two PPO updates per step), where training
+# is most of a synchronous step on this CPU. "rollout_bound": one update per step in one
+# micro-batch, so that generation is most of the step, as in RL on long responses.
+WORKLOADS = {
+  "demo": {},
+  "rollout_bound": {"train.updates_per_step": 1, "train.micro_batch_size": 64},
+}
+TIMELINE_STEPS = 3  # steps shown per mode in the timeline plot
+
+
+def bench_async(
+  steps: int = 40,
+  skip: int = 5,
+  modes: tuple[str, ...] = tuple(MODES),
+  workloads: tuple[str, ...] = tuple(WORKLOADS),
+  plot_dir: str | None = os.path.join(REPO, "docs", "images"),
+) -> dict:
+  """Per workload: samples/s, idle fractions, off-policy tokens and reward per mode, one run;
+  with `plot_dir`, a timeline of each mode's last steps to `async_timeline_<workload>.png`."""
+  out = {}
+  for workload in workloads:
+    out[workload], timelines = _bench_workload(steps, skip, modes, WORKLOADS[workload])
+    if plot_dir:
+      _plot_timelines(timelines, os.path.join(plot_dir, f"async_timeline_{workload}.png"))
+  out["samples_per_s"] = {
+    w: {mode: r["samples_per_s"] for mode, r in out[w].items()} for w in workloads
+  }
+  out["speedup_async_vs_sync"] = {w: _speedup(out[w]) for w in workloads}
+  return out
+
+
+def _speedup(results: dict) -> float | None:
+  sync = results.get("sync_disaggregated", {}).get("samples_per_s")
+  fastest = max(
+    (v["samples_per_s"] for k, v in results.items() if k.startswith("async")), default=0
+  )
+  return fastest / sync if sync and fastest else None
+
+
+def _plot_timelines(timelines: dict, path: str) -> None:
+  """One panel per mode, each over a window of the same width ending at its last step."""
+  windows = {m: last_steps_window(segs, TIMELINE_STEPS) for m, segs in timelines.items()}
+  width = max((w[1] - w[0] for w in windows.values() if w), default=None)
+  panels = {}
+  for mode, segs in timelines.items():
+    end = windows[mode][1] if windows[mode] else max(e for _, _, e, _ in segs)
+    start = end - width if width else 0.0
+    panels[f"{mode}: last {TIMELINE_STEPS} steps"] = (segs, (start, end))
+  plot_lanes(panels, path, lane_order=[LEARNER_LANE, ROLLOUT_LANE])
+
+
+def _bench_workload(steps: int, skip: int, modes: tuple[str, ...], training: dict):
   base = {
     "task.sort_length": 4,
     "task.sort_length_max": 18,
@@ -49,13 +106,15 @@ def bench_async(steps: int = 40, skip: int = 5, modes: tuple[str, ...] = tuple(M
     "eval.num_prompts": 128,
     "checkpoint.every": 0,
   }
-  out = {}
+  out, timelines = {}, {}
   for name in modes:
-    cfg = load_config(os.path.join(REPO, "configs", "grpo_tiny.py"), None, base | MODES[name])
+    overrides = base | training | MODES[name]
+    cfg = load_config(os.path.join(REPO, "configs", "grpo_tiny.py"), None, overrides)
     workdir = tempfile.mkdtemp(prefix=f"bench_async_{name}_")
     c = job.build_controller(cfg, workdir, show_progress=False)
     job.warmup(c, cfg, show_progress=False)
     evals = c.run()
+    timelines[name] = c.timeline.segments()
     c.writer.close()
     c.checkpointer.close()
     train = [
@@ -85,10 +144,4 @@ def bench_async(steps: int = 40, skip: int = 5, modes: tuple[str, ...] = tuple(M
       "eval_reward_end": evals.get("eval_reward_end"),
       "reward_curve": [round(r["reward_mean"], 4) for r in train],
     }
-  sync = out.get("sync_disaggregated", {}).get("samples_per_s")
-  fastest = max((v["samples_per_s"] for k, v in out.items() if k.startswith("async")), default=0)
-  out["summary"] = {
-    "samples_per_s": {k: v["samples_per_s"] for k, v in out.items()},
-    "speedup_async_vs_sync": fastest / sync if sync and fastest else None,
-  }
-  return out
+  return out, timelines

@@ -69,13 +69,13 @@ def load_segments(path: str) -> list[Segment]:
 
 
 def last_steps_window(segments: Sequence[Segment], steps: int) -> tuple[float, float] | None:
-  """(start, end) from the start of the `steps`-th last learner update to the run's last span."""
-  train = sorted(s for lane, s, _, kind in segments if lane == LEARNER_LANE and kind == "train")
+  """(start, end) of the run's last `steps` steps: from the end of the learner update before
+  them (so the rollout that fed the first one shows) to the end of the learner's last span."""
+  learner = sorted((s, e, kind) for lane, s, e, kind in segments if lane == LEARNER_LANE)
+  train = [(s, e) for s, e, kind in learner if kind == "train"]
   if len(train) < steps + 1:
     return None
-  # From the end of the update before the window: the rollout that fed its first step shows.
-  before = [e for lane, s, e, kind in segments if lane == LEARNER_LANE and s == train[-steps - 1]]
-  return before[0], max(e for _, _, e, _ in segments)
+  return train[-steps - 1][1], learner[-1][1]
 
 
 def plot_stage_timeline(segments: Sequence[Segment], path: str, title: str, zoom_steps: int = 4):

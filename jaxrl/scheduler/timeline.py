@@ -92,16 +92,16 @@ def plot_lanes(
   the others in the order they first appear. Writes a PNG to `path`."""
   from matplotlib.patches import Patch
 
-  rows = []
-  for segments, _ in panels.values():
-    for lane, *_ in segments:
-      if lane not in rows:
-        rows.append(lane)
-  lanes = [lane for lane in lane_order if lane in rows] + [r for r in rows if r not in lane_order]
-  height = 1.0 + 0.22 * len(lanes)
-  fig = _figure(12, 0.8 + height * len(panels))
+  def lanes_of(segments) -> list[str]:
+    rows = list(dict.fromkeys(lane for lane, *_ in segments))
+    return [lane for lane in lane_order if lane in rows] + [r for r in rows if r not in lane_order]
+
+  heights = [1.0 + 0.22 * len(lanes_of(segments)) for segments, _ in panels.values()]
+  fig = _figure(12, 0.8 + sum(heights))
+  grid = fig.add_gridspec(len(panels), 1, height_ratios=heights)
   for i, (title, (segments, window)) in enumerate(panels.items()):
-    ax = fig.add_subplot(len(panels), 1, i + 1)
+    lanes = lanes_of(segments)
+    ax = fig.add_subplot(grid[i])
     bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for lane, start, end, kind in segments:
       bars.setdefault((lane, kind), []).append((start, end - start))

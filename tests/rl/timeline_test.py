@@ -61,7 +61,7 @@ def test_zoom_window_starts_after_the_update_before_the_last_steps(tmp_path):
     tl.add("learner", t0 + 2 * step + 1, t0 + 2 * step + 2, "train")
   spans = tl.segments()
   start, end = last_steps_window(spans, 4)
-  assert round(start, 6) == 4.0 and round(end, 6) == 12.0  # the 2nd update ends at 4 s
+  assert round(start, 6) == 4.0 and round(end, 6) == 12.0  # from the 2nd update to the last
   assert last_steps_window(spans, 6) is None  # no update before the window
   path = plot_stage_timeline(spans, str(tmp_path / "t.png"), "sync")
   assert (tmp_path / "t.png").stat().st_size > 1000 and path.endswith("t.png")
