@@ -1,9 +1,17 @@
 """Meshes over a stage's devices and logical-axis rules from annotations to mesh layouts.
 
-Also expert placements (`plan_placement`) that balance MoE token load over the expert axis.
+Also expert placements (`plan_placement`) that balance MoE token load over the expert axis, and
+the expert-parallel MoE layer that uses them (`moe_expert_parallel`).
 """
 
 from jaxrl.sharding.balance import METHODS, plan_placement
+from jaxrl.sharding.expert import (
+  EXCHANGES,
+  ExpertParallelConfig,
+  PlacementLayer,
+  moe_expert_parallel,
+  placement_arrays,
+)
 from jaxrl.sharding.mesh import MESH_AXES, make_mesh, split_devices
 from jaxrl.sharding.placement import (
   Placement,
@@ -26,14 +34,17 @@ from jaxrl.sharding.rules import (
 )
 
 __all__ = [
+  "EXCHANGES",
   "LOGICAL_AXES",
   "MESH_AXES",
   "METHODS",
   "ROLLOUT_RULES",
   "STAGE_RULES",
   "TRAIN_RULES",
+  "ExpertParallelConfig",
   "MeshAxes",
   "Placement",
+  "PlacementLayer",
   "Rules",
   "batch_sharding",
   "bytes_moved",
@@ -43,6 +54,8 @@ __all__ = [
   "imbalance",
   "logical_to_pspec",
   "make_mesh",
+  "moe_expert_parallel",
+  "placement_arrays",
   "plan_placement",
   "split_devices",
   "tree_shardings",
