@@ -11,12 +11,15 @@ Variants (`--config configs/grpo_tiny.py:ARG`):
   colocated   the same with rollout and training sharing one mesh.
   fixed       the same with the split fixed by hand (placement.rollout_devices and
               placement.train_devices, 4 + 4).
+  moe         the MoE model (tiny-moe: 8 experts, top-2), expert-parallel on both stages
+              (rollout mesh data 2 x expert 2, training mesh fsdp 2 x expert 2), with routing
+              replay and a least-loaded expert placement planned per micro-batch.
   test        3 RL steps, tiny batches: the smoke test the test suite runs.
 """
 
 from jaxrl.config import default_config, model_config
 
-VARIANTS = (None, "colocated", "fixed", "test")
+VARIANTS = (None, "colocated", "fixed", "moe", "test")
 
 
 def get_config(arg: str | None = None):
@@ -67,6 +70,15 @@ def get_config(arg: str | None = None):
     config.placement.mode = "colocated"
   elif arg == "fixed":
     config.placement.mode = "disaggregated"
+  elif arg == "moe":
+    config.model = model_config("tiny-moe")
+    config.placement.mode = "disaggregated"
+    config.placement.rollout_mesh.data = 2
+    config.placement.rollout_mesh.expert = 2
+    config.placement.train_mesh.fsdp = 2
+    config.placement.train_mesh.expert = 2
+    config.train.moe.routing_replay = True
+    config.train.moe.placement = "least_loaded"
   elif arg == "test":
     config.warmup.steps = 2
     config.rollout.prompts_per_step = 4
@@ -77,5 +89,5 @@ def get_config(arg: str | None = None):
     config.eval.num_prompts = 8
     config.checkpoint.every = 0
   elif arg:
-    raise ValueError(f"Unknown variant {arg!r} of grpo_tiny; use colocated, fixed or test.")
+    raise ValueError(f"Unknown variant {arg!r} of grpo_tiny; use colocated, fixed, moe or test.")
   return config

@@ -24,6 +24,7 @@ from jaxrl.rollout.paged import PagedConfig
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.train.losses import LossConfig
 from jaxrl.train.optimizer import OptimizerConfig
+from jaxrl.train.routing import MoEConfig
 
 
 class ConfigError(ValueError):
@@ -116,6 +117,7 @@ class TrainConfig:
     micro_batch_size: sequences per gradient-accumulation chunk.
     loss: the policy loss.
     optimizer: optimizer and schedule.
+    moe: MoE models: routing replay, expert placement per micro-batch, expert-parallel layer.
   """
 
   steps: int = 100
@@ -124,6 +126,7 @@ class TrainConfig:
   micro_batch_size: int = 64
   loss: LossConfig = LossConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
+  moe: MoEConfig = MoEConfig()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxrl.model.cache import LayerCache, init_cache
 from jaxrl.model.config import ModelConfig
+from jaxrl.model.moe import MoEInputs
 from jaxrl.model.transformer import Transformer
 
 Params = dict
@@ -57,15 +58,17 @@ class Model:
     positions_bt: jax.Array | None = None,
     cache: tuple | None = None,
     return_routing: bool = False,
+    moe: MoEInputs | None = None,
   ):
     """Forward pass; returns (logits_btv in fp32, updated cache or None[, routing_btlk]).
 
     With `return_routing`, also the expert ids every token was routed to per layer (MoE), or
-    None for a dense model; see `Transformer.__call__`.
+    None for a dense model; `moe` selects expert parallelism, routing replay and an expert
+    placement; see `Transformer.__call__`.
     """
     state = jax.tree.map(lambda x: x, self._abstract_state)
     nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(self.graphdef, state)(tokens_bt, positions_bt, cache, return_routing)
+    return nnx.merge(self.graphdef, state)(tokens_bt, positions_bt, cache, return_routing, moe)
 
   def init_cache(self, batch: int, max_len: int) -> tuple[LayerCache, ...]:
     return init_cache(self.config, batch, max_len)

@@ -2,18 +2,30 @@
 
 The reference dispatch runs every expert on every token and weights the outputs by the router
 (zero for experts not in a token's top-k). It is the single-device definition that expert
-parallelism is checked against; it is not meant to be fast.
+parallelism is checked against; it is not meant to be fast. On a mesh with an expert axis the
+layer runs expert-parallel instead (`ExpertParallel`, `jaxrl.sharding.moe_expert_parallel`).
+Either path can replay recorded routes (`MoEInputs.routes_btlk`) instead of routing.
 
 Glossary: b batch, t positions, d model width, x experts, f expert mlp width, k top-k.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxrl.model.config import ModelConfig
+from jaxrl.sharding.expert import (
+  TOKEN_AXES,
+  ExpertParallelConfig,
+  PlacementLayer,
+  moe_expert_parallel,
+)
 
 
 def param(rngs: nnx.Rngs, shape, logical_axes, fan_in: int, dtype) -> nnx.Param:
@@ -30,6 +42,53 @@ def route(router_logits_btx: jax.Array, top_k: int) -> tuple[jax.Array, jax.Arra
   return weights_btk, ids_btk
 
 
+def replay_route(router_logits_btx: jax.Array, ids_btk: jax.Array) -> jax.Array:
+  """Routing replay: the combine weights of given expert ids (the router's probabilities at
+  them, renormalised over the k), so that the router still gets gradients."""
+  probs = jax.nn.softmax(router_logits_btx.astype(jnp.float32), axis=-1)
+  weights_btk = jnp.take_along_axis(probs, ids_btk, axis=-1)
+  return weights_btk / jnp.sum(weights_btk, axis=-1, keepdims=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+  """Run the MoE layers expert-parallel over `mesh`'s expert axis
+  (`jaxrl.sharding.moe_expert_parallel`) instead of the reference dispatch."""
+
+  mesh: Mesh
+  config: ExpertParallelConfig = ExpertParallelConfig()
+
+  @classmethod
+  def for_mesh(cls, cfg: ModelConfig, mesh: Mesh, config: ExpertParallelConfig | None = None):
+    """The expert-parallel path for an MoE model on a mesh with an expert axis > 1, else None
+    (the reference dispatch, which XLA shards like any other einsum)."""
+    if not cfg.is_moe or mesh.shape.get("expert", 1) == 1:
+      return None
+    return cls(mesh, config or ExpertParallelConfig())
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEInputs:
+  """What one forward pass hands every MoE layer besides the activations.
+
+  Attributes:
+    expert_parallel: the expert-parallel path, or None for the reference dispatch.
+    routes_btlk: int32 [b, t, layers, k] routing replay (the routes rollout recorded), or None
+      to route with the router.
+    placement: the expert placement of every layer (`placement_arrays(p)`, a leading layer
+      dim), or None for the home layout; expert-parallel path only.
+  """
+
+  expert_parallel: ExpertParallel | None = None
+  routes_btlk: jax.Array | None = None
+  placement: PlacementLayer | None = None
+
+  def layer(self, i: int) -> tuple[jax.Array | None, PlacementLayer | None]:
+    routes = None if self.routes_btlk is None else self.routes_btlk[:, :, i]
+    placement = None if self.placement is None else jax.tree.map(lambda a: a[i], self.placement)
+    return routes, placement
+
+
 class MoEMLP(nnx.Module):
   """Top-k softmax router over SwiGLU experts; returns (output, expert ids_btk chosen)."""
 
@@ -41,10 +100,23 @@ class MoEMLP(nnx.Module):
     self.w_up_xdf = param(rngs, (x, d, f), ("expert", "embed", "mlp"), d, pd)
     self.w_down_xfd = param(rngs, (x, f, d), ("expert", "mlp", "embed"), f, pd)
 
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, moe: MoEInputs | None = None, layer: int = 0):
+    moe = moe or MoEInputs()
+    routes_btk, placement = moe.layer(layer)
+    if moe.expert_parallel is not None:
+      return self._expert_parallel(x_btd, moe.expert_parallel, routes_btk, placement)
+    if placement is not None:
+      raise ValueError(
+        "An expert placement needs the expert-parallel path (a mesh with an "
+        "expert axis > 1); the reference dispatch has no devices to place on."
+      )
     dt = x_btd.dtype
     logits_btx = jnp.einsum("btd,dx->btx", x_btd, self.router_dx.get_value().astype(dt))
-    weights_btk, ids_btk = route(logits_btx, self.top_k)
+    if routes_btk is None:
+      weights_btk, ids_btk = route(logits_btx, self.top_k)
+    else:
+      ids_btk = routes_btk.astype(jnp.int32)
+      weights_btk = replay_route(logits_btx, ids_btk)
     num_experts = logits_btx.shape[-1]
     # Dense combine weights: zero for experts outside a token's top-k.
     combine_btx = jnp.sum(jax.nn.one_hot(ids_btk, num_experts) * weights_btk[..., None], axis=-2)
@@ -54,3 +126,35 @@ class MoEMLP(nnx.Module):
       "btxf,xfd->btxd", jax.nn.silu(gate) * up, self.w_down_xfd.get_value().astype(dt)
     )
     return jnp.einsum("btxd,btx->btd", out_btxd, combine_btx.astype(dt)), ids_btk
+
+  def _expert_parallel(self, x_btd, ep: ExpertParallel, routes_btk, placement):
+    b, t, d = x_btd.shape
+    dt = x_btd.dtype
+    x_td = x_btd.reshape(b * t, d)
+    routes_tk = None if routes_btk is None else routes_btk.reshape(b * t, -1).astype(jnp.int32)
+    # The tokens split evenly over the devices that share them: pad to a whole number each
+    # (padding rows are computed and dropped; they route like any token).
+    share = math.prod(ep.mesh.shape[a] for a in TOKEN_AXES if ep.mesh.shape.get(a, 1) > 1)
+    pad = -(b * t) % share
+    if pad:
+      x_td = jnp.pad(x_td, ((0, pad), (0, 0)))
+      if routes_tk is not None:
+        spread = (jnp.arange(pad)[:, None] + jnp.arange(routes_tk.shape[1])) % self.num_experts
+        routes_tk = jnp.concatenate([routes_tk, spread.astype(jnp.int32)])
+    out_td, ids_tk, _ = moe_expert_parallel(
+      x_td,
+      self.router_dx.get_value().astype(dt),
+      self.w_gate_xdf.get_value().astype(dt),
+      self.w_up_xdf.get_value().astype(dt),
+      self.w_down_xfd.get_value().astype(dt),
+      mesh=ep.mesh,
+      top_k=self.top_k,
+      config=ep.config,
+      placement_layer=placement,
+      routes_tk=routes_tk,
+    )
+    return out_td[: b * t].reshape(b, t, d), ids_tk[: b * t].reshape(b, t, -1)
+
+  @property
+  def num_experts(self) -> int:
+    return self.router_dx.get_value().shape[1]

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxrl.model.cache import attend
 from jaxrl.model.config import ModelConfig
-from jaxrl.model.moe import MoEMLP, param
+from jaxrl.model.moe import MoEInputs, MoEMLP, param
 
 
 class RMSNorm(nnx.Module):
@@ -83,7 +83,8 @@ class MLP(nnx.Module):
     self.w_up_df = param(rngs, (d, f), ("embed", "mlp"), d, pd)
     self.w_down_fd = param(rngs, (f, d), ("mlp", "embed"), f, pd)
 
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, moe=None, layer=0):
+    del moe, layer  # a dense MLP has no routing
     dt = x_btd.dtype
     gate = jnp.einsum("btd,df->btf", x_btd, self.w_gate_df.get_value().astype(dt))
     up = jnp.einsum("btd,df->btf", x_btd, self.w_up_df.get_value().astype(dt))
@@ -99,11 +100,11 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.mlp = MoEMLP(cfg, rngs=rngs) if cfg.is_moe else MLP(cfg, rngs=rngs)
 
-  def __call__(self, x_btd, positions_bt, cache):
+  def __call__(self, x_btd, positions_bt, cache, moe: MoEInputs | None, layer: int):
     """Returns (output, cache, expert ids_btk chosen by an MoE MLP or None)."""
     attn_out, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache)
     x_btd = x_btd + attn_out
-    mlp_out, expert_ids_btk = self.mlp(self.mlp_norm(x_btd))
+    mlp_out, expert_ids_btk = self.mlp(self.mlp_norm(x_btd), moe, layer)
     return x_btd + mlp_out, cache, expert_ids_btk
 
 
@@ -130,6 +131,7 @@ class Transformer(nnx.Module):
     positions_bt: jax.Array | None = None,
     cache: tuple | None = None,
     return_routing: bool = False,
+    moe: MoEInputs | None = None,
   ):
     """Runs the model.
 
@@ -140,6 +142,8 @@ class Transformer(nnx.Module):
       cache: per-layer KV caches (`LayerCache` from `init_cache`, or `PagedLayerCache`), or
         None for a plain causal forward. Paged rows mark padding tokens with position -1.
       return_routing: also return the MoE routing trace.
+      moe: MoE models: the expert-parallel path, routes to replay and an expert placement
+        (`MoEInputs`); None routes with the router through the reference dispatch.
 
     Returns:
       (logits_btv in fp32, updated cache or None), plus, with `return_routing`, the expert ids
@@ -154,7 +158,7 @@ class Transformer(nnx.Module):
     new_cache, routing = [], []
     for i, block in enumerate(self.blocks):
       x_btd, layer_cache, expert_ids_btk = block(
-        x_btd, positions_bt, None if cache is None else cache[i]
+        x_btd, positions_bt, None if cache is None else cache[i], moe, i
       )
       new_cache.append(layer_cache)
       routing.append(expert_ids_btk)

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxrl.rollout.engine import Completion
 from jaxrl.train.learner import Learner, TrainBatch
+from jaxrl.train.routing import routes_from_completions
 
 
 def pad_sequences(
@@ -42,7 +43,8 @@ def build_batch(
   pad_id: int,
   length: int | None = None,
 ) -> TrainBatch:
-  """The learner's batch for these completions, with rollout log-probs as behaviour log-probs."""
+  """The learner's batch for these completions, with rollout log-probs as behaviour log-probs
+  and (MoE, paged engine) the routes rollout took, for routing replay."""
   tokens_bt, mask_bt = pad_sequences(
     [c.prompt_ids for c in completions], [c.token_ids for c in completions], pad_id, length
   )
@@ -55,6 +57,7 @@ def build_batch(
     mask_bt=mask_bt,
     old_logp_bt=old_logp_bt,
     advantages_b=np.asarray(advantages_b, np.float32),
+    routes_btlk=routes_from_completions(completions, mask_bt.shape[1]),
   )
 
 

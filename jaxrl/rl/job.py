@@ -101,17 +101,21 @@ def build_controller(
   engine_mesh = placement.train_mesh if asynchronous else placement.rollout_mesh
   engine = make_engine(model, engine_mesh, STAGE_RULES["rollout"], tokenizer, cfg.rollout)
   train = cfg.train
-  learner = Learner(
-    model,
-    placement.train_mesh,
-    STAGE_RULES["train"],
-    loss=train.loss,
-    optimizer=train.optimizer,
-    updates_per_step=train.updates_per_step,
-    micro_batch_size=train.micro_batch_size,
-    temperature=cfg.rollout.sampling.temperature,
-    seed=cfg.seed,
-  )
+  try:
+    learner = Learner(
+      model,
+      placement.train_mesh,
+      STAGE_RULES["train"],
+      loss=train.loss,
+      optimizer=train.optimizer,
+      updates_per_step=train.updates_per_step,
+      micro_batch_size=train.micro_batch_size,
+      temperature=cfg.rollout.sampling.temperature,
+      seed=cfg.seed,
+      moe=train.moe,
+    )
+  except ValueError as e:
+    raise ConfigError(f"config.train: {e}") from None
   try:
     learner.check_batch_size(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
   except ValueError as e:

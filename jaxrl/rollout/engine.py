@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.model import Model, Params
+from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
 from jaxrl.rollout.sampling import SamplingParams, sample_tokens
 from jaxrl.sharding import batch_sharding, tree_shardings
 
@@ -88,6 +88,7 @@ class StaticEngine:
     self.model = model
     self.max_batch = max_batch
     self.mesh = mesh
+    self._moe = MoEInputs(ExpertParallel.for_mesh(model.config, mesh))  # see PagedEngine
     self.eos_id = eos_id
     self.pad_id = pad_id
     self.version = -1
@@ -207,7 +208,7 @@ class StaticEngine:
   ):
     b, p = prompt_bp.shape
     cache = self.model.init_cache(b, p + max_new)
-    logits_bpv, cache = self.model.apply(params, prompt_bp, None, cache)
+    logits_bpv, cache = self.model.apply(params, prompt_bp, None, cache, moe=self._moe)
     last_logits_bv = jnp.take_along_axis(logits_bpv, (prompt_len_b - 1)[:, None, None], axis=1)[
       :, 0
     ]
@@ -228,7 +229,9 @@ class StaticEngine:
       stopped_b = stopped_b | hit_stop_b
       done_b = done_b | hit_stop_b | (lengths_b >= max_new_b)
       positions_b1 = (prompt_len_b + i)[:, None]
-      logits_b1v, cache = self.model.apply(params, token_b[:, None], positions_b1, cache)
+      logits_b1v, cache = self.model.apply(
+        params, token_b[:, None], positions_b1, cache, moe=self._moe
+      )
       return i + 1, logits_b1v[:, 0], cache, tokens_bn, logprobs_bn, done_b, lengths_b, stopped_b
 
     carry = (

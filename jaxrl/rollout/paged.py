@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.model import Model, PagedLayerCache, Params
+from jaxrl.model import ExpertParallel, Model, MoEInputs, PagedLayerCache, Params
 from jaxrl.rollout.engine import Completion, bucket
 from jaxrl.rollout.requests import PageAllocator, RequestRecord, pages_for
 from jaxrl.rollout.sampling import SamplingParams, sample_tokens
@@ -88,6 +88,8 @@ class PagedEngine:
     self.model = model
     self.mesh = mesh
     self.cfg = config
+    # MoE on a mesh with an expert axis: the expert-parallel layer (else the reference).
+    self._moe = MoEInputs(ExpertParallel.for_mesh(model.config, mesh))
     self.eos_id = eos_id
     self.pad_id = pad_id
     self.version = -1
@@ -406,7 +408,12 @@ class PagedEngine:
 
   def _prefill_impl(self, params, kv, tokens_bt, positions_bt, table_bn):
     _, cache, routing_btlk = self.model.apply(
-      params, tokens_bt, positions_bt, self._layers(kv, table_bn), return_routing=True
+      params,
+      tokens_bt,
+      positions_bt,
+      self._layers(kv, table_bn),
+      return_routing=True,
+      moe=self._moe,
     )
     return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
 
@@ -442,6 +449,7 @@ class PagedEngine:
         positions_j[:, None],
         self._layers(kv, table_bn),
         return_routing=True,
+        moe=self._moe,
       )
       keys_b = jax.vmap(_token_key)(seeds_b, index_b + j)
       new_b, logprobs_b = sample_tokens(keys_b, logits_b1v[:, 0], temperature_b, top_k_b, top_p_b)

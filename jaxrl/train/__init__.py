@@ -4,12 +4,14 @@ from jaxrl.train.advantages import ADVANTAGE_MODES, group_advantages, zero_varia
 from jaxrl.train.learner import Learner, TrainBatch, apply_if_finite
 from jaxrl.train.losses import LossConfig, kl_k3, policy_loss, token_logprobs
 from jaxrl.train.optimizer import OptimizerConfig, make_optimizer, make_schedule
+from jaxrl.train.routing import MoEConfig
 from jaxrl.train.sft import SupervisedTrainer
 
 __all__ = [
   "ADVANTAGE_MODES",
   "Learner",
   "LossConfig",
+  "MoEConfig",
   "OptimizerConfig",
   "SupervisedTrainer",
   "TrainBatch",

@@ -19,10 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl.model import Model, Params
+from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
 from jaxrl.sharding import tree_shardings
+from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train.losses import LossConfig, policy_loss, token_logprobs
 from jaxrl.train.optimizer import make_optimizer
+from jaxrl.train.routing import MoEConfig, fill_padding, plan_micro_batches
 
 
 @dataclasses.dataclass
@@ -34,12 +36,15 @@ class TrainBatch:
     mask_bt: [b, t] 1 where the target (token t + 1) is a response token.
     old_logp_bt: [b, t] behaviour log-probs of the targets (the rollout's), 0 off the mask.
     advantages_b: [b] one advantage per sequence.
+    routes_btlk: MoE: int32 [b, t, layers, k] the experts rollout routed each input token to
+      (for routing replay; -1 at padding positions), or None.
   """
 
   tokens_bt: np.ndarray
   mask_bt: np.ndarray
   old_logp_bt: np.ndarray
   advantages_b: np.ndarray
+  routes_btlk: np.ndarray | None = None
 
   @property
   def size(self) -> int:
@@ -62,9 +67,22 @@ class Learner:
     temperature: float,
     params: Params | None = None,
     seed: int = 0,
+    moe: MoEConfig | None = None,
   ):
     self.model = model
     self.mesh = mesh
+    moe = moe or MoEConfig()
+    self.moe_cfg = moe
+    self.expert_parallel = ExpertParallel.for_mesh(
+      model.config,
+      mesh,
+      ExpertParallelConfig(moe.capacity_factor or None, moe.gmm_impl, moe.exchange),
+    )
+    if model.config.is_moe and moe.placement != "static" and self.expert_parallel is None:
+      raise ValueError(
+        f"train.moe.placement={moe.placement!r} places experts on the training mesh's expert "
+        "axis, which this mesh does not have (size 1): give it one, or use placement='static'."
+      )
     self.loss_cfg = loss
     self.updates_per_step = updates_per_step
     self.micro_batch_size = micro_batch_size
@@ -101,13 +119,34 @@ class Learner:
         f"mesh's data*fsdp size {self._batch_size_multiple}."
       )
 
-  def logprobs(self, params: Params, tokens_bt: np.ndarray) -> jax.Array:
-    """Log-probs [b, t] of tokens 1..t+1 under `params` at the rollout temperature."""
-    return self._logprobs(params, jnp.asarray(tokens_bt))
+  def logprobs(
+    self, params: Params, tokens_bt: np.ndarray, routes_btlk: np.ndarray | None = None
+  ) -> jax.Array:
+    """Log-probs [b, t] of tokens 1..t+1 under `params` at the rollout temperature (MoE: with
+    these routes replayed, when given)."""
+    return self._logprobs(params, jnp.asarray(tokens_bt), routes_btlk)
 
-  def _logprobs_impl(self, params, tokens_bt):
-    logits_btv, _ = self.model.apply(params, tokens_bt[:, :-1])
+  def _logprobs_impl(self, params, tokens_bt, routes_btlk=None, placement=None):
+    moe = None
+    if self.model.config.is_moe:
+      moe = MoEInputs(self.expert_parallel, routes_btlk, placement)
+    logits_btv, _ = self.model.apply(params, tokens_bt[:, :-1], moe=moe)
     return token_logprobs(logits_btv, tokens_bt[:, 1:], self.temperature)
+
+  def _replayed_routes(self, batch: TrainBatch) -> np.ndarray | None:
+    if not (self.model.config.is_moe and self.moe_cfg.routing_replay):
+      return None
+    if batch.routes_btlk is None:
+      raise ValueError(
+        "train.moe.routing_replay needs the rollout's routing trace with the batch; the paged "
+        "engine records it (rollout.engine='paged'), the static engine does not."
+      )
+    if batch.routes_btlk.shape[:2] != batch.mask_bt.shape:
+      raise ValueError(
+        f"routes_btlk has shape {batch.routes_btlk.shape}; it must be [b, t, layers, k] with "
+        f"[b, t] = {batch.mask_bt.shape}, like the batch's targets."
+      )
+    return fill_padding(batch.routes_btlk, self.model.config.num_experts)
 
   def update(self, batch: TrainBatch) -> dict[str, jax.Array]:
     """Runs `updates_per_step` optimizer updates over the batch; returns averaged metrics.
@@ -121,7 +160,8 @@ class Learner:
     proximal_bt = behaviour_bt
     if self.loss_cfg.proximal == "recompute":  # decoupled PPO: the policy before this step
       proximal_bt = self.proximal_logprobs(batch)
-    all_metrics = []
+    routes_btlk = self._replayed_routes(batch)
+    all_metrics, placement_metrics = [], []
     for u in range(self.updates_per_step):
       rows = slice(u * per_update, (u + 1) * per_update)
       arrays = [
@@ -131,15 +171,29 @@ class Learner:
         behaviour_bt[rows],
         batch.advantages_b[rows],
       ]
+      if routes_btlk is not None:
+        arrays.append(routes_btlk[rows])
       micro = [
         jax.device_put(x.reshape(-1, self.micro_batch_size, *x.shape[1:]), self._micro_sharding)
         for x in arrays
       ]
+      routes_m = micro[5] if routes_btlk is not None else None
+      placement_m = None
+      if routes_btlk is not None and self.expert_parallel is not None:
+        placement_m, planned = plan_micro_batches(
+          arrays[5].reshape(-1, self.micro_batch_size, *arrays[5].shape[1:]),
+          self.model.config.num_experts,
+          self.mesh.shape["expert"],
+          self.moe_cfg,
+        )
+        placement_metrics.append(planned)
       self.params, self.opt_state, metrics = self._update(
-        self.params, self.opt_state, self.ref_params, *micro
+        self.params, self.opt_state, self.ref_params, *micro[:5], routes_m, placement_m
       )
       all_metrics.append(metrics)
     out = jax.tree.map(lambda *xs: sum(xs) / len(xs), *all_metrics)
+    if placement_metrics:
+      out |= {k: float(np.mean([m[k] for m in placement_metrics])) for k in placement_metrics[0]}
     # Effective sample size of the behaviour weights, as a fraction of the tokens.
     ess = out["behaviour_weight_mean"] ** 2 / jnp.maximum(out["behaviour_weight_sq_mean"], 1e-30)
     return out | {"skipped": sum(m["skipped"] for m in all_metrics), "behaviour_ess": ess}
@@ -147,8 +201,15 @@ class Learner:
   def proximal_logprobs(self, batch: TrainBatch) -> np.ndarray:
     """The current weights' log-probs of the batch's targets (0 off the mask), computed one
     micro-batch at a time: the proximal policy of decoupled PPO."""
+    routes_btlk = self._replayed_routes(batch)
     chunks = [
-      np.asarray(self.logprobs(self.params, batch.tokens_bt[i : i + self.micro_batch_size]))
+      np.asarray(
+        self.logprobs(
+          self.params,
+          batch.tokens_bt[i : i + self.micro_batch_size],
+          None if routes_btlk is None else routes_btlk[i : i + self.micro_batch_size],
+        )
+      )
       for i in range(0, batch.size, self.micro_batch_size)
     ]
     return np.concatenate(chunks) * (batch.mask_bt > 0)
@@ -163,16 +224,20 @@ class Learner:
     old_logp_mbt,
     behaviour_logp_mbt,
     advantages_mb,
+    routes_mbtlk=None,
+    placement_m=None,
   ):
     num_tokens = jnp.sum(mask_mbt).astype(jnp.float32)
     num_seqs = jnp.float32(mask_mbt.shape[0] * mask_mbt.shape[1])
 
-    def micro_loss(p, tokens_bt, mask_bt, old_logp_bt, behaviour_logp_bt, advantages_b):
-      logp_bt = self._logprobs_impl(p, tokens_bt)
+    def micro_loss(
+      p, tokens_bt, mask_bt, old_logp_bt, behaviour_logp_bt, advantages_b, routes, placement
+    ):
+      logp_bt = self._logprobs_impl(p, tokens_bt, routes, placement)
       ref_logp_bt = (
         None
         if ref_params is None
-        else jax.lax.stop_gradient(self._logprobs_impl(ref_params, tokens_bt))
+        else jax.lax.stop_gradient(self._logprobs_impl(ref_params, tokens_bt, routes, placement))
       )
       return policy_loss(
         logp_bt,
@@ -197,8 +262,9 @@ class Learner:
     grads, (losses_m, metrics_m) = jax.lax.scan(
       accumulate,
       jax.tree.map(jnp.zeros_like, params),
-      (tokens_mbt, mask_mbt, old_logp_mbt, behaviour_logp_mbt, advantages_mb),
-    )
+      (tokens_mbt, mask_mbt, old_logp_mbt, behaviour_logp_mbt, advantages_mb, routes_mbtlk,
+       placement_m),
+    )  # fmt: skip
     loss = jnp.sum(losses_m)
     metrics = jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics_m)
     return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)

@@ -21,7 +21,7 @@ def tiny_config(arg="test", **overrides):
   return load_config(os.path.join(REPO, "configs", "grpo_tiny.py"), arg, overrides)
 
 
-@pytest.mark.parametrize("arg", ["test", "colocated", "fixed"])
+@pytest.mark.parametrize("arg", ["test", "colocated", "fixed", "moe"])
 def test_three_step_run_completes(tmp_path, arg):
   overrides = {}
   if arg != "test":  # a demo variant, cut to the test's size
@@ -36,9 +36,8 @@ def test_three_step_run_completes(tmp_path, arg):
       "checkpoint.every": 0,
     }
   cfg = tiny_config(arg, **overrides)
-  assert cfg.placement.mode == {"colocated": "colocated", "fixed": "disaggregated"}.get(
-    arg, "planned"
-  )
+  modes = {"colocated": "colocated", "fixed": "disaggregated", "moe": "disaggregated"}
+  assert cfg.placement.mode == modes.get(arg, "planned")
   summary = job.run(cfg, str(tmp_path), show_progress=False)
   assert summary["steps"] == 3
   records = read_metrics(str(tmp_path / "metrics.jsonl"))
@@ -58,6 +57,8 @@ def test_three_step_run_completes(tmp_path, arg):
     ):
       assert np.isfinite(r[key]), key
     assert r["version"] == r["step"]
+    if arg == "moe":  # expert placements planned from the replayed routes of every step
+      assert 1.0 <= r["moe_imbalance_planned"] <= r["moe_imbalance_static"]
   assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 3]
   assert (tmp_path / "reward_curve.png").stat().st_size > 1000
   assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3

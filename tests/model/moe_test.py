@@ -1,0 +1,109 @@
+"""The model's MoE layers on the expert-parallel path: same logits and gradients as the
+reference dispatch, with and without a balancing placement, and routing replay on both paths."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.model import ExpertParallel, Model, MoEInputs, get_preset
+from jaxrl.sharding import make_mesh, plan_placement
+from jaxrl.sharding.expert import placement_arrays
+
+CFG = get_preset("tiny-moe", num_layers=2)  # 8 experts, top-2
+
+
+def _params(model, rng):
+  params = model.init(int(rng.integers(1 << 16)))
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(int(rng.integers(1 << 16))), len(leaves))
+  leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _loss(model, moe):
+  def f(params, tokens_bt):
+    logits_btv, _ = model.apply(params, tokens_bt, moe=moe)
+    return jnp.mean(jax.nn.log_softmax(logits_btv)[..., 0] * jnp.arange(logits_btv.shape[1]))
+
+  return jax.jit(jax.value_and_grad(f))
+
+
+def _random_routes(rng, b, t, layers, k, experts):
+  return (
+    np.stack([rng.permutation(experts)[:k] for _ in range(b * t * layers)])
+    .reshape(b, t, layers, k)
+    .astype(np.int32)
+  )
+
+
+# Every axis size and placement is covered layer by layer in tests/sharding/expert_test.py.
+@pytest.mark.parametrize("experts_axis,placed", [(8, False), (4, True)], ids=["home8", "placed4"])
+def test_expert_parallel_model_matches_the_reference(experts_axis, placed):
+  rng = np.random.default_rng()
+  model = Model(CFG)
+  params = _params(model, rng)
+  # 3 x 7 tokens do not divide the devices: the layer pads them.
+  tokens_bt = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 7)), jnp.int32)
+  mesh = make_mesh(jax.devices()[:8], {"data": 8 // experts_axis, "expert": experts_axis})
+  placement = None
+  if placed:
+    loads_lx = rng.zipf(1.5, (CFG.num_layers, CFG.num_experts)).astype(np.float64)
+    p = plan_placement(loads_lx, experts_axis, 1, "least_loaded")
+    placement = placement_arrays(p, max_replicas=experts_axis)
+  with jax.default_matmul_precision("highest"):
+    want, want_grads = _loss(model, None)(params, tokens_bt)
+    moe = MoEInputs(expert_parallel=ExpertParallel(mesh), placement=placement)
+    got, got_grads = _loss(model, moe)(params, tokens_bt)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for (path, g), w in zip(
+    jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads), strict=True
+  ):
+    scale = float(np.max(np.abs(w))) or 1.0
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale, err_msg=str(path))
+
+
+def test_routing_replay_uses_the_given_routes_on_both_paths():
+  rng = np.random.default_rng()
+  model = Model(CFG)
+  params = _params(model, rng)
+  b, t = 2, 8
+  tokens_bt = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, t)), jnp.int32)
+  routes = _random_routes(rng, b, t, CFG.num_layers, CFG.experts_per_token, CFG.num_experts)
+  mesh = make_mesh(jax.devices()[:8], {"data": 2, "expert": 4})
+  with jax.default_matmul_precision("highest"):
+    _, _, routed = jax.jit(model.apply, static_argnames="return_routing")(
+      params, tokens_bt, return_routing=True
+    )
+    replay = MoEInputs(routes_btlk=jnp.asarray(routes))
+    _, _, replayed = model.apply(params, tokens_bt, return_routing=True, moe=replay)
+    np.testing.assert_array_equal(replayed, routes)
+    assert not np.array_equal(np.asarray(routed), routes)  # random routes differ from the router's
+    want, want_grads = _loss(model, replay)(params, tokens_bt)
+    ep = MoEInputs(expert_parallel=ExpertParallel(mesh), routes_btlk=jnp.asarray(routes))
+    got, got_grads = _loss(model, ep)(params, tokens_bt)
+    plain, _ = _loss(model, None)(params, tokens_bt)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert abs(float(plain) - float(want)) > 1e-6  # replay changed the function
+  router_grads = [
+    g for path, g in jax.tree_util.tree_leaves_with_path(got_grads) if "router" in str(path)
+  ]
+  assert router_grads and all(float(jnp.abs(g).max()) > 0 for g in router_grads)
+  for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * (float(np.max(np.abs(w))) or 1.0))
+
+
+def test_a_placement_without_the_expert_parallel_path_is_refused():
+  model = Model(CFG)
+  p = plan_placement(np.ones((CFG.num_layers, CFG.num_experts)), 2, 1, "static")
+  moe = MoEInputs(placement=placement_arrays(p))
+  with pytest.raises(ValueError, match="expert-parallel path"):
+    model.apply(model.init(0), jnp.zeros((1, 4), jnp.int32), moe=moe)
+
+
+def test_expert_parallel_is_chosen_only_for_moe_models_on_an_expert_axis():
+  mesh = make_mesh(jax.devices()[:8], {"data": 2, "expert": 4})
+  flat = make_mesh(jax.devices()[:8], {"data": 8})
+  assert ExpertParallel.for_mesh(CFG, mesh) is not None
+  assert ExpertParallel.for_mesh(CFG, flat) is None
+  assert ExpertParallel.for_mesh(get_preset("tiny"), mesh) is None

@@ -1,0 +1,106 @@
+"""MoE training: routing replay from the paged engine's trace, micro-batch placements, and the
+expert-parallel learner against the reference-dispatch learner."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.model import Model, get_preset
+from jaxrl.rl.experience import build_batch
+from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
+from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
+from jaxrl.train import Learner, LossConfig, MoEConfig, OptimizerConfig, TrainBatch
+from jaxrl.train.routing import expert_loads, fill_padding, routes_from_completions
+
+MODEL = Model(get_preset("tiny-moe", num_layers=2))
+REPLAY = MoEConfig(routing_replay=True, placement="least_loaded", redundant_slots=1)
+
+
+def learner(axes, params, moe=REPLAY, micro=8):
+  mesh = make_mesh(jax.devices()[4:], axes)
+  return Learner(
+    MODEL,
+    mesh,
+    TRAIN_RULES,
+    loss=LossConfig(),
+    optimizer=OptimizerConfig(learning_rate=1e-3, eps=1.0),
+    updates_per_step=1,
+    micro_batch_size=micro,
+    temperature=1.0,
+    params=params,
+    moe=moe,
+  )
+
+
+@pytest.fixture(scope="module")
+def rollout():
+  """Completions of the MoE model from a paged engine that itself runs expert-parallel."""
+  rng = np.random.default_rng()
+  params = MODEL.init(int(rng.integers(1 << 16)))
+  mesh = make_mesh(jax.devices()[:4], {"data": 2, "expert": 2})
+  engine = PagedEngine(
+    MODEL, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0,
+    config=PagedConfig(page_size=8, num_pages=64, max_running=16, decode_steps=4),
+  )  # fmt: skip
+  engine.update_weights(params, 0)
+  prompts = [list(rng.integers(3, 60, rng.integers(2, 9))) for _ in range(16)]
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+  completions = engine.generate(prompts, sampling, seed=int(rng.integers(1 << 16)))
+  advantages = rng.normal(size=len(completions)).astype(np.float32)
+  return params, completions, build_batch(completions, advantages, pad_id=0)
+
+
+def test_replayed_routes_reproduce_the_rollout_log_probs(rollout):
+  params, completions, batch = rollout
+  cfg = MODEL.config
+  assert batch.routes_btlk.shape == (
+    *batch.mask_bt.shape, cfg.num_layers, cfg.experts_per_token
+  )  # fmt: skip
+  for i, c in enumerate(completions):  # -1 exactly past each sequence's inputs
+    n = len(c.prompt_ids) + len(c.token_ids) - 1
+    assert (batch.routes_btlk[i, :n] >= 0).all() and (batch.routes_btlk[i, n:] == -1).all()
+  filled = fill_padding(batch.routes_btlk, cfg.num_experts)
+  assert (filled >= 0).all() and (
+    np.sort(filled, -1)[..., 1:] != np.sort(filled, -1)[..., :-1]
+  ).all()
+  ep = learner({"fsdp": 2, "expert": 2}, params)
+  with jax.default_matmul_precision("highest"):
+    logp = np.asarray(ep.logprobs(ep.params, batch.tokens_bt, ep._replayed_routes(batch)))
+  mask = batch.mask_bt > 0
+  np.testing.assert_allclose(logp[mask], batch.old_logp_bt[mask], atol=2e-4)
+
+
+def test_expert_parallel_learner_with_placements_matches_the_reference_learner(rollout):
+  params, _, batch = rollout
+  with jax.default_matmul_precision("highest"):
+    ep = learner({"fsdp": 2, "expert": 2}, params)
+    ref = learner({"fsdp": 4}, params, moe=MoEConfig(routing_replay=True))
+    assert ep.expert_parallel is not None and ref.expert_parallel is None
+    got, want = ep.update(batch), ref.update(batch)
+  assert float(got["loss"]) == pytest.approx(float(want["loss"]), rel=1e-4, abs=1e-6)
+  assert float(got["moe_imbalance_planned"]) <= float(got["moe_imbalance_static"])
+  for x, y in zip(jax.tree.leaves(ep.params), jax.tree.leaves(ref.params), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6)
+
+
+def test_loads_and_bad_settings():
+  rng = np.random.default_rng()
+  routes = rng.integers(0, 8, (3, 5, 2, 2)).astype(np.int32)
+  loads = expert_loads(routes, 8)
+  for layer in range(2):
+    np.testing.assert_array_equal(
+      loads[layer], np.bincount(routes[:, :, layer].ravel(), minlength=8)
+    )
+  with pytest.raises(ValueError, match="routing_replay=True"):
+    MoEConfig(placement="replicate_pack")
+  with pytest.raises(ValueError, match="expert axis"):
+    learner({"fsdp": 4}, None)
+  plain = learner({"fsdp": 2, "expert": 2}, None)
+  assert routes_from_completions([], 4) is None
+  with pytest.raises(ValueError, match="routing trace"):
+    plain.update(
+      TrainBatch(
+        np.ones((8, 6), np.int32), np.ones((8, 5), np.float32), np.zeros((8, 5), np.float32),
+        np.ones(8, np.float32),
+      )
+    )  # fmt: skip
