@@ -51,6 +51,9 @@ class PagedConfig:
     decode_steps: most decode steps per device call (the window). Larger windows pay the
       host's per-step cost less often; a request that finishes inside a window leaves its row
       idle until the window ends, and waiting requests are admitted only between windows.
+    precompile: compile every decode and prefill shape the engine can meet when it first gets
+      weights (`PagedEngine.precompile`), so that no compilation stalls generation later; a
+      long-tail workload otherwise meets a new shape now and then, mid-run.
   """
 
   page_size: int = 16
@@ -58,6 +61,7 @@ class PagedConfig:
   max_running: int = 64
   prefill_chunk: int = 128
   decode_steps: int = 8
+  precompile: bool = False
 
   def __post_init__(self):
     for name in ("page_size", "num_pages", "max_running", "prefill_chunk", "decode_steps"):
@@ -130,8 +134,45 @@ class PagedEngine:
 
   def update_weights(self, params: Params, version: int) -> None:
     """New weights take effect at the next decode window; later tokens carry `version`."""
+    first = self.params is None
     self.params = jax.device_put(params, self.param_shardings)
     self.version = version
+    if first and self.cfg.precompile:
+      self.precompile()
+
+  def precompile(self, stop_widths: Sequence[int] = (1,)) -> int:
+    """Compiles every decode window and prefill call this engine can make, by running each
+    shape once on padding rows (position -1: they read and write no cache), so that none
+    compiles mid-run. `stop_widths`: the stop-id list widths to cover (1: the end token only).
+    Needs weights. Returns the number of shapes run."""
+    if self.params is None:
+      raise ValueError("PagedEngine.precompile needs weights first: call update_weights.")
+    cfg, mc = self.cfg, self.model.config
+    row_counts = sorted({self._rows(n) for n in range(1, cfg.max_running + 1)})
+    max_pages = pages_for(mc.max_seq_len, cfg.page_size)
+    widths = sorted({bucket(p, 1) for p in range(1, max_pages + 1)})
+    windows = sorted({min(cfg.decode_steps, bucket(w, 1)) for w in range(1, cfg.decode_steps + 1)})
+    chunks = sorted({bucket(c) for c in range(1, cfg.prefill_chunk + 1)})
+    shapes = 0
+    for rows, width in itertools.product(row_counts, widths):
+      table = np.zeros((rows, width), np.int32)
+      pad_rows = np.full((rows,), -1, np.int32)
+      for window, stops in itertools.product(windows, stop_widths):
+        out = self._decoder(window)(
+          self.params, self._kv, np.zeros((rows,), np.int32), pad_rows, table,
+          np.zeros((rows,), np.int32), np.zeros((rows,), np.uint32), np.zeros((rows,), np.int32),
+          np.ones((rows,), np.float32), np.zeros((rows,), np.int32), np.ones((rows,), np.float32),
+          np.full((rows, stops), -1, np.int32),
+        )  # fmt: skip
+        self._kv = out[-1]
+        shapes += 1
+      for chunk in chunks:
+        tokens = np.full((rows, chunk), self.pad_id, np.int32)
+        positions = np.full((rows, chunk), -1, np.int32)
+        self._kv, _ = self._prefill(self.params, self._kv, tokens, positions, table)
+        shapes += 1
+    jax.block_until_ready(self._kv)
+    return shapes
 
   def submit(
     self,

@@ -264,3 +264,36 @@ def test_moe_routing_trace_matches_a_full_forward_and_survives_snapshot(mesh):
 def test_dense_models_have_no_routing_trace(mesh, params):
   out = engine(mesh, params).generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), seed=0)[0]
   assert out.routing is None and out.prompt_routing is None
+
+
+def test_precompiled_engine_compiles_nothing_while_it_generates(mesh, params):
+  """Every shape a run can meet is compiled when the engine first gets weights."""
+  rng = np.random.default_rng()
+  # 16 positions of 8-slot pages: page tables of 1 or 2 pages; rows of 2 and 4.
+  small = Model(get_preset("tiny", max_seq_len=16))
+  cfg = dict(page_size=8, num_pages=16, max_running=4, prefill_chunk=8, decode_steps=2)
+
+  def run(precompile):
+    e = PagedEngine(
+      small, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD,
+      config=PagedConfig(precompile=precompile, **cfg),
+    )  # fmt: skip
+    e.update_weights(params, 0)
+    compiled = {w: d._cache_size() for w, d in e._decoders.items()}, e._prefill._cache_size()
+    for i, (prompt, sampling) in enumerate(zip(ps, sp, strict=True)):
+      e.submit(prompt, sampling, request_id=str(i), seed=i)
+    done = {r.request_id: r.token_ids for r in e.stream()}
+    return (
+      compiled,
+      ({w: d._cache_size() for w, d in e._decoders.items()}, e._prefill._cache_size()),
+      done,
+    )
+
+  ps = [list(rng.integers(3, 60, n)) for n in rng.integers(1, 9, 6)]
+  sp = [SamplingParams(temperature=1.0, max_new_tokens=16 - len(p)) for p in ps]
+  before, after, tokens = run(precompile=True)
+  assert sorted(before[0]) == [1, 2] and all(before[0].values()) and before[1]
+  assert after == before  # nothing compiled while generating
+  _, plain_after, plain_tokens = run(precompile=False)
+  assert plain_after[1] <= before[1]  # a plain run meets a subset of the shapes
+  assert tokens == plain_tokens and len(tokens) == 6  # precompiling wrote nothing
