@@ -15,9 +15,11 @@ steps go to docs/images/async_timeline_<workload>.png.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 
+import jax
 import numpy as np
 
 from jaxrl.config import load_config
@@ -100,9 +102,6 @@ def _bench_workload(steps: int, skip: int, modes: tuple[str, ...], training: dic
     "task.sort_length_max": 18,
     "rollout.sampling.max_new_tokens": 20,
     "rollout.paged.page_size": 32,
-    # Every engine compiles its shapes before the run: a long-tail workload otherwise meets a
-    # new one now and then, and its compilation (seconds on this CPU) lands in the timing.
-    "rollout.paged.precompile": True,
     "train.steps": steps,
     "train.loss.proximal": "recompute",
     "eval.every": steps,
@@ -118,8 +117,14 @@ def _bench_workload(steps: int, skip: int, modes: tuple[str, ...], training: dic
     job.warmup(c, cfg, show_progress=False)
     evals = c.run()
     timelines[name] = c.timeline.segments()
+    rollout_busy_s = getattr(c, "rollout_busy_s", 0.0)
     c.writer.close()
     c.checkpointer.close()
+    # Each mode compiles its own engines; drop their executables before the next mode (a
+    # process that keeps every mode's runs out of memory maps for new ones).
+    del c
+    gc.collect()
+    jax.clear_caches()
     train = [
       r for r in read_metrics(os.path.join(workdir, "metrics.jsonl")) if r["kind"] == "train"
     ]
@@ -129,7 +134,7 @@ def _bench_workload(steps: int, skip: int, modes: tuple[str, ...], training: dic
     if cfg.loop.mode == "async":
       train_idle = sum(r["time_wait"] for r in timed) / seconds
       total = sum(r["time_step"] for r in train)
-      rollout_idle = 1 - c.rollout_busy_s / (cfg.loop.rollout_workers * total)
+      rollout_idle = 1 - rollout_busy_s / (cfg.loop.rollout_workers * total)
       off_policy = float(np.mean([r["off_policy_token_frac"] for r in timed]))
       staleness = float(np.mean([r["staleness_mean"] for r in timed]))
     else:

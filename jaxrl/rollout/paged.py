@@ -53,7 +53,9 @@ class PagedConfig:
       idle until the window ends, and waiting requests are admitted only between windows.
     precompile: compile every decode and prefill shape the engine can meet when it first gets
       weights (`PagedEngine.precompile`), so that no compilation stalls generation later; a
-      long-tail workload otherwise meets a new shape now and then, mid-run.
+      long-tail workload otherwise meets a new shape now and then, mid-run. It compiles one
+      function per (row bucket, page-table width, window or prefill width): over a hundred for
+      `max_running=128`, a cost that pays off in long runs only.
   """
 
   page_size: int = 16
