@@ -85,14 +85,15 @@ def _speedup(results: dict) -> float | None:
 
 
 def _plot_timelines(timelines: dict, path: str) -> None:
-  """One panel per mode, each over a window of the same width ending at its last step."""
+  """One panel per mode, each over a window of the same width ending at its last step: the
+  longest of the modes' last `TIMELINE_STEPS` steps."""
   windows = {m: last_steps_window(segs, TIMELINE_STEPS) for m, segs in timelines.items()}
   width = max((w[1] - w[0] for w in windows.values() if w), default=None)
   panels = {}
   for mode, segs in timelines.items():
     end = windows[mode][1] if windows[mode] else max(e for _, _, e, _ in segs)
     start = end - width if width else 0.0
-    panels[f"{mode}: last {TIMELINE_STEPS} steps"] = (segs, (start, end))
+    panels[f"{mode}: the last {end - start:.2g} s"] = (segs, (start, end))
   plot_lanes(panels, path, lane_order=[LEARNER_LANE, ROLLOUT_LANE])
 
 
