@@ -6,8 +6,8 @@ the same warm-up and seed for every mode, and the same number of RL steps (so th
 of samples). Modes: synchronous colocated and disaggregated (the sync controller), asynchronous
 with staleness bound 1, 2 and 4 (workers finish their running responses before switching
 weights), and asynchronous with bound 2 plus partial rollouts. Throughput is taken over the
-steps after the first `skip` (compilation). Two training workloads (`WORKLOADS`): the demo's,
-where training is most of a synchronous step on this CPU, and a rollout-bound one. The result
+steps after the first `skip` (compilation). Two training workloads (`WORKLOADS`): the demo's
+and one with one optimizer update per step. The result
 maps workload -> mode -> figures, plus `samples_per_s` and `speedup_async_vs_sync` (fastest
 asynchronous mode over synchronous disaggregated) per workload; timelines of each mode's last
 steps go to docs/images/async_timeline_<workload>.png.
@@ -45,12 +45,13 @@ MODES = {
 }
 
 
-# Training settings per workload. "demo": the demo's (two PPO updates per step), where training
-# is most of a synchronous step on this CPU. "rollout_bound": one update per step in one
-# micro-batch, so that generation is most of the step, as in RL on long responses.
+# Training settings per workload. "demo": the demo's (two PPO updates per step of two
+# micro-batches of 32). "one_update": one update per step over the same 128 samples (two
+# micro-batches of 64): the same gradient compute, half the optimizer steps. On this CPU
+# training is most of a synchronous step in both.
 WORKLOADS = {
   "demo": {},
-  "rollout_bound": {"train.updates_per_step": 1, "train.micro_batch_size": 64},
+  "one_update": {"train.updates_per_step": 1, "train.micro_batch_size": 64},
 }
 TIMELINE_STEPS = 3  # steps shown per mode in the timeline plot
 

@@ -68,7 +68,7 @@ def test_longest_predicted_requests_start_first_and_spread_by_tokens(tmp_path, s
 def test_worker_rates_start_from_the_prediction_and_switch_to_the_measurement():
   rng = np.random.default_rng()
   fast, slow = rng.uniform(100, 200), rng.uniform(10, 50)
-  r = WorkerRates(min_tokens=100)
+  r = WorkerRates(min_tokens=100, decay=0.5)
   r.add("a", fast)
   r.add("b", slow)
   r.add("c", None)  # unknown: the default, 1 token/s
@@ -78,14 +78,20 @@ def test_worker_rates_start_from_the_prediction_and_switch_to_the_measurement():
   assert shares["a"] / shares["b"] == pytest.approx(fast / slow)
   r.observe("a", 50, 1.0)  # fewer tokens than min_tokens: still the prediction
   assert r.rate("a") == fast
-  r.observe("a", 250, 1.0)  # 300 tokens in 2 s: measured
-  assert r.rate("a") == pytest.approx(150.0)
+  r.observe("a", 250, 1.0)  # 300 tokens in 2 s, the first half weighing half: measured
+  measured = (0.5 * 50 + 250) / (0.5 * 1.0 + 1.0)
+  assert r.rate("a") == pytest.approx(measured)
   # b is not measured yet: its prediction is scaled by a's measured / predicted.
-  assert r.rate("b") == pytest.approx(slow * 150.0 / fast)
+  assert r.rate("b") == pytest.approx(slow * measured / fast)
+  for _ in range(30):  # a stall is forgotten: the rate follows the recent events
+    r.observe("a", 100, 0.5)
+  assert r.rate("a") == pytest.approx(200.0, rel=1e-6)
   r.remove("a")
   assert r.rate("b") == slow and set(r.shares()) == {"b", "c"}
   with pytest.raises(ValueError, match="positive"):
     r.add("d", -1.0)
+  with pytest.raises(ValueError, match="decay"):
+    WorkerRates(decay=0.0)
 
 
 def test_requests_split_by_worker_rate(tmp_path):
