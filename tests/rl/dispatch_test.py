@@ -115,7 +115,7 @@ def test_requests_split_by_worker_rate(tmp_path):
 
 
 def test_a_slow_worker_is_measured_and_given_less_work(tmp_path):
-  cfg = async_config(**{"loop.max_staleness": 1, "train.steps": 6})
+  cfg = async_config(**{"loop.max_staleness": 1, "train.steps": 4})
   c = job.build_controller(cfg, str(tmp_path), show_progress=False)
   c.rates.min_tokens = 32
   slow = c.initial_workers[1]

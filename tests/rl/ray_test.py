@@ -28,8 +28,9 @@ def test_ray_workers_killed_preempted_and_added_lose_nothing(tmp_path, local_ray
       "loop.max_staleness": 1,
       "loop.rollout_workers": 2,
       "train.steps": 5,
-      # Long enough responses that the kill finds requests in flight.
+      # Long enough responses (no end token) that the kill finds requests in flight.
       "rollout.sampling.max_new_tokens": 40,
+      "rollout.sampling.ignore_eos": True,
       "rollout.paged.decode_steps": 1,
     }
   )
@@ -43,7 +44,8 @@ def test_ray_workers_killed_preempted_and_added_lose_nothing(tmp_path, local_ray
   def faults(c):
     if c.state.step >= 1 and "kill" not in done and c.assigned:
       done.add("kill")  # a worker holding requests dies without notice
-      victim = next(iter(c.assigned.values()))
+      # The worker sent the latest request: the oldest ones may finish while it is killed.
+      victim = list(c.assigned.values())[-1]
       c.add_worker(c.make_worker("w2"))
       c.kill_worker(victim)
     elif c.state.step >= 3 and "preempt" not in done:
