@@ -174,6 +174,9 @@ class LoopConfig:
       carry unfinished responses over; otherwise a worker finishes its running responses first.
     skew_aware_dispatch: async only: start the prompts predicted to answer longest first (from
       their earlier responses) and spread them over workers by predicted tokens.
+    measured_rates: async only: split the rollout work by each worker's measured decode rate
+      rather than the scheduler's prediction for its devices (for workers that share a machine
+      with other work); off by default, since on this 2-core machine it lowered throughput.
     backend: async only: "local" (workers are threads of this process, each on a slice of the
       rollout devices) or "ray" (each worker a Ray actor with its own process and devices, the
       weight store an actor; needs the `ray` extra).
@@ -187,6 +190,7 @@ class LoopConfig:
   max_staleness: int = 1
   partial_rollouts: bool = True
   skew_aware_dispatch: bool = True
+  measured_rates: bool = False
   backend: str = "local"
   ray_address: str = ""
   rollout_workers: int = 2

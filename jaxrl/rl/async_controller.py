@@ -53,12 +53,15 @@ class AsyncSettings:
     skew_aware: start the requests of prompts predicted to answer longest first, and send
       each to the worker with the fewest predicted tokens outstanding (`dispatch.py`);
       otherwise release order and the fewest requests.
+    measured_rates: split the work by each worker's measured rate (`dispatch.WorkerRates`)
+      instead of the scheduler's prediction for its devices.
     poll_s: how long the controller waits for a worker event before checking on its workers.
   """
 
   max_staleness: int = 1
   partial_rollouts: bool = True
   skew_aware: bool = True
+  measured_rates: bool = False
   poll_s: float = 0.05
 
   def __post_init__(self):
@@ -138,7 +141,7 @@ class AsyncController(Controller):
     self.counters = collections.Counter()
     self.rollout_busy_s = 0.0  # decode time of the workers that have left (local backend)
     self.lengths = LengthPredictor(default=self.s.sampling.max_new_tokens / 2)
-    self.rates = WorkerRates()
+    self.rates = WorkerRates(min_work=8)
     self.split: dict[str, float] = {}  # worker -> share of the rollout work (`_replan_split`)
     # worker -> (time of its last event or first assignment, whether it held requests then)
     self._worker_clock: dict[str, tuple[float, bool]] = {}
@@ -232,14 +235,12 @@ class AsyncController(Controller):
       )
       self.remove_worker(ev.worker)
       return
-    new_tokens = 0
     for record in ev.records:
       rid = record.request_id
       if self.assigned.get(rid) != ev.worker:
         continue  # re-dispatched meanwhile
       gid, j = parse_request_id(rid)
       group = self.groups[gid]
-      new_tokens += max(0, len(record.token_ids) - len(group.records[j].token_ids))
       group.records[j] = record
       if ev.kind == "finished":
         del self.assigned[rid]
@@ -255,20 +256,28 @@ class AsyncController(Controller):
     if ev.kind == "left":
       self._drop_worker(ev.worker, "preempted")
       return
-    self._observe_rate(ev.worker, new_tokens)
+    # A worker streams one "progress" event per decode window: its rate of windows, unlike its
+    # rate of tokens, does not grow with the work it is given (which would draw ever more work
+    # to whichever worker happened to get more).
+    self._observe_rate(ev.worker, 1 if ev.kind == "progress" else 0)
 
   # -- the rollout split -------------------------------------------------------------------------
 
-  def _observe_rate(self, name: str, tokens: int) -> None:
-    """Counts `tokens` a worker streamed, over the time it held requests since last time."""
+  def _observe_rate(self, name: str, windows: int) -> None:
+    """Counts `windows` a worker decoded, over the time it held requests since last time."""
     now = time.perf_counter()
     since, held = self._worker_clock.get(name, (now, False))
-    self.rates.observe(name, tokens, now - since if held else 0.0)
+    self.rates.observe(name, windows, now - since if held else 0.0)
     self._worker_clock[name] = (now, name in self.assigned.values())
+
+  def _rate(self, name: str) -> float:
+    return self.rates.rate(name) if self.a.measured_rates else self.rates.predicted(name)
 
   def _replan_split(self) -> None:
     """Re-plans each worker's share of the rollout work after the worker set changed."""
-    self.split = self.rates.shares()
+    rates = {name: self._rate(name) for name in self.rates.prior}
+    total = sum(rates.values())
+    self.split = {name: r / total for name, r in rates.items()} if total else {}
     self.counters["split_replans"] += 1
     log.info(
       "Rollout split over %d workers: %s",
@@ -328,7 +337,7 @@ class AsyncController(Controller):
     for rid, name in self.assigned.items():
       load[name] += self._predicted_left(rid) if self.a.skew_aware else 1
     live = [w for w in self.workers.values() if w.alive and w.name not in self.leaving]
-    rate = {w.name: self.rates.rate(w.name) for w in live}
+    rate = {w.name: self._rate(w.name) for w in live}
     batches = collections.defaultdict(list)
     while self.pending:
       open_ = [w for w in live if count[w.name] < w.capacity]

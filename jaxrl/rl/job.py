@@ -161,6 +161,7 @@ def build_controller(
       max_staleness=loop.max_staleness,
       partial_rollouts=loop.partial_rollouts,
       skew_aware=loop.skew_aware_dispatch,
+      measured_rates=loop.measured_rates,
     ),
     **kwargs,
   )

@@ -68,7 +68,7 @@ def test_longest_predicted_requests_start_first_and_spread_by_tokens(tmp_path, s
 def test_worker_rates_start_from_the_prediction_and_switch_to_the_measurement():
   rng = np.random.default_rng()
   fast, slow = rng.uniform(100, 200), rng.uniform(10, 50)
-  r = WorkerRates(min_tokens=100, decay=0.5)
+  r = WorkerRates(min_work=100, decay=0.5)
   r.add("a", fast)
   r.add("b", slow)
   r.add("c", None)  # unknown: the default, 1 token/s
@@ -76,9 +76,9 @@ def test_worker_rates_start_from_the_prediction_and_switch_to_the_measurement():
   shares = r.shares()
   assert sum(shares.values()) == pytest.approx(1.0)
   assert shares["a"] / shares["b"] == pytest.approx(fast / slow)
-  r.observe("a", 50, 1.0)  # fewer tokens than min_tokens: still the prediction
+  r.observe("a", 50, 1.0)  # less work than min_work: still the prediction
   assert r.rate("a") == fast
-  r.observe("a", 250, 1.0)  # 300 tokens in 2 s, the first half weighing half: measured
+  r.observe("a", 250, 1.0)  # 300 units in 2 s, the first half weighing half: measured
   measured = (0.5 * 50 + 250) / (0.5 * 1.0 + 1.0)
   assert r.rate("a") == pytest.approx(measured)
   # b is not measured yet: its prediction is scaled by a's measured / predicted.
@@ -115,14 +115,14 @@ def test_requests_split_by_worker_rate(tmp_path):
 
 
 def test_a_slow_worker_is_measured_and_given_less_work(tmp_path):
-  cfg = async_config(**{"loop.max_staleness": 1, "train.steps": 4})
+  cfg = async_config(**{"loop.max_staleness": 1, "train.steps": 4, "loop.measured_rates": True})
   c = job.build_controller(cfg, str(tmp_path), show_progress=False)
-  c.rates.min_tokens = 32
+  c.rates.min_work = 4
   slow = c.initial_workers[1]
   step = slow.engine.step
 
   def slow_step():
-    time.sleep(0.05)
+    time.sleep(0.15)
     return step()
 
   slow.engine.step = slow_step
