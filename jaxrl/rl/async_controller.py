@@ -141,7 +141,7 @@ class AsyncController(Controller):
     self.counters = collections.Counter()
     self.rollout_busy_s = 0.0  # decode time of the workers that have left (local backend)
     self.lengths = LengthPredictor(default=self.s.sampling.max_new_tokens / 2)
-    self.rates = WorkerRates(min_work=8)
+    self.rates = WorkerRates(min_work=8, measured=async_settings.measured_rates)
     self.split: dict[str, float] = {}  # worker -> share of the rollout work (`_replan_split`)
     # worker -> (time of its last event or first assignment, whether it held requests then)
     self._worker_clock: dict[str, tuple[float, bool]] = {}
@@ -270,14 +270,9 @@ class AsyncController(Controller):
     self.rates.observe(name, windows, now - since if held else 0.0)
     self._worker_clock[name] = (now, name in self.assigned.values())
 
-  def _rate(self, name: str) -> float:
-    return self.rates.rate(name) if self.a.measured_rates else self.rates.predicted(name)
-
   def _replan_split(self) -> None:
     """Re-plans each worker's share of the rollout work after the worker set changed."""
-    rates = {name: self._rate(name) for name in self.rates.prior}
-    total = sum(rates.values())
-    self.split = {name: r / total for name, r in rates.items()} if total else {}
+    self.split = self.rates.shares()
     self.counters["split_replans"] += 1
     log.info(
       "Rollout split over %d workers: %s",
@@ -337,7 +332,7 @@ class AsyncController(Controller):
     for rid, name in self.assigned.items():
       load[name] += self._predicted_left(rid) if self.a.skew_aware else 1
     live = [w for w in self.workers.values() if w.alive and w.name not in self.leaving]
-    rate = {w.name: self._rate(w.name) for w in live}
+    rate = {w.name: self.rates.rate(w.name) for w in live}
     batches = collections.defaultdict(list)
     while self.pending:
       open_ = [w for w in live if count[w.name] < w.capacity]

@@ -68,12 +68,15 @@ class WorkerRates:
   machine) stops counting against a worker after a few dozen events.
   """
 
-  def __init__(self, min_work: float = 8, default_rate: float = 1.0, decay: float = 0.95):
+  def __init__(
+    self, min_work: float = 8, default_rate: float = 1.0, decay: float = 0.95, measured=True
+  ):
     if not 0.0 < decay <= 1.0:
       raise ValueError(f"decay must be in (0, 1], got {decay}.")
     self.min_work = min_work
     self.default = default_rate
     self.decay = decay
+    self.measured = measured  # False: `rate` is the prediction alone
     self.prior: dict[str, float] = {}
     self.seen: dict[str, float] = {}  # work so far, for the min_work gate
     self.work: dict[str, float] = {}  # decayed
@@ -101,17 +104,16 @@ class WorkerRates:
     return work / busy if self.seen.get(name, 0.0) >= self.min_work and busy > 0 else None
 
   def rate(self, name: str) -> float:
-    """Measured rate, else the calibrated prediction (a worker never added: the default)."""
+    """Measured rate, else the calibrated prediction (a worker never added: the default);
+    the prediction alone when the rates are not `measured`."""
+    if not self.measured:
+      return self.prior.get(name, self.default)
     measured = self._measured(name)
     if measured is not None:
       return measured
     known = [(m, self.prior[n]) for n in self.prior if (m := self._measured(n)) is not None]
     scale = sum(m for m, _ in known) / sum(p for _, p in known) if known else 1.0
     return self.prior.get(name, self.default) * scale
-
-  def predicted(self, name: str) -> float:
-    """The scheduler's prediction alone (a worker never added: the default)."""
-    return self.prior.get(name, self.default)
 
   def shares(self) -> dict[str, float]:
     """The fraction of the rollout work each worker should get: its share of the total rate."""
