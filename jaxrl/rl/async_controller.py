@@ -160,8 +160,9 @@ class AsyncController(Controller):
     if worker.name in self.workers:
       raise ValueError(f"A worker named {worker.name!r} is already running.")
     worker.events = self.events
-    if isinstance(worker, LocalWorker):  # a Ray worker's windows happen in another process
-      worker.timeline = self.timeline
+    worker.timeline = self.timeline  # a Ray worker forwards what its actor records
+    if isinstance(worker, LocalWorker):
+      self.timeline.bind_thread(worker.thread_name, worker.lane)
     self.workers[worker.name] = worker
     worker.set_min_version(self.state.version - self.a.max_staleness)
     worker.start()

@@ -138,6 +138,15 @@ class LocalWorker:
     return 2 * self.engine.cfg.max_running
 
   @property
+  def lane(self) -> str:
+    """Its lane in the stage timeline."""
+    return f"worker {self.name}"
+
+  @property
+  def thread_name(self) -> str:
+    return self._thread.name
+
+  @property
   def alive(self) -> bool:
     return self._thread.is_alive()
 
@@ -231,7 +240,7 @@ class LocalWorker:
 
   def _record(self, start: float, end: float, kind: str) -> None:
     if self.timeline is not None:
-      self.timeline.add(f"worker {self.name}", start, end, kind)
+      self.timeline.add(self.lane, start, end, kind)
 
   def _release_held(self) -> None:
     """Moves held requests into the engine once its weights are new enough for them."""

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
   from jaxrl.scheduler.simulator import SimResult
 
-KINDS = ("decode", "prefill", "idle-wait", "weight-sync", "train")
+# Drawn in this order, so a "compile" span shows on top of the stage span it stalled.
+KINDS = ("decode", "prefill", "idle-wait", "weight-sync", "train", "compile")
 TRAIN_LANE = "train"
 COLORS = {
   "decode": "#3182bd",
@@ -23,6 +24,7 @@ COLORS = {
   "idle-wait": "#d9d9d9",
   "weight-sync": "#de2d26",
   "train": "#31a354",
+  "compile": "#252525",
 }
 
 

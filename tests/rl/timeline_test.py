@@ -3,11 +3,13 @@ and drawn with a zoom on the last steps."""
 
 import threading
 
+import jax
 import numpy as np
 
 from jaxrl.rl.timeline import (
   MERGE_GAP_S,
   StageTimeline,
+  compile_stalled_steps,
   last_steps_window,
   load_segments,
   plot_stage_timeline,
@@ -65,3 +67,39 @@ def test_zoom_window_starts_after_the_update_before_the_last_steps(tmp_path):
   assert last_steps_window(spans, 6) is None  # no update before the window
   path = plot_stage_timeline(spans, str(tmp_path / "t.png"), "sync")
   assert (tmp_path / "t.png").stat().st_size > 1000 and path.endswith("t.png")
+
+
+def test_compilations_land_on_the_lane_of_the_stage_that_ran_them():
+  tl = StageTimeline()
+  x = np.arange(7.0)
+  with tl.span("learner", "train"):
+    jax.jit(lambda v: v * 3 + 1)(x)  # a new function: traced, lowered and compiled here
+  f = jax.jit(lambda v: v - 2)
+
+  def worker_thread():
+    f(x)  # compiles
+    f(x)  # cached: no compilation
+
+  t = threading.Thread(target=worker_thread, name="rollout-w9")
+  tl.bind_thread("rollout-w9", "worker w9")
+  t.start()
+  t.join()
+  unbound = threading.Thread(target=lambda: jax.jit(lambda v: v / 5)(x), name="elsewhere")
+  unbound.start()
+  unbound.join()
+  spans = tl.segments()
+  (train,) = [(s, e) for lane, s, e, k in spans if k == "train"]
+  learner_compiles = [(s, e) for lane, s, e, k in spans if lane == "learner" and k == "compile"]
+  assert learner_compiles and all(train[0] - 1e-3 <= s < e <= train[1] for s, e in learner_compiles)
+  worker = [k for lane, _, _, k in spans if lane == "worker w9"]
+  assert worker and set(worker) == {"compile"}
+  assert {lane for lane, *_ in spans} == {"learner", "worker w9"}  # the unbound thread: none
+  assert not any(k == "compile" for *_, k in StageTimeline(record_compiles=False).segments())
+
+
+def test_compile_stalled_steps_flags_the_steps_a_compilation_overlapped():
+  segs = [("learner", 2.0 * i + 1, 2.0 * i + 2, "train") for i in range(5)]  # steps end 2,4,..10
+  segs += [("worker w0", 2.5, 3.0, "compile"), ("rollout", 7.9, 8.1, "compile")]
+  segs += [("worker w0", 0.0, 10.0, "decode")]
+  assert compile_stalled_steps(segs) == [False, True, False, True, True]
+  assert compile_stalled_steps(segs[:5]) == [False] * 5
