@@ -13,6 +13,21 @@ from jaxrl.rollout.engine import Completion
 from jaxrl.train.learner import Learner, TrainBatch
 from jaxrl.train.routing import routes_from_completions
 
+LENGTH_MULTIPLE = 8  # batch lengths round up to this, so that jit shapes repeat
+
+
+def batch_length(longest: int) -> int:
+  """The padded length of a batch whose longest prompt + response has `longest` tokens."""
+  return -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+
+
+def batch_lengths(shortest_prompt: int, longest_prompt: int, max_new_tokens: int) -> list[int]:
+  """Every padded length a batch of these prompts and responses of 1..`max_new_tokens`
+  tokens can have (what `Learner.precompile` compiles for)."""
+  first = batch_length(shortest_prompt + 1)
+  last = batch_length(longest_prompt + max_new_tokens)
+  return list(range(first, last + 1, LENGTH_MULTIPLE))
+
 
 def pad_sequences(
   prompts: Sequence[Sequence[int]],
@@ -22,11 +37,11 @@ def pad_sequences(
 ) -> tuple[np.ndarray, np.ndarray]:
   """Right-pads prompt + response rows; returns (tokens [b, t + 1], response-target mask [b, t]).
 
-  `length` fixes t + 1 (rounded up to a multiple of 8 by default, so jit shapes repeat).
+  `length` fixes t + 1 (by default `batch_length` of the longest row, so jit shapes repeat).
   """
   longest = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
   if length is None:
-    length = -(-longest // 8) * 8
+    length = batch_length(longest)
   if longest > length:
     raise ValueError(f"A sequence of {longest} tokens does not fit the batch length {length}.")
   tokens_bt = np.full((len(prompts), length), pad_id, np.int32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,10 +99,20 @@ class Learner:
     if params is None:
       params = jax.jit(model.init, out_shardings=self.param_shardings)(seed)
     self.params = jax.device_put(params, self.param_shardings)
-    self.opt_state = onto_mesh(jax.jit(self.optimizer.init)(self.params), mesh)
+    # The state keeps one layout for the whole run: optimizer moments sharded like their
+    # parameters, the rest (step counts) replicated, and the update returns it in that layout.
+    # Left to XLA, the first update's outputs were laid out unlike its inputs, so every batch
+    # shape compiled twice (and the moments started replicated on every device).
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    self.opt_shardings = optimizer_shardings(self.optimizer, self.params, self.param_shardings)
+    self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
     # No reference copy unless the KL term needs one.
     self.ref_params = jax.tree.map(jnp.copy, self.params) if loss.kl_weight > 0 else None
-    self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
+    self._update = jax.jit(
+      self._update_impl,
+      donate_argnums=(0, 1),
+      out_shardings=(self.param_shardings, self.opt_shardings, replicated),
+    )
     self._logprobs = jax.jit(self._logprobs_impl)
 
   def check_batch_size(self, batch_size: int) -> None:
@@ -198,6 +209,29 @@ class Learner:
     ess = out["behaviour_weight_mean"] ** 2 / jnp.maximum(out["behaviour_weight_sq_mean"], 1e-30)
     return out | {"skipped": sum(m["skipped"] for m in all_metrics), "behaviour_ess": ess}
 
+  def precompile(self, batch_size: int, lengths: Sequence[int]) -> int:
+    """Compiles `update` (and the proximal log-probs it may need) for batches of `batch_size`
+    sequences of each of these token lengths, by running it on copies of the state with an
+    all-padding batch (nothing trained). Returns the number of lengths."""
+    params, opt_state = self.params, self.opt_state
+    cfg = self.model.config
+    for length in lengths:
+      routes = None
+      if cfg.is_moe and self.moe_cfg.routing_replay:
+        routes = np.full((batch_size, length - 1, cfg.num_layers, cfg.experts_per_token), -1)
+      blank = TrainBatch(
+        tokens_bt=np.zeros((batch_size, length), np.int32),
+        mask_bt=np.zeros((batch_size, length - 1), np.float32),
+        old_logp_bt=np.zeros((batch_size, length - 1), np.float32),
+        advantages_b=np.zeros((batch_size,), np.float32),
+        routes_btlk=routes,
+      )
+      # `update` donates the state it is given: hand it copies.
+      self.params, self.opt_state = jax.tree.map(jnp.copy, (params, opt_state))
+      jax.block_until_ready(self.update(blank))
+    self.params, self.opt_state = params, opt_state
+    return len(lengths)
+
   def proximal_logprobs(self, batch: TrainBatch) -> np.ndarray:
     """The current weights' log-probs of the batch's targets (0 off the mask), computed one
     micro-batch at a time: the proximal policy of decoupled PPO."""
@@ -270,20 +304,18 @@ class Learner:
     return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)
 
 
-def onto_mesh(tree, mesh: jax.sharding.Mesh):
-  """Replicates onto `mesh` the leaves jit left on a default device (e.g. Adam's step count).
-
-  Moment estimates inherit their parameter's sharding; scalars that depend on no input do not,
-  and a checkpoint restored onto them would land off the training mesh.
-  """
+def optimizer_shardings(optimizer: optax.GradientTransformation, params, param_shardings):
+  """Shardings for `optimizer`'s state over `params`: each parameter-shaped part (Adam's
+  moments) like its parameter, the rest (step counts) replicated on the parameters' mesh."""
+  mesh = jax.tree.leaves(param_shardings)[0].mesh
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  on_mesh = lambda x: (
-    isinstance(x.sharding, jax.sharding.NamedSharding)
-    and (  # noqa: E731
-      x.sharding.mesh == mesh
-    )
+  return optax.tree_map_params(
+    optimizer,
+    lambda _, sharding: sharding,
+    jax.eval_shape(optimizer.init, params),
+    param_shardings,
+    transform_non_params=lambda _: replicated,
   )
-  return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated), tree)
 
 
 def apply_if_finite(

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl.train.learner import Learner, apply_if_finite, onto_mesh
+from jaxrl.train.learner import Learner, apply_if_finite, optimizer_shardings
 from jaxrl.train.losses import token_logprobs
 
 
@@ -24,8 +24,15 @@ class SupervisedTrainer:
   def __init__(self, learner: Learner, learning_rate: float):
     self.learner = learner
     self.optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate))
-    self.opt_state = onto_mesh(jax.jit(self.optimizer.init)(learner.params), learner.mesh)
-    self._step = jax.jit(self._step_impl, donate_argnums=(0, 1))
+    # The learner's layout in and out, so the RL updates after the warm-up compile once.
+    opt_shardings = optimizer_shardings(self.optimizer, learner.params, learner.param_shardings)
+    self.opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(learner.params)
+    replicated = jax.sharding.NamedSharding(learner.mesh, jax.sharding.PartitionSpec())
+    self._step = jax.jit(
+      self._step_impl,
+      donate_argnums=(0, 1),
+      out_shardings=(learner.param_shardings, opt_shardings, replicated),
+    )
 
   def step(self, tokens_bt: np.ndarray, mask_bt: np.ndarray) -> dict[str, jax.Array]:
     """One update; `mask_bt[:, i]` marks the targets (token i + 1) that are trained on."""

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxrl.model import Model, get_preset
-from jaxrl.rl.experience import pad_sequences
+from jaxrl.rl.experience import batch_lengths, pad_sequences
 from jaxrl.sharding import TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch
 
@@ -113,3 +113,36 @@ def test_decoupled_ppo_recomputes_the_proximal_policy():
   mc = stale.update(batch)
   assert 0 < float(mc["behaviour_adjusted_frac"]) < 1
   assert float(mc["behaviour_ess"]) < 0.95
+
+
+def test_precompile_compiles_each_length_and_trains_nothing():
+  rng = np.random.default_rng()
+  learner = make_learner(8, loss=LossConfig(proximal="recompute"))
+  params, opt_state = jax.device_get((learner.params, learner.opt_state))
+  assert learner.precompile(16, [16, 24]) == 2
+  for x, y in zip(
+    jax.tree.leaves((params, opt_state)),
+    jax.tree.leaves(jax.device_get((learner.params, learner.opt_state))),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(x, y)
+  compiled = learner._update._cache_size(), learner._logprobs._cache_size()
+  for _ in range(2):  # length 24: no new compilation, with the state the first one returned
+    learner.update(random_batch(rng))
+  assert (learner._update._cache_size(), learner._logprobs._cache_size()) == compiled
+  prompts, responses = [[5] * 3] * 16, [[7] * 2] * 16
+  tokens, mask = pad_sequences(prompts, responses, 0, length=32)
+  learner.update(TrainBatch(tokens, mask, np.zeros_like(mask), np.ones(16, np.float32)))
+  assert learner._update._cache_size() == compiled[0] + 1  # 32 was not precompiled
+
+
+def test_batch_lengths_are_the_lengths_pad_sequences_can_give():
+  rng = np.random.default_rng()
+  shortest, longest, max_new = 5, 13, 9
+  lengths = batch_lengths(shortest, longest, max_new)
+  assert lengths == [8, 16, 24]
+  for _ in range(50):
+    n = int(rng.integers(1, 6))
+    prompts = [[3] * int(rng.integers(shortest, longest + 1)) for _ in range(n)]
+    responses = [[4] * int(rng.integers(1, max_new + 1)) for _ in range(n)]
+    assert pad_sequences(prompts, responses, 0)[0].shape[1] in lengths
