@@ -118,6 +118,9 @@ class TrainConfig:
     loss: the policy loss.
     optimizer: optimizer and schedule.
     moe: MoE models: routing replay, expert placement per micro-batch, expert-parallel layer.
+    precompile: compile the update for every batch length the run can meet (prompt + response
+      lengths, rounded up to multiples of 8) before it starts, so that no step stalls on a
+      compilation when a longer response first comes along.
   """
 
   steps: int = 100
@@ -127,6 +130,7 @@ class TrainConfig:
   loss: LossConfig = LossConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
   moe: MoEConfig = MoEConfig()
+  precompile: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +170,13 @@ class LoopConfig:
   """How the RL loop connects rollout and training.
 
   Attributes:
-    mode: "sync" (generate a step's groups, then train on them) or "async" (rollout workers
-      generate continuously while the learner trains; `jaxrl/rl/async_controller.py`).
+    mode: "sync" (generate a step's groups, then train on them), "async" (rollout workers
+      generate continuously while the learner trains; `jaxrl/rl/async_controller.py`), or
+      "auto" (the default): async where it pays, that is where rollout and training compute on
+      hardware of their own (disjoint accelerator meshes, or the `ray` backend with
+      `ray_pin_cores`), sync where they share it (simulated CPU devices of one process share
+      its cores, and there async measured slower: docs/BENCHMARKS.md); sync also when the
+      rollout engine is not "paged" or dynamic sampling is on, which async does not support.
     max_staleness: async only: a trained token is at most this many policy versions older than
       the weights it is trained on; 0 makes the async loop synchronous.
     partial_rollouts: async only: workers switch to new weights at the next decode window and
@@ -181,18 +190,25 @@ class LoopConfig:
       rollout devices) or "ray" (each worker a Ray actor with its own process and devices, the
       weight store an actor; needs the `ray` extra).
     ray_address: the Ray cluster to join ("" starts a local one).
+    ray_pin_cores: ray only: pin the learner's actor to the first half of this machine's CPU
+      cores and the rollout workers' actors to the rest (one core each, shared round-robin
+      when there are more workers than cores), so that on a CPU machine the stages compute on
+      hardware of their own, as they would on separate accelerators. Each actor then has
+      `placement.train_devices` or a worker's share of the rollout devices as simulated CPU
+      devices.
     rollout_workers: async only: the rollout devices are split into this many workers, each
       with its own engine on its own sub-mesh (`placement.rollout_mesh` shape per worker is
       `data` = its device count).
   """
 
-  mode: str = "sync"
+  mode: str = "auto"
   max_staleness: int = 1
   partial_rollouts: bool = True
   skew_aware_dispatch: bool = True
   measured_rates: bool = False
   backend: str = "local"
   ray_address: str = ""
+  ray_pin_cores: bool = False
   rollout_workers: int = 2
 
   def __post_init__(self):
@@ -206,7 +222,7 @@ class LoopConfig:
       raise ConfigError(f"config.loop.rollout_workers must be >= 1, got {self.rollout_workers}.")
 
 
-LOOP_MODES = ("sync", "async")
+LOOP_MODES = ("sync", "async", "auto")
 LOOP_BACKENDS = ("local", "ray")
 
 

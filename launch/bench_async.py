@@ -3,18 +3,32 @@
 The demo config (`configs/grpo_tiny.py`, tiny model on the 8 simulated CPU devices) with digit
 sorting of long-tailed lengths (median 4 digits, capped at 18, so responses of 2-19 tokens),
 the same warm-up and seed for every mode, and the same number of RL steps (so the same number
-of samples). Modes: synchronous colocated and disaggregated (the sync controller), asynchronous
-with staleness bound 1, 2 and 4 (workers finish their running responses before switching
-weights), and asynchronous with bound 2 plus partial rollouts. Throughput is taken over the
-steps after the first `skip` (compilation). Two training workloads (`WORKLOADS`): the demo's
-and one with one optimizer update per step. The result
-maps workload -> mode -> figures, plus `samples_per_s` and `speedup_async_vs_sync` (fastest
-asynchronous mode over synchronous disaggregated) per workload; timelines of each mode's last
-steps go to docs/images/async_timeline_<workload>.png.
+of samples). Two workloads (`WORKLOADS`):
+
+- "demo": the demo's batches (128 samples, two PPO updates per step), every stage in this
+  process on the 8 simulated devices, which share the machine's cores. Modes: synchronous
+  colocated and disaggregated (the sync controller), asynchronous with staleness bound 1, 2
+  and 4 (workers finish their running responses before switching weights), and asynchronous
+  with bound 2 plus partial rollouts.
+- "pinned": the stages on hardware of their own: the `ray` backend with `loop.ray_pin_cores`
+  puts the learner's actor on half of the cores and one rollout worker's actor on the other
+  half, as on separate accelerators. Smaller steps (32 samples, one update each), so that
+  rollout is a larger share of a step. The baseline is the same loop with bound 0 (the
+  synchronous loop on the same actors); the others as above. The workers compile every decode
+  shape before the run (`rollout.paged.precompile`), through a persistent compilation cache
+  shared by the modes' actors, so only the first mode pays for it, before it is timed.
+
+Throughput is taken over the steps after the first `skip` (most compilation), and again over
+those of them during which no stage compiled a new shape (`samples_per_s_steady`: a long run's
+steady state). The result maps workload -> mode -> figures, plus `samples_per_s` and
+`speedup_async_vs_sync` (fastest asynchronous mode over the workload's synchronous
+disaggregated baseline, also `..._steady`) per workload; timelines of each mode's last steps
+go to docs/images/async_timeline_<workload>.png.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import tempfile
@@ -26,62 +40,97 @@ from jaxrl.config import load_config
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
 from jaxrl.rl.controller import ROLLOUT_LANE
-from jaxrl.rl.timeline import LEARNER_LANE, last_steps_window
+from jaxrl.rl.timeline import LEARNER_LANE, compile_stalled_steps, last_steps_window
 from jaxrl.scheduler.timeline import plot_lanes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+ASYNC = {"loop.mode": "async"}
+WHOLE = {"loop.partial_rollouts": False}  # workers finish running responses before switching
+PARTIAL = {"loop.partial_rollouts": True}
 MODES = {
-  "sync_colocated": {"placement.mode": "colocated"},
-  "sync_disaggregated": {},
-  "async_eta1": {"loop.mode": "async", "loop.max_staleness": 1, "loop.partial_rollouts": False},
-  "async_eta2": {"loop.mode": "async", "loop.max_staleness": 2, "loop.partial_rollouts": False},
-  "async_eta4": {"loop.mode": "async", "loop.max_staleness": 4, "loop.partial_rollouts": False},
-  "async_eta2_partial": {
-    "loop.mode": "async",
-    "loop.max_staleness": 2,
-    "loop.partial_rollouts": True,
-  },
+  "sync_colocated": {"loop.mode": "sync", "placement.mode": "colocated"},
+  "sync_disaggregated": {"loop.mode": "sync"},
+  "async_eta1": ASYNC | WHOLE | {"loop.max_staleness": 1},
+  "async_eta2": ASYNC | WHOLE | {"loop.max_staleness": 2},
+  "async_eta4": ASYNC | WHOLE | {"loop.max_staleness": 4},
+  "async_eta2_partial": ASYNC | PARTIAL | {"loop.max_staleness": 2},
+}
+PINNED = ASYNC | {
+  "loop.backend": "ray",
+  "loop.ray_pin_cores": True,
+  "loop.rollout_workers": 1,
+  "rollout.paged.precompile": True,
+}
+PINNED_MODES = {
+  "pinned_sync": PINNED | WHOLE | {"loop.max_staleness": 0},
+  "pinned_eta1": PINNED | WHOLE | {"loop.max_staleness": 1},
+  "pinned_eta2": PINNED | WHOLE | {"loop.max_staleness": 2},
+  "pinned_eta4": PINNED | WHOLE | {"loop.max_staleness": 4},
+  "pinned_eta2_partial": PINNED | PARTIAL | {"loop.max_staleness": 2},
 }
 
 
-# Training settings per workload. "demo": the demo's (two PPO updates per step of two
-# micro-batches of 32). "one_update": one update per step over the same 128 samples (two
-# micro-batches of 64): the same gradient compute, half the optimizer steps. On this CPU
-# training is most of a synchronous step in both.
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  overrides: dict
+  modes: dict[str, dict]
+  baseline: str  # the synchronous disaggregated mode the speed-up is taken against
+  steps: int
+  skip: int
+
+
 WORKLOADS = {
-  "demo": {},
-  "one_update": {"train.updates_per_step": 1, "train.micro_batch_size": 64},
+  "demo": Workload({}, MODES, "sync_disaggregated", steps=40, skip=5),
+  "pinned": Workload(
+    {
+      "rollout.prompts_per_step": 4,
+      "train.updates_per_step": 1,
+      "train.micro_batch_size": 32,
+      "placement.mode": "disaggregated",  # 4 + 4 devices: the planner wants larger batches
+    },
+    PINNED_MODES,
+    "pinned_sync",
+    steps=80,
+    skip=10,
+  ),
 }
 TIMELINE_STEPS = 3  # steps shown per mode in the timeline plot
 
 
 def bench_async(
-  steps: int = 40,
-  skip: int = 5,
-  modes: tuple[str, ...] = tuple(MODES),
   workloads: tuple[str, ...] = tuple(WORKLOADS),
+  modes: tuple[str, ...] | None = None,
+  steps: int | None = None,
   plot_dir: str | None = os.path.join(REPO, "docs", "images"),
 ) -> dict:
   """Per workload: samples/s, idle fractions, off-policy tokens and reward per mode, one run;
-  with `plot_dir`, a timeline of each mode's last steps to `async_timeline_<workload>.png`."""
+  with `plot_dir`, a timeline of each mode's last steps to `async_timeline_<workload>.png`.
+  `modes` picks modes by name (default: all of each workload's); `steps` overrides each
+  workload's step count."""
   out = {}
-  for workload in workloads:
-    out[workload], timelines = _bench_workload(steps, skip, modes, WORKLOADS[workload])
+  for name in workloads:
+    w = WORKLOADS[name]
+    if steps is not None:
+      w = dataclasses.replace(w, steps=steps, skip=min(w.skip, steps // 2))
+    chosen = {m: o for m, o in w.modes.items() if modes is None or m in modes}
+    out[name], timelines = _bench_workload(w, chosen)
     if plot_dir:
-      _plot_timelines(timelines, os.path.join(plot_dir, f"async_timeline_{workload}.png"))
+      _plot_timelines(timelines, os.path.join(plot_dir, f"async_timeline_{name}.png"))
   out["samples_per_s"] = {
     w: {mode: r["samples_per_s"] for mode, r in out[w].items()} for w in workloads
   }
-  out["speedup_async_vs_sync"] = {w: _speedup(out[w]) for w in workloads}
+  for suffix, figure in (("", "samples_per_s"), ("_steady", "samples_per_s_steady")):
+    out[f"speedup_async_vs_sync{suffix}"] = {
+      w: _speedup(out[w], WORKLOADS[w].baseline, figure) for w in workloads
+    }
   return out
 
 
-def _speedup(results: dict) -> float | None:
-  sync = results.get("sync_disaggregated", {}).get("samples_per_s")
-  fastest = max(
-    (v["samples_per_s"] for k, v in results.items() if k.startswith("async")), default=0
-  )
+def _speedup(results: dict, baseline: str, figure: str) -> float | None:
+  """The fastest asynchronous mode (bound > 0) over the baseline."""
+  sync = results.get(baseline, {}).get(figure)
+  fastest = max((v[figure] or 0 for k, v in results.items() if "eta" in k), default=0)
   return fastest / sync if sync and fastest else None
 
 
@@ -98,7 +147,10 @@ def _plot_timelines(timelines: dict, path: str) -> None:
   plot_lanes(panels, path, lane_order=[LEARNER_LANE, ROLLOUT_LANE])
 
 
-def _bench_workload(steps: int, skip: int, modes: tuple[str, ...], training: dict):
+def _bench_workload(workload: Workload, modes: dict[str, dict]):
+  steps, skip = workload.steps, workload.skip
+  if any(o.get("loop.backend") == "ray" for o in modes.values()):
+    _share_compilations_with_actors()
   base = {
     "task.sort_length": 4,
     "task.sort_length_max": 18,
@@ -106,22 +158,25 @@ def _bench_workload(steps: int, skip: int, modes: tuple[str, ...], training: dic
     "rollout.paged.page_size": 32,
     "train.steps": steps,
     "train.loss.proximal": "recompute",
+    "train.precompile": True,  # every batch length compiles before the run, in every mode
     "eval.every": steps,
     "eval.num_prompts": 128,
     "checkpoint.every": 0,
   }
   out, timelines = {}, {}
-  for name in modes:
-    overrides = base | training | MODES[name]
+  for name, mode in modes.items():
+    overrides = base | workload.overrides | mode
     cfg = load_config(os.path.join(REPO, "configs", "grpo_tiny.py"), None, overrides)
     workdir = tempfile.mkdtemp(prefix=f"bench_async_{name}_")
     c = job.build_controller(cfg, workdir, show_progress=False)
     job.warmup(c, cfg, show_progress=False)
     evals = c.run()
     timelines[name] = c.timeline.segments()
-    rollout_busy_s = getattr(c, "rollout_busy_s", 0.0)
+    c.timeline.save(os.path.join(workdir, "timeline.json"))
     c.writer.close()
     c.checkpointer.close()
+    if hasattr(c.learner, "kill"):  # a Ray learner: give its cores back for the next mode
+      c.learner.kill()
     # Each mode compiles its own engines; drop their executables before the next mode (a
     # process that keeps every mode's runs out of memory maps for new ones).
     del c
@@ -132,19 +187,26 @@ def _bench_workload(steps: int, skip: int, modes: tuple[str, ...], training: dic
     ]
     timed = train[skip:]
     seconds = sum(r["time_step"] for r in timed)
-    samples = len(timed) * cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    if cfg.loop.mode == "async":
-      train_idle = sum(r["time_wait"] for r in timed) / seconds
-      total = sum(r["time_step"] for r in train)
-      rollout_idle = 1 - rollout_busy_s / (cfg.loop.rollout_workers * total)
+    per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    samples = len(timed) * per_step
+    stalled = compile_stalled_steps(timelines[name])
+    if len(stalled) != len(train):
+      raise RuntimeError(f"{name}: {len(stalled)} updates in the timeline, {len(train)} logged.")
+    steady = [r for r, s in zip(train[skip:], stalled[skip:], strict=True) if not s]
+    train_idle, rollout_idle = _idle_fractions(timelines[name], skip)
+    if "loop.mode" in overrides and overrides["loop.mode"] == "async":
       off_policy = float(np.mean([r["off_policy_token_frac"] for r in timed]))
       staleness = float(np.mean([r["staleness_mean"] for r in timed]))
     else:
-      train_idle = 1 - sum(r["time_train"] for r in timed) / seconds
-      rollout_idle = 1 - sum(r["time_rollout"] for r in timed) / seconds
       off_policy = staleness = 0.0
     out[name] = {
       "samples_per_s": samples / seconds,
+      # Over the timed steps during which nothing compiled (`steady_steps` of them).
+      "samples_per_s_steady": len(steady) * per_step / sum(r["time_step"] for r in steady)
+      if steady
+      else None,
+      "steady_steps": len(steady),
+      "timed_steps": len(timed),
       "train_idle_frac": train_idle,
       "rollout_idle_frac": rollout_idle,
       "off_policy_token_frac": off_policy,
@@ -155,3 +217,27 @@ def _bench_workload(steps: int, skip: int, modes: tuple[str, ...], training: dic
       "reward_curve": [round(r["reward_mean"], 4) for r in train],
     }
   return out, timelines
+
+
+def _idle_fractions(segments, skip: int) -> tuple[float, float]:
+  """(learner, rollout) idle fractions over the timed steps, from the timeline: 1 - the time
+  in "train" spans (learner) or "decode" spans (each rollout lane, averaged) over the window
+  from the end of update `skip` to the end of the last."""
+  ends = sorted(e for lane, _, e, kind in segments if lane == LEARNER_LANE and kind == "train")
+  start, end = ends[skip - 1] if skip else 0.0, ends[-1]
+
+  def busy(lane: str, kind: str) -> float:
+    spans = [(s, e) for ln, s, e, k in segments if ln == lane and k == kind]
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans) / (end - start)
+
+  rollout = {ln for ln, *_ in segments if ln == ROLLOUT_LANE or ln.startswith("worker ")}
+  return 1 - busy(LEARNER_LANE, "train"), 1 - float(np.mean([busy(ln, "decode") for ln in rollout]))
+
+
+def _share_compilations_with_actors() -> None:
+  """A persistent compilation cache for the Ray actors started from now on (they inherit this
+  environment): the first mode's actors compile, later modes' load what they compiled. Fresh
+  per run, so nothing carries over from an earlier one."""
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_async_jax_cache_")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"

@@ -37,9 +37,13 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def restore(self, step: int, *, params, opt_state) -> dict[str, Any]:
-    """Restores onto the shardings of `params`/`opt_state` (arrays or abstract arrays)."""
+    """Restores onto the shardings of `params`/`opt_state` (arrays or abstract arrays); host
+    (numpy) leaves restore as host arrays (a remote learner's state, read on this host)."""
     abstract = lambda tree: jax.tree.map(  # noqa: E731
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+      lambda x: (
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if hasattr(x, "sharding") else x
+      ),
+      tree,
     )
     return self._manager.restore(
       step,

@@ -87,6 +87,8 @@ class Controller:
     self.show_progress = show_progress
     self.state = ControllerState()
     self.timeline = StageTimeline()
+    if hasattr(learner, "timeline"):  # a remote learner sends the spans its process records
+      learner.timeline = self.timeline
 
   # -- weights -----------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ This is the only place that turns config names into objects (task, tokenizer, en
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from jaxrl.model import Model
 from jaxrl.rl.async_controller import AsyncController, AsyncSettings
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.controller import Controller, ControllerSettings
-from jaxrl.rl.experience import pad_sequences
+from jaxrl.rl.experience import batch_lengths, pad_sequences
 from jaxrl.rl.placement import Placement, make_placement
 from jaxrl.rl.timeline import plot_stage_timeline
 from jaxrl.rl.weights import WeightStore
@@ -87,7 +88,10 @@ def build_controller(
     placement = make_placement(cfg.placement, plan=plan)
   model = Model(cfg.model)
   make_engine = _choose(ENGINES, cfg.rollout.engine, "config.rollout.engine")
-  asynchronous = cfg.loop.mode == "async"
+  mode = resolve_loop_mode(cfg, placement)
+  if cfg.loop.mode == "auto":
+    log.info("config.loop.mode='auto': the %s loop.", mode)
+  asynchronous = mode == "async"
   if asynchronous and cfg.rollout.engine != "paged":
     raise ConfigError(
       f"config.loop.mode='async' needs config.rollout.engine='paged' (its requests can be "
@@ -97,29 +101,35 @@ def build_controller(
     raise ConfigError(
       "config.rollout.dynamic_sampling runs with config.loop.mode='sync' only; turn one off."
     )
-  # In async mode this engine, on the learner's mesh, serves evaluation only.
+  # In async mode this engine, on the learner's mesh, serves evaluation only: it meets a few
+  # shapes, so compiling all of them up front would not pay.
   engine_mesh = placement.train_mesh if asynchronous else placement.rollout_mesh
-  engine = make_engine(model, engine_mesh, STAGE_RULES["rollout"], tokenizer, cfg.rollout)
+  eval_only = dataclasses.replace(
+    cfg.rollout, paged=dataclasses.replace(cfg.rollout.paged, precompile=False)
+  )
+  engine = make_engine(
+    model,
+    engine_mesh,
+    STAGE_RULES["rollout"],
+    tokenizer,
+    eval_only if asynchronous else cfg.rollout,
+  )
+  ray_backend = asynchronous and cfg.loop.backend == "ray"
+  if ray_backend:
+    ray_backend = _start_ray(cfg.loop.ray_address)
+    learner_cores, worker_cores = _core_split() if cfg.loop.ray_pin_cores else (None, None)
+    # The learner is an actor too, on devices of its own with the training mesh's shape.
+    learner = ray_backend.RayLearner(cfg, dict(placement.train_mesh.shape), cores=learner_cores)
+  else:
+    learner = make_learner(cfg, model, placement.train_mesh)
   train = cfg.train
-  try:
-    learner = Learner(
-      model,
-      placement.train_mesh,
-      STAGE_RULES["train"],
-      loss=train.loss,
-      optimizer=train.optimizer,
-      updates_per_step=train.updates_per_step,
-      micro_batch_size=train.micro_batch_size,
-      temperature=cfg.rollout.sampling.temperature,
-      seed=cfg.seed,
-      moe=train.moe,
-    )
-  except ValueError as e:
-    raise ConfigError(f"config.train: {e}") from None
-  try:
-    learner.check_batch_size(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
+  if train.precompile:
+    # Prompt lengths from a large sample of the task's prompts (a longer one, should it come,
+    # compiles then), responses up to the sampling limit, sequences up to the model's.
+    sample = [1 + len(tokenizer.encode(r["prompt"])) for r in task.records("train", 1024, cfg.seed)]
+    longest = min(max(sample), cfg.model.max_seq_len - cfg.rollout.sampling.max_new_tokens)
+    lengths = batch_lengths(min(sample), longest, cfg.rollout.sampling.max_new_tokens)
+    learner.precompile(cfg.rollout.prompts_per_step * cfg.rollout.group_size, lengths)
   settings = ControllerSettings(
     steps=train.steps,
     prompts_per_step=cfg.rollout.prompts_per_step,
@@ -137,9 +147,6 @@ def build_controller(
   train_records = task.records("train", None, cfg.seed)
   loader = PromptLoader(train_records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
   eval_records = task.records("test", cfg.eval.num_prompts) if cfg.eval.every else []
-  ray_backend = asynchronous and cfg.loop.backend == "ray"
-  if ray_backend:
-    ray_backend = _start_ray(cfg.loop.ray_address)
   kwargs = dict(
     settings=settings,
     rollout=engine,
@@ -165,10 +172,24 @@ def build_controller(
     ),
     **kwargs,
   )
-  if ray_backend:
-    controller.make_worker = lambda name, devices=None: ray_backend.RayWorker(
-      name, cfg, controller.weights, controller.events
+  n = loop.rollout_workers
+  rollout_devices = list(placement.rollout_mesh.devices.flat)
+  if len(rollout_devices) % n:
+    raise ConfigError(
+      f"config.loop.rollout_workers={n} does not divide the {len(rollout_devices)} rollout "
+      "devices; choose a divisor."
     )
+  size = len(rollout_devices) // n
+  if ray_backend:
+    made = itertools.count()
+
+    def make_ray_worker(name: str, devices=None):
+      cores = [worker_cores[next(made) % len(worker_cores)]] if worker_cores else None
+      return ray_backend.RayWorker(
+        name, cfg, controller.weights, controller.events, num_devices=size, cores=cores
+      )
+
+    controller.make_worker = make_ray_worker
     controller.fresh_workers = lambda: [
       controller.make_worker(f"w{i}") for i in range(loop.rollout_workers)
     ]
@@ -188,19 +209,65 @@ def build_controller(
       predicted_tokens_per_s=worker_tokens_per_s(cfg, dict(mesh.shape), prompt_len),
     )  # fmt: skip
 
-  rollout_devices = list(placement.rollout_mesh.devices.flat)
-  n = loop.rollout_workers
-  if len(rollout_devices) % n:
-    raise ConfigError(
-      f"config.loop.rollout_workers={n} does not divide the {len(rollout_devices)} rollout "
-      "devices; choose a divisor."
-    )
-  size = len(rollout_devices) // n
   controller.make_worker = make_worker
   groups = split_devices(rollout_devices, [size] * n)
   controller.fresh_workers = lambda: [make_worker(f"w{i}", g) for i, g in enumerate(groups)]
   controller.initial_workers = controller.fresh_workers()
   return controller
+
+
+def resolve_loop_mode(cfg: ExperimentConfig, placement: Placement) -> str:
+  """`config.loop.mode`, with "auto" decided: async where rollout and training have hardware of
+  their own, sync where they share it or where async cannot run (see `LoopConfig.mode`)."""
+  loop = cfg.loop
+  if loop.mode != "auto":
+    return loop.mode
+  if cfg.rollout.engine != "paged" or cfg.rollout.dynamic_sampling:
+    return "sync"
+  if loop.backend == "ray" and loop.ray_pin_cores:
+    return "async"
+  rollout = set(placement.rollout_mesh.devices.flat)
+  train = set(placement.train_mesh.devices.flat)
+  on_accelerators = all(d.platform != "cpu" for d in rollout | train)
+  return "async" if on_accelerators and not rollout & train else "sync"
+
+
+def make_learner(cfg: ExperimentConfig, model: Model, mesh) -> Learner:
+  """The learner `cfg.train` describes, on `mesh`, checked against the batch rollout makes."""
+  train = cfg.train
+  try:
+    learner = Learner(
+      model,
+      mesh,
+      STAGE_RULES["train"],
+      loss=train.loss,
+      optimizer=train.optimizer,
+      updates_per_step=train.updates_per_step,
+      micro_batch_size=train.micro_batch_size,
+      temperature=cfg.rollout.sampling.temperature,
+      seed=cfg.seed,
+      moe=train.moe,
+    )
+  except ValueError as e:
+    raise ConfigError(f"config.train: {e}") from None
+  try:
+    learner.check_batch_size(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return learner
+
+
+def _core_split() -> tuple[list[int], list[int]]:
+  """(learner's cores, rollout workers' cores) for `loop.ray_pin_cores`: halves of the cores
+  this process may use."""
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < 2:
+    raise ConfigError(
+      f"config.loop.ray_pin_cores needs at least 2 CPU cores to give the learner and the "
+      f"rollout workers their own; this process may use {len(cores)}. Turn it off."
+    )
+  half = len(cores) // 2
+  return cores[:half], cores[half:]
 
 
 def _start_ray(address: str):
@@ -221,7 +288,11 @@ def _start_ray(address: str):
 def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = True) -> None:
   """Supervised steps on train (prompt, answer) pairs, so that RL starts with some reward."""
   w = cfg.warmup
-  trainer = SupervisedTrainer(controller.learner, w.learning_rate)
+  learner = controller.learner
+  if isinstance(learner, Learner):
+    trainer = SupervisedTrainer(learner, w.learning_rate)
+  else:  # a remote learner (the Ray backend's) runs the warm-up where its parameters live
+    trainer = learner.supervised_trainer(w.learning_rate)
   records = controller.task.records("train", None, cfg.seed + 1)
   loader = PromptLoader(records, batch_size=w.batch_size, seed=cfg.seed + 1)
   tok = controller.tokenizer
@@ -261,7 +332,8 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
   metrics_path = controller.writer.path
   plot_reward_curve(metrics_path, os.path.join(workdir, "reward_curve.png"))
   controller.timeline.save(os.path.join(workdir, "timeline.json"))
-  loop = f"{cfg.loop.mode}, {cfg.placement.mode}"
+  mode = "async" if isinstance(controller, AsyncController) else "sync"
+  loop = f"{mode}, {cfg.placement.mode}"
   plot_stage_timeline(
     controller.timeline.segments(), os.path.join(workdir, "stage_timeline.png"), loop
   )

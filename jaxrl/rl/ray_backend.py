@@ -1,23 +1,31 @@
-"""The `ray` backend of the asynchronous loop: each rollout worker is a Ray actor (its own
-process, its own JAX runtime and devices), and the weight store is an actor all of them reach.
+"""The `ray` backend of the asynchronous loop: each rollout worker and the learner is a Ray
+actor (its own process, its own JAX runtime and devices), and the weight store is an actor all
+of them reach.
 
 The controller does not know which backend runs: `RayWorker` answers to the same calls as
 `LocalWorker` (`start`, `submit`, `set_min_version`, `preempt`, `kill`, `alive`, `join`,
 `capacity`) and forwards the actor's events into the controller's queue. Inside the actor the
 loop is `LocalWorker`'s, reading weights through `RemoteStore`, which turns any failure to reach
-the store actor into `StoreUnreachable`. Ray is the optional extra `ray`.
+the store actor into `StoreUnreachable`. `RayLearner` answers to the `Learner` calls the
+controller makes (`update`, `params`, `opt_state`) and runs them in a `LearnerActor`; parameters
+and optimizer state cross as host arrays, and the actor re-shards them onto its mesh. Ray is the
+optional extra `ray`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 from typing import Any
 
+import jax
 import ray
 
 from jaxrl.config import ExperimentConfig
+from jaxrl.rl.timeline import LEARNER_LANE, ForwardingTimeline, StageTimeline
 from jaxrl.rl.weights import StoreUnreachable, WeightStore
 from jaxrl.rl.workers import Assignment, LocalWorker
 
@@ -78,16 +86,17 @@ class RemoteStore:
 class RolloutActor:
   """A rollout worker process: a paged engine on this process's devices, run by `LocalWorker`."""
 
-  def __init__(self, name: str, cfg: ExperimentConfig, store_actor, num_devices: int):
-    import jax
-
+  def __init__(
+    self, name: str, cfg: ExperimentConfig, store_actor, num_devices: int, cores: list | None
+  ):
+    _pin(cores)
     from jaxrl.data.tokenizer import TOKENIZERS
     from jaxrl.model import Model
     from jaxrl.rollout.paged import PagedEngine
     from jaxrl.sharding import STAGE_RULES, make_mesh
 
     tokenizer = TOKENIZERS[cfg.tokenizer]()
-    devices = jax.devices()[:num_devices]
+    devices = _local_devices(num_devices, f"Rollout worker {name}")
     engine = PagedEngine(
       Model(cfg.model),
       make_mesh(devices, {"data": -1}),
@@ -104,6 +113,9 @@ class RolloutActor:
       self.events,
       partial_rollouts=cfg.loop.partial_rollouts,
     )
+    # Its decode windows and compilations, sent to the controller's timeline with its events.
+    self.worker.timeline = ForwardingTimeline()
+    self.worker.timeline.bind_thread(self.worker.thread_name, self.worker.lane)
     self.worker.start()
 
   def submit(self, assignments: list[Assignment]) -> None:
@@ -115,8 +127,9 @@ class RolloutActor:
   def preempt(self) -> None:
     self.worker.preempt()
 
-  def drain(self, wait_s: float) -> tuple[list, bool]:
-    """Events so far (waiting up to `wait_s` for the first) and whether the worker runs."""
+  def drain(self, wait_s: float) -> tuple[list, list, bool]:
+    """Events so far (waiting up to `wait_s` for the first), timeline spans so far, and
+    whether the worker runs."""
     out = []
     try:
       out.append(self.events.get(timeout=wait_s))
@@ -124,7 +137,168 @@ class RolloutActor:
         out.append(self.events.get_nowait())
     except queue.Empty:
       pass
-    return out, self.worker.alive
+    return out, self.worker.timeline.drain(), self.worker.alive
+
+
+def _pin(cores: list[int] | None) -> None:
+  """Runs this process on `cores` only; called before JAX starts, so that the threads XLA
+  creates inherit it. On a CPU machine this gives each stage compute of its own, as separate
+  accelerators would."""
+  if cores:
+    os.sched_setaffinity(0, cores)
+
+
+def _local_devices(count: int, what: str):
+  """This actor process's first `count` devices (on a CPU node, `count` simulated ones)."""
+  # Only takes effect before the process first uses a device; a no-op on accelerator nodes.
+  with contextlib.suppress(RuntimeError):
+    jax.config.update("jax_num_cpu_devices", max(count, 1))
+  devices = jax.devices()
+  if len(devices) < count:
+    raise ValueError(f"{what} needs {count} devices; this Ray actor's process has {len(devices)}.")
+  return devices[:count]
+
+
+@ray.remote
+class LearnerActor:
+  """The learner's process: `job.make_learner` on this process's devices, in the training
+  mesh's shape. Returns host arrays, so what it sends needs no device on the other side."""
+
+  def __init__(self, cfg: ExperimentConfig, mesh_shape: dict[str, int], cores: list | None):
+    _pin(cores)
+    import math
+
+    from jaxrl.model import Model
+    from jaxrl.rl.job import make_learner
+    from jaxrl.sharding import make_mesh
+
+    self._sft = None  # (learning rate, SupervisedTrainer) of the warm-up
+    self.timeline = ForwardingTimeline(compile_lane=LEARNER_LANE)  # its compilations
+    # Ray reports an error raised here only as "the actor died"; `ready` raises it instead.
+    self._init_error: Exception | None = None
+    try:
+      devices = _local_devices(math.prod(mesh_shape.values()), "The learner actor")
+      self.learner = make_learner(cfg, Model(cfg.model), make_mesh(devices, mesh_shape))
+    except Exception as e:
+      self._init_error = e
+
+  def ready(self) -> bool:
+    if self._init_error is not None:
+      raise self._init_error
+    return True
+
+  def cores(self) -> list[int]:
+    """The CPU cores this process may run on."""
+    return sorted(os.sched_getaffinity(0))
+
+  def spans(self) -> list:
+    return self.timeline.drain()
+
+  def update(self, batch) -> dict:
+    return jax.device_get(self.learner.update(batch))
+
+  def precompile(self, batch_size: int, lengths: list[int]) -> int:
+    return self.learner.precompile(batch_size, lengths)
+
+  def get(self, name: str):
+    return jax.device_get(getattr(self.learner, name))
+
+  def set_state(self, params=None, opt_state=None) -> None:
+    """Host arrays onto the shardings of the learner's own (a checkpoint restore)."""
+    onto_current = lambda new, current: jax.tree.map(  # noqa: E731
+      lambda x, cur: jax.device_put(x, cur.sharding), new, current
+    )
+    if params is not None:
+      self.learner.params = onto_current(params, self.learner.params)
+    if opt_state is not None:
+      self.learner.opt_state = onto_current(opt_state, self.learner.opt_state)
+
+  def supervised_step(self, learning_rate: float, tokens_bt, mask_bt) -> dict:
+    from jaxrl.train.sft import SupervisedTrainer
+
+    if self._sft is None or self._sft[0] != learning_rate:
+      self._sft = (learning_rate, SupervisedTrainer(self.learner, learning_rate))
+    return jax.device_get(self._sft[1].step(tokens_bt, mask_bt))
+
+
+class RayLearner:
+  """The controller's handle on a `LearnerActor`, with the `Learner` calls the loop makes.
+
+  `params` and `opt_state` read as host arrays and may be assigned (a checkpoint restore)."""
+
+  def __init__(
+    self,
+    cfg: ExperimentConfig,
+    mesh_shape: dict[str, int],
+    *,
+    cores: list[int] | None = None,
+    actor_options: dict[str, Any] | None = None,
+    timeout_s: float = 3600.0,
+  ):
+    """`actor_options` go to `LearnerActor.options` (e.g. `num_gpus`, `resources` or
+    `label_selector` to place the learner on a node with the right accelerators); `cores`
+    pins the actor's process to these CPU cores."""
+    self.timeout_s = timeout_s
+    self.timeline: StageTimeline | None = None  # set by the controller; gets the actor's spans
+    options = {"num_cpus": 0} | (actor_options or {})
+    self._actor = LearnerActor.options(**options).remote(cfg, mesh_shape, cores)
+    # Construction errors (a bad config, too few devices) surface here, not at the first step.
+    self._get(self._actor.ready.remote())
+
+  def _get(self, ref):
+    try:
+      return ray.get(ref, timeout=self.timeout_s)
+    except ray.exceptions.RayTaskError as e:
+      raise e.as_instanceof_cause() from None
+
+  def update(self, batch) -> dict:
+    metrics = self._get(self._actor.update.remote(batch))
+    if self.timeline is not None:
+      for span in self._get(self._actor.spans.remote()):
+        self.timeline.add(*span)
+    return metrics
+
+  def precompile(self, batch_size: int, lengths: list[int]) -> int:
+    count = self._get(self._actor.precompile.remote(batch_size, lengths))
+    self._get(self._actor.spans.remote())  # its compilations came before the run: not stalls
+    return count
+
+  @property
+  def params(self):
+    return self._get(self._actor.get.remote("params"))
+
+  @params.setter
+  def params(self, params) -> None:
+    self._get(self._actor.set_state.remote(params=params))
+
+  @property
+  def opt_state(self):
+    return self._get(self._actor.get.remote("opt_state"))
+
+  @opt_state.setter
+  def opt_state(self, opt_state) -> None:
+    self._get(self._actor.set_state.remote(opt_state=opt_state))
+
+  def supervised_trainer(self, learning_rate: float) -> _RemoteSupervised:
+    """The warm-up's trainer, run in the actor on the learner's parameters."""
+    return _RemoteSupervised(self, learning_rate)
+
+  def cores(self) -> list[int]:
+    """The CPU cores the actor's process may run on."""
+    return self._get(self._actor.cores.remote())
+
+  def kill(self) -> None:
+    ray.kill(self._actor, no_restart=True)
+
+
+class _RemoteSupervised:
+  def __init__(self, learner: RayLearner, learning_rate: float):
+    self.learner = learner
+    self.learning_rate = learning_rate
+
+  def step(self, tokens_bt, mask_bt) -> dict:
+    ref = self.learner._actor.supervised_step.remote(self.learning_rate, tokens_bt, mask_bt)
+    return self.learner._get(ref)
 
 
 class RayWorker:
@@ -138,18 +312,22 @@ class RayWorker:
     events: queue.Queue | None = None,
     *,
     num_devices: int = 1,
+    cores: list[int] | None = None,
     actor_options: dict[str, Any] | None = None,
     poll_s: float = 0.05,
   ):
     """`actor_options` go to `RolloutActor.options` (e.g. `resources`, `label_selector` or
-    `accelerator_type` to place the worker on a node with the right accelerators)."""
+    `accelerator_type` to place the worker on a node with the right accelerators); `cores`
+    pins the actor's process to these CPU cores."""
     self.name = name
     self.events = events
+    self.timeline: StageTimeline | None = None  # set by the controller that runs the worker
+    self.busy_s = 0.0  # seconds of its decode windows, from the spans it sends
     self.capacity = 2 * cfg.rollout.paged.max_running
     self.predicted_tokens_per_s = None  # its devices are the remote node's: unknown here
     self.poll_s = poll_s
     options = {"max_concurrency": 4, "num_cpus": 0} | (actor_options or {})
-    self._actor = RolloutActor.options(**options).remote(name, cfg, store.actor, num_devices)
+    self._actor = RolloutActor.options(**options).remote(name, cfg, store.actor, num_devices, cores)
     self._pump = threading.Thread(target=self._forward, name=f"ray-{name}", daemon=True)
     self._killed = False
 
@@ -160,11 +338,15 @@ class RayWorker:
     """Moves the actor's events into the controller's queue until the actor is gone."""
     while not self._killed:
       try:
-        events, running = ray.get(self._actor.drain.remote(self.poll_s))
+        events, spans, running = ray.get(self._actor.drain.remote(self.poll_s))
       except ray.exceptions.RayError as e:
         if not self._killed:
           log.warning("Rollout actor %s is gone: %s", self.name, e)
         return
+      for lane, start, end, kind in spans:
+        self.busy_s += (end - start) if kind == "decode" else 0.0
+        if self.timeline is not None:
+          self.timeline.add(lane, start, end, kind)
       for event in events:
         if not self._killed:
           self.events.put(event)

@@ -1,7 +1,9 @@
 """End-to-end RL job tests on the 8 simulated CPU devices (3-step runs, resume, bad input)."""
 
+import dataclasses
 import json
 import os
+import types
 
 import jax
 import numpy as np
@@ -178,3 +180,31 @@ def test_malformed_dataset_row_is_reported_with_file_and_line(tmp_path):
   )
   with pytest.raises(ValueError, match=rf"{path}:2: .*answer"):
     job.build_controller(cfg, str(tmp_path / "run"), show_progress=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+  platform: str
+  id: int
+
+
+def _placement(rollout, train):
+  mesh = lambda devices: types.SimpleNamespace(devices=np.array(devices))  # noqa: E731
+  return types.SimpleNamespace(rollout_mesh=mesh(rollout), train_mesh=mesh(train))
+
+
+def test_auto_loop_mode_is_async_only_where_the_stages_have_hardware_of_their_own():
+  gpus = [_Device("gpu", i) for i in range(8)]
+  cpus = [_Device("cpu", i) for i in range(8)]
+  auto = lambda **o: job.resolve_loop_mode(tiny_config(**o), placement)  # noqa: E731
+  placement = _placement(gpus[:4], gpus[4:])
+  assert auto() == "async"
+  assert auto(**{"rollout.engine": "static"}) == "sync"  # async needs the paged engine
+  assert auto(**{"rollout.dynamic_sampling": True}) == "sync"
+  assert auto(**{"loop.mode": "sync"}) == "sync"
+  placement = _placement(gpus, gpus)  # colocated
+  assert auto() == "sync"
+  assert auto(**{"loop.mode": "async"}) == "async"  # asked for: not second-guessed
+  placement = _placement(cpus[:4], cpus[4:])  # simulated devices sharing this machine's cores
+  assert auto() == "sync"
+  assert auto(**{"loop.backend": "ray", "loop.ray_pin_cores": True}) == "async"

@@ -1,15 +1,23 @@
 """The asynchronous loop on the `ray` backend: rollout workers as Ray actors on a local Ray
-cluster, killed without notice, preempted with notice and added during a run."""
+cluster, killed without notice, preempted with notice and added during a run; the learner as a
+Ray actor that trains as the local learner does, warms up and checkpoints."""
 
 import time
 
+import jax
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
 
+from jaxrl.config import ConfigError  # noqa: E402
+from jaxrl.model import Model  # noqa: E402
 from jaxrl.rl import job  # noqa: E402
-from jaxrl.rl.ray_backend import RayWeightStore, RayWorker, RemoteStore  # noqa: E402
+from jaxrl.rl.checkpoint import Checkpointer  # noqa: E402
+from jaxrl.rl.ray_backend import RayLearner, RayWeightStore, RayWorker, RemoteStore  # noqa: E402
 from jaxrl.rl.weights import StoreUnreachable  # noqa: E402
+from jaxrl.sharding import make_mesh  # noqa: E402
+from jaxrl.train.learner import TrainBatch  # noqa: E402
 
 from .async_test import Ledger, async_config  # noqa: E402, TID252
 
@@ -27,7 +35,7 @@ def test_ray_workers_killed_preempted_and_added_lose_nothing(tmp_path, local_ray
       "loop.backend": "ray",
       "loop.max_staleness": 1,
       "loop.rollout_workers": 2,
-      "train.steps": 5,
+      "train.steps": 6,
       # Long enough responses (no end token) that the kill finds requests in flight.
       "rollout.sampling.max_new_tokens": 40,
       "rollout.sampling.ignore_eos": True,
@@ -37,18 +45,21 @@ def test_ray_workers_killed_preempted_and_added_lose_nothing(tmp_path, local_ray
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
   assert isinstance(controller.weights, RayWeightStore)
   assert all(isinstance(w, RayWorker) for w in controller.initial_workers)
+  assert isinstance(controller.learner, RayLearner)
   ledger = Ledger(1)
   ledger.attach(controller)
   done = set()
 
   def faults(c):
-    if c.state.step >= 1 and "kill" not in done and c.assigned:
-      done.add("kill")  # a worker holding requests dies without notice
-      # The worker sent the latest request: the oldest ones may finish while it is killed.
-      victim = list(c.assigned.values())[-1]
+    if c.state.step >= 1 and "add" not in done:
+      done.add("add")
       c.add_worker(c.make_worker("w2"))
-      c.kill_worker(victim)
-    elif c.state.step >= 3 and "preempt" not in done:
+    elif "add" in done and "kill" not in done and "w2" in c.assigned.values():
+      # w2 dies without notice while it holds requests. A fresh actor starts and compiles for
+      # seconds, so they cannot all have finished first (a running worker's could).
+      done.add("kill")
+      c.kill_worker("w2")
+    elif c.state.step >= 3 and "kill" in done and "preempt" not in done:
       done.add("preempt")
       c.add_worker(c.make_worker("w3"))
       c.remove_worker(sorted(n for n in c.workers if n != "w3")[0])
@@ -56,7 +67,7 @@ def test_ray_workers_killed_preempted_and_added_lose_nothing(tmp_path, local_ray
   controller.hooks.append(faults)
   controller.run()
   ledger.check(controller, cfg)
-  assert done == {"kill", "preempt"}
+  assert done == {"add", "kill", "preempt"}
   assert controller.counters["workers_killed"] == 1
   assert controller.counters["requests_redispatched"] >= 1
 
@@ -76,3 +87,54 @@ def test_a_worker_cannot_reach_a_dead_store(local_ray):
     time.sleep(0.05)
   with pytest.raises(StoreUnreachable, match="weight store actor"):
     remote.pull(0)
+
+
+def _close(a, b, atol):
+  leaves = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  return all(np.allclose(np.asarray(x), np.asarray(y), atol=atol) for x, y in leaves)
+
+
+def test_the_learner_actor_trains_as_the_local_learner_and_checkpoints(tmp_path, local_ray):
+  cfg = async_config(**{"loop.backend": "ray", "train.micro_batch_size": 8})
+  remote = RayLearner(cfg, {"fsdp": 2}, cores=[1])
+  assert remote.cores() == [1]  # pinned (`loop.ray_pin_cores`)
+  local = job.make_learner(cfg, Model(cfg.model), make_mesh(jax.devices()[:2], {"fsdp": 2}))
+  assert _close(remote.params, local.params, 0)  # same seed, same initial weights
+  rng = np.random.default_rng(0)
+  b, t = cfg.rollout.prompts_per_step * cfg.rollout.group_size, 12
+  mask = (rng.random((b, t - 1)) < 0.7).astype(np.float32)
+  batch = TrainBatch(
+    tokens_bt=rng.integers(3, cfg.model.vocab_size, (b, t)).astype(np.int32),
+    mask_bt=mask,
+    old_logp_bt=np.log(rng.uniform(0.05, 0.9, (b, t - 1))).astype(np.float32) * mask,
+    advantages_b=rng.normal(size=b).astype(np.float32),
+  )
+  remote_metrics, local_metrics = remote.update(batch), jax.device_get(local.update(batch))
+  assert remote_metrics.keys() == local_metrics.keys()
+  assert _close(remote_metrics, local_metrics, 1e-5)
+  assert _close(remote.params, local.params, 1e-5)
+  assert _close(remote.opt_state, local.opt_state, 1e-5)
+
+  # A checkpoint of the actor's state (host arrays) restores into it after more training.
+  saved_params, saved_opt = remote.params, remote.opt_state
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=1)
+  ckpt.save(1, params=saved_params, opt_state=saved_opt, loader_state={}, controller_state={})
+  remote.update(batch)
+  assert not _close(remote.params, saved_params, 0)
+  restored = ckpt.restore(1, params=remote.params, opt_state=remote.opt_state)
+  ckpt.close()
+  remote.params, remote.opt_state = restored["params"], restored["opt_state"]
+  assert _close(remote.params, saved_params, 0) and _close(remote.opt_state, saved_opt, 0)
+
+  # The warm-up trains the actor's parameters in place.
+  trainer = remote.supervised_trainer(1e-3)
+  before = remote.params
+  loss = [float(trainer.step(batch.tokens_bt, batch.mask_bt)["loss"]) for _ in range(3)]
+  assert loss[2] < loss[0] and not _close(remote.params, before, 0)
+  remote.kill()
+
+
+def test_a_learner_actor_with_a_bad_config_says_why_when_built(local_ray):
+  cfg = async_config(**{"loop.backend": "ray", "train.micro_batch_size": 8})
+  with pytest.raises(ConfigError, match="multiple of the training mesh's data\\*fsdp size 16"):
+    RayLearner(cfg, {"fsdp": 16})
