@@ -208,3 +208,11 @@ def test_auto_loop_mode_is_async_only_where_the_stages_have_hardware_of_their_ow
   placement = _placement(cpus[:4], cpus[4:])  # simulated devices sharing this machine's cores
   assert auto() == "sync"
   assert auto(**{"loop.backend": "ray", "loop.ray_pin_cores": True}) == "async"
+
+
+def test_pinned_cores_split_in_halves_and_need_two(monkeypatch):
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 2, 7, 3})
+  assert job._core_split() == ([2, 3], [5, 7])
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+  with pytest.raises(ConfigError, match="at least 2 CPU cores"):
+    job._core_split()

@@ -2,6 +2,7 @@
 cluster, killed without notice, preempted with notice and added during a run; the learner as a
 Ray actor that trains as the local learner does, warms up and checkpoints."""
 
+import os
 import time
 
 import jax
@@ -96,8 +97,9 @@ def _close(a, b, atol):
 
 def test_the_learner_actor_trains_as_the_local_learner_and_checkpoints(tmp_path, local_ray):
   cfg = async_config(**{"loop.backend": "ray", "train.micro_batch_size": 8})
-  remote = RayLearner(cfg, {"fsdp": 2}, cores=[1])
-  assert remote.cores() == [1]  # pinned (`loop.ray_pin_cores`)
+  core = max(os.sched_getaffinity(0))
+  remote = RayLearner(cfg, {"fsdp": 2}, cores=[core])
+  assert remote.cores() == [core]  # pinned (`loop.ray_pin_cores`)
   local = job.make_learner(cfg, Model(cfg.model), make_mesh(jax.devices()[:2], {"fsdp": 2}))
   assert _close(remote.params, local.params, 0)  # same seed, same initial weights
   rng = np.random.default_rng(0)
