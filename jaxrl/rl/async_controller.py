@@ -423,7 +423,7 @@ class AsyncController(Controller):
     """Publishes a host copy of the learner's weights (the learner donates its own buffers) and
     tells the workers the oldest version they may still generate with."""
     with self.timeline.span(LEARNER_LANE, "weight-sync"):
-      self.weights.publish(jax.device_get(self.learner.params), self.state.version)
+      self.learner.publish_to(self.weights, self.state.version)
     for worker in self.workers.values():
       worker.set_min_version(self.state.version - self.a.max_staleness)
 

@@ -7,8 +7,9 @@ The controller does not know which backend runs: `RayWorker` answers to the same
 `capacity`) and forwards the actor's events into the controller's queue. Inside the actor the
 loop is `LocalWorker`'s, reading weights through `RemoteStore`, which turns any failure to reach
 the store actor into `StoreUnreachable`. `RayLearner` answers to the `Learner` calls the
-controller makes (`update`, `params`, `opt_state`) and runs them in a `LearnerActor`; parameters
-and optimizer state cross as host arrays, and the actor re-shards them onto its mesh. Ray is the
+controller makes (`update`, `publish_to`, `params`, `opt_state`) and runs them in a
+`LearnerActor`, which publishes weights to the store actor directly; parameters and optimizer
+state cross as host arrays, and the actor re-shards them onto its mesh. Ray is the
 optional extra `ray`.
 """
 
@@ -200,6 +201,10 @@ class LearnerActor:
   def precompile(self, batch_size: int, lengths: list[int]) -> int:
     return self.learner.precompile(batch_size, lengths)
 
+  def publish_to(self, store_actor, version: int) -> None:
+    """Sends the weights to the store actor directly, not through the controller's process."""
+    ray.get(store_actor.publish.remote(jax.device_get(self.learner.params), version))
+
   def get(self, name: str):
     return jax.device_get(getattr(self.learner, name))
 
@@ -262,6 +267,14 @@ class RayLearner:
     count = self._get(self._actor.precompile.remote(batch_size, lengths))
     self._get(self._actor.spans.remote())  # its compilations came before the run: not stalls
     return count
+
+  def publish_to(self, store, version: int) -> None:
+    """Publishes the weights as `version`: from the actor straight to a store actor
+    (`RayWeightStore`), otherwise through this process."""
+    if isinstance(store, RayWeightStore):
+      self._get(self._actor.publish_to.remote(store.actor, version))
+    else:
+      store.publish(self.params, version)
 
   @property
   def params(self):

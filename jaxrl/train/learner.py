@@ -115,6 +115,11 @@ class Learner:
     )
     self._logprobs = jax.jit(self._logprobs_impl)
 
+  def publish_to(self, store, version: int) -> None:
+    """Hands `store` (a `WeightStore`, or anything with its `publish`) a host copy of the
+    weights as `version`: the update donates the device buffers, so readers need their own."""
+    store.publish(jax.device_get(self.params), version)
+
   def check_batch_size(self, batch_size: int) -> None:
     """Raises unless a batch of this many sequences splits into updates and micro-batches."""
     per_update, rem = divmod(batch_size, self.updates_per_step)

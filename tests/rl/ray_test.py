@@ -117,6 +117,12 @@ def test_the_learner_actor_trains_as_the_local_learner_and_checkpoints(tmp_path,
   assert _close(remote.params, local.params, 1e-5)
   assert _close(remote.opt_state, local.opt_state, 1e-5)
 
+  # It publishes to the store actor directly.
+  store = RayWeightStore()
+  remote.publish_to(store, 3)
+  version, published = store.pull(-1)
+  assert version == 3 and _close(published, remote.params, 0)
+
   # A checkpoint of the actor's state (host arrays) restores into it after more training.
   saved_params, saved_opt = remote.params, remote.opt_state
   ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=1)
