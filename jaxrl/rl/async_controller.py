@@ -421,9 +421,14 @@ class AsyncController(Controller):
 
   def publish(self) -> None:
     """Publishes a host copy of the learner's weights (the learner donates its own buffers) and
-    tells the workers the oldest version they may still generate with."""
-    with self.timeline.span(LEARNER_LANE, "weight-sync"):
+    tells the workers the oldest version they may still generate with. A learner in another
+    process publishes from there, in the background, and records the span itself; a worker
+    that needs the version waits until the store has it."""
+    if hasattr(self.learner, "timeline"):  # a remote learner: records its own spans
       self.learner.publish_to(self.weights, self.state.version)
+    else:
+      with self.timeline.span(LEARNER_LANE, "weight-sync"):
+        self.learner.publish_to(self.weights, self.state.version)
     for worker in self.workers.values():
       worker.set_min_version(self.state.version - self.a.max_staleness)
 
@@ -504,6 +509,7 @@ class AsyncController(Controller):
     finally:
       bar.close()
       self.stop_workers()
+    self.learner.wait_published()  # a later `run` finds the store up to date
     return evals
 
   def stop_workers(self) -> None:

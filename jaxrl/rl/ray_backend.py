@@ -195,15 +195,17 @@ class LearnerActor:
   def spans(self) -> list:
     return self.timeline.drain()
 
-  def update(self, batch) -> dict:
-    return jax.device_get(self.learner.update(batch))
+  def update(self, batch) -> tuple[dict, list]:
+    """The update's metrics, and the spans recorded since the last call: one round trip."""
+    return jax.device_get(self.learner.update(batch)), self.timeline.drain()
 
   def precompile(self, batch_size: int, lengths: list[int]) -> int:
     return self.learner.precompile(batch_size, lengths)
 
   def publish_to(self, store_actor, version: int) -> None:
     """Sends the weights to the store actor directly, not through the controller's process."""
-    ray.get(store_actor.publish.remote(jax.device_get(self.learner.params), version))
+    with self.timeline.span(LEARNER_LANE, "weight-sync"):
+      ray.get(store_actor.publish.remote(jax.device_get(self.learner.params), version))
 
   def get(self, name: str):
     return jax.device_get(getattr(self.learner, name))
@@ -245,6 +247,7 @@ class RayLearner:
     pins the actor's process to these CPU cores."""
     self.timeout_s = timeout_s
     self.timeline: StageTimeline | None = None  # set by the controller; gets the actor's spans
+    self._publishing = None  # the publication still running in the actor, if any
     options = {"num_cpus": 0} | (actor_options or {})
     self._actor = LearnerActor.options(**options).remote(cfg, mesh_shape, cores)
     # Construction errors (a bad config, too few devices) surface here, not at the first step.
@@ -256,10 +259,18 @@ class RayLearner:
     except ray.exceptions.RayTaskError as e:
       raise e.as_instanceof_cause() from None
 
+  def wait_published(self) -> None:
+    """Waits for the last `publish_to` to reach the store, and raises what it raised."""
+    ref, self._publishing = self._publishing, None
+    if ref is not None:
+      self._get(ref)
+
   def update(self, batch) -> dict:
-    metrics = self._get(self._actor.update.remote(batch))
+    ref = self._actor.update.remote(batch)  # the actor runs it after the publication
+    self.wait_published()
+    metrics, spans = self._get(ref)
     if self.timeline is not None:
-      for span in self._get(self._actor.spans.remote()):
+      for span in spans:
         self.timeline.add(*span)
     return metrics
 
@@ -270,14 +281,19 @@ class RayLearner:
 
   def publish_to(self, store, version: int) -> None:
     """Publishes the weights as `version`: from the actor straight to a store actor
-    (`RayWeightStore`), otherwise through this process."""
+    (`RayWeightStore`), otherwise through this process. To a store actor it returns at once:
+    the actor publishes while the controller assembles the next batch (it runs calls in
+    order, so the next update starts after the publication), and records the span itself.
+    Workers that need the version wait for it in the store (`set_min_version`)."""
+    self.wait_published()
     if isinstance(store, RayWeightStore):
-      self._get(self._actor.publish_to.remote(store.actor, version))
+      self._publishing = self._actor.publish_to.remote(store.actor, version)
     else:
       store.publish(self.params, version)
 
   @property
   def params(self):
+    self.wait_published()
     return self._get(self._actor.get.remote("params"))
 
   @params.setter
@@ -286,6 +302,7 @@ class RayLearner:
 
   @property
   def opt_state(self):
+    self.wait_published()
     return self._get(self._actor.get.remote("opt_state"))
 
   @opt_state.setter

@@ -120,6 +120,10 @@ class Learner:
     weights as `version`: the update donates the device buffers, so readers need their own."""
     store.publish(jax.device_get(self.params), version)
 
+  def wait_published(self) -> None:
+    """Returns at once: `publish_to` has finished when it returns. (A learner in another
+    process, `RayLearner`, publishes in the background; this waits for it there.)"""
+
   def check_batch_size(self, batch_size: int) -> None:
     """Raises unless a batch of this many sequences splits into updates and micro-batches."""
     per_update, rem = divmod(batch_size, self.updates_per_step)

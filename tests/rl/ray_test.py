@@ -16,6 +16,7 @@ from jaxrl.model import Model  # noqa: E402
 from jaxrl.rl import job  # noqa: E402
 from jaxrl.rl.checkpoint import Checkpointer  # noqa: E402
 from jaxrl.rl.ray_backend import RayLearner, RayWeightStore, RayWorker, RemoteStore  # noqa: E402
+from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline  # noqa: E402
 from jaxrl.rl.weights import StoreUnreachable  # noqa: E402
 from jaxrl.sharding import make_mesh  # noqa: E402
 from jaxrl.train.learner import TrainBatch  # noqa: E402
@@ -117,11 +118,19 @@ def test_the_learner_actor_trains_as_the_local_learner_and_checkpoints(tmp_path,
   assert _close(remote.params, local.params, 1e-5)
   assert _close(remote.opt_state, local.opt_state, 1e-5)
 
-  # It publishes to the store actor directly.
+  # It publishes to the store actor directly, in the background: the call returns at once, and
+  # the actor runs the next update only after the publication, which it records in its lane.
   store = RayWeightStore()
+  remote.timeline = StageTimeline(record_compiles=False)
+  before = remote.params
   remote.publish_to(store, 3)
+  remote.update(batch)
   version, published = store.pull(-1)
-  assert version == 3 and _close(published, remote.params, 0)
+  assert version == 3 and _close(published, before, 0)
+  assert not _close(published, remote.params, 0)
+  kinds = [kind for lane, _, _, kind in remote.timeline.segments() if lane == LEARNER_LANE]
+  assert kinds.count("weight-sync") == 1 and "train" not in kinds  # "train" is the caller's
+  remote.timeline = None
 
   # A checkpoint of the actor's state (host arrays) restores into it after more training.
   saved_params, saved_opt = remote.params, remote.opt_state
