@@ -422,13 +422,10 @@ class AsyncController(Controller):
   def publish(self) -> None:
     """Publishes a host copy of the learner's weights (the learner donates its own buffers) and
     tells the workers the oldest version they may still generate with. A learner in another
-    process publishes from there, in the background, and records the span itself; a worker
-    that needs the version waits until the store has it."""
-    if hasattr(self.learner, "timeline"):  # a remote learner: records its own spans
+    process may publish from there in the background (the span here is then the hand-off, and
+    its process records the publication); a worker that needs the version waits for it."""
+    with self.timeline.span(LEARNER_LANE, "weight-sync"):
       self.learner.publish_to(self.weights, self.state.version)
-    else:
-      with self.timeline.span(LEARNER_LANE, "weight-sync"):
-        self.learner.publish_to(self.weights, self.state.version)
     for worker in self.workers.values():
       worker.set_min_version(self.state.version - self.a.max_staleness)
 
