@@ -1,8 +1,11 @@
 """Test set-up: 8 simulated CPU devices before any JAX backend starts."""
 
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Shared test helpers (tiny Hugging Face checkpoints and tokenizers): `from helpers import ...`.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 
