@@ -2,6 +2,9 @@
 
 A row is a JSON object with a `question` and an `answer` string; the reference answer ends with
 a line `#### <number>`, as in GSM8K. Nothing is downloaded: point `TaskConfig.path` at a file.
+
+The reward here is numeric and runs in process (the `gsm8k` task). The `math` task reads the
+same files (`answer_format="gsm8k"`, also Parquet) and checks answers with math-verify instead.
 """
 
 import fractions
@@ -22,11 +25,16 @@ _FINAL_MARK = "####"
 
 
 class DatasetError(ValueError):
-  """A malformed dataset file; the message starts with `path:line:`."""
+  """A malformed dataset file; the message starts with `path:line:` (JSONL) or `path: row i:`
+  (Parquet and Arrow, rows counted from 0 in each file)."""
 
 
-def _iter_rows(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
-  """Yields (line number, row) for each non-blank line, with the required fields checked."""
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+  """Yields (line number, object) for each non-blank line of a JSONL file.
+
+  Raises:
+    DatasetError: a line that is not a JSON object; the message starts with `path:line:`.
+  """
   with open(path, encoding="utf-8") as f:
     for line_number, line in enumerate(f, start=1):
       if not line.strip():
@@ -39,21 +47,26 @@ def _iter_rows(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
         ) from None
       if not isinstance(row, dict):
         raise DatasetError(
-          f"{path}:{line_number}: expected a JSON object with fields {list(REQUIRED_FIELDS)}, "
-          f"got {type(row).__name__}."
+          f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}."
         )
-      for field in REQUIRED_FIELDS:
-        if field not in row:
-          raise DatasetError(
-            f"{path}:{line_number}: missing field {field!r}; the row has fields {sorted(row)}; "
-            f"every row needs {list(REQUIRED_FIELDS)}."
-          )
-        if not isinstance(row[field], str):
-          raise DatasetError(
-            f"{path}:{line_number}: field {field!r} must be a string, "
-            f"got {type(row[field]).__name__}."
-          )
       yield line_number, row
+
+
+def _iter_rows(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+  """Yields (line number, row) for each non-blank line, with the required fields checked."""
+  for line_number, row in iter_jsonl(path):
+    for field in REQUIRED_FIELDS:
+      if field not in row:
+        raise DatasetError(
+          f"{path}:{line_number}: missing field {field!r}; the row has fields {sorted(row)}; "
+          f"every row needs {list(REQUIRED_FIELDS)}."
+        )
+      if not isinstance(row[field], str):
+        raise DatasetError(
+          f"{path}:{line_number}: field {field!r} must be a string, "
+          f"got {type(row[field]).__name__}."
+        )
+    yield line_number, row
 
 
 def load_jsonl(path: str | os.PathLike) -> list[dict]:

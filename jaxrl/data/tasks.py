@@ -1,8 +1,23 @@
 """Verifiable tasks: prompt records and reward functions.
 
 A prompt record is a plain dict `{"id": str, "prompt": str, "answer": str}`, plus fields of its
-task (countdown adds `numbers` and `target`). A task's `reward(record, response)` scores the text
-the model generated after the prompt (EOS stripped) in [0, 1].
+task (countdown adds `numbers` and `target`; gsm8k and math add `question`, math adds the chat
+`messages`). A task's `reward(record, response)` scores the text the model generated after the
+prompt (EOS stripped) in [0, 1]; `submit_rewards(records, responses)` scores a batch without
+blocking the caller (the math task checks answers in worker processes) and also says how many
+checks timed out, and `rewards(records, responses)` waits for it.
+
+Tasks: `arithmetic`, `digit_sort` and `countdown` are synthetic (generated, exact rewards, no
+files). `gsm8k` reads a GSM8K-style JSONL file and compares the final number of a response with
+the reference's (a fast, dependency-free rule, in process). `math` reads JSONL, Parquet or Arrow
+files with configurable fields and answer formats, and checks answers with math-verify
+(`jaxrl.data.verify`), so that equivalent forms (0.5 and \\frac12, 1000 and 1,000) score 1; a
+GSM8K file read by `math` with `answer_format="gsm8k"` is scored that way too.
+
+Pass@1: with a 0/1 reward (every task's "exact" reward; math with `format_reward_weight` 0), the
+held-out evaluation's mean reward over one greedy response per problem (`eval.temperature` 0)
+is pass@1, the fraction of problems whose single greedy answer is right. With a format weight,
+`RewardBatch.correct_b` still gives it.
 
 Train and test never share a problem: a problem is in the test split when the SHA-256 of its
 canonical key is 0 mod 10 (`split_of`), which holds across runs, seeds and machines. The test
@@ -12,13 +27,16 @@ prefix of a larger one.
 
 import dataclasses
 import hashlib
-import re
-from collections.abc import Iterator
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any, ClassVar
 
 import numpy as np
 
-from jaxrl.data import gsm8k
+from jaxrl.data import gsm8k, math_data, verify
+from jaxrl.data.countdown import evaluate_countdown
 
 SPLITS = ("train", "test")
 REWARDS = ("exact", "partial")
@@ -39,6 +57,9 @@ def _record_id(task: str, key: str) -> str:
   return f"{task}-{hashlib.sha256(key.encode('utf-8')).hexdigest()[:12]}"
 
 
+MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   """Which task to train and evaluate on, and its parameters.
@@ -52,9 +73,25 @@ class TaskConfig:
       problem's length is drawn from a long tail (lognormal around `sort_length`, sigma 0.8,
       capped at this), so response lengths are long-tailed too.
     countdown_numbers: countdown: how many numbers are given.
-    path: gsm8k: the JSONL file to read.
+    path: gsm8k: the JSONL file to read; math: a `.jsonl`, `.parquet` or `.arrow` file, or a
+      directory of them (split into train and test by file name when it has both, e.g.
+      `train-00000-of-00002.parquet`, else by hash).
     eval_size: test records when `records("test", None, ...)` is called.
     reward: "exact", or "partial" for tasks that give partial credit (digit_sort).
+    question_field: math: the field with the question.
+    answer_field: math: the field with the gold answer or solution.
+    messages_field: math: if set, the field with the chat prompt (a list of {"role",
+      "content"}), used instead of the question and the instruction.
+    answer_format: math: how the gold answer is written in its field: "gsm8k" (last line
+      `#### 42`), "boxed" (last `\\boxed{...}` of a solution), "plain" (the field is the
+      answer) or "auto" (decided per row from what the text contains).
+    system_prompt: math: the system message of the chat prompt; "" for none.
+    instruction: math: appended to the question in the prompt.
+    format_reward_weight: math: reward = (1 - w) * correct + w * formatted, where formatted
+      means the response's last `\\boxed{}` is closed and not empty.
+    verify_timeout_s: math: seconds one answer check may take; a check that takes longer
+      scores 0 and is counted as a reward timeout.
+    reward_workers: math: processes that check answers.
   """
 
   name: str = "arithmetic"
@@ -66,38 +103,99 @@ class TaskConfig:
   path: str = ""
   eval_size: int = 128
   reward: str = "exact"
+  question_field: str = "question"
+  answer_field: str = "answer"
+  messages_field: str = ""
+  answer_format: str = "auto"
+  system_prompt: str = ""
+  instruction: str = MATH_INSTRUCTION
+  format_reward_weight: float = 0.0
+  verify_timeout_s: float = 5.0
+  reward_workers: int = 4
 
   def __post_init__(self):
     task_cls = _task_class(self.name)
-    ranges = {"num_digits": (1, 9), "sort_length": (1, 18), "countdown_numbers": (2, 6)}
+    ranges = {
+      "num_digits": (1, 9),
+      "sort_length": (1, 18),
+      "countdown_numbers": (2, 6),
+      "reward_workers": (1, 256),
+    }
     for field, (low, high) in ranges.items():
       if not low <= getattr(self, field) <= high:
         raise ValueError(
-          f"TaskConfig.{field}={getattr(self, field)}: set it between {low} and {high}."
+          f"config.task.{field}={getattr(self, field)}: set it between {low} and {high}."
         )
     if self.sort_length_max and not self.sort_length <= self.sort_length_max <= 18:
       raise ValueError(
-        f"TaskConfig.sort_length_max={self.sort_length_max}: set it to 0 (fixed length) or "
+        f"config.task.sort_length_max={self.sort_length_max}: set it to 0 (fixed length) or "
         f"between sort_length={self.sort_length} and 18."
       )
     if self.eval_size < 1:
-      raise ValueError(f"TaskConfig.eval_size={self.eval_size}: set it to 1 or more.")
+      raise ValueError(f"config.task.eval_size={self.eval_size}: set it to 1 or more.")
     ops = self.operations
     if not ops or set(ops) - set("+-*") or len(set(ops)) != len(ops):
       raise ValueError(
-        f"TaskConfig.operations={ops!r}: use a non-empty string of distinct operators from "
+        f"config.task.operations={ops!r}: use a non-empty string of distinct operators from "
         "'+-*', e.g. '+' or '+-*'."
       )
     if self.reward not in REWARDS:
-      raise ValueError(f"TaskConfig.reward={self.reward!r}: use one of {list(REWARDS)}.")
+      raise ValueError(f"config.task.reward={self.reward!r}: use one of {list(REWARDS)}.")
     if self.reward == "partial" and not task_cls.supports_partial:
       partial = [name for name, cls in TASKS.items() if cls.supports_partial]
       raise ValueError(
-        f"TaskConfig.reward='partial': task {self.name!r} has no partial credit (tasks that do: "
-        f"{partial}); set reward='exact'."
+        f"config.task.reward='partial': task {self.name!r} has no partial credit (tasks that "
+        f"do: {partial}); set reward='exact'."
       )
-    if self.name == "gsm8k" and not self.path:
-      raise ValueError("TaskConfig.path is empty: task 'gsm8k' needs the path of a JSONL file.")
+    for field in ("question_field", "answer_field"):
+      if not getattr(self, field):
+        raise ValueError(f"config.task.{field} is empty: set the name of a field of the rows.")
+    if self.answer_format not in math_data.ANSWER_FORMATS:
+      raise ValueError(
+        f"config.task.answer_format={self.answer_format!r}: use one of "
+        f"{list(math_data.ANSWER_FORMATS)}."
+      )
+    if not 0.0 <= self.format_reward_weight <= 1.0:
+      raise ValueError(
+        f"config.task.format_reward_weight={self.format_reward_weight}: set it between 0 and 1."
+      )
+    if not self.verify_timeout_s > 0:
+      raise ValueError(
+        f"config.task.verify_timeout_s={self.verify_timeout_s}: set it to a positive number "
+        "of seconds."
+      )
+    if task_cls.reads_path:
+      self._check_path(task_cls)
+
+  def _check_path(self, task_cls: type["Task"]) -> None:
+    what = task_cls.path_kinds
+    if not self.path:
+      raise ValueError(f"config.task.path is empty: task {self.name!r} reads {what}.")
+    if not os.path.exists(self.path):
+      raise ValueError(
+        f"config.task.path={self.path!r} does not exist (task {self.name!r} reads {what})."
+      )
+    if os.path.isdir(self.path) and not task_cls.reads_directories:
+      raise ValueError(
+        f"config.task.path={self.path!r} is a directory; task {self.name!r} reads {what}."
+      )
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardBatch:
+  """The scores of a batch of responses.
+
+  Attributes:
+    rewards_b: each response's reward in [0, 1] (float32).
+    correct_b: whether each response got full credit for its answer (bool); with a 0/1
+      reward it equals `rewards_b == 1`, and its mean over greedy responses is pass@1.
+    timeouts: responses whose check timed out or crashed; they score 0 (the RL loop logs this
+      as `reward_timeouts`).
+  """
+
+  rewards_b: np.ndarray
+  correct_b: np.ndarray
+  timeouts: int = 0
 
 
 class Task:
@@ -110,6 +208,9 @@ class Task:
 
   name: ClassVar[str] = ""
   supports_partial: ClassVar[bool] = False
+  reads_path: ClassVar[bool] = False  # `cfg.path` must name an existing file (or directory)
+  reads_directories: ClassVar[bool] = False
+  path_kinds: ClassVar[str] = ""  # what `cfg.path` may name, for messages
 
   def __init__(self, cfg: TaskConfig):
     self.cfg = cfg
@@ -176,6 +277,34 @@ class Task:
   def reward(self, record: dict[str, Any], response: str) -> float:
     """Scores `response` to `record` in [0, 1]."""
     raise NotImplementedError
+
+  def submit_rewards(self, records: Sequence[dict[str, Any]], responses: Sequence[str]) -> Future:
+    """Scores `responses[i]` to `records[i]`; a future of a `RewardBatch`.
+
+    Here the scores are computed at once with `reward` and the future is done on return; a
+    task whose checks are slow (math) returns at once and completes the future later, from
+    another thread. Safe to call from any thread.
+    """
+    _check_lengths(records, responses)
+    rewards_b = np.array(
+      [self.reward(r, t) for r, t in zip(records, responses, strict=True)], np.float32
+    )
+    future = Future()
+    future.set_result(RewardBatch(rewards_b=rewards_b, correct_b=rewards_b == 1.0))
+    return future
+
+  def rewards(self, records: Sequence[dict[str, Any]], responses: Sequence[str]) -> np.ndarray:
+    """The rewards (float32) of `responses[i]` to `records[i]`, waiting for them."""
+    return self.submit_rewards(records, responses).result().rewards_b
+
+  def close(self) -> None:
+    """Releases what the task holds (the math task's answer-checking processes)."""
+
+  def __enter__(self) -> "Task":
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
 
 
 class Arithmetic(Task):
@@ -285,93 +414,24 @@ class Countdown(Task):
       return 0.0
 
 
-_MAX_EXPRESSION_CHARS = 256
-_MAX_DEPTH = 32
-_TOKEN = re.compile(r"\s*([0-9]+|[-+*()])")
+class _FileTask(Task):
+  """A task over the problems of a dataset: the test split in file order, train shuffled."""
 
-
-def evaluate_countdown(expression: str, numbers: list[int]) -> int:
-  """Evaluates a countdown expression without `eval`.
-
-  Grammar: integers, binary `+ - *`, parentheses and whitespace; no unary minus. Each integer
-  must be one of `numbers`, used at most as often as it occurs there.
-
-  Raises:
-    ValueError: the expression is malformed or uses a number it may not; the message says why.
-  """
-  if len(expression) > _MAX_EXPRESSION_CHARS:
-    raise ValueError(f"expression longer than {_MAX_EXPRESSION_CHARS} characters")
-  tokens, i = [], 0
-  while (match := _TOKEN.match(expression, i)) is not None:
-    tokens.append(match.group(1))
-    i = match.end()
-  if expression[i:].strip():
-    i += len(expression[i:]) - len(expression[i:].lstrip())
-    raise ValueError(
-      f"character {expression[i]!r} at position {i} is not allowed; use digits, + - * ( )"
-    )
-  available = list(numbers)
-  pos = 0
-
-  def peek() -> str | None:
-    return tokens[pos] if pos < len(tokens) else None
-
-  def parse_sum(depth: int) -> int:
-    nonlocal pos
-    value = parse_product(depth)
-    while peek() in ("+", "-"):
-      op = tokens[pos]
-      pos += 1
-      rhs = parse_product(depth)
-      value = value + rhs if op == "+" else value - rhs
-    return value
-
-  def parse_product(depth: int) -> int:
-    nonlocal pos
-    value = parse_atom(depth)
-    while peek() == "*":
-      pos += 1
-      value *= parse_atom(depth)
-    return value
-
-  def parse_atom(depth: int) -> int:
-    nonlocal pos
-    token = peek()
-    if token == "(":
-      if depth >= _MAX_DEPTH:
-        raise ValueError(f"parentheses nested deeper than {_MAX_DEPTH}")
-      pos += 1
-      value = parse_sum(depth + 1)
-      if peek() != ")":
-        raise ValueError("unbalanced parentheses: expected ')'")
-      pos += 1
-      return value
-    if token is None or not token[0].isdigit():
-      raise ValueError(f"expected a number or '(' at token {pos}, got {token!r}")
-    pos += 1
-    value = int(token)
-    if value not in available:
-      raise ValueError(f"number {value} is not among {list(numbers)} or is used too often")
-    available.remove(value)
-    return value
-
-  value = parse_sum(0)
-  if pos != len(tokens):
-    raise ValueError(f"unexpected {tokens[pos]!r} at token {pos}")
-  return value
-
-
-class Gsm8k(Task):
-  """Grade-school word problems from a GSM8K-style JSONL file (`TaskConfig.path`)."""
-
-  name = "gsm8k"
+  reads_path = True
 
   def __init__(self, cfg: TaskConfig):
     super().__init__(cfg)
-    self._all: list[dict[str, Any]] | None = None
+    self._splits: dict[str, list[dict[str, Any]]] | None = None
+
+  def _load_splits(self) -> dict[str, list[dict[str, Any]]]:
+    """Reads the records, as {"train": [...], "test": [...]}."""
+    raise NotImplementedError
+
+  def _hash_split(self, records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    return {s: [r for r in records if split_of(self.problem_key(r)) == s] for s in SPLITS}
 
   def problem_key(self, record: dict[str, Any]) -> str:
-    return " ".join(record["question"].split())
+    return math_data.problem_key(record["question"])
 
   def records(self, split: str, num: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """Returns records of `split`: test in file order, train shuffled by `seed`.
@@ -381,9 +441,9 @@ class Gsm8k(Task):
       gsm8k.DatasetError: a malformed file.
     """
     _check_split(split)
-    if self._all is None:
-      self._all = gsm8k.load_prompt_records(self.cfg.path)
-    pool = [r for r in self._all if split_of(self.problem_key(r)) == split]
+    if self._splits is None:
+      self._splits = self._load_splits()
+    pool = self._splits[split]
     if split == "train":
       pool = [pool[i] for i in np.random.default_rng(seed).permutation(len(pool))]
     if num is None:
@@ -394,8 +454,100 @@ class Gsm8k(Task):
       )
     return [dict(r) for r in pool[:num]]
 
+
+class Gsm8k(_FileTask):
+  """Grade-school word problems from a GSM8K-style JSONL file (`TaskConfig.path`).
+
+  The reward compares the last number of the response with the reference's `####` number
+  (`gsm8k.reward`): quick, in process, with no dependency. For math-verify checking of the
+  same file, use the `math` task with `answer_format="gsm8k"`.
+  """
+
+  name = "gsm8k"
+  path_kinds = "a GSM8K-style JSONL file"
+
+  def _load_splits(self) -> dict[str, list[dict[str, Any]]]:
+    return self._hash_split(gsm8k.load_prompt_records(self.cfg.path))
+
   def reward(self, record: dict[str, Any], response: str) -> float:
     return gsm8k.reward(record["answer"], response)
+
+
+class Math(_FileTask):
+  """Math problems from JSONL, Parquet or Arrow files, answers checked with math-verify.
+
+  Records come from `math_data.load_records` (fields, answer format, prompt and chat messages
+  as `TaskConfig` sets them); every gold answer is parsed by math-verify when the data loads.
+  The train and test splits are the files' when the path is a directory with both (files named
+  otherwise, such as `validation-*`, are then left out), else the hash split of every row. A
+  response scores 1 when math-verify finds its final answer equal to the gold (0 when it has
+  none, or its check times out), mixed with the format check by `format_reward_weight`. The
+  checks run in a `verify.VerifierPool`, given or made at first use with `reward_workers`
+  processes and `verify_timeout_s`; `close()` stops a pool the task made.
+  """
+
+  name = "math"
+  reads_directories = True
+  path_kinds = "a .jsonl, .parquet or .arrow file or a directory of them"
+
+  def __init__(self, cfg: TaskConfig, verifier: verify.VerifierPool | None = None):
+    super().__init__(cfg)
+    self._verifier = verifier
+    self._owns_verifier = verifier is None
+    self._lock = threading.Lock()
+
+  @property
+  def verifier(self) -> verify.VerifierPool:
+    """The pool that checks answers (made at first use unless one was given)."""
+    with self._lock:
+      if self._verifier is None:
+        self._verifier = verify.VerifierPool(self.cfg.reward_workers, self.cfg.verify_timeout_s)
+      return self._verifier
+
+  def _load_splits(self) -> dict[str, list[dict[str, Any]]]:
+    c = self.cfg
+    by_file = math_data.load_records(
+      c.path,
+      check_answers=lambda answers: self.verifier.check_answers(answers).result(),
+      question_field=c.question_field,
+      answer_field=c.answer_field,
+      messages_field=c.messages_field,
+      answer_format=c.answer_format,
+      system_prompt=c.system_prompt,
+      instruction=c.instruction,
+    )
+    if "train" in by_file and "test" in by_file:
+      return {split: by_file[split] for split in SPLITS}
+    return self._hash_split([r for records in by_file.values() for r in records])
+
+  def reward(self, record: dict[str, Any], response: str) -> float:
+    return float(self.rewards([record], [response])[0])
+
+  def submit_rewards(self, records: Sequence[dict[str, Any]], responses: Sequence[str]) -> Future:
+    """Sends the batch to the verifier pool; the future completes when every check is done."""
+    _check_lengths(records, responses)
+    w = self.cfg.format_reward_weight
+    formatted_b = np.array([verify.has_boxed_answer(t) for t in responses], bool)
+
+    def combine(verdicts: verify.Verdicts) -> RewardBatch:
+      rewards_b = (1.0 - w) * verdicts.correct_b + w * formatted_b
+      return RewardBatch(
+        rewards_b.astype(np.float32), correct_b=verdicts.correct_b, timeouts=verdicts.failures
+      )
+
+    answers = [r["answer"] for r in records]
+    return verify.then(self.verifier.verify(answers, list(responses)), combine)
+
+  def close(self) -> None:
+    with self._lock:
+      if self._owns_verifier and self._verifier is not None:
+        self._verifier.close()
+        self._verifier = None
+
+
+def _check_lengths(records: Sequence[Any], responses: Sequence[str]) -> None:
+  if len(records) != len(responses):
+    raise ValueError(f"{len(records)} records but {len(responses)} responses.")
 
 
 def _check_split(split: str) -> None:
@@ -408,6 +560,7 @@ TASKS: dict[str, type[Task]] = {
   "digit_sort": DigitSort,
   "countdown": Countdown,
   "gsm8k": Gsm8k,
+  "math": Math,
 }
 
 

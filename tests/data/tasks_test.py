@@ -33,11 +33,42 @@ _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
     ({"reward": "fuzzy"}, "reward"),
     ({"reward": "partial"}, "reward"),  # arithmetic has no partial credit.
     ({"name": "gsm8k"}, "path"),
+    ({"name": "math"}, "path"),
+    ({"name": "gsm8k", "path": "/nonexistent/gsm.jsonl"}, "path='/nonexistent/gsm.jsonl' does"),
+    ({"answer_format": "latex"}, "answer_format"),
+    ({"format_reward_weight": 1.5}, "format_reward_weight"),
+    ({"format_reward_weight": -0.1}, "format_reward_weight"),
+    ({"verify_timeout_s": 0.0}, "verify_timeout_s"),
+    ({"reward_workers": 0}, "reward_workers"),
+    ({"question_field": ""}, "question_field"),
+    ({"answer_field": ""}, "answer_field"),
   ],
 )
 def test_config_validation_names_the_field(kwargs, field):
-  with pytest.raises(ValueError, match=field):
+  with pytest.raises(ValueError, match=f"^config.task.{field}"):
     TaskConfig(**kwargs)
+
+
+def test_path_kinds_are_checked(tmp_path):
+  with pytest.raises(ValueError, match=f"config.task.path='{tmp_path}' is a directory"):
+    TaskConfig(name="gsm8k", path=str(tmp_path))
+  assert TaskConfig(name="math", path=str(tmp_path)).path == str(tmp_path)
+  assert TaskConfig(name="digit_sort", path="/nonexistent").path == "/nonexistent"  # unused
+
+
+def test_synthetic_tasks_score_batches():
+  task = make_task(SYNTHETIC["arithmetic"])
+  records = task.records("test", 20)
+  right = np.random.default_rng(7).random(20) < 0.5
+  responses = [r["answer"] + ("" if ok else "1") for r, ok in zip(records, right, strict=True)]
+  batch = task.submit_rewards(records, responses).result()
+  expected = right.astype(np.float32)
+  np.testing.assert_array_equal(batch.rewards_b, expected)
+  np.testing.assert_array_equal(batch.correct_b, np.array(expected, bool))
+  assert batch.timeouts == 0 and batch.rewards_b.dtype == np.float32
+  np.testing.assert_array_equal(task.rewards(records, responses), expected)
+  with pytest.raises(ValueError, match="20 records but 19 responses"):
+    task.rewards(records, responses[:-1])
 
 
 def test_unknown_task_lists_known_names():
