@@ -155,6 +155,7 @@ class _Static(NamedTuple):
   num_devices: int  # e, the expert axis
   slots: int  # s, per device
   top_k: int
+  norm_topk_prob: bool
   tokens: int  # n, per device
   capacity: int  # rows per (sender, receiver) pair
   token_axes: tuple[str, ...]  # the axes that split the tokens, expert included
@@ -171,6 +172,7 @@ def moe_expert_parallel(
   *,
   mesh: Mesh,
   top_k: int,
+  norm_topk_prob: bool = True,
   config: ExpertParallelConfig = ExpertParallelConfig(),
   placement_layer: PlacementLayer | None = None,
   routes_tk: jax.Array | None = None,
@@ -201,6 +203,7 @@ def moe_expert_parallel(
     w_down_xfd: [x, f, d] down projections.
     mesh: a mesh with an "expert" axis whose size divides x.
     top_k: experts per token, in [1, x].
+    norm_topk_prob: renormalise the k combine weights to sum to one (else raw probabilities).
     config: capacity, gmm implementation and exchange.
     placement_layer: one layer of a placement (`placement_arrays(p, layer)`) for
       e = the expert axis size; None for the home layout (x // e experts per device, in order).
@@ -247,6 +250,7 @@ def moe_expert_parallel(
     num_devices=num_devices,
     slots=slots,
     top_k=top_k,
+    norm_topk_prob=bool(norm_topk_prob),
     tokens=tokens,
     capacity=_capacity(tokens, top_k, num_devices, slots, config.capacity_factor),
     token_axes=token_axes,
@@ -310,7 +314,7 @@ def _device_layer(static: _Static, x_nd, router_dx, w_gate_sdf, w_up_sdf, w_down
   me = lax.axis_index(_EXPERT_AXIS)
   routes_nk = extras.get("routes_tk")
   dtype = x_nd.dtype
-  weights_nk, ids_nk = _route(x_nd @ router_dx.astype(dtype), k, routes_nk)
+  weights_nk, ids_nk = _route(x_nd @ router_dx.astype(dtype), k, routes_nk, static.norm_topk_prob)
 
   # Assignments in order (k, token), so that a capacity drops first choices last.
   expert_a = ids_nk.T.reshape(-1)
@@ -348,7 +352,7 @@ def _device_layer(static: _Static, x_nd, router_dx, w_gate_sdf, w_up_sdf, w_down
   return out_nd, ids_nk, stats
 
 
-def _route(logits_nx, top_k: int, routes_nk):
+def _route(logits_nx, top_k: int, routes_nk, norm_topk_prob: bool):
   """(combine weights_nk in float32, expert ids_nk): top-k softmax, or the replayed routes."""
   probs_nx = jax.nn.softmax(logits_nx.astype(jnp.float32), axis=-1)
   if routes_nk is None:
@@ -356,7 +360,8 @@ def _route(logits_nx, top_k: int, routes_nk):
   else:
     ids_nk = routes_nk
     weights_nk = jnp.take_along_axis(probs_nx, ids_nk, axis=-1)
-  weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
+  if norm_topk_prob:
+    weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
   return weights_nk, ids_nk.astype(jnp.int32)
 
 

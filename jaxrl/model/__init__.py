@@ -1,13 +1,18 @@
-"""Decoder-only transformer (dense and MoE) in Flax NNX, its configs, and a pure-function view."""
+"""Decoder-only transformer (dense and MoE) in Flax NNX, its configs, a pure-function view, and
+Hugging Face checkpoints in and out."""
 
 from jaxrl.model.cache import LayerCache, PagedLayerCache, init_cache
 from jaxrl.model.config import PRESETS, ModelConfig, get_preset
 from jaxrl.model.functional import Model, Params
+from jaxrl.model.hf import load_pretrained, save_pretrained
+from jaxrl.model.hf_config import config_from_hf, config_to_hf
 from jaxrl.model.moe import ExpertParallel, MoEInputs, MoEMLP, replay_route, route
+from jaxrl.model.safetensors_io import CheckpointError
 from jaxrl.model.transformer import Transformer
 
 __all__ = [
   "PRESETS",
+  "CheckpointError",
   "ExpertParallel",
   "LayerCache",
   "PagedLayerCache",
@@ -17,8 +22,12 @@ __all__ = [
   "MoEMLP",
   "Params",
   "Transformer",
+  "config_from_hf",
+  "config_to_hf",
   "get_preset",
   "init_cache",
+  "load_pretrained",
   "replay_route",
   "route",
+  "save_pretrained",
 ]

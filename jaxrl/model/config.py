@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 DTYPES = ("float32", "bfloat16")
+ROPE_SCALINGS = ("", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,13 @@ class ModelConfig:
     mlp_dim: hidden width of the dense SwiGLU MLP.
     max_seq_len: longest sequence (prompt + response) the model is used with.
     rope_theta: RoPE base frequency.
+    rope_scaling: "" for plain RoPE, or "llama3" for Llama 3.1's frequency-dependent scaling
+      (low frequencies divided by rope_factor, high ones kept, a smooth blend in between).
+    rope_factor: llama3 scaling: how much the low frequencies are stretched.
+    rope_low_freq_factor: llama3 scaling: wavelengths above original_max / this are scaled.
+    rope_high_freq_factor: llama3 scaling: wavelengths below original_max / this are kept.
+    rope_original_max_position_embeddings: llama3 scaling: the context length the model was
+      pretrained with before the scaling.
     norm_eps: RMSNorm epsilon.
     qk_norm: RMSNorm on each query/key head before RoPE (Qwen3).
     qkv_bias: bias on the q/k/v projections (Qwen2).
@@ -28,8 +36,15 @@ class ModelConfig:
     num_experts: 0 for a dense MLP, otherwise the experts of every MoE layer.
     experts_per_token: top-k experts each token is routed to.
     moe_mlp_dim: hidden width of one expert.
+    norm_topk_prob: renormalise the top-k router probabilities to sum to one (Qwen3-MoE's
+      checkpoints say which); False keeps the raw softmax probabilities as combine weights.
     dtype: compute dtype; parameters stay in param_dtype and are cast at use.
     param_dtype: storage dtype of parameters.
+    vocab_limit: ids the tokenizer can produce; logits of embedding rows at and past it (tables
+      padded beyond the vocabulary, e.g. 151,936 rows for Qwen3's 151,669 ids) are masked out of
+      sampling and log-probs. 0: every row is a token.
+    remat: recompute each block's activations in the backward pass instead of storing them
+      (training memory grows with one block, not with depth, for one more forward pass).
   """
 
   vocab_size: int = 64
@@ -41,6 +56,11 @@ class ModelConfig:
   mlp_dim: int = 384
   max_seq_len: int = 64
   rope_theta: float = 10_000.0
+  rope_scaling: str = ""
+  rope_factor: float = 8.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_position_embeddings: int = 8192
   norm_eps: float = 1e-6
   qk_norm: bool = False
   qkv_bias: bool = False
@@ -48,8 +68,11 @@ class ModelConfig:
   num_experts: int = 0
   experts_per_token: int = 2
   moe_mlp_dim: int = 0
+  norm_topk_prob: bool = True
   dtype: str = "float32"
   param_dtype: str = "float32"
+  vocab_limit: int = 0
+  remat: bool = False
 
   def __post_init__(self):
     for name in (
@@ -71,6 +94,15 @@ class ModelConfig:
       )
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}.")
+    if self.rope_theta <= 0:
+      raise ValueError(f"model.rope_theta must be > 0, got {self.rope_theta}.")
+    if self.rope_scaling not in ROPE_SCALINGS:
+      raise ValueError(
+        f"model.rope_scaling must be one of {ROPE_SCALINGS} ('' = plain RoPE), "
+        f"got {self.rope_scaling!r}."
+      )
+    if self.rope_scaling == "llama3":
+      self._check_llama3_scaling()
     if self.num_experts < 0:
       raise ValueError(f"model.num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
     if self.num_experts:
@@ -81,9 +113,35 @@ class ModelConfig:
         )
       if self.moe_mlp_dim < 1:
         raise ValueError("model.moe_mlp_dim must be >= 1 when model.num_experts > 0.")
+    if not 0 <= self.vocab_limit <= self.vocab_size:
+      raise ValueError(
+        f"model.vocab_limit must be in [0, vocab_size={self.vocab_size}] (0 = all rows), "
+        f"got {self.vocab_limit}."
+      )
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")
+
+  def _check_llama3_scaling(self):
+    if self.rope_factor < 1:
+      raise ValueError(
+        f"model.rope_factor must be >= 1 for llama3 scaling, got {self.rope_factor}."
+      )
+    if self.rope_low_freq_factor <= 0:
+      raise ValueError(
+        "model.rope_low_freq_factor must be > 0 for llama3 scaling, got "
+        f"{self.rope_low_freq_factor}."
+      )
+    if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+      raise ValueError(
+        f"model.rope_high_freq_factor ({self.rope_high_freq_factor}) must be greater than "
+        f"model.rope_low_freq_factor ({self.rope_low_freq_factor}) for llama3 scaling."
+      )
+    if self.rope_original_max_position_embeddings < 1:
+      raise ValueError(
+        "model.rope_original_max_position_embeddings must be >= 1 for llama3 scaling, got "
+        f"{self.rope_original_max_position_embeddings}."
+      )
 
   @property
   def is_moe(self) -> bool:

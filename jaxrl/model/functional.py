@@ -59,16 +59,25 @@ class Model:
     cache: tuple | None = None,
     return_routing: bool = False,
     moe: MoEInputs | None = None,
+    return_hidden: bool = False,
   ):
     """Forward pass; returns (logits_btv in fp32, updated cache or None[, routing_btlk]).
 
     With `return_routing`, also the expert ids every token was routed to per layer (MoE), or
     None for a dense model; `moe` selects expert parallelism, routing replay and an expert
-    placement; see `Transformer.__call__`.
+    placement; `return_hidden` gives the final hidden states instead of the logits (for
+    `head_weights` applied in chunks); see `Transformer.__call__`.
     """
     state = jax.tree.map(lambda x: x, self._abstract_state)
     nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(self.graphdef, state)(tokens_bt, positions_bt, cache, return_routing, moe)
+    module = nnx.merge(self.graphdef, state)
+    return module(tokens_bt, positions_bt, cache, return_routing, moe, return_hidden)
+
+  def head_weights(self, params: Params) -> jax.Array:
+    """The LM head `[d, vocab]` of `params` (the embedding, transposed, when tied)."""
+    if self.config.tie_embeddings:
+      return params["embed_vd"].T
+    return params["lm_head_dv"]
 
   def init_cache(self, batch: int, max_len: int) -> tuple[LayerCache, ...]:
     return init_cache(self.config, batch, max_len)

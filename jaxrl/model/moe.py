@@ -34,20 +34,32 @@ def param(rngs: nnx.Rngs, shape, logical_axes, fan_in: int, dtype) -> nnx.Param:
   return nnx.Param(value.astype(dtype), logical_axes=tuple(logical_axes))
 
 
-def route(router_logits_btx: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-  """Top-k softmax routing: returns (weights_btk renormalised over the top-k, expert ids_btk)."""
+def route(
+  router_logits_btx: jax.Array, top_k: int, norm_topk_prob: bool = True
+) -> tuple[jax.Array, jax.Array]:
+  """Top-k softmax routing: returns (weights_btk in float32, expert ids_btk).
+
+  The weights are the router's softmax probabilities of the k chosen experts, renormalised to
+  sum to one when `norm_topk_prob` (else left as they are, as some Qwen3-MoE checkpoints do).
+  """
   probs = jax.nn.softmax(router_logits_btx.astype(jnp.float32), axis=-1)
   weights_btk, ids_btk = jax.lax.top_k(probs, top_k)
-  weights_btk = weights_btk / jnp.sum(weights_btk, axis=-1, keepdims=True)
+  if norm_topk_prob:
+    weights_btk = weights_btk / jnp.sum(weights_btk, axis=-1, keepdims=True)
   return weights_btk, ids_btk
 
 
-def replay_route(router_logits_btx: jax.Array, ids_btk: jax.Array) -> jax.Array:
+def replay_route(
+  router_logits_btx: jax.Array, ids_btk: jax.Array, norm_topk_prob: bool = True
+) -> jax.Array:
   """Routing replay: the combine weights of given expert ids (the router's probabilities at
-  them, renormalised over the k), so that the router still gets gradients."""
+  them, renormalised over the k when `norm_topk_prob`), so that the router still gets
+  gradients."""
   probs = jax.nn.softmax(router_logits_btx.astype(jnp.float32), axis=-1)
   weights_btk = jnp.take_along_axis(probs, ids_btk, axis=-1)
-  return weights_btk / jnp.sum(weights_btk, axis=-1, keepdims=True)
+  if norm_topk_prob:
+    weights_btk = weights_btk / jnp.sum(weights_btk, axis=-1, keepdims=True)
+  return weights_btk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +106,7 @@ class MoEMLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.top_k = cfg.experts_per_token
+    self.norm_topk_prob = cfg.norm_topk_prob
     d, x, f, pd = cfg.d_model, cfg.num_experts, cfg.moe_mlp_dim, jnp.dtype(cfg.param_dtype)
     self.router_dx = param(rngs, (d, x), ("embed", None), d, pd)
     self.w_gate_xdf = param(rngs, (x, d, f), ("expert", "embed", "mlp"), d, pd)
@@ -113,10 +126,10 @@ class MoEMLP(nnx.Module):
     dt = x_btd.dtype
     logits_btx = jnp.einsum("btd,dx->btx", x_btd, self.router_dx.get_value().astype(dt))
     if routes_btk is None:
-      weights_btk, ids_btk = route(logits_btx, self.top_k)
+      weights_btk, ids_btk = route(logits_btx, self.top_k, self.norm_topk_prob)
     else:
       ids_btk = routes_btk.astype(jnp.int32)
-      weights_btk = replay_route(logits_btx, ids_btk)
+      weights_btk = replay_route(logits_btx, ids_btk, self.norm_topk_prob)
     num_experts = logits_btx.shape[-1]
     # Dense combine weights: zero for experts outside a token's top-k.
     combine_btx = jnp.sum(jax.nn.one_hot(ids_btk, num_experts) * weights_btk[..., None], axis=-2)
@@ -149,6 +162,7 @@ class MoEMLP(nnx.Module):
       self.w_down_xfd.get_value().astype(dt),
       mesh=ep.mesh,
       top_k=self.top_k,
+      norm_topk_prob=self.norm_topk_prob,
       config=ep.config,
       placement_layer=placement,
       routes_tk=routes_tk,

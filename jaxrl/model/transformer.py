@@ -6,8 +6,12 @@ h query heads, k kv heads, g query heads per kv head, e head dim, f mlp width, v
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrl.model.cache import attend
@@ -23,13 +27,38 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * self.scale.get_value().astype(jnp.float32)).astype(x.dtype)
+    # Rounded to the compute dtype before the scale, as transformers and vLLM do, so that bf16
+    # logits match theirs (in float32 the order makes no difference).
+    return x32.astype(x.dtype) * self.scale.get_value().astype(x.dtype)
 
 
-def rope(x_bthe: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding in the rotate-half layout used by Llama/Qwen checkpoints."""
-  half = x_bthe.shape[-1] // 2
-  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+@functools.lru_cache(maxsize=64)
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """The inverse frequencies of RoPE, float32 `[head_dim // 2]`, with `cfg`'s scaling.
+
+  Computed on the host in float32 the way transformers does (`_compute_default_rope_parameters`
+  and `_compute_llama3_parameters`), so that logits match its checkpoints' to float32 rounding.
+  """
+  dim = cfg.head_dim
+  inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2).astype(np.float32) / dim))
+  if cfg.rope_scaling != "llama3":
+    return inv_freq.astype(np.float32)
+  factor, old_len = cfg.rope_factor, cfg.rope_original_max_position_embeddings
+  low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  # Long wavelengths (beyond the pretraining context / low) are stretched by `factor`, short ones
+  # (below context / high) kept, and the band between blends the two linearly in 1 / wavelength.
+  scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+  return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope(x_bthe: jax.Array, positions_bt: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Rotary embedding in the rotate-half layout used by Llama/Qwen checkpoints; `cfg` gives
+  the base frequency and the scaling (`rope_inv_freq`)."""
+  inv_freq = jnp.asarray(rope_inv_freq(cfg))
   angles_bte = positions_bt[..., None].astype(jnp.float32) * inv_freq
   sin, cos = jnp.sin(angles_bte)[:, :, None, :], jnp.cos(angles_bte)[:, :, None, :]
   x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
@@ -68,7 +97,7 @@ class Attention(nnx.Module):
       v = v + self.bv_ke.get_value().astype(dt)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rope(q, positions_bt, cfg.rope_theta), rope(k, positions_bt, cfg.rope_theta)
+    q, k = rope(q, positions_bt, cfg), rope(k, positions_bt, cfg)
 
     out_bthe, cache = attend(q, k, v, positions_bt, cache)
     return jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt)), cache
@@ -132,6 +161,7 @@ class Transformer(nnx.Module):
     cache: tuple | None = None,
     return_routing: bool = False,
     moe: MoEInputs | None = None,
+    return_hidden: bool = False,
   ):
     """Runs the model.
 
@@ -144,10 +174,14 @@ class Transformer(nnx.Module):
       return_routing: also return the MoE routing trace.
       moe: MoE models: the expert-parallel path, routes to replay and an expert placement
         (`MoEInputs`); None routes with the router through the reference dispatch.
+      return_hidden: return the final hidden states `[b, t, d]` (after the final norm, in the
+        compute dtype) instead of the logits, for callers that apply the LM head in chunks
+        (`head_weights`, `vocab_mask`) so that `[b, t, vocab]` fp32 logits never exist whole.
 
     Returns:
-      (logits_btv in fp32, updated cache or None), plus, with `return_routing`, the expert ids
-      each token was routed to, int32 `[b, t, layers, top_k]` (None for a dense model).
+      (logits_btv in fp32, or hidden_btd with `return_hidden`; updated cache or None), plus,
+      with `return_routing`, the expert ids each token was routed to, int32
+      `[b, t, layers, top_k]` (None for a dense model).
     """
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
@@ -157,15 +191,41 @@ class Transformer(nnx.Module):
     x_btd = embed_vd[tokens_bt].astype(dt)
     new_cache, routing = [], []
     for i, block in enumerate(self.blocks):
-      x_btd, layer_cache, expert_ids_btk = block(
-        x_btd, positions_bt, None if cache is None else cache[i], moe, i
-      )
+      layer_cache = None if cache is None else cache[i]
+      if cfg.remat and cache is None:
+        # Training: keep only each block's input for the backward pass and recompute the rest,
+        # trading one more forward for activation memory that no longer grows with depth.
+        run = nnx.remat(lambda blk, x, pos, i=i: blk(x, pos, None, moe, i))
+        x_btd, layer_cache, expert_ids_btk = run(block, x_btd, positions_bt)
+      else:
+        x_btd, layer_cache, expert_ids_btk = block(x_btd, positions_bt, layer_cache, moe, i)
       new_cache.append(layer_cache)
       routing.append(expert_ids_btk)
     x_btd = self.final_norm(x_btd)
-    head_dv = embed_vd.T if cfg.tie_embeddings else self.lm_head_dv.get_value()
-    logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt)).astype(jnp.float32)
-    out = logits_btv, (None if cache is None else tuple(new_cache))
+    if return_hidden:
+      out = x_btd, (None if cache is None else tuple(new_cache))
+    else:
+      logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.head_weights().astype(dt))
+      logits_btv = vocab_mask(logits_btv.astype(jnp.float32), cfg.vocab_limit)
+      out = logits_btv, (None if cache is None else tuple(new_cache))
     if not return_routing:
       return out
     return *out, (jnp.stack(routing, axis=2).astype(jnp.int32) if cfg.is_moe else None)
+
+  def head_weights(self) -> jax.Array:
+    """The LM head `[d, vocab]` in the parameter dtype (the embedding, transposed, when tied)."""
+    if self.cfg.tie_embeddings:
+      return self.embed_vd.get_value().T
+    return self.lm_head_dv.get_value()
+
+
+MASKED_LOGIT = -1e30  # finite, so that 0 * logit stays 0 in entropies and sums
+
+
+def vocab_mask(logits_btv: jax.Array, vocab_limit: int) -> jax.Array:
+  """Logits of ids >= `vocab_limit` (embedding rows past the tokenizer's vocabulary) set to
+  `MASKED_LOGIT`, so that no sampler picks them and no log-prob counts them; 0 keeps all."""
+  if not vocab_limit or vocab_limit >= logits_btv.shape[-1]:
+    return logits_btv
+  ids_v = jnp.arange(logits_btv.shape[-1])
+  return jnp.where(ids_v < vocab_limit, logits_btv, MASKED_LOGIT)

@@ -1,0 +1,516 @@
+"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3 and Qwen3-MoE safetensors.
+
+`load_pretrained` reads a checkpoint directory (or Hub id) one tensor at a time, converts each
+from the Hub layout (`q_proj.weight` is `[heads * head_dim, hidden]`, per-expert MLPs) to
+jaxrl's (`wq_dhe` is `[d, h, e]`, experts stacked `[x, d, f]`) and places it straight into its
+sharding, so that no device ever holds the whole model when a mesh is given and the host holds
+one tensor beyond what is already placed. `save_pretrained` writes the Hub names and layout
+back (what transformers and vLLM load), gathering one parameter at a time.
+
+Glossary: v vocab, d model width, h query heads, k kv heads, e head dim, f mlp width, x experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from jaxrl.hub import resolve_pretrained
+from jaxrl.model.config import DTYPES, ModelConfig
+from jaxrl.model.functional import Model, Params
+from jaxrl.model.hf_config import (
+  check_same_architecture,
+  config_from_hf,
+  config_to_hf,
+  model_type_of,
+  with_dtype,
+)
+from jaxrl.model.safetensors_io import (
+  CheckpointError,
+  TensorInfo,
+  parse_size,
+  plan_shards,
+  read_header,
+  read_tensor,
+  write_file,
+)
+from jaxrl.sharding.rules import STAGE_RULES, Rules, tree_shardings
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "added_tokens.json",
+  "chat_template.jinja",
+  "chat_template.json",
+  "vocab.json",
+  "merges.txt",
+  "vocab.txt",
+  "tokenizer.model",
+)
+"""Files save_pretrained copies from its source (besides `*.tiktoken`)."""
+
+# Buffers some older checkpoints saved beside the weights; RoPE is recomputed, never read.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_COMPARE_BYTES = 64 << 20  # rows compared at a time when checking a tied head
+
+Path = tuple  # a parameter's keys in the params tree, e.g. ("blocks", 0, "attn", "wq_dhe")
+
+
+class _Leaf(NamedTuple):
+  """One jaxrl parameter and the Hub tensors it is stored as.
+
+  Attributes:
+    path: the parameter's keys in the params tree.
+    names: its Hub tensors, in the order `load` reads and `save` yields them.
+    shapes: their Hub shapes.
+    load: (read, dtype) -> the parameter on the host, where read(i) reads names[i]; a view of
+      what read returned where the layouts allow, else a new array in `dtype`.
+    save: the parameter on the host -> its Hub tensors, in `names` order.
+  """
+
+  path: Path
+  names: tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  load: Callable[[Callable[[int], np.ndarray], np.dtype], np.ndarray]
+  save: Callable[[np.ndarray], Iterator[np.ndarray]]
+
+
+def _same(path: Path, name: str, shape: tuple[int, ...]) -> _Leaf:
+  return _Leaf(path, (name,), (shape,), lambda read, dt: read(0), lambda v: iter([v]))
+
+
+def _transposed(path: Path, name: str, shape: tuple[int, int]) -> _Leaf:
+  """Hub `nn.Linear` weights are [out, in]; ours are [in, out]."""
+  return _Leaf(path, (name,), (shape,), lambda read, dt: read(0).T, lambda v: iter([v.T]))
+
+
+def _heads_in(path: Path, name: str, d: int, n: int, e: int) -> _Leaf:
+  """q/k/v projections: Hub [n * e, d] <-> ours [d, n, e]."""
+  return _Leaf(
+    path,
+    (name,),
+    ((n * e, d),),
+    lambda read, dt: read(0).T.reshape(d, n, e),
+    lambda v: iter([v.reshape(d, n * e).T]),
+  )
+
+
+def _heads_out(path: Path, name: str, h: int, e: int, d: int) -> _Leaf:
+  """The output projection: Hub [d, h * e] <-> ours [h, e, d]."""
+  return _Leaf(
+    path,
+    (name,),
+    ((d, h * e),),
+    lambda read, dt: read(0).T.reshape(h, e, d),
+    lambda v: iter([v.reshape(h * e, d).T]),
+  )
+
+
+def _heads_bias(path: Path, name: str, n: int, e: int) -> _Leaf:
+  return _Leaf(
+    path, (name,), ((n * e,),), lambda read, dt: read(0).reshape(n, e), lambda v: iter([v.ravel()])
+  )
+
+
+def _experts(path: Path, names: list[str], shape: tuple[int, int]) -> _Leaf:
+  """Per-expert Hub weights [out, in] each <-> ours stacked [x, in, out]."""
+  x, (a, b) = len(names), shape
+
+  def load(read, dt):
+    out = np.empty((x, b, a), dt)
+    for i in range(x):
+      out[i] = read(i).T
+    return out
+
+  return _Leaf(path, tuple(names), (shape,) * x, load, lambda v: (v[i].T for i in range(x)))
+
+
+def _fused_experts(path: Path, name: str, shape: tuple[int, int, int], part: slice) -> _Leaf:
+  """transformers 5's in-memory expert layout, should a checkpoint hold it: gate_up_proj
+  [x, 2f, d] (gate rows first) and down_proj [x, d, f]. Read only; we save per expert."""
+
+  def save(v):
+    raise AssertionError("save_pretrained writes experts one by one, never fused.")
+
+  return _Leaf(path, (name,), (shape,), lambda read, dt: read(0)[:, part].transpose(0, 2, 1), save)
+
+
+def _leaves(cfg: ModelConfig, fused_layers: frozenset[int] = frozenset()) -> list[_Leaf]:
+  """Every parameter of `cfg`'s model with its Hub tensors; `fused_layers`: MoE layers whose
+  experts a checkpoint holds fused."""
+  v, d, h, k, e = cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  leaves = [_same(("embed_vd",), "model.embed_tokens.weight", (v, d))]
+  for i in range(cfg.num_layers):
+    hub, ours = f"model.layers.{i}.", ("blocks", i)
+    attn, mlp = hub + "self_attn.", hub + "mlp."
+    leaves += [
+      _same((*ours, "attn_norm", "scale"), hub + "input_layernorm.weight", (d,)),
+      _heads_in((*ours, "attn", "wq_dhe"), attn + "q_proj.weight", d, h, e),
+      _heads_in((*ours, "attn", "wk_dke"), attn + "k_proj.weight", d, k, e),
+      _heads_in((*ours, "attn", "wv_dke"), attn + "v_proj.weight", d, k, e),
+      _heads_out((*ours, "attn", "wo_hed"), attn + "o_proj.weight", h, e, d),
+      _same((*ours, "mlp_norm", "scale"), hub + "post_attention_layernorm.weight", (d,)),
+    ]
+    if cfg.qkv_bias:
+      leaves += [
+        _heads_bias((*ours, "attn", "bq_he"), attn + "q_proj.bias", h, e),
+        _heads_bias((*ours, "attn", "bk_ke"), attn + "k_proj.bias", k, e),
+        _heads_bias((*ours, "attn", "bv_ke"), attn + "v_proj.bias", k, e),
+      ]
+    if cfg.qk_norm:
+      leaves += [
+        _same((*ours, "attn", "q_norm", "scale"), attn + "q_norm.weight", (e,)),
+        _same((*ours, "attn", "k_norm", "scale"), attn + "k_norm.weight", (e,)),
+      ]
+    if not cfg.is_moe:
+      f = cfg.mlp_dim
+      leaves += [
+        _transposed((*ours, "mlp", "w_gate_df"), mlp + "gate_proj.weight", (f, d)),
+        _transposed((*ours, "mlp", "w_up_df"), mlp + "up_proj.weight", (f, d)),
+        _transposed((*ours, "mlp", "w_down_fd"), mlp + "down_proj.weight", (d, f)),
+      ]
+      continue
+    x, f = cfg.num_experts, cfg.moe_mlp_dim
+    leaves.append(_transposed((*ours, "mlp", "router_dx"), mlp + "gate.weight", (x, d)))
+    if i in fused_layers:
+      gate_up, down = mlp + "experts.gate_up_proj", mlp + "experts.down_proj"
+      leaves += [
+        _fused_experts((*ours, "mlp", "w_gate_xdf"), gate_up, (x, 2 * f, d), slice(0, f)),
+        _fused_experts((*ours, "mlp", "w_up_xdf"), gate_up, (x, 2 * f, d), slice(f, 2 * f)),
+        _fused_experts((*ours, "mlp", "w_down_xfd"), down, (x, d, f), slice(None)),
+      ]
+      continue
+    experts = [f"{mlp}experts.{j}." for j in range(x)]
+    leaves += [
+      _experts((*ours, "mlp", "w_gate_xdf"), [p + "gate_proj.weight" for p in experts], (f, d)),
+      _experts((*ours, "mlp", "w_up_xdf"), [p + "up_proj.weight" for p in experts], (f, d)),
+      _experts((*ours, "mlp", "w_down_xfd"), [p + "down_proj.weight" for p in experts], (d, f)),
+    ]
+  leaves.append(_same(("final_norm", "scale"), "model.norm.weight", (d,)))
+  if not cfg.tie_embeddings:
+    leaves.append(_transposed(("lm_head_dv",), "lm_head.weight", (v, d)))
+  return leaves
+
+
+def _paths(tree: Params) -> dict[Path, Any]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {tuple(key.key for key in path): leaf for path, leaf in flat}
+
+
+def _check_coverage(leaves: list[_Leaf], params: Params) -> None:
+  ours, mapped = set(_paths(params)), {leaf.path for leaf in leaves}
+  if ours != mapped:
+    raise ValueError(
+      f"The Hugging Face mapping and the model disagree: parameters without a Hub tensor "
+      f"{sorted(map(str, ours - mapped))}, Hub tensors without a parameter "
+      f"{sorted(map(str, mapped - ours))}. Update jaxrl/model/hf.py with the model."
+    )
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def _read_json(root: str, name: str) -> dict:
+  path = os.path.join(root, name)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise CheckpointError(
+      f"{path}: not found; a Hugging Face checkpoint directory holds config.json and "
+      "model.safetensors (or shards with model.safetensors.index.json)."
+    ) from None
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path}: not valid JSON ({e}).") from None
+
+
+def _tensor_index(root: str) -> tuple[dict[str, TensorInfo], str]:
+  """Every tensor of the checkpoint in `root` by name, and the file that says where they are."""
+  index_path, single = os.path.join(root, INDEX_FILE), os.path.join(root, SINGLE_FILE)
+  if os.path.exists(index_path):
+    weight_map = _read_json(root, INDEX_FILE).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise CheckpointError(f"{index_path}: has no weight_map naming the tensors' shards.")
+    tensors: dict[str, TensorInfo] = {}
+    for file in dict.fromkeys(weight_map.values()):
+      shard = os.path.join(root, file)
+      if not os.path.exists(shard):
+        first = next(name for name, f in weight_map.items() if f == file)
+        raise CheckpointError(
+          f"{index_path}: shard {file} (holding {first} and others) is missing from {root}."
+        )
+      tensors |= read_header(shard)
+    for name, file in weight_map.items():
+      if name not in tensors or os.path.basename(tensors[name].file) != file:
+        raise CheckpointError(
+          f"{os.path.join(root, file)}: tensor {name} is missing ({INDEX_FILE} places it there)."
+        )
+    return tensors, index_path
+  if os.path.exists(single):
+    return read_header(single), single
+  pickles = glob.glob(os.path.join(root, "pytorch_model*.bin*"))
+  if pickles:
+    raise CheckpointError(
+      f"{root}: holds only PyTorch pickles ({os.path.basename(sorted(pickles)[0])}); jaxrl reads "
+      "safetensors only and never unpickles. Convert it once with transformers: "
+      "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir)."
+    )
+  raise CheckpointError(f"{root}: has no {SINGLE_FILE} and no {INDEX_FILE}.")
+
+
+def _check_names(cfg: ModelConfig, leaves, tensors: dict[str, TensorInfo], where: str) -> None:
+  """Raises for a tensor the model has no parameter for, and for an untied head in a checkpoint
+  whose config.json ties it."""
+  expected = {name for leaf in leaves for name in leaf.names}
+  if cfg.tie_embeddings and "lm_head.weight" in tensors:
+    expected.add("lm_head.weight")
+    if "model.embed_tokens.weight" in tensors:  # else reading it reports it missing
+      _check_tied(tensors["model.embed_tokens.weight"], tensors["lm_head.weight"])
+  unexpected = [n for n in tensors if n not in expected and not _IGNORED.fullmatch(n)]
+  if unexpected:
+    name = sorted(unexpected)[0]
+    more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+    what = "a bias" if name.endswith(".bias") else "a tensor"
+    raise CheckpointError(
+      f"{tensors[name].file}: unexpected tensor {name}{more}: jaxrl's {model_type_of(cfg)} "
+      f"model as config.json describes it has no such parameter ({what} it would ignore). "
+      f"Tensors listed by {where}."
+    )
+  if not cfg.tie_embeddings and "lm_head.weight" not in tensors:
+    raise CheckpointError(
+      f"{where}: tensor lm_head.weight is missing, but config.json has "
+      "tie_word_embeddings=false; set it to true if the head shares the embedding."
+    )
+
+
+def _check_tied(embed: TensorInfo, head: TensorInfo) -> None:
+  if (embed.shape, embed.dtype) != (head.shape, head.dtype):
+    raise CheckpointError(
+      f"{head.file}: tensor lm_head.weight ({head.dtype} {list(head.shape)}) is not the "
+      f"embedding ({embed.dtype} {list(embed.shape)}), but config.json ties them."
+    )
+  rows = max(1, _COMPARE_BYTES // max(1, embed.nbytes // max(1, embed.shape[0])))
+  for start in range(0, embed.shape[0], rows):
+    span = (start, min(start + rows, embed.shape[0]))
+    if not np.array_equal(read_tensor(embed, span), read_tensor(head, span)):
+      raise CheckpointError(
+        f"{head.file}: tensor lm_head.weight differs from model.embed_tokens.weight, but "
+        "config.json has tie_word_embeddings=true; set it to false to load an untied head."
+      )
+
+
+def _fused_layers(cfg: ModelConfig, tensors: Mapping[str, TensorInfo]) -> frozenset[int]:
+  if not cfg.is_moe:
+    return frozenset()
+  return frozenset(
+    i for i in range(cfg.num_layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in tensors
+  )
+
+
+def _reader(leaf: _Leaf, tensors: Mapping[str, TensorInfo], where: str):
+  def read(i: int) -> np.ndarray:
+    name, shape = leaf.names[i], leaf.shapes[i]
+    info = tensors.get(name)
+    if info is None:
+      raise CheckpointError(f"{where}: tensor {name} is missing; config.json's model needs it.")
+    if info.shape != shape:
+      raise CheckpointError(
+        f"{info.file}: tensor {name} has shape {list(info.shape)}, but config.json gives "
+        f"{list(shape)}."
+      )
+    return read_tensor(info)
+
+  return read
+
+
+def _place(host: np.ndarray, sharding, dtype: np.dtype) -> jax.Array:
+  """The array on its devices, each device given only its slice."""
+  if sharding is None:
+    return jax.device_put(np.asarray(host, dtype))
+  return jax.make_array_from_callback(
+    host.shape, sharding, lambda index: np.asarray(host[index], dtype)
+  )
+
+
+def load_pretrained(
+  path: str,
+  *,
+  dtype: str = "bfloat16",
+  mesh: jax.sharding.Mesh | None = None,
+  rules: Rules | None = None,
+) -> tuple[Model, Params]:
+  """Loads a Hugging Face checkpoint (Llama, Qwen2, Qwen3, Qwen3-MoE) as a Model and params.
+
+  Args:
+    path: a checkpoint directory, or a Hub id (see `jaxrl.hub.resolve_pretrained`).
+    dtype: "bfloat16" or "float32": the parameter and compute dtype of the returned model;
+      tensors stored in another dtype are converted as they are read.
+    mesh: place every parameter straight into its sharding on this mesh; None puts them on the
+      default device.
+    rules: the logical-axis rules of the sharding (default: the training rules).
+
+  Returns:
+    (model, params) with `model.apply(params, tokens)` giving the checkpoint's logits.
+
+  Raises:
+    CheckpointError: naming the file and the tensor or key: an unsupported model type or
+      option, a missing shard or tensor, a tensor the model has no parameter for, a shape that
+      disagrees with config.json, or PyTorch pickles instead of safetensors.
+    jaxrl.hub.PretrainedNotFound: `path` is neither a directory nor a Hub id that resolves.
+  """
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}.")
+  root = resolve_pretrained(path)
+  cfg = config_from_hf(_read_json(root, "config.json"))
+  cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
+  tensors, where = _tensor_index(root)
+  leaves = _leaves(cfg, _fused_layers(cfg, tensors))
+  _check_names(cfg, leaves, tensors, where)
+  model = Model(cfg)
+  abstract = model.abstract_params()
+  _check_coverage(leaves, abstract)
+  shardings = None
+  if mesh is not None:
+    rules = rules or STAGE_RULES["train"]
+    shardings = _paths(tree_shardings(model.logical_axes, mesh, rules, abstract))
+  target = np.dtype(jnp.dtype(dtype))
+  loaded = {}
+  total = sum(tensors[n].nbytes for leaf in leaves for n in leaf.names if n in tensors)
+  with tqdm.tqdm(total=total, unit="B", unit_scale=True, desc="load", disable=None) as bar:
+    for leaf in leaves:
+      host = leaf.load(_reader(leaf, tensors, where), target)
+      loaded[leaf.path] = _place(host, shardings and shardings[leaf.path], target)
+      del host  # before the next tensor is read: one tensor on the host at a time
+      bar.update(sum(tensors[n].nbytes for n in leaf.names))
+  params = jax.tree_util.tree_map_with_path(
+    lambda path, _: loaded.pop(tuple(key.key for key in path)), abstract
+  )
+  return model, params
+
+
+# -- saving ------------------------------------------------------------------------------------
+
+
+def _hub_arrays(leaves: list[_Leaf], params: Params) -> Iterator[tuple[str, np.ndarray]]:
+  """The Hub tensors of `params` in `leaves` order; one parameter on the host at a time."""
+  values = _paths(params)
+  for leaf in leaves:
+    value = np.asarray(jax.device_get(values[leaf.path]))
+    yield from zip(leaf.names, leaf.save(value), strict=True)
+    del value
+
+
+def _remove_stale(root: str, keep: list[str]) -> None:
+  """Removes weight files of an earlier save that this one does not overwrite (as transformers
+  does), so that no stale shard sits beside the new ones."""
+  for name in os.listdir(root):
+    stale = name in (SINGLE_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(name)
+    if stale and name not in keep:
+      os.remove(os.path.join(root, name))
+
+
+def _write_json(path: str, value: Any) -> None:
+  with open(path, "w") as f:
+    json.dump(value, f, indent=2, sort_keys=True)
+    f.write("\n")
+
+
+def _copy_files(src: str, dst: str) -> list[str]:
+  """Copies the generation config and tokenizer files `src` has; returns their names."""
+  tiktoken = map(os.path.basename, glob.glob(os.path.join(src, "*.tiktoken")))
+  copied = []
+  for name in ("generation_config.json", *TOKENIZER_FILES, *tiktoken):
+    a, b = os.path.join(src, name), os.path.join(dst, name)
+    if not os.path.exists(a):
+      continue
+    if not (os.path.exists(b) and os.path.samefile(a, b)):
+      shutil.copyfile(a, b)
+    copied.append(name)
+  return copied
+
+
+def save_pretrained(
+  model: Model,
+  params: Params,
+  path: str,
+  *,
+  max_shard_size: int | str = "5GB",
+  source: str | None = None,
+  dtype: str | None = None,
+) -> None:
+  """Writes `params` as a Hugging Face checkpoint that transformers and vLLM load.
+
+  Args:
+    model: the model the params belong to.
+    params: its parameters, on any devices and shardings; gathered one at a time.
+    path: the output directory (created if missing).
+    max_shard_size: bytes per safetensors file (an int, or e.g. "5GB"); more than one file
+      writes model-0000i-of-0000n.safetensors and model.safetensors.index.json.
+    source: the checkpoint the model came from (directory or Hub id): its config.json (with
+      the dtype updated), generation_config.json and tokenizer files are copied. None writes a
+      config.json from the model's config (architecture from its options) and a minimal
+      generation_config.json.
+    dtype: "bfloat16" or "float32" for the written tensors; None keeps the parameter dtype.
+
+  Raises:
+    ValueError: a `source` whose config.json describes another model, or a model no Hub
+      architecture holds.
+  """
+  cfg = model.config
+  dtype = dtype or cfg.param_dtype
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}.")
+  src = resolve_pretrained(source) if source is not None else None
+  if src is not None:
+    hub_config = _read_json(src, "config.json")
+    where = os.path.join(src, "config.json")
+    check_same_architecture(cfg, config_from_hf(hub_config), where)
+    hub_config = with_dtype(hub_config, dtype)
+  else:
+    hub_config = config_to_hf(cfg, dtype)
+  leaves = _leaves(cfg)
+  _check_coverage(leaves, params)
+  target = np.dtype(jnp.dtype(dtype))
+  shapes = {n: s for leaf in leaves for n, s in zip(leaf.names, leaf.shapes, strict=True)}
+  sizes = {n: math.prod(s) * target.itemsize for n, s in shapes.items()}
+  shards = plan_shards(sizes, parse_size(max_shard_size))
+  n = len(shards)
+  files = (
+    [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+  )
+  os.makedirs(path, exist_ok=True)
+  _remove_stale(path, files)
+  arrays = _hub_arrays(leaves, params)
+  with tqdm.tqdm(
+    total=sum(sizes.values()), unit="B", unit_scale=True, desc="save", disable=None
+  ) as bar:
+    for file, names in zip(files, shards, strict=True):
+      written = write_file(
+        os.path.join(path, file), [(name, target, shapes[name]) for name in names], arrays
+      )
+      bar.update(written)
+  if n > 1:
+    weight_map = {name: file for file, names in zip(files, shards, strict=True) for name in names}
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    _write_json(os.path.join(path, INDEX_FILE), index)
+  _write_json(os.path.join(path, "config.json"), hub_config)
+  copied = _copy_files(src, path) if src is not None else []
+  if "generation_config.json" not in copied:
+    ids = {k: hub_config[k] for k in ("bos_token_id", "eos_token_id") if k in hub_config}
+    _write_json(os.path.join(path, "generation_config.json"), {"_from_model_config": True, **ids})

@@ -1,0 +1,307 @@
+"""Hugging Face `config.json` <-> `ModelConfig` for Llama, Qwen2, Qwen3 and Qwen3-MoE.
+
+Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `rope_scaling`
+dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
+`rope_theta`, `dtype`). Keys a config.json leaves out take transformers' defaults for that model
+type. What jaxrl does not implement (biases Llama can switch on, sliding windows, dense layers
+inside an MoE model, other RoPE types) is refused with the key that asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.safetensors_io import CheckpointError
+
+ARCHITECTURES = {
+  "llama": "LlamaForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+  "qwen3": "Qwen3ForCausalLM",
+  "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+"""The model types jaxrl reads and writes, with their transformers architecture."""
+
+# transformers 5's defaults for keys a config.json may leave out (the model classes' fields).
+_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768}
+_KV_HEADS = {"qwen2": 32, "qwen3": 32, "qwen3_moe": 4}  # llama: num_attention_heads
+_HEAD_DIM = {"qwen3": 128}  # others: hidden_size // num_attention_heads
+_ROPE_THETA = 10_000.0
+_MOE_DEFAULTS = {"num_experts_per_tok": 8, "moe_intermediate_size": 768, "num_experts": 128}
+
+ARCH_FIELDS = (
+  "vocab_size",
+  "d_model",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "rope_theta",
+  "rope_scaling",
+  "norm_eps",
+  "qk_norm",
+  "qkv_bias",
+  "tie_embeddings",
+  "num_experts",
+)
+"""The ModelConfig fields a checkpoint fixes (the rest are runtime choices: dtypes, lengths)."""
+
+_LLAMA3_FIELDS = (
+  "rope_factor",
+  "rope_low_freq_factor",
+  "rope_high_freq_factor",
+  "rope_original_max_position_embeddings",
+)
+_MOE_FIELDS = ("experts_per_token", "moe_mlp_dim", "norm_topk_prob")
+
+_MISSING = object()
+
+
+def _get(config: Mapping[str, Any], key: str, default: Any = _MISSING, kind: type = int):
+  value = config.get(key, default)
+  if value is _MISSING:
+    raise CheckpointError(f"config.json: key {key!r} is missing; it is required for this model.")
+  if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    value = float(value)
+  if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    raise CheckpointError(f"config.json: key {key!r} is {value!r}; expected {kind.__name__}.")
+  return value
+
+
+def _refuse(config: Mapping[str, Any], key: str, ok, why: str) -> None:
+  if key in config and config[key] is not None and not ok(config[key]):
+    raise CheckpointError(f"config.json: {key}={config[key]!r} is not supported: {why}.")
+
+
+def _rope(config: Mapping[str, Any], max_positions: int) -> dict[str, Any]:
+  """The RoPE fields of ModelConfig, from either config.json layout."""
+  # transformers gives a legacy rope_scaling priority over rope_parameters; so do we.
+  key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+  params = config.get(key) or {}
+  if not isinstance(params, Mapping):
+    raise CheckpointError(f"config.json: {key} is {params!r}; expected a dict or null.")
+  if any(isinstance(v, Mapping) for v in params.values()):
+    raise CheckpointError(
+      f"config.json: {key} holds per-layer-type RoPE parameters; jaxrl uses one RoPE for all "
+      "layers."
+    )
+  theta = params.get("rope_theta", config.get("rope_theta", _ROPE_THETA))
+  theta = _get({"rope_theta": theta}, "rope_theta", kind=float)
+  partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+  if partial != 1.0:
+    raise CheckpointError(
+      "config.json: partial_rotary_factor != 1 is not supported: jaxrl rotates whole heads."
+    )
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  fields = {"rope_theta": theta}
+  if rope_type == "default":
+    return fields
+  if rope_type != "llama3":
+    raise CheckpointError(
+      f"config.json: {key}.rope_type={rope_type!r} is not supported; jaxrl implements "
+      "'default' and 'llama3' RoPE."
+    )
+  sub = {k: params.get(k, _MISSING) for k in ("factor", "low_freq_factor", "high_freq_factor")}
+  for name, value in sub.items():
+    if value is _MISSING:
+      raise CheckpointError(f"config.json: {key}.{name} is missing; llama3 RoPE needs it.")
+  original = params.get("original_max_position_embeddings", max_positions)
+  try:
+    return fields | {
+      "rope_scaling": "llama3",
+      "rope_factor": float(sub["factor"]),
+      "rope_low_freq_factor": float(sub["low_freq_factor"]),
+      "rope_high_freq_factor": float(sub["high_freq_factor"]),
+      "rope_original_max_position_embeddings": int(original),
+    }
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"config.json: {key} has a non-numeric llama3 parameter ({e}).") from None
+
+
+def _refusals(config: Mapping[str, Any], model_type: str) -> None:
+  """Raises for the options of these architectures that jaxrl does not implement."""
+  _refuse(config, "hidden_act", lambda v: v == "silu", "jaxrl's MLPs use SiLU (SwiGLU)")
+  if model_type == "llama":
+    _refuse(config, "mlp_bias", lambda v: not v, "jaxrl's MLPs have no biases")
+  if model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others can turn them on
+    _refuse(config, "attention_bias", lambda v: not v, "jaxrl has no attention biases here")
+  if model_type != "llama":
+    _refuse(config, "use_sliding_window", lambda v: not v, "jaxrl attends over the whole window")
+    _refuse(
+      config,
+      "layer_types",
+      lambda v: all(t == "full_attention" for t in v),
+      "jaxrl has full attention in every layer",
+    )
+  if model_type == "qwen3_moe":
+    _refuse(config, "mlp_only_layers", lambda v: not v, "every layer of jaxrl's MoE is sparse")
+    _refuse(config, "decoder_sparse_step", lambda v: v == 1, "every layer of jaxrl's MoE is sparse")
+
+
+def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
+  """The ModelConfig of a Hugging Face config.json (as a dict).
+
+  The dtypes are left at ModelConfig's defaults (the caller chooses them, e.g.
+  `load_pretrained(dtype=...)`); `max_seq_len` is `max_position_embeddings`.
+
+  Raises:
+    CheckpointError: an unknown model_type, architectures that disagree with it, a missing or
+      mistyped key, or an option jaxrl does not implement; the message names config.json and
+      the key.
+  """
+  model_type = config.get("model_type")
+  if model_type not in ARCHITECTURES:
+    raise CheckpointError(
+      f"config.json: model_type={model_type!r} is not supported; jaxrl reads "
+      f"{sorted(ARCHITECTURES)}."
+    )
+  archs = config.get("architectures")
+  if archs is not None and list(archs) != [ARCHITECTURES[model_type]]:
+    raise CheckpointError(
+      f"config.json: architectures={archs!r} does not match model_type={model_type!r}; "
+      f"jaxrl reads {ARCHITECTURES[model_type]} for it."
+    )
+  _refusals(config, model_type)
+  d, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
+  max_positions = _get(config, "max_position_embeddings", _MAX_POSITIONS[model_type])
+  head_dim = config.get("head_dim") or _HEAD_DIM.get(model_type, d // max(heads, 1))
+  kv_heads = config.get("num_key_value_heads") or _KV_HEADS.get(model_type, heads)
+  fields = dict(
+    vocab_size=_get(config, "vocab_size"),
+    d_model=d,
+    num_layers=_get(config, "num_hidden_layers"),
+    num_heads=heads,
+    num_kv_heads=_get({"num_key_value_heads": kv_heads}, "num_key_value_heads"),
+    head_dim=_get({"head_dim": head_dim}, "head_dim"),
+    mlp_dim=_get(config, "intermediate_size", 6144 if model_type == "qwen3_moe" else _MISSING),
+    max_seq_len=max_positions,
+    norm_eps=_get(config, "rms_norm_eps", 1e-6, float),
+    qk_norm=model_type in ("qwen3", "qwen3_moe"),
+    qkv_bias=model_type == "qwen2",
+    tie_embeddings=_get(config, "tie_word_embeddings", False, bool),
+    **_rope(config, max_positions),
+  )
+  if model_type == "qwen3_moe":
+    experts = {config.get(k) for k in ("num_experts", "num_local_experts")} - {None}
+    if len(experts) > 1:
+      raise CheckpointError(
+        f"config.json: num_experts and num_local_experts disagree ({sorted(experts)})."
+      )
+    num_experts = experts.pop() if experts else _MOE_DEFAULTS["num_experts"]
+    _get({"num_experts": num_experts}, "num_experts")
+    if num_experts < 1:
+      raise CheckpointError(f"config.json: num_experts={num_experts}: an MoE needs experts.")
+    fields |= dict(
+      num_experts=num_experts,
+      experts_per_token=_get(config, "num_experts_per_tok", _MOE_DEFAULTS["num_experts_per_tok"]),
+      moe_mlp_dim=_get(config, "moe_intermediate_size", _MOE_DEFAULTS["moe_intermediate_size"]),
+      norm_topk_prob=_get(config, "norm_topk_prob", False, bool),
+    )
+  try:
+    return ModelConfig(**fields)
+  except ValueError as e:
+    raise CheckpointError(f"config.json: gives an invalid model: {e}") from None
+
+
+def model_type_of(cfg: ModelConfig) -> str:
+  """The Hugging Face model type that holds `cfg`: MoE -> qwen3_moe, q/k norm -> qwen3, q/k/v
+  bias -> qwen2, else llama.
+
+  Raises:
+    ValueError: a combination none of them has (an MoE without q/k norm, q/k norm with biases).
+  """
+  if cfg.is_moe:
+    model_type = "qwen3_moe"
+  elif cfg.qk_norm:
+    model_type = "qwen3"
+  elif cfg.qkv_bias:
+    model_type = "qwen2"
+  else:
+    model_type = "llama"
+  wanted = dict(qk_norm=model_type in ("qwen3", "qwen3_moe"), qkv_bias=model_type == "qwen2")
+  for name, value in wanted.items():
+    if getattr(cfg, name) != value:
+      raise ValueError(
+        f"No Hugging Face architecture has this model: {model_type} needs model.{name}={value}."
+      )
+  return model_type
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+  """A config.json for `cfg` whose tensors are stored in `dtype`.
+
+  Written in the older layout (top-level `rope_theta`, `rope_scaling`, `torch_dtype`), which
+  transformers 4 and 5 and vLLM all read; transformers 5 converts it on load.
+  """
+  model_type = model_type_of(cfg)
+  out: dict[str, Any] = {
+    "architectures": [ARCHITECTURES[model_type]],
+    "model_type": model_type,
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.d_model,
+    "intermediate_size": cfg.mlp_dim,
+    "num_hidden_layers": cfg.num_layers,
+    "num_attention_heads": cfg.num_heads,
+    "num_key_value_heads": cfg.num_kv_heads,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "max_position_embeddings": cfg.max_seq_len,
+    "rms_norm_eps": cfg.norm_eps,
+    "rope_theta": cfg.rope_theta,
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "torch_dtype": dtype,
+    "use_cache": True,
+  }
+  if cfg.rope_scaling == "llama3":
+    out["rope_scaling"] = {
+      "rope_type": "llama3",
+      "factor": cfg.rope_factor,
+      "low_freq_factor": cfg.rope_low_freq_factor,
+      "high_freq_factor": cfg.rope_high_freq_factor,
+      "original_max_position_embeddings": cfg.rope_original_max_position_embeddings,
+    }
+  if model_type != "qwen2":
+    out["attention_bias"] = False
+  if model_type == "llama":
+    out["mlp_bias"] = False
+  else:
+    out["use_sliding_window"] = False
+  if model_type == "qwen3_moe":
+    out |= {
+      "num_experts": cfg.num_experts,
+      "num_experts_per_tok": cfg.experts_per_token,
+      "moe_intermediate_size": cfg.moe_mlp_dim,
+      "norm_topk_prob": cfg.norm_topk_prob,
+      "decoder_sparse_step": 1,
+      "mlp_only_layers": [],
+    }
+  return out
+
+
+def check_same_architecture(cfg: ModelConfig, source: ModelConfig, where: str) -> None:
+  """Raises ValueError naming the first field a checkpoint fixes where `cfg` and `source`
+  differ (`where` names the source's config.json)."""
+  names = list(ARCH_FIELDS)
+  if not cfg.is_moe:
+    names.append("mlp_dim")
+  if cfg.rope_scaling == "llama3":
+    names += _LLAMA3_FIELDS
+  if cfg.is_moe:
+    names += _MOE_FIELDS
+  for name in names:
+    if getattr(cfg, name) != getattr(source, name):
+      raise ValueError(
+        f"{where} describes another model: its {name} is {getattr(source, name)!r}, the model's "
+        f"is {getattr(cfg, name)!r}. Pass the source the model was loaded from, or source=None "
+        "to write a config.json from the model's config."
+      )
+
+
+def with_dtype(config: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+  """A copy of a config.json dict that says its tensors are `dtype`, in the layout it uses."""
+  out = dict(config)
+  keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]
+  for key in keys:
+    out[key] = dtype
+  return out

@@ -1,0 +1,251 @@
+"""Tiny random Hugging Face checkpoints, written on the spot with transformers (no Hub access).
+
+`write_checkpoint(directory, arch, tied=...)` builds a small random transformers model of one of
+the architectures jaxrl reads (vocab 512, width 64, 2 layers, grouped-query attention) and saves
+it the way the Hub holds it: config.json, model.safetensors (or shards and an index),
+generation_config.json, and optionally a tokenizer from `helpers.hf_tokenizers`. Weights are
+drawn larger than transformers' initialisation (which leaves every layer close to identity), so
+that attention, RoPE and routing visibly shape the logits and a wrong conversion fails a test.
+
+Architectures (`ARCHS`) and what each exercises:
+  "llama": Llama 3.1 RoPE scaling (llama3, original context 64 so it acts within 256 tokens),
+    head_dim 32 != hidden / heads.
+  "qwen2": q/k/v biases, rope_theta 1e6.
+  "qwen3": q/k RMSNorm, head_dim 24, rope_theta 1e6.
+  "qwen3_moe": 8 experts, top-2, q/k norm; `norm_topk_prob` as given (default True).
+
+Also the config.json of Qwen3-0.6B, Qwen3-30B-A3B and Llama-3.2-1B as the Hub publishes them
+(`QWEN3_0_6B`, `QWEN3_30B_A3B`, `LLAMA_3_2_1B`), for tests of configs without weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import transformers
+
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+VOCAB_SIZE = 512
+
+_COMMON = dict(
+  vocab_size=VOCAB_SIZE,
+  hidden_size=64,
+  intermediate_size=128,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  max_position_embeddings=512,
+  rms_norm_eps=1e-6,
+  bos_token_id=1,
+  eos_token_id=2,
+  pad_token_id=0,
+)
+_ARCH = {
+  "llama": (
+    transformers.LlamaConfig,
+    dict(
+      head_dim=32,
+      rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=10_000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+      ),
+    ),
+  ),
+  "qwen2": (transformers.Qwen2Config, dict(rope_parameters=dict(rope_theta=1e6))),
+  "qwen3": (transformers.Qwen3Config, dict(head_dim=24, rope_parameters=dict(rope_theta=1e6))),
+  "qwen3_moe": (
+    transformers.Qwen3MoeConfig,
+    dict(
+      head_dim=16,
+      num_experts=8,
+      num_experts_per_tok=2,
+      moe_intermediate_size=32,
+      norm_topk_prob=True,
+    ),
+  ),
+}
+
+
+# Hub config.json files as published (the older layout: rope_theta, rope_scaling, torch_dtype),
+# abridged; for config tests that need no weights.
+QWEN3_0_6B = {
+  "architectures": ["Qwen3ForCausalLM"],
+  "attention_bias": False,
+  "bos_token_id": 151643,
+  "eos_token_id": 151645,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 1024,
+  "intermediate_size": 3072,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 28,
+  "model_type": "qwen3",
+  "num_attention_heads": 16,
+  "num_hidden_layers": 28,
+  "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": None,
+  "rope_theta": 1000000,
+  "sliding_window": None,
+  "tie_word_embeddings": True,
+  "torch_dtype": "bfloat16",
+  "use_sliding_window": False,
+  "vocab_size": 151936,
+}
+QWEN3_30B_A3B = QWEN3_0_6B | {
+  "architectures": ["Qwen3MoeForCausalLM"],
+  "model_type": "qwen3_moe",
+  "decoder_sparse_step": 1,
+  "hidden_size": 2048,
+  "intermediate_size": 6144,
+  "mlp_only_layers": [],
+  "moe_intermediate_size": 768,
+  "norm_topk_prob": True,
+  "num_attention_heads": 32,
+  "num_experts": 128,
+  "num_experts_per_tok": 8,
+  "num_hidden_layers": 48,
+  "num_key_value_heads": 4,
+  "rope_theta": 1000000.0,
+  "tie_word_embeddings": False,
+}
+LLAMA_3_2_1B = {
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": False,
+  "head_dim": 64,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "intermediate_size": 8192,
+  "max_position_embeddings": 131072,
+  "mlp_bias": False,
+  "model_type": "llama",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 16,
+  "num_key_value_heads": 8,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": {
+    "factor": 32.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+  },
+  "rope_theta": 500000.0,
+  "tie_word_embeddings": True,
+  "torch_dtype": "bfloat16",
+  "vocab_size": 128256,
+}
+
+
+def hf_config(arch: str, *, tied: bool = False, **overrides) -> transformers.PretrainedConfig:
+  """The transformers config of a tiny `arch` model; `overrides` replace its fields."""
+  if arch not in _ARCH:
+    raise ValueError(f"unknown architecture {arch!r}; known: {ARCHS}")
+  cls, fields = _ARCH[arch]
+  return cls(**(_COMMON | fields | {"tie_word_embeddings": tied} | overrides))
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+  """Weights of unit-scale activations: matrices N(0, 1/fan_in), norms 1 + N(0, 0.1^2), biases
+  N(0, 0.1^2), embedding rows of unit norm. Router weights are 4x larger so that routing is
+  decisive (no near-ties between experts)."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+      if name.endswith("norm.weight") or "layernorm" in name:
+        value = 1.0 + 0.1 * noise
+      elif name.endswith(".bias"):
+        value = 0.1 * noise
+      elif "embed_tokens" in name:  # rows of unit norm: the layers, not the token, dominate
+        value = noise / p.shape[-1] ** 0.5
+      else:
+        value = noise / p.shape[-1] ** 0.5
+        if name.endswith("mlp.gate.weight"):
+          value = 4.0 * value
+      p.copy_(value.to(p.dtype))
+
+
+def make_model(arch: str, *, tied: bool = False, seed: int = 0, **overrides):
+  """A tiny random transformers model (float32, eager attention, eval mode)."""
+  config = hf_config(arch, tied=tied, **overrides)
+  config._attn_implementation = "eager"
+  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+  _randomize(model, seed)
+  if tied:
+    model.tie_weights()
+  return model.eval()
+
+
+def write_checkpoint(
+  directory: str | os.PathLike,
+  arch: str,
+  *,
+  tied: bool = False,
+  seed: int = 0,
+  dtype: str = "float32",
+  max_shard_size: int | str | None = None,
+  tokenizer: str | None = None,
+  **overrides,
+) -> str:
+  """Writes a tiny random `arch` checkpoint into `directory` and returns the directory.
+
+  Args:
+    directory: created if needed.
+    arch: one of `ARCHS`.
+    tied: the LM head shares the embedding (no lm_head.weight on disk).
+    seed: the weights' seed; the same arguments always write the same weights.
+    dtype: "float32" or "bfloat16", the stored tensors' dtype.
+    max_shard_size: shard the safetensors (e.g. "40KB") with an index file; None: one file.
+    tokenizer: also write a tokenizer of this `helpers.hf_tokenizers` style ("qwen3",
+      "llama3"); its ids fit in the 512-row embedding.
+    **overrides: transformers config fields to change (e.g. norm_topk_prob=False).
+  """
+  directory = os.fspath(directory)
+  model = make_model(arch, tied=tied, seed=seed, **overrides)
+  if dtype != "float32":
+    model = model.to(getattr(torch, dtype))
+  kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+  model.save_pretrained(directory, **kwargs)
+  if tokenizer is not None:
+    from helpers import hf_tokenizers
+
+    hf_tokenizers.write_tokenizer(directory, tokenizer)
+  return directory
+
+
+def load_model(directory: str | os.PathLike, dtype=torch.float32):
+  """The checkpoint in `directory` as a transformers model (eager attention, eval mode)."""
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    os.fspath(directory), dtype=dtype, attn_implementation="eager"
+  )
+  return model.eval()
+
+
+def logits(model, tokens_bt: np.ndarray) -> np.ndarray:
+  """transformers' float32 logits `[b, t, vocab]` of a batch of token ids (no padding)."""
+  with torch.no_grad():
+    out = model(torch.as_tensor(np.asarray(tokens_bt), dtype=torch.long)).logits
+  return out.float().numpy()
+
+
+def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+  """transformers' greedy continuation of one prompt, exactly `max_new_tokens` long (no stop
+  token ends it early)."""
+  with torch.no_grad():
+    out = model.generate(
+      torch.tensor([prompt]),
+      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+      do_sample=False,
+      max_new_tokens=max_new_tokens,
+      eos_token_id=None,
+      pad_token_id=0,
+    )
+  return out[0, len(prompt) :].tolist()

@@ -1,0 +1,547 @@
+"""Hugging Face checkpoints in and out: jaxrl's logits and greedy tokens equal transformers' for
+Llama (llama3 RoPE), Qwen2, Qwen3 and Qwen3-MoE, tied and untied; save_pretrained writes what
+transformers loads back; sharded files, meshes, both config.json layouts, bf16, and every error
+names its file and tensor or key."""
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import hf_checkpoints as hc
+from safetensors.numpy import load_file, save_file
+
+from jaxrl.model import (
+  PRESETS,
+  CheckpointError,
+  ExpertParallel,
+  Model,
+  ModelConfig,
+  MoEInputs,
+  config_from_hf,
+  load_pretrained,
+  save_pretrained,
+)
+from jaxrl.model.transformer import rope_inv_freq
+from jaxrl.rollout.paged import PagedConfig, PagedEngine
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.sharding import STAGE_RULES, make_mesh, tree_shardings
+
+torch.set_num_threads(1)
+
+SEQ = 256
+# (arch, tied, transformers config overrides): every architecture tied and untied, Qwen3-MoE
+# with and without renormalised top-k weights.
+CASES = [(arch, tied, {}) for arch in ("llama", "qwen2", "qwen3") for tied in (False, True)] + [
+  ("qwen3_moe", False, {"norm_topk_prob": True}),
+  ("qwen3_moe", True, {"norm_topk_prob": False}),
+  ("qwen3_moe", False, {"norm_topk_prob": False}),
+]
+
+
+def _case_id(case):
+  arch, tied, overrides = case
+  norm = {True: "-norm", False: "-raw"}.get(overrides.get("norm_topk_prob"), "")
+  return f"{arch}{norm}-{'tied' if tied else 'untied'}"
+
+
+def _rel_err(got, want) -> float:
+  return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+def _tokens(rng, batch=2, length=SEQ):
+  return rng.integers(0, hc.VOCAB_SIZE, (batch, length)).astype(np.int32)
+
+
+def _logits(model, params, tokens, **kwargs):
+  # Jitted: one compilation costs less than compiling each eager op of a new model's shapes.
+  with jax.default_matmul_precision("highest"):
+    apply = jax.jit(functools.partial(model.apply, **kwargs))
+    return np.asarray(apply(params, jnp.asarray(tokens))[0])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """Writes each checkpoint once per module: `checkpoints(arch, tied, **overrides)`."""
+  made = {}
+
+  def get(arch, tied=False, **overrides):
+    key = (arch, tied, tuple(sorted(overrides.items())))
+    if key not in made:
+      made[key] = _write(tmp_path_factory.mktemp(arch), arch, tied=tied, **overrides)
+    return made[key]
+
+  return get
+
+
+def _load_json(path) -> dict:
+  return json.loads(pathlib.Path(path).read_text())
+
+
+def _write(directory, arch, **kwargs) -> pathlib.Path:
+  return pathlib.Path(hc.write_checkpoint(directory, arch, **kwargs))
+
+
+def _copy(src, tmp_path, name="copy"):
+  return shutil.copytree(src, tmp_path / name)
+
+
+# -- logits ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_logits_match_transformers(checkpoints, case):
+  arch, tied, overrides = case
+  path = checkpoints(arch, tied, **overrides)
+  tokens = _tokens(np.random.default_rng())
+  want = hc.logits(hc.load_model(path), tokens)
+  model, params = load_pretrained(path, dtype="float32")
+  assert model.config.tie_embeddings == tied and ("lm_head_dv" in params) == (not tied)
+  assert _rel_err(_logits(model, params, tokens), want) < 1e-4
+  if tied:
+    return
+  # The options under test change the logits far beyond the tolerance: dropping them fails.
+  cfg = model.config
+  if arch == "llama":
+    wrong = dataclasses.replace(cfg, rope_scaling="")
+  elif arch == "qwen3_moe":
+    wrong = dataclasses.replace(cfg, norm_topk_prob=not cfg.norm_topk_prob)
+  else:
+    wrong = dataclasses.replace(cfg, rope_theta=cfg.rope_theta / 10)
+  assert _rel_err(_logits(Model(wrong), params, tokens), want) > 1e-2
+
+
+def test_llama3_inv_freq_matches_transformers():
+  config = hc.hf_config("llama")
+  want, scale = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](config)
+  cfg = config_from_hf(config.to_dict())
+  got = rope_inv_freq(cfg)
+  assert scale == 1.0 and got.dtype == np.float32
+  np.testing.assert_allclose(got, want.numpy(), rtol=2e-7)
+  plain = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=""))
+  assert (got < plain).any() and (got == plain).any()  # low frequencies stretched, high kept
+
+
+def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
+  """The expert-parallel layer routes itself: without renormalisation too."""
+  path = checkpoints("qwen3_moe", norm_topk_prob=False, num_hidden_layers=1)
+  tokens = _tokens(np.random.default_rng())
+  want = hc.logits(hc.load_model(path), tokens)
+  model, params = load_pretrained(path, dtype="float32")
+  mesh = make_mesh(jax.devices()[:2], {"expert": 2})
+  moe = MoEInputs(expert_parallel=ExpertParallel(mesh))
+  assert _rel_err(_logits(model, params, tokens, moe=moe), want) < 1e-4
+
+
+# -- greedy generation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_paged_greedy_matches_transformers_generate(checkpoints, arch):
+  path = checkpoints(arch)
+  rng = np.random.default_rng()
+  prompts = [rng.integers(3, hc.VOCAB_SIZE, n).tolist() for n in (5, 19)]
+  want = [hc.greedy(hc.load_model(path), p, 32) for p in prompts]
+  model, params = load_pretrained(path, dtype="float32")
+  mesh = make_mesh(jax.devices()[:1], {"data": 1})
+  # Pages of 32 slots: the longer request crosses a page boundary. One prefill and one decode
+  # window cover both requests (one compilation each).
+  config = PagedConfig(page_size=32, num_pages=8, max_running=2, prefill_chunk=32, decode_steps=32)
+  engine = PagedEngine(model, mesh, STAGE_RULES["rollout"], eos_id=2, pad_id=0, config=config)
+  engine.update_weights(params, 0)
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
+  got = engine.generate(prompts, sampling, seed=0)
+  assert [c.token_ids.tolist() for c in got] == want
+
+
+# -- saving --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,tied", [(a, False) for a in hc.ARCHS] + [("qwen3", True)])
+def test_save_pretrained_loads_in_transformers(checkpoints, tmp_path, arch, tied):
+  path = checkpoints(arch, tied)
+  tokens = _tokens(np.random.default_rng(), length=64)
+  want = hc.logits(hc.load_model(path), tokens)
+  model, params = load_pretrained(path, dtype="float32")
+  save_pretrained(model, params, tmp_path / "out")
+  assert sorted(os.listdir(tmp_path / "out")) == [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+  ]
+  reloaded = hc.load_model(tmp_path / "out")
+  assert type(reloaded).__name__ == _load_json(path / "config.json")["architectures"][0]
+  assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-6
+  # The generated config.json describes the same model to us too.
+  assert config_from_hf(_load_json(tmp_path / "out" / "config.json")) == model.config
+
+
+def test_save_pretrained_copies_source_files(tmp_path):
+  src = _write(tmp_path / "src", "qwen3", tokenizer="qwen3")
+  model, params = load_pretrained(src, dtype="float32")
+  save_pretrained(model, params, tmp_path / "out", source=src, dtype="bfloat16")
+  out = tmp_path / "out"
+  for name in os.listdir(src):
+    if name not in ("config.json", "model.safetensors"):
+      assert (out / name).read_bytes() == (src / name).read_bytes(), name
+  src_config, out_config = (_load_json(d / "config.json") for d in (src, out))
+  assert out_config.pop("dtype") == "bfloat16"
+  src_config.pop("dtype")
+  assert out_config == src_config
+  reloaded = hc.load_model(out, dtype="auto")
+  assert reloaded.dtype == torch.bfloat16
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  assert (
+    tok("How many clips?")["input_ids"]
+    == transformers.AutoTokenizer.from_pretrained(src)("How many clips?")["input_ids"]
+  )
+
+
+def test_save_pretrained_refuses_another_models_source(checkpoints, tmp_path):
+  model, params = load_pretrained(checkpoints("qwen3"), dtype="float32")
+  with pytest.raises(ValueError, match=r"llama.*config\.json describes another model"):
+    save_pretrained(model, params, tmp_path / "out", source=checkpoints("llama"))
+
+
+# -- shards --------------------------------------------------------------------------------------
+
+
+def test_reads_transformers_shards(tmp_path):
+  path = _write(tmp_path / "sharded", "qwen3_moe", max_shard_size="40KB")
+  files = os.listdir(path)
+  assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+  tokens = _tokens(np.random.default_rng())
+  want = hc.logits(hc.load_model(path), tokens)
+  model, params = load_pretrained(path, dtype="float32")
+  assert _rel_err(_logits(model, params, tokens), want) < 1e-4
+
+
+def test_writes_shards_with_an_index(checkpoints, tmp_path):
+  path = checkpoints("llama")
+  model, params = load_pretrained(path, dtype="float32")
+  out = tmp_path / "out"
+  save_pretrained(model, params, out, max_shard_size=40_000)
+  index = _load_json(out / "model.safetensors.index.json")
+  shards = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+  assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+  total = 0
+  for shard in shards:
+    tensors = load_file(out / shard)
+    nbytes = sum(v.nbytes for v in tensors.values())
+    assert nbytes <= 40_000 or len(tensors) == 1, shard  # a larger tensor gets its own shard
+    total += nbytes
+  assert index["metadata"]["total_size"] == total
+  tokens = _tokens(np.random.default_rng(), length=64)
+  want = hc.logits(hc.load_model(path), tokens)
+  assert _rel_err(hc.logits(hc.load_model(out), tokens), want) < 1e-6
+  _, again = load_pretrained(out, dtype="float32")
+  jax.tree.map(np.testing.assert_array_equal, again, params)
+  # Saving again as one file removes the shards and the index of the first save.
+  save_pretrained(model, params, out)
+  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+# -- meshes --------------------------------------------------------------------------------------
+
+
+def test_loads_onto_a_mesh_in_its_sharding(checkpoints):
+  path = checkpoints("qwen2")
+  mesh = make_mesh(jax.devices()[:8], {"fsdp": 4, "tensor": 2})
+  model, params = load_pretrained(path, dtype="float32", mesh=mesh)
+  rules = STAGE_RULES["train"]
+  want = tree_shardings(model.logical_axes, mesh, rules, model.abstract_params())
+  for (where, got), expected in zip(
+    jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(want), strict=True
+  ):
+    assert got.sharding == expected, jax.tree_util.keystr(where)
+  # Sharded, not replicated: each device holds an eighth of the embedding.
+  shard = params["embed_vd"].addressable_shards[0].data
+  assert shard.shape == (hc.VOCAB_SIZE // 2, 64 // 4)
+  tokens = _tokens(np.random.default_rng())
+  want_logits = hc.logits(hc.load_model(path), tokens)
+  assert _rel_err(_logits(model, params, tokens), want_logits) < 1e-4
+
+
+_PEAK_SCRIPT = textwrap.dedent(
+  """
+  import json, os, resource, sys
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)
+  import numpy as np
+  from jaxrl.model import load_pretrained
+  from jaxrl.sharding import make_mesh
+
+  mesh = make_mesh(jax.devices(), {"fsdp": 4, "tensor": 2})
+  jax.device_put(np.ones(8)).block_until_ready()  # the backend is up before measuring
+
+  def status(key):
+    for line in open("/proc/self/status"):
+      if line.startswith(key + ":"):
+        return int(line.split()[1]) * 1024
+
+  try:  # reset the high-water mark to the current resident size
+    open("/proc/self/clear_refs", "w").write("5")
+    base, peak_of = status("VmRSS"), lambda: status("VmHWM")
+  except OSError:
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_of = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  model, params = load_pretrained(sys.argv[1], dtype="bfloat16", mesh=mesh)
+  jax.block_until_ready(params)
+  print(json.dumps({"base": base, "peak": peak_of()}))
+  """
+)
+
+
+def test_loading_holds_one_tensor_beyond_the_params(tmp_path):
+  """A bf16 checkpoint loads onto a mesh with peak memory growth below 1.5x its size."""
+  cfg = ModelConfig(
+    vocab_size=16384,
+    d_model=1024,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=128,
+    mlp_dim=4096,
+    tie_embeddings=False,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+  )
+  model, rng = Model(cfg), np.random.default_rng()
+  params = jax.tree.map(
+    lambda x: rng.standard_normal(x.shape, np.float32).astype(x.dtype), model.abstract_params()
+  )
+  save_pretrained(model, params, tmp_path / "big")
+  del params
+  size = os.path.getsize(tmp_path / "big" / "model.safetensors")
+  assert size > 100e6
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = subprocess.run(
+    [sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "big")],
+    capture_output=True,
+    text=True,
+    env=env,
+    check=True,
+  )
+  memory = json.loads(run.stdout.strip().splitlines()[-1])
+  assert memory["peak"] - memory["base"] < 1.5 * size, (memory, size)
+
+
+# -- configs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "hub,preset", [(hc.QWEN3_0_6B, "qwen3-0.6b"), (hc.QWEN3_30B_A3B, "qwen3-30b-a3b")]
+)
+def test_hub_configs_give_the_presets(hub, preset):
+  got = config_from_hf(hub)
+  assert dataclasses.replace(got, dtype="bfloat16", param_dtype="bfloat16") == PRESETS[preset]
+
+
+def _new_layout(old: dict) -> dict:
+  """The layout transformers 5 writes: rope_parameters and dtype."""
+  new = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+  new["rope_parameters"] = dict(old.get("rope_scaling") or {"rope_type": "default"})
+  new["rope_parameters"]["rope_theta"] = old["rope_theta"]
+  new["dtype"] = old["torch_dtype"]
+  return new
+
+
+@pytest.mark.parametrize(
+  "hub", [hc.QWEN3_0_6B, hc.QWEN3_30B_A3B, hc.LLAMA_3_2_1B], ids=lambda h: h["model_type"]
+)
+def test_old_and_new_config_layouts_agree(hub):
+  old = config_from_hf(hub)
+  assert config_from_hf(_new_layout(hub)) == old
+  # The older spelling of the scaling's type key, too.
+  if hub.get("rope_scaling"):
+    legacy = hub | {"rope_scaling": hub["rope_scaling"] | {"type": "llama3"}}
+    del legacy["rope_scaling"]["rope_type"]
+    assert config_from_hf(legacy) == old
+    assert (old.rope_scaling, old.rope_factor, old.rope_theta) == ("llama3", 32.0, 500000.0)
+  # And transformers' own round trip of it.
+  hf = transformers.AutoConfig.for_model(**hub)
+  assert config_from_hf(hf.to_dict()) == old
+
+
+@pytest.mark.parametrize("arch", hc.ARCHS)
+def test_missing_keys_take_transformers_defaults(arch):
+  core = dict(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+  )
+  full = transformers.AutoConfig.for_model(arch, **core).to_dict()
+  assert config_from_hf({"model_type": arch, **core}) == config_from_hf(full)
+
+
+# -- bf16 ----------------------------------------------------------------------------------------
+
+
+def test_bfloat16_load(checkpoints):
+  path = checkpoints("qwen3")
+  model, params = load_pretrained(path, dtype="bfloat16")
+  assert (model.config.dtype, model.config.param_dtype) == ("bfloat16", "bfloat16")
+  assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+  disk = load_file(path / "model.safetensors")
+  embed = disk["model.embed_tokens.weight"].astype(ml_dtypes.bfloat16)
+  np.testing.assert_array_equal(np.asarray(params["embed_vd"]), embed)
+  tokens = _tokens(np.random.default_rng(), length=64)
+  want = hc.logits(hc.load_model(path), tokens)
+  assert _rel_err(_logits(model, params, tokens), want) < 0.05
+
+
+def test_reads_a_bfloat16_checkpoint_without_torch(tmp_path):
+  path = _write(tmp_path / "bf16", "qwen3_moe", dtype="bfloat16")
+  reference = hc.load_model(path, dtype=torch.bfloat16).state_dict()
+  _, params = load_pretrained(path, dtype="float32")
+  want = reference["model.layers.1.self_attn.q_proj.weight"].float().numpy()
+  got = np.asarray(params["blocks"][1]["attn"]["wq_dhe"])  # [d, h, e]
+  np.testing.assert_array_equal(got.reshape(got.shape[0], -1).T, want)
+  # transformers keeps the experts fused in memory [x, 2f, d]; on disk they are per expert.
+  want_up = reference["model.layers.0.mlp.experts.gate_up_proj"].float().numpy()[:, 32:]
+  got_up = np.asarray(params["blocks"][0]["mlp"]["w_up_xdf"])  # [x, d, f]
+  np.testing.assert_array_equal(got_up.transpose(0, 2, 1), want_up)
+
+
+def test_reads_fused_experts(checkpoints, tmp_path):
+  """A checkpoint holding transformers 5's fused expert tensors loads to the same params."""
+  path = checkpoints("qwen3_moe")
+  _, params = load_pretrained(path, dtype="float32")
+  tensors = load_file(path / "model.safetensors")
+  for i in range(2):
+    p = f"model.layers.{i}.mlp.experts."
+    gate = [tensors.pop(f"{p}{j}.gate_proj.weight") for j in range(8)]
+    up = [tensors.pop(f"{p}{j}.up_proj.weight") for j in range(8)]
+    down = [tensors.pop(f"{p}{j}.down_proj.weight") for j in range(8)]
+    tensors[p + "gate_up_proj"] = np.concatenate([np.stack(gate), np.stack(up)], axis=1)
+    tensors[p + "down_proj"] = np.stack(down)
+  fused = _copy(path, tmp_path)
+  save_file(tensors, fused / "model.safetensors", metadata={"format": "pt"})
+  _, again = load_pretrained(fused, dtype="float32")
+  jax.tree.map(np.testing.assert_array_equal, again, params)
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "arch,change,key",
+  [
+    ("qwen3", {"model_type": "mistral"}, "model_type"),
+    ("llama", {"architectures": ["Qwen2ForCausalLM"]}, "architectures"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    ("qwen3", {"hidden_size": None}, "hidden_size"),
+    ("qwen3", {"hidden_size": "64"}, "hidden_size"),
+  ],
+)
+def test_config_errors_name_the_key(checkpoints, tmp_path, arch, change, key):
+  path = _copy(checkpoints(arch), tmp_path)
+  config = _load_json(path / "config.json") | change
+  config = {k: v for k, v in config.items() if v is not None}
+  (path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(CheckpointError, match=rf"config\.json.*{key}"):
+    load_pretrained(path)
+
+
+def _rewrite(path, edit):
+  tensors = load_file(path / "model.safetensors")
+  edit(tensors)
+  save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor(checkpoints, tmp_path):
+  path = _copy(checkpoints("qwen3"), tmp_path)
+  _rewrite(path, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+  with pytest.raises(
+    CheckpointError,
+    match=r"model\.safetensors: tensor model\.layers\.1\.self_attn\.k_norm\.weight is missing",
+  ):
+    load_pretrained(path)
+
+
+def test_unexpected_tensor(checkpoints, tmp_path):
+  path = _copy(checkpoints("llama"), tmp_path)
+  bias = np.random.default_rng().normal(size=64).astype(np.float32)
+  _rewrite(path, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": bias}))
+  with pytest.raises(
+    CheckpointError,
+    match=r"model\.safetensors: unexpected tensor model\.layers\.0\.self_attn\.o_proj\.bias.*bias",
+  ):
+    load_pretrained(path)
+
+
+def test_shape_disagrees_with_config(checkpoints, tmp_path):
+  path = _copy(checkpoints("qwen2"), tmp_path)
+  wrong = np.random.default_rng().normal(size=(127, 64)).astype(np.float32)
+  _rewrite(path, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": wrong}))
+  with pytest.raises(
+    CheckpointError,
+    match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.up_proj\.weight has shape "
+    r"\[127, 64\], but config\.json gives \[128, 64\]",
+  ):
+    load_pretrained(path)
+
+
+def test_missing_shard(tmp_path):
+  path = _write(tmp_path / "sharded", "qwen3", max_shard_size="40KB")
+  index = _load_json(path / "model.safetensors.index.json")
+  shard = sorted(set(index["weight_map"].values()))[1]
+  os.remove(path / shard)
+  with pytest.raises(
+    CheckpointError, match=rf"model\.safetensors\.index\.json: shard {shard} .* is missing"
+  ):
+    load_pretrained(path)
+
+
+def test_pytorch_pickles_are_refused_unread(checkpoints, tmp_path):
+  path = tmp_path / "pickles"
+  path.mkdir()
+  shutil.copy(checkpoints("qwen3") / "config.json", path)
+  (path / "pytorch_model.bin").write_bytes(b"not even a pickle")
+  with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*safetensors only"):
+    load_pretrained(path)
+
+
+def test_missing_config(tmp_path):
+  with pytest.raises(CheckpointError, match=r"config\.json: not found"):
+    load_pretrained(tmp_path)
+
+
+def test_tied_heads(checkpoints, tmp_path):
+  tied = checkpoints("qwen3", tied=True)
+  # A tied checkpoint that also stores the head (as some exports do) loads when they agree.
+  equal = _copy(tied, tmp_path, "equal")
+  _rewrite(equal, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].copy()}))
+  model, params = load_pretrained(equal, dtype="float32")
+  assert model.config.tie_embeddings and "lm_head_dv" not in params
+  differs = _copy(tied, tmp_path, "differs")
+  _rewrite(differs, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}))
+  with pytest.raises(CheckpointError, match=r"lm_head\.weight differs .*tie_word_embeddings"):
+    load_pretrained(differs)
+  # An untied config needs the head.
+  untied = _copy(tied, tmp_path, "untied")
+  config = _load_json(untied / "config.json") | {"tie_word_embeddings": False}
+  (untied / "config.json").write_text(json.dumps(config))
+  with pytest.raises(CheckpointError, match=r"tensor lm_head\.weight is missing"):
+    load_pretrained(untied)
