@@ -66,6 +66,22 @@ class RolloutEngine(Protocol):
     """Generates one completion per prompt, in prompt order."""
 
 
+def place_params(params: Params, shardings, abstract: Params) -> Params:
+  """`params` on the engine's mesh layout and in its parameter dtype (`abstract`: the engine
+  model's `abstract_params()`): a learner's fp32 master weights become bf16 rollout weights,
+  cast on the devices after the transfer so no host holds a second copy. (No donation: when
+  stages share devices, the placed arrays may be the learner's own.)"""
+  placed = jax.device_put(params, shardings)
+  dtypes = jax.tree.map(lambda a: a.dtype, abstract)
+  if jax.tree.leaves(jax.tree.map(lambda x: x.dtype, placed)) == jax.tree.leaves(dtypes):
+    return placed
+  cast = jax.jit(
+    lambda p: jax.tree.map(lambda x, dt: x.astype(dt), p, dtypes),
+    out_shardings=shardings,
+  )
+  return cast(placed)
+
+
 def bucket(n: int, minimum: int = 8) -> int:
   """Rounds up to a power of two so that jit shapes repeat across calls."""
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
@@ -105,7 +121,7 @@ class StaticEngine:
     self._generate = jax.jit(self._generate_impl, static_argnames=("max_new",))
 
   def update_weights(self, params: Params, version: int) -> None:
-    self.params = jax.device_put(params, self.param_shardings)
+    self.params = place_params(params, self.param_shardings, self.model.abstract_params())
     self.version = version
 
   def validate(self, prompt_len: int, sampling: SamplingParams) -> None:

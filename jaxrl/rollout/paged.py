@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PagedLayerCache, Params
-from jaxrl.rollout.engine import Completion, bucket
+from jaxrl.rollout.engine import Completion, bucket, place_params
 from jaxrl.rollout.requests import PageAllocator, RequestRecord, pages_for
 from jaxrl.rollout.sampling import SamplingParams, sample_tokens
 from jaxrl.sharding import batch_sharding, logical_to_pspec, tree_shardings
@@ -137,7 +137,7 @@ class PagedEngine:
   def update_weights(self, params: Params, version: int) -> None:
     """New weights take effect at the next decode window; later tokens carry `version`."""
     first = self.params is None
-    self.params = jax.device_put(params, self.param_shardings)
+    self.params = place_params(params, self.param_shardings, self.model.abstract_params())
     self.version = version
     if first and self.cfg.precompile:
       self.precompile()

@@ -23,7 +23,7 @@ import optax
 from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
 from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
-from jaxrl.train.losses import LossConfig, policy_loss, token_logprobs
+from jaxrl.train.losses import LossConfig, chunked_token_logprobs, policy_loss
 from jaxrl.train.optimizer import make_optimizer
 from jaxrl.train.routing import MoEConfig, fill_padding, plan_micro_batches
 
@@ -69,8 +69,12 @@ class Learner:
     params: Params | None = None,
     seed: int = 0,
     moe: MoEConfig | None = None,
+    logprob_chunk: int = 128,
   ):
+    """Builds the learner; `logprob_chunk` positions of the LM head are applied at a time
+    (`chunked_token_logprobs`), so full-vocabulary fp32 logits never exist for a whole batch."""
     self.model = model
+    self.logprob_chunk = logprob_chunk
     self.mesh = mesh
     moe = moe or MoEConfig()
     self.moe_cfg = moe
@@ -147,11 +151,21 @@ class Learner:
     return self._logprobs(params, jnp.asarray(tokens_bt), routes_btlk)
 
   def _logprobs_impl(self, params, tokens_bt, routes_btlk=None, placement=None):
-    moe = None
-    if self.model.config.is_moe:
-      moe = MoEInputs(self.expert_parallel, routes_btlk, placement)
-    logits_btv, _ = self.model.apply(params, tokens_bt[:, :-1], moe=moe)
-    return token_logprobs(logits_btv, tokens_bt[:, 1:], self.temperature)
+    return self._token_stats(params, tokens_bt, routes_btlk, placement)[0]
+
+  def _token_stats(self, params, tokens_bt, routes_btlk=None, placement=None):
+    """(log-probs, entropies) `[b, t]` of tokens 1..t+1 at the rollout temperature."""
+    cfg = self.model.config
+    moe = MoEInputs(self.expert_parallel, routes_btlk, placement) if cfg.is_moe else None
+    hidden_btd, _ = self.model.apply(params, tokens_bt[:, :-1], moe=moe, return_hidden=True)
+    return chunked_token_logprobs(
+      hidden_btd,
+      self.model.head_weights(params),
+      tokens_bt[:, 1:],
+      self.temperature,
+      vocab_limit=cfg.vocab_limit,
+      chunk=self.logprob_chunk,
+    )
 
   def _replayed_routes(self, batch: TrainBatch) -> np.ndarray | None:
     if not (self.model.config.is_moe and self.moe_cfg.routing_replay):
@@ -218,6 +232,28 @@ class Learner:
     ess = out["behaviour_weight_mean"] ** 2 / jnp.maximum(out["behaviour_weight_sq_mean"], 1e-30)
     return out | {"skipped": sum(m["skipped"] for m in all_metrics), "behaviour_ess": ess}
 
+  def update_memory(self, batch_size: int, length: int) -> dict[str, float]:
+    """XLA's buffer plan for one optimizer update over `batch_size` sequences of `length`
+    tokens (dense models, no routing replay), compiled but not run: GiB of its arguments
+    (parameters, optimizer state, batch), outputs, and temporaries (gradients, activations,
+    logits chunks). A lower bound on what the update needs beside the process's other memory."""
+    m = batch_size // self.micro_batch_size
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=self._micro_sharding)  # noqa: E731
+    per_token = (m, self.micro_batch_size, length - 1)
+    tokens = jax.ShapeDtypeStruct((m, self.micro_batch_size, length), jnp.int32,
+                                  sharding=self._micro_sharding)  # fmt: skip
+    compiled = self._update.lower(
+      self.params, self.opt_state, self.ref_params, tokens, shape(*per_token), shape(*per_token),
+      shape(*per_token), shape(m, self.micro_batch_size), None, None,
+    ).compile()  # fmt: skip
+    analysis = compiled.memory_analysis()
+    gib = 2.0**30
+    return {
+      "arguments_gib": analysis.argument_size_in_bytes / gib,
+      "outputs_gib": analysis.output_size_in_bytes / gib,
+      "temporaries_gib": analysis.temp_size_in_bytes / gib,
+    }
+
   def precompile(self, batch_size: int, lengths: Sequence[int]) -> int:
     """Compiles `update` (and the proximal log-probs it may need) for batches of `batch_size`
     sequences of each of these token lengths, by running it on copies of the state with an
@@ -276,13 +312,13 @@ class Learner:
     def micro_loss(
       p, tokens_bt, mask_bt, old_logp_bt, behaviour_logp_bt, advantages_b, routes, placement
     ):
-      logp_bt = self._logprobs_impl(p, tokens_bt, routes, placement)
+      logp_bt, entropy_bt = self._token_stats(p, tokens_bt, routes, placement)
       ref_logp_bt = (
         None
         if ref_params is None
         else jax.lax.stop_gradient(self._logprobs_impl(ref_params, tokens_bt, routes, placement))
       )
-      return policy_loss(
+      loss, metrics = policy_loss(
         logp_bt,
         old_logp_bt,
         advantages_b,
@@ -293,6 +329,9 @@ class Learner:
         ref_logp_bt=ref_logp_bt,
         behaviour_logp_bt=behaviour_logp_bt,
       )
+      # Mean entropy of the policy over the trained tokens: a collapse shows here first.
+      entropy = jnp.sum(jax.lax.stop_gradient(entropy_bt) * mask_bt) / jnp.maximum(num_tokens, 1)
+      return loss, metrics | {"entropy": entropy}
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 

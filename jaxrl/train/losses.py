@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl.model.transformer import vocab_mask
+
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 RATIO_LEVELS = ("token", "sequence")
 PROXIMAL = ("behaviour", "recompute")
@@ -113,6 +115,57 @@ def token_logprobs(
   logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
   target_logits_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
   return target_logits_bt - logz_bt
+
+
+def chunked_token_logprobs(
+  hidden_btd: jax.Array,
+  head_dv: jax.Array,
+  targets_bt: jax.Array,
+  temperature: float = 1.0,
+  *,
+  vocab_limit: int = 0,
+  chunk: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+  """`token_logprobs` of the LM head applied to `hidden_btd`, `chunk` positions at a time, and
+  each position's entropy (at the same temperature).
+
+  The `[B, T, V]` fp32 logits of a long sequence over a large vocabulary (4 bytes x 151,936 per
+  token for Qwen3) would dwarf everything else the learner holds; here at most `[B, chunk, V]`
+  exist at once, forward and backward (each chunk's logits are recomputed for its gradient).
+
+  Args:
+    hidden_btd: final hidden states (`Model.apply(..., return_hidden=True)`).
+    head_dv: the LM head (`Model.head_weights(params)`), cast to the hidden states' dtype.
+    targets_bt: `[B, T]` integer token ids.
+    temperature: the sampling temperature the rollouts used; must be > 0.
+    vocab_limit: ids at and past it are masked out (`ModelConfig.vocab_limit`); 0 keeps all.
+    chunk: positions per chunk.
+
+  Returns:
+    (`[B, T]` fp32 log-probabilities, `[B, T]` fp32 entropies).
+  """
+  b, t, d = hidden_btd.shape
+  chunk = max(1, min(chunk, t))
+  pad = -t % chunk
+  n = (t + pad) // chunk
+  hidden_nbcd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d)
+  targets_nbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, chunk)
+  hidden_nbcd, targets_nbc = jnp.swapaxes(hidden_nbcd, 0, 1), jnp.swapaxes(targets_nbc, 0, 1)
+  head_dv = head_dv.astype(hidden_btd.dtype)
+
+  @jax.checkpoint
+  def one_chunk(hidden_bcd, targets_bc):
+    logits_bcv = jnp.einsum("bcd,dv->bcv", hidden_bcd, head_dv).astype(jnp.float32)
+    logits_bcv = vocab_mask(logits_bcv, vocab_limit) / temperature
+    logz_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
+    target_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
+    probs_bcv = jnp.exp(logits_bcv - logz_bc[..., None])
+    entropy_bc = logz_bc - jnp.sum(probs_bcv * logits_bcv, axis=-1)
+    return target_bc - logz_bc, entropy_bc
+
+  logp_nbc, entropy_nbc = jax.lax.map(lambda xs: one_chunk(*xs), (hidden_nbcd, targets_nbc))
+  unchunk = lambda x_nbc: jnp.swapaxes(x_nbc, 0, 1).reshape(b, n * chunk)[:, :t]  # noqa: E731
+  return unchunk(logp_nbc), unchunk(entropy_nbc)
 
 
 def kl_k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from jaxrl.train.learner import Learner, apply_if_finite, optimizer_shardings
-from jaxrl.train.losses import token_logprobs
+from jaxrl.train.losses import chunked_token_logprobs
 
 
 class SupervisedTrainer:
@@ -43,8 +43,15 @@ class SupervisedTrainer:
 
   def _step_impl(self, params, opt_state, tokens_bt, mask_bt):
     def loss_fn(p):
-      logits_btv, _ = self.learner.model.apply(p, tokens_bt[:, :-1])
-      logp_bt = token_logprobs(logits_btv, tokens_bt[:, 1:])
+      # The learner's chunked log-probs, at temperature 1 (`_token_stats` uses the rollout's).
+      hidden_btd, _ = self.learner.model.apply(p, tokens_bt[:, :-1], return_hidden=True)
+      logp_bt, _ = chunked_token_logprobs(
+        hidden_btd,
+        self.learner.model.head_weights(p),
+        tokens_bt[:, 1:],
+        vocab_limit=self.learner.model.config.vocab_limit,
+        chunk=self.learner.logprob_chunk,
+      )
       return -jnp.sum(logp_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)

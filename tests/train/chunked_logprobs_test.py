@@ -1,0 +1,97 @@
+"""Log-probs and entropies applied through the LM head in chunks, remat, and the vocabulary
+mask: the same numbers as the plain computation (fp64 references), forward and backward."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.model import Model, get_preset
+from jaxrl.model.transformer import MASKED_LOGIT, vocab_mask
+from jaxrl.train.losses import chunked_token_logprobs, token_logprobs
+
+
+def _reference_f64(hidden_btd, head_dv, targets_bt, temperature, vocab_limit):
+  logits = np.asarray(hidden_btd, np.float64) @ np.asarray(head_dv, np.float64) / temperature
+  if vocab_limit:
+    logits[..., vocab_limit:] = -np.inf
+  logz = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+  logp_all = logits - logz[..., None]
+  logp = np.take_along_axis(logp_all, np.asarray(targets_bt)[..., None], -1)[..., 0]
+  probs = np.exp(logp_all)
+  with np.errstate(invalid="ignore"):  # 0 * -inf at masked ids, dropped by the where
+    entropy = -np.sum(np.where(probs > 0, probs * logp_all, 0.0), -1)
+  return logp, entropy
+
+
+@pytest.mark.parametrize("chunk,vocab_limit", [(4, 0), (5, 0), (64, 0), (3, 50)])
+def test_chunked_matches_float64(chunk, vocab_limit):
+  rng = np.random.default_rng(chunk + vocab_limit)
+  b, t, d, v = 2, 13, 16, 64
+  hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+  head = jnp.asarray(rng.normal(size=(d, v)) * 0.5, jnp.float32)
+  targets = jnp.asarray(rng.integers(0, vocab_limit or v, (b, t)), jnp.int32)
+  logp, entropy = chunked_token_logprobs(
+    hidden, head, targets, 0.7, vocab_limit=vocab_limit, chunk=chunk
+  )
+  want_logp, want_entropy = _reference_f64(hidden, head, targets, 0.7, vocab_limit)
+  # fp32 logits of magnitude ~10 over a 64-way sum: a few ulps of the largest term.
+  np.testing.assert_allclose(logp, want_logp, rtol=0, atol=2e-5)
+  np.testing.assert_allclose(entropy, want_entropy, rtol=0, atol=2e-5)
+
+
+def test_chunked_gradient_matches_unchunked():
+  rng = np.random.default_rng(1)
+  b, t, d, v = 2, 11, 8, 32
+  hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+  head = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+  weights = jnp.asarray(rng.normal(size=(b, t)), jnp.float32)
+
+  def chunked(h, w):
+    return jnp.sum(chunked_token_logprobs(h, w, targets, chunk=4)[0] * weights)
+
+  def plain(h, w):
+    return jnp.sum(token_logprobs(jnp.einsum("btd,dv->btv", h, w), targets) * weights)
+
+  got = jax.grad(chunked, argnums=(0, 1))(hidden, head)
+  want = jax.grad(plain, argnums=(0, 1))(hidden, head)
+  for g, w in zip(got, want, strict=True):
+    scale = float(jnp.max(jnp.abs(w)))
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale)
+
+
+def test_vocab_mask_masks_only_the_padded_rows():
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, 10)), jnp.float32)
+  masked = vocab_mask(logits, 7)
+  np.testing.assert_array_equal(masked[..., :7], logits[..., :7])
+  assert bool(jnp.all(masked[..., 7:] == MASKED_LOGIT))
+  assert vocab_mask(logits, 0) is logits
+
+
+def test_model_masks_padded_vocabulary_and_remat_keeps_gradients():
+  cfg = dataclasses.replace(get_preset("tiny"), vocab_limit=50)
+  model, model_remat = Model(cfg), Model(dataclasses.replace(cfg, remat=True))
+  params = model.init(0)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 50, (2, 12)), jnp.int32)
+  logits, _ = model.apply(params, tokens)
+  assert bool(jnp.all(logits[..., 50:] == MASKED_LOGIT))
+  assert bool(jnp.all(jnp.argmax(logits, -1) < 50))
+
+  def loss(p, m):
+    hidden, _ = m.apply(p, tokens[:, :-1], return_hidden=True)
+    logp, _ = chunked_token_logprobs(
+      hidden, m.head_weights(p), tokens[:, 1:], vocab_limit=50, chunk=4
+    )
+    return -jnp.mean(logp)
+
+  # The hidden-state path gives the logits' log-probs.
+  np.testing.assert_allclose(
+    loss(params, model), -jnp.mean(token_logprobs(logits[:, :-1], tokens[:, 1:])), rtol=1e-6
+  )
+  got = jax.grad(loss)(params, model_remat)
+  want = jax.grad(loss)(params, model)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(w))) + 1e-12)
