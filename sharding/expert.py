@@ -32,6 +32,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl.kernels.gmm import IMPLS as GMM_IMPLS
 from jaxrl.kernels.gmm import gmm
+from jaxrl.sharding.expert_checks import (
+  EXPERT_AXIS,
+  check_mesh,
+  check_routes,
+  check_shapes,
+  check_top_k,
+  token_axes_of,
+  tokens_per_device,
+)
 
 if TYPE_CHECKING:
   from jaxrl.sharding import Placement
@@ -39,8 +48,6 @@ if TYPE_CHECKING:
 EXCHANGES = ("all_to_all", "ragged_all_to_all")
 """Token exchanges of `ExpertParallelConfig.exchange`."""
 
-_EXPERT_AXIS = "expert"
-TOKEN_AXES = ("data", "fsdp", "expert")  # split the tokens by default, those of size > 1
 
 # XLA:CPU has no ragged-all-to-all; looked up at call time so a test can stand in for it.
 _ragged_all_to_all = lax.ragged_all_to_all
@@ -234,17 +241,17 @@ def moe_expert_parallel(
   """
   if not isinstance(config, ExpertParallelConfig):
     raise ValueError(f"config must be an ExpertParallelConfig, got {type(config).__name__}.")
-  num_experts = _check_shapes(x_td, router_dx, w_gate_xdf, w_up_xdf, w_down_xfd)
-  num_devices = _check_mesh(mesh, num_experts)
-  top_k = _check_top_k(top_k, num_experts)
-  token_axes = _token_axes(mesh, token_axes)
-  tokens = _tokens_per_device(x_td.shape[0], mesh, token_axes)
+  num_experts = check_shapes(x_td, router_dx, w_gate_xdf, w_up_xdf, w_down_xfd)
+  num_devices = check_mesh(mesh, num_experts)
+  top_k = check_top_k(top_k, num_experts)
+  token_axes = token_axes_of(mesh, token_axes)
+  tokens = tokens_per_device(x_td.shape[0], mesh, token_axes)
   if placement_layer is None:
     slots = num_experts // num_devices
   else:
     slots = _check_placement(placement_layer, num_devices, num_experts)
   if routes_tk is not None:
-    routes_tk = _check_routes(routes_tk, x_td.shape[0], top_k, num_experts)
+    routes_tk = check_routes(routes_tk, x_td.shape[0], top_k, num_experts)
   static = _Static(
     num_experts=num_experts,
     num_devices=num_devices,
@@ -277,9 +284,9 @@ def moe_expert_parallel(
     in_specs=(
       token_spec,
       P(),
-      P(_EXPERT_AXIS, None, None),
-      P(_EXPERT_AXIS, None, None),
-      P(_EXPERT_AXIS, None, None),
+      P(EXPERT_AXIS, None, None),
+      P(EXPERT_AXIS, None, None),
+      P(EXPERT_AXIS, None, None),
       {name: extra_specs[name] for name in extras},
     ),
     out_specs=(token_spec, token_spec, P()),
@@ -311,7 +318,7 @@ def _capacity(
 def _device_layer(static: _Static, x_nd, router_dx, w_gate_sdf, w_up_sdf, w_down_sfd, extras):
   """The layer on one device, inside the shard_map."""
   k, n, e, c, s = static.top_k, static.tokens, static.num_devices, static.capacity, static.slots
-  me = lax.axis_index(_EXPERT_AXIS)
+  me = lax.axis_index(EXPERT_AXIS)
   routes_nk = extras.get("routes_tk")
   dtype = x_nd.dtype
   weights_nk, ids_nk = _route(x_nd @ router_dx.astype(dtype), k, routes_nk, static.norm_topk_prob)
@@ -410,7 +417,7 @@ def _local_experts(x_md, slot_m, w_gate_sdf, w_up_sdf, w_down_sfd, static: _Stat
   # The rows vary over every token axis, the weights (P("expert")) only over the expert axis;
   # gmm's custom_vjp wants its weight gradient typed like its weights, and the transpose of
   # this cast is the psum of the weight gradients over the other token axes.
-  other_axes = tuple(a for a in static.token_axes if a != _EXPERT_AXIS)
+  other_axes = tuple(a for a in static.token_axes if a != EXPERT_AXIS)
   if other_axes:
     w_gate_sdf, w_up_sdf, w_down_sfd = lax.pcast(
       (w_gate_sdf, w_up_sdf, w_down_sfd), other_axes, to="varying"
@@ -434,7 +441,7 @@ def _padded_exchange(x_md, slot_m, send_e, me, static: _Static):
 
   def swap(a_m_):
     a_ec_ = a_m_.reshape(e, c, *a_m_.shape[1:])
-    return lax.all_to_all(a_ec_, _EXPERT_AXIS, 0, 0, tiled=True).reshape(a_m_.shape)
+    return lax.all_to_all(a_ec_, EXPERT_AXIS, 0, 0, tiled=True).reshape(a_m_.shape)
 
   return swap(x_md), swap(slot_m), swap
 
@@ -446,15 +453,15 @@ def _ragged_exchange(x_md, slot_m, send_e, me, static: _Static):
   rows land. The results go back into the sender's padded layout.
   """
   e, c, s = static.num_devices, static.capacity, static.slots
-  slot_ec = lax.all_to_all(slot_m.reshape(e, c), _EXPERT_AXIS, 0, 0, tiled=True)
-  sizes_ee = lax.all_gather(send_e, _EXPERT_AXIS)  # [sender, receiver]
+  slot_ec = lax.all_to_all(slot_m.reshape(e, c), EXPERT_AXIS, 0, 0, tiled=True)
+  sizes_ee = lax.all_gather(send_e, EXPERT_AXIS)  # [sender, receiver]
   recv_e = sizes_ee[:, me]
   recv_offset_e = jnp.cumsum(recv_e) - recv_e
   # Where this device's rows land on each receiver: after those of the lower senders.
   out_offset_e = (jnp.cumsum(sizes_ee, axis=0) - sizes_ee)[me]
   send_offset_e = jnp.arange(e, dtype=jnp.int32) * c
   x_md = _ragged_all_to_all(
-    x_md, jnp.zeros_like(x_md), send_offset_e, send_e, out_offset_e, recv_e, axis_name=_EXPERT_AXIS
+    x_md, jnp.zeros_like(x_md), send_offset_e, send_e, out_offset_e, recv_e, axis_name=EXPERT_AXIS
   )
   pos_c = jnp.arange(c, dtype=jnp.int32)
   row_ec = jnp.where(pos_c < recv_e[:, None], recv_offset_e[:, None] + pos_c, e * c)
@@ -471,89 +478,13 @@ def _ragged_exchange(x_md, slot_m, send_e, me, static: _Static):
       recv_e,
       home_offset_e,
       send_e,
-      axis_name=_EXPERT_AXIS,
+      axis_name=EXPERT_AXIS,
     )
 
   return x_md, slot_m, back
 
 
 _EXCHANGES = {"all_to_all": _padded_exchange, "ragged_all_to_all": _ragged_exchange}
-
-
-def _check_shapes(x_td, router_dx, w_gate_xdf, w_up_xdf, w_down_xfd) -> int:
-  if x_td.ndim != 2:
-    raise ValueError(
-      f"x_td must be [tokens, d], got shape {x_td.shape}; flatten [batch, length, d] first."
-    )
-  d = x_td.shape[1]
-  if router_dx.ndim != 2 or router_dx.shape[0] != d:
-    raise ValueError(f"router_dx must be [d={d}, experts], got shape {router_dx.shape}.")
-  x = router_dx.shape[1]
-  if w_gate_xdf.ndim != 3 or w_gate_xdf.shape[:2] != (x, d):
-    raise ValueError(f"w_gate_xdf must be [x={x}, d={d}, f], got shape {w_gate_xdf.shape}.")
-  f = w_gate_xdf.shape[2]
-  if w_up_xdf.shape != (x, d, f):
-    raise ValueError(f"w_up_xdf must be [x={x}, d={d}, f={f}], got shape {w_up_xdf.shape}.")
-  if w_down_xfd.shape != (x, f, d):
-    raise ValueError(f"w_down_xfd must be [x={x}, f={f}, d={d}], got shape {w_down_xfd.shape}.")
-  for name, w in (("x_td", x_td), ("w_gate_xdf", w_gate_xdf), ("w_down_xfd", w_down_xfd)):
-    if not jnp.issubdtype(w.dtype, jnp.floating):
-      raise ValueError(f"{name} must be a floating dtype, got {w.dtype}.")
-  return x
-
-
-def _check_mesh(mesh: Mesh, num_experts: int) -> int:
-  if _EXPERT_AXIS not in mesh.axis_names:
-    raise ValueError(
-      f"The mesh has axes {tuple(mesh.axis_names)} but no {_EXPERT_AXIS!r} axis to spread the "
-      "experts over; build it with jaxrl.sharding.make_mesh (it has every axis, size 1 if "
-      "unused)."
-    )
-  e = mesh.shape[_EXPERT_AXIS]
-  if num_experts % e:
-    divisors = [size for size in range(1, num_experts + 1) if num_experts % size == 0]
-    raise ValueError(
-      f"The expert axis has {e} devices, which does not divide the {num_experts} experts; use "
-      f"an expert axis size among {divisors}."
-    )
-  return e
-
-
-def _check_top_k(top_k, num_experts: int) -> int:
-  if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-    raise ValueError(f"top_k must be an int, got {top_k!r}.")
-  if not 1 <= top_k <= num_experts:
-    raise ValueError(f"top_k={top_k} must be in [1, {num_experts}] (the number of experts).")
-  return int(top_k)
-
-
-def _token_axes(mesh: Mesh, token_axes) -> tuple[str, ...]:
-  """The axes that split the tokens: `token_axes` (default: those of TOKEN_AXES of size > 1), with
-  "expert" appended when missing, since each device of the expert axis routes its own tokens."""
-  names = tuple(mesh.axis_names)
-  if token_axes is None:
-    token_axes = tuple(a for a in names if a in TOKEN_AXES and mesh.shape[a] > 1)
-  elif isinstance(token_axes, str):
-    token_axes = (token_axes,)
-  token_axes = tuple(token_axes)
-  unknown = [a for a in token_axes if a not in names]
-  if unknown or len(set(token_axes)) != len(token_axes):
-    raise ValueError(
-      f"token_axes={token_axes} must name distinct axes of the mesh {names}; unknown: {unknown}."
-    )
-  return token_axes if _EXPERT_AXIS in token_axes else (*token_axes, _EXPERT_AXIS)
-
-
-def _tokens_per_device(num_tokens: int, mesh: Mesh, token_axes: tuple[str, ...]) -> int:
-  shards = math.prod(mesh.shape[a] for a in token_axes)
-  if num_tokens % shards or num_tokens == 0:
-    sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in token_axes)
-    raise ValueError(
-      f"{num_tokens} tokens do not split evenly over the {shards} devices of token_axes "
-      f"({sizes}); make the token count (batch * length) a positive multiple of {shards}, or "
-      "pass token_axes naming fewer axes (the expert axis always splits the tokens)."
-    )
-  return num_tokens // shards
 
 
 def _check_placement(placement: PlacementLayer, num_devices: int, num_experts: int) -> int:
@@ -590,18 +521,3 @@ def _check_placement(placement: PlacementLayer, num_devices: int, num_experts: i
       f"replica_slot_xr {replica_slot_xr.shape}."
     )
   return slots
-
-
-def _check_routes(routes_tk, num_tokens: int, top_k: int, num_experts: int):
-  if routes_tk.shape != (num_tokens, top_k):
-    raise ValueError(f"routes_tk must be [tokens={num_tokens}, k={top_k}], got {routes_tk.shape}.")
-  if not jnp.issubdtype(routes_tk.dtype, jnp.integer):
-    raise ValueError(f"routes_tk must hold integer expert ids, got dtype {routes_tk.dtype}.")
-  if not isinstance(routes_tk, jax.core.Tracer):
-    routes = np.asarray(routes_tk)
-    if routes.size and (routes.min() < 0 or routes.max() >= num_experts):
-      raise ValueError(f"routes_tk must hold expert ids in [0, {num_experts}).")
-    sorted_tk = np.sort(routes, axis=1)
-    if (sorted_tk[:, 1:] == sorted_tk[:, :-1]).any():
-      raise ValueError("routes_tk names an expert twice for one token; a token's k must differ.")
-  return jnp.asarray(routes_tk, jnp.int32)

@@ -20,12 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.model.config import ModelConfig
-from jaxrl.sharding.expert import (
-  TOKEN_AXES,
-  ExpertParallelConfig,
-  PlacementLayer,
-  moe_expert_parallel,
-)
+from jaxrl.sharding.expert import ExpertParallelConfig, PlacementLayer, moe_expert_parallel
+from jaxrl.sharding.expert_checks import TOKEN_AXES
 
 
 def param(rngs: nnx.Rngs, shape, logical_axes, fan_in: int, dtype) -> nnx.Param:
