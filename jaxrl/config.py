@@ -89,6 +89,10 @@ class RolloutConfig:
       informative groups.
     dynamic_sampling_rounds: most generation rounds per step; if the step is still short, it
       is filled with uninformative groups (zero advantage) and the metrics say how many.
+    param_dtype: dtype of the rollout engines' weights ("" = `model.param_dtype`): "bfloat16"
+      generates from bf16 copies of a learner's fp32 master weights (half the memory and
+      bandwidth per decode step); rollout log-probs then differ from the learner's by bf16
+      rounding, which `train.loss.behaviour_correction` can correct.
   """
 
   engine: str = "paged"
@@ -98,6 +102,7 @@ class RolloutConfig:
   paged: PagedConfig = PagedConfig()
   dynamic_sampling: bool = False
   dynamic_sampling_rounds: int = 4
+  param_dtype: str = ""
 
   def __post_init__(self):
     if self.dynamic_sampling_rounds < 1:
@@ -121,6 +126,9 @@ class TrainConfig:
     precompile: compile the update for every batch length the run can meet (prompt + response
       lengths, rounded up to multiples of 8) before it starts, so that no step stalls on a
       compilation when a longer response first comes along.
+    logprob_chunk: sequence positions whose full-vocabulary logits exist at once when the
+      learner computes log-probs and entropies (forward and backward); the memory of a
+      `[micro_batch, logprob_chunk, vocab]` fp32 block, instead of the whole sequence's.
   """
 
   steps: int = 100
@@ -131,6 +139,7 @@ class TrainConfig:
   optimizer: OptimizerConfig = OptimizerConfig()
   moe: MoEConfig = MoEConfig()
   precompile: bool = False
+  logprob_chunk: int = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,10 +168,41 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """Orbax checkpoints under `<workdir>/checkpoints`; `every` 0 saves only at the end."""
+  """Orbax checkpoints under `<workdir>/checkpoints`; `every` 0 saves only at the end.
+
+  Attributes:
+    every: save the run's state (weights, optimizer, data position) every this many steps.
+    max_to_keep: orbax checkpoints kept.
+    hf_every: a run from a Hugging Face checkpoint (`pretrained.path`) also writes its policy in
+      Hub layout (config.json, safetensors, tokenizer files), which `transformers` and vLLM
+      open as they are, to `<workdir>/hf/step_<N>` every this many steps and to
+      `<workdir>/hf/final` at the end; 0 writes only the final one.
+    hf_dtype: dtype of the exported weights.
+  """
 
   every: int = 50
   max_to_keep: int = 2
+  hf_every: int = 0
+  hf_dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainedConfig:
+  """A Hugging Face checkpoint to start from (`jaxrl.model.load_pretrained`).
+
+  Attributes:
+    path: "" trains `config.model` from a random initialisation; otherwise a local directory
+      or a Hub id ("Qwen/Qwen3-0.6B") with config.json, *.safetensors and tokenizer files. The
+      model's shapes then come from its config.json: of `config.model` only `dtype` (compute),
+      `param_dtype` (the learner's weights), `remat` and `max_seq_len` (capped by the
+      checkpoint's) apply.
+    enable_thinking: passed to the chat template as `enable_thinking` (Qwen3: False opens the
+      answer with an empty <think></think> block, for short answers); templates that do not
+      read it ignore it.
+  """
+
+  path: str = ""
+  enable_thinking: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +268,11 @@ LOOP_BACKENDS = ("local", "ray")
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """Everything one RL run needs."""
+  """Everything one RL run needs.
+
+  `tokenizer` is "char" or "byte" (the project's own), "pretrained" (the tokenizer files of
+  `pretrained.path`), or a directory (or Hub id) with Hugging Face tokenizer files.
+  """
 
   seed: int = 0
   tokenizer: str = "char"
@@ -242,6 +286,7 @@ class ExperimentConfig:
   warmup: WarmupConfig = WarmupConfig()
   eval: EvalConfig = EvalConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  pretrained: PretrainedConfig = PretrainedConfig()
 
 
 def default_config() -> ml_collections.ConfigDict:

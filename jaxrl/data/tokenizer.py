@@ -29,10 +29,22 @@ class Tokenizer(Protocol):
   def pad_id(self) -> int: ...
 
   @property
-  def bos_id(self) -> int: ...
+  def bos_id(self) -> int | None:
+    """The id a plain-text prompt starts with; None for models without one (Qwen)."""
+    ...
 
   @property
   def eos_id(self) -> int: ...
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Every id that ends a response (EOS and the model's other end-of-turn ids)."""
+    ...
+
+  @property
+  def chat_templates(self) -> dict[str, str]:
+    """Chat templates by name ({} for a tokenizer without one)."""
+    ...
 
   def encode(self, text: str) -> list[int]: ...
 
@@ -53,6 +65,14 @@ class _Specials:
   @property
   def eos_id(self) -> int:
     return EOS_ID
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (EOS_ID,)
+
+  @property
+  def chat_templates(self) -> dict[str, str]:
+    return {}
 
 
 def _content_ids(ids: Iterable[int], vocab_size: int) -> list[int]:

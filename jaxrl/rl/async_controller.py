@@ -283,7 +283,9 @@ class AsyncController(Controller):
 
   def _score(self, group: Group) -> None:
     completions = [record_completion(r) for r in group.records]
-    group.rewards = self.score([group.prompt] * len(completions), completions)
+    scored = self.score([group.prompt] * len(completions), completions)
+    group.rewards = scored.rewards_b
+    self.counters["reward_timeouts"] += scored.timeouts
     self.ready.append(group.gid)
 
   def _check_workers(self) -> None:
@@ -429,7 +431,7 @@ class AsyncController(Controller):
     for worker in self.workers.values():
       worker.set_min_version(self.state.version - self.a.max_staleness)
 
-  def evaluate(self) -> float:
+  def evaluate(self) -> dict[str, float]:
     if self._eval_version != self.state.version:
       self.rollout.update_weights(self.learner.params, self.state.version)
       self._eval_version = self.state.version

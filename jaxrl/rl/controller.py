@@ -9,13 +9,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 import tqdm
 
-from jaxrl.data.tasks import Task
+from jaxrl.data.prompts import encode_prompt
+from jaxrl.data.tasks import RewardBatch, Task
 from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.metrics import MetricsWriter
 from jaxrl.rl.checkpoint import Checkpointer
@@ -26,6 +28,9 @@ from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.train.advantages import group_advantages
 from jaxrl.train.learner import Learner
+
+if TYPE_CHECKING:
+  from jaxrl.rl.policy import PolicyExporter
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,8 @@ class ControllerSettings:
   checkpoint_every: int
   seed: int
   dynamic_sampling_rounds: int = 0  # 0: off; else DAPO dynamic sampling with this many rounds
+  # Chat-template variables of every prompt, e.g. {"enable_thinking": False}.
+  template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -73,8 +80,11 @@ class Controller:
     writer: MetricsWriter,
     checkpointer: Checkpointer | None,
     show_progress: bool = True,
+    exporter: PolicyExporter | None = None,
   ):
+    """`exporter`, if any, writes the policy in Hugging Face layout when it is due."""
     self.s = settings
+    self.exporter = exporter
     self.rollout = rollout
     self.learner = learner
     self.weights = weights
@@ -133,16 +143,19 @@ class Controller:
   # -- one step ----------------------------------------------------------------------------------
 
   def encode_prompts(self, records: Sequence[dict]) -> list[list[int]]:
-    return [[self.tokenizer.bos_id, *self.tokenizer.encode(r["prompt"])] for r in records]
+    return [encode_prompt(self.tokenizer, r, self.s.template_kwargs) for r in records]
 
-  def score(self, records: Sequence[dict], completions) -> np.ndarray:
-    return np.array(
-      [
-        self.task.reward(r, self.tokenizer.decode(c.token_ids))
-        for r, c in zip(records, completions, strict=True)
-      ],
-      np.float32,
-    )
+  def score(self, records: Sequence[dict], completions) -> RewardBatch:
+    """The task's rewards of the completions' text (the math task checks them in worker
+    processes; a check that times out scores 0 and is counted in `timeouts`)."""
+    texts = [self.tokenizer.decode(c.token_ids) for c in completions]
+    batch = self.task.submit_rewards(records, texts).result()
+    if batch.timeouts:
+      log.warning(
+        "Step %d: %d of %d reward checks timed out or crashed and scored 0.",
+        self.state.step, batch.timeouts, len(texts),
+      )  # fmt: skip
+    return batch
 
   def generate_groups(self) -> tuple[list[dict], list, np.ndarray, dict[str, float]]:
     """One step's prompts, completions and rewards (`prompts_per_step` groups).
@@ -153,7 +166,8 @@ class Controller:
     """
     s, step = self.s, self.state.step
     g = s.group_size
-    kept, dropped, times = [], [], {"time_rollout": 0.0, "time_reward": 0.0}
+    kept, dropped = [], []
+    times = {"time_rollout": 0.0, "time_reward": 0.0, "reward_timeouts": 0}
     for round_ in range(max(1, s.dynamic_sampling_rounds)):
       records = next(self.loader)
       group_records = [r for r in records for _ in range(g)]
@@ -166,7 +180,9 @@ class Controller:
         )
       times["time_rollout"] += time.perf_counter() - t
       t = time.perf_counter()
-      rewards_b = self.score(group_records, completions)
+      scored = self.score(group_records, completions)
+      rewards_b = scored.rewards_b
+      times["reward_timeouts"] += scored.timeouts
       times["time_reward"] += time.perf_counter() - t
       for i in range(len(records)):
         group = (group_records[i * g : (i + 1) * g], completions[i * g : (i + 1) * g])
@@ -229,12 +245,18 @@ class Controller:
     metrics["time_step"] = sum(v for k, v in times.items() if k.startswith("time_"))
     return metrics
 
-  def evaluate(self) -> float:
-    """Mean reward on the held-out records, one response each."""
+  def evaluate(self) -> dict[str, float]:
+    """On the held-out records, one response each: the mean reward (`eval_reward`) and the
+    fraction answered correctly (`eval_pass_at_1`: pass@1 when decoding is greedy)."""
     completions = self.rollout.generate(
       self.encode_prompts(self.eval_records), self.s.eval_sampling, seed=_step_seed(self.s.seed, -1)
     )
-    return float(self.score(self.eval_records, completions).mean())
+    scored = self.score(self.eval_records, completions)
+    return {
+      "eval_reward": float(scored.rewards_b.mean()),
+      "eval_pass_at_1": float(scored.correct_b.mean()),
+      "eval_response_length": float(np.mean([len(c.token_ids) for c in completions])),
+    }
 
   # -- the loop ----------------------------------------------------------------------------------
 
@@ -274,11 +296,14 @@ class Controller:
     bar.set_postfix(postfix)
     if (s.checkpoint_every and self.state.step % s.checkpoint_every == 0) or last:
       self.save()
+    if self.exporter is not None:
+      self.exporter.after_step(self.state.step, self.learner.params, last)
 
   def _eval_and_write(self) -> float:
-    value = self.evaluate()
-    self.writer.write(self.state.step, "eval", {"eval_reward": value})
-    return value
+    """Evaluates, writes the eval record; returns its mean reward."""
+    metrics = self.evaluate()
+    self.writer.write(self.state.step, "eval", metrics)
+    return metrics["eval_reward"]
 
 
 def batch_metrics(rewards_b: np.ndarray, completions) -> dict[str, float]:

@@ -13,12 +13,22 @@ from jaxrl.rollout.engine import Completion
 from jaxrl.train.learner import Learner, TrainBatch
 from jaxrl.train.routing import routes_from_completions
 
-LENGTH_MULTIPLE = 8  # batch lengths round up to this, so that jit shapes repeat
+LENGTH_MULTIPLE = 8  # short batch lengths round up to this, so that jit shapes repeat
+FINE_UNTIL = 128  # above it, lengths round up to one of 4 buckets per doubling
+BUCKETS_PER_OCTAVE = 4
 
 
 def batch_length(longest: int) -> int:
-  """The padded length of a batch whose longest prompt + response has `longest` tokens."""
-  return -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+  """The padded length of a batch whose longest prompt + response has `longest` tokens.
+
+  Multiples of 8 up to 128; above, 4 buckets per doubling (160, 192, 224, 256, 320, ...,
+  3072, 3584, 4096, 5120, ...), so a run whose batches reach thousands of tokens meets a few
+  dozen shapes at most, at most 25% of them padding, instead of a new one nearly every step.
+  """
+  if longest <= FINE_UNTIL:
+    return max(LENGTH_MULTIPLE, -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
+  step = (1 << ((longest - 1).bit_length() - 1)) // BUCKETS_PER_OCTAVE
+  return -(-longest // step) * step
 
 
 def batch_lengths(shortest_prompt: int, longest_prompt: int, max_new_tokens: int) -> list[int]:
@@ -26,7 +36,11 @@ def batch_lengths(shortest_prompt: int, longest_prompt: int, max_new_tokens: int
   tokens can have (what `Learner.precompile` compiles for)."""
   first = batch_length(shortest_prompt + 1)
   last = batch_length(longest_prompt + max_new_tokens)
-  return list(range(first, last + 1, LENGTH_MULTIPLE))
+  lengths, n = [], first
+  while n <= last:
+    lengths.append(n)
+    n = batch_length(n + 1)
+  return lengths
 
 
 def pad_sequences(

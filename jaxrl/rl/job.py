@@ -16,8 +16,8 @@ import tqdm
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.pipeline import PromptLoader
+from jaxrl.data.prompts import encode_prompt
 from jaxrl.data.tasks import make_task
-from jaxrl.data.tokenizer import TOKENIZERS
 from jaxrl.metrics import MetricsWriter, plot_reward_curve
 from jaxrl.model import Model
 from jaxrl.rl.async_controller import AsyncController, AsyncSettings
@@ -25,6 +25,14 @@ from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.controller import Controller, ControllerSettings
 from jaxrl.rl.experience import batch_lengths, pad_sequences
 from jaxrl.rl.placement import Placement, make_placement
+from jaxrl.rl.policy import (
+  PolicyExporter,
+  initial_params,
+  make_tokenizer,
+  model_config,
+  rollout_model_config,
+  template_kwargs,
+)
 from jaxrl.rl.timeline import plot_stage_timeline
 from jaxrl.rl.weights import WeightStore
 from jaxrl.rl.workers import LocalWorker
@@ -65,15 +73,14 @@ def build_controller(
 ) -> Controller:
   """Wires task, tokenizer, meshes, engine, learner, store, writer and checkpointer; in async
   mode (`config.loop.mode`) also the rollout workers, one per group of rollout devices."""
-  tokenizer = _choose(TOKENIZERS, cfg.tokenizer, "config.tokenizer")()
-  if tokenizer.vocab_size > cfg.model.vocab_size:
-    raise ConfigError(
-      f"config.model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.tokenizer!r} "
-      f"tokenizer's {tokenizer.vocab_size} ids; raise config.model.vocab_size."
-    )
+  tokenizer = make_tokenizer(cfg)
+  model = Model(model_config(cfg, tokenizer))
+  rollout_model = Model(rollout_model_config(cfg, model.config))
   task = make_task(cfg.task)
-  prompts = task.records("train", 64, cfg.seed)
-  prompt_len = max(1 + len(tokenizer.encode(r["prompt"])) for r in prompts)
+  chat = template_kwargs(cfg)
+  train_records = task.records("train", None, cfg.seed)
+  prompts = train_records[:64]
+  prompt_len = max(len(encode_prompt(tokenizer, r, chat)) for r in prompts)
   if placement is None:
     plan = None
     if cfg.placement.mode == "planned":
@@ -86,7 +93,6 @@ def build_controller(
         ) from None
       log.info("placement planned by the scheduler:\n%s", plan.table())
     placement = make_placement(cfg.placement, plan=plan)
-  model = Model(cfg.model)
   make_engine = _choose(ENGINES, cfg.rollout.engine, "config.rollout.engine")
   mode = resolve_loop_mode(cfg, placement)
   if cfg.loop.mode == "auto":
@@ -108,7 +114,7 @@ def build_controller(
     cfg.rollout, paged=dataclasses.replace(cfg.rollout.paged, precompile=False)
   )
   engine = make_engine(
-    model,
+    rollout_model,
     engine_mesh,
     STAGE_RULES["rollout"],
     tokenizer,
@@ -126,25 +132,29 @@ def build_controller(
   if train.precompile:
     # Prompt lengths from a large sample of the task's prompts (a longer one, should it come,
     # compiles then), responses up to the sampling limit, sequences up to the model's.
-    sample = [1 + len(tokenizer.encode(r["prompt"])) for r in task.records("train", 1024, cfg.seed)]
+    sample = [len(encode_prompt(tokenizer, r, chat)) for r in train_records[:1024]]
     longest = min(max(sample), cfg.model.max_seq_len - cfg.rollout.sampling.max_new_tokens)
     lengths = batch_lengths(min(sample), longest, cfg.rollout.sampling.max_new_tokens)
     learner.precompile(cfg.rollout.prompts_per_step * cfg.rollout.group_size, lengths)
+  # Generation ends at any of the model's end ids (config.json's EOS can differ from the
+  # tokenizer's, and a chat model ends its turn with yet another).
+  stops = tuple(dict.fromkeys((*cfg.rollout.sampling.stop_token_ids, *tokenizer.stop_ids)))
+  sampling = dataclasses.replace(cfg.rollout.sampling, stop_token_ids=stops)
   settings = ControllerSettings(
     steps=train.steps,
     prompts_per_step=cfg.rollout.prompts_per_step,
     group_size=cfg.rollout.group_size,
-    sampling=cfg.rollout.sampling,
+    sampling=sampling,
     advantage=train.advantage,
     eval_every=cfg.eval.every,
-    eval_sampling=dataclasses.replace(cfg.rollout.sampling, temperature=cfg.eval.temperature),
+    eval_sampling=dataclasses.replace(sampling, temperature=cfg.eval.temperature),
     checkpoint_every=cfg.checkpoint.every,
     seed=cfg.seed,
     dynamic_sampling_rounds=cfg.rollout.dynamic_sampling_rounds
     if cfg.rollout.dynamic_sampling
     else 0,
+    template_kwargs=chat,
   )
-  train_records = task.records("train", None, cfg.seed)
   loader = PromptLoader(train_records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
   eval_records = task.records("test", cfg.eval.num_prompts) if cfg.eval.every else []
   kwargs = dict(
@@ -159,6 +169,7 @@ def build_controller(
     writer=MetricsWriter(workdir),
     checkpointer=Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.max_to_keep),
     show_progress=show_progress,
+    exporter=PolicyExporter(cfg, model, workdir) if cfg.pretrained.path else None,
   )
   if not asynchronous:
     return Controller(**kwargs)
@@ -202,7 +213,7 @@ def build_controller(
       mesh = make_mesh(devices, {**rollout_axes, "data": -1})
     except ValueError as e:
       raise ConfigError(f"config.loop.rollout_workers: worker {name}: {e}") from None
-    worker_engine = make_engine(model, mesh, STAGE_RULES["rollout"], tokenizer, cfg.rollout)
+    worker_engine = make_engine(rollout_model, mesh, STAGE_RULES["rollout"], tokenizer, cfg.rollout)
     return LocalWorker(
       name, worker_engine, controller.weights, controller.events,
       partial_rollouts=loop.partial_rollouts,
@@ -247,6 +258,8 @@ def make_learner(cfg: ExperimentConfig, model: Model, mesh) -> Learner:
       temperature=cfg.rollout.sampling.temperature,
       seed=cfg.seed,
       moe=train.moe,
+      logprob_chunk=train.logprob_chunk,
+      params=initial_params(cfg, model, mesh),
     )
   except ValueError as e:
     raise ConfigError(f"config.train: {e}") from None
@@ -326,7 +339,10 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
     if cfg.warmup.steps:
       warmup(controller, cfg, show_progress)
     controller.save()  # step 0: the checkpoint RL starts from
-  evals = controller.run()
+  try:
+    evals = controller.run()
+  finally:
+    controller.task.close()  # the math task's answer-checking processes
   controller.writer.close()
   controller.checkpointer.close()
   metrics_path = controller.writer.path

@@ -91,15 +91,15 @@ class RolloutActor:
     self, name: str, cfg: ExperimentConfig, store_actor, num_devices: int, cores: list | None
   ):
     _pin(cores)
-    from jaxrl.data.tokenizer import TOKENIZERS
     from jaxrl.model import Model
+    from jaxrl.rl.policy import make_tokenizer, model_config, rollout_model_config
     from jaxrl.rollout.paged import PagedEngine
     from jaxrl.sharding import STAGE_RULES, make_mesh
 
-    tokenizer = TOKENIZERS[cfg.tokenizer]()
+    tokenizer = make_tokenizer(cfg)
     devices = _local_devices(num_devices, f"Rollout worker {name}")
     engine = PagedEngine(
-      Model(cfg.model),
+      Model(rollout_model_config(cfg, model_config(cfg, tokenizer))),
       make_mesh(devices, {"data": -1}),
       STAGE_RULES["rollout"],
       eos_id=tokenizer.eos_id,
@@ -171,6 +171,7 @@ class LearnerActor:
 
     from jaxrl.model import Model
     from jaxrl.rl.job import make_learner
+    from jaxrl.rl.policy import make_tokenizer, model_config
     from jaxrl.sharding import make_mesh
 
     self._sft = None  # (learning rate, SupervisedTrainer) of the warm-up
@@ -179,7 +180,8 @@ class LearnerActor:
     self._init_error: Exception | None = None
     try:
       devices = _local_devices(math.prod(mesh_shape.values()), "The learner actor")
-      self.learner = make_learner(cfg, Model(cfg.model), make_mesh(devices, mesh_shape))
+      model = Model(model_config(cfg, make_tokenizer(cfg)))
+      self.learner = make_learner(cfg, model, make_mesh(devices, mesh_shape))
     except Exception as e:
       self._init_error = e
 

@@ -1,0 +1,164 @@
+"""The policy a job trains: its tokenizer, model config, first weights and Hugging Face export.
+
+A job starts either from `config.model` (a preset, randomly initialised, with the project's
+char/byte tokenizers) or from a Hugging Face checkpoint (`config.pretrained.path`): then the
+shapes come from its config.json, the tokenizer and chat template from its files, the first
+weights from its safetensors (each parameter read straight into the training mesh's sharding),
+and the trained policy goes back out in the same layout. Every stage (the learner, local and
+Ray rollout workers) builds its model and tokenizer here, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import jax
+
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.data.hf_tokenizer import TokenizerError, load_tokenizer
+from jaxrl.data.tokenizer import TOKENIZERS, Tokenizer
+from jaxrl.hub import PretrainedNotFound, resolve_pretrained
+from jaxrl.model import Model, ModelConfig, Params
+from jaxrl.model.config import DTYPES
+from jaxrl.model.hf import load_pretrained, save_pretrained
+from jaxrl.model.hf_config import config_from_hf
+from jaxrl.model.safetensors_io import CheckpointError
+from jaxrl.sharding import STAGE_RULES
+
+log = logging.getLogger(__name__)
+
+
+def pretrained_dir(cfg: ExperimentConfig) -> str | None:
+  """The local directory of `config.pretrained.path` (a Hub id is fetched once), or None."""
+  if not cfg.pretrained.path:
+    return None
+  try:
+    return resolve_pretrained(cfg.pretrained.path)
+  except PretrainedNotFound as e:
+    raise ConfigError(f"config.pretrained.path: {e}") from None
+
+
+def make_tokenizer(cfg: ExperimentConfig) -> Tokenizer:
+  """The tokenizer `config.tokenizer` names (see `ExperimentConfig`)."""
+  name = cfg.tokenizer
+  if name in TOKENIZERS:
+    return TOKENIZERS[name]()
+  if name == "pretrained":
+    if not cfg.pretrained.path:
+      raise ConfigError(
+        "config.tokenizer='pretrained' reads the tokenizer of config.pretrained.path, which is "
+        "empty; set it, or choose config.tokenizer from "
+        f"{sorted(TOKENIZERS)} or a tokenizer directory."
+      )
+    path, key = pretrained_dir(cfg), "config.tokenizer='pretrained' (config.pretrained.path)"
+  else:
+    path, key = name, "config.tokenizer"
+  try:
+    return load_tokenizer(path)
+  except (TokenizerError, PretrainedNotFound) as e:
+    raise ConfigError(
+      f"{key}: {e} (config.tokenizer is one of {sorted(TOKENIZERS)}, 'pretrained', or a "
+      "directory of Hugging Face tokenizer files)."
+    ) from None
+
+
+def model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
+  """The learner's model: `config.model`, or the checkpoint's shapes with `config.model`'s
+  dtypes, remat and length limit; ids past the tokenizer's vocabulary masked out."""
+  source = pretrained_dir(cfg)
+  if source is None:
+    model = cfg.model
+    if tokenizer.vocab_size > model.vocab_size:
+      raise ConfigError(
+        f"config.model.vocab_size={model.vocab_size} is smaller than the {cfg.tokenizer!r} "
+        f"tokenizer's {tokenizer.vocab_size} ids; raise config.model.vocab_size."
+      )
+  else:
+    config_path = os.path.join(source, "config.json")
+    try:
+      with open(config_path, encoding="utf-8") as f:
+        hf = json.load(f)
+      model = config_from_hf(hf)
+    except (OSError, json.JSONDecodeError, CheckpointError, ValueError) as e:
+      raise ConfigError(f"config.pretrained.path: {config_path}: {e}") from None
+    model = dataclasses.replace(
+      model,
+      dtype=cfg.model.dtype,
+      param_dtype=cfg.model.param_dtype,
+      remat=cfg.model.remat,
+      max_seq_len=min(model.max_seq_len, cfg.model.max_seq_len),
+    )
+    if tokenizer.vocab_size > model.vocab_size:
+      raise ConfigError(
+        f"config.tokenizer: the tokenizer has {tokenizer.vocab_size} ids but the checkpoint "
+        f"{config_path} embeds only {model.vocab_size}; use the checkpoint's own tokenizer "
+        "(config.tokenizer='pretrained')."
+      )
+  limit = tokenizer.vocab_size if tokenizer.vocab_size < model.vocab_size else 0
+  return dataclasses.replace(model, vocab_limit=limit)
+
+
+def rollout_model_config(cfg: ExperimentConfig, model: ModelConfig) -> ModelConfig:
+  """The rollout engines' model: the learner's in `config.rollout.param_dtype`, if set."""
+  dtype = cfg.rollout.param_dtype
+  if not dtype:
+    return model
+  if dtype not in DTYPES:
+    raise ConfigError(f"config.rollout.param_dtype={dtype!r}: use '' or one of {DTYPES}.")
+  return dataclasses.replace(model, param_dtype=dtype)
+
+
+def initial_params(cfg: ExperimentConfig, model: Model, mesh: jax.sharding.Mesh) -> Params | None:
+  """The checkpoint's weights on `mesh` in the training layout (None: initialise randomly)."""
+  source = pretrained_dir(cfg)
+  if source is None:
+    return None
+  try:
+    loaded, params = load_pretrained(
+      source, dtype=model.config.param_dtype, mesh=mesh, rules=STAGE_RULES["train"]
+    )
+  except CheckpointError as e:
+    raise ConfigError(f"config.pretrained.path: {e}") from None
+  shapes = jax.tree.map(lambda a: (a.shape, a.dtype), model.abstract_params())
+  if jax.tree.map(lambda a: (a.shape, a.dtype), loaded.abstract_params()) != shapes:
+    raise ConfigError(
+      f"config.pretrained.path: {source} loads parameters unlike the model built from its "
+      "config.json; this is a bug, please report it."
+    )
+  return params
+
+
+def export_policy(cfg: ExperimentConfig, model: Model, params: Params, out_dir: str) -> str:
+  """Writes the policy in Hugging Face layout to `out_dir` (tokenizer files and configs copied
+  from the checkpoint it started from); returns `out_dir`."""
+  save_pretrained(model, params, out_dir, source=pretrained_dir(cfg), dtype=cfg.checkpoint.hf_dtype)
+  log.info("policy written in Hugging Face format to %s", out_dir)
+  return out_dir
+
+
+def template_kwargs(cfg: ExperimentConfig) -> dict[str, bool]:
+  """Chat-template variables of every prompt of the run."""
+  return {"enable_thinking": cfg.pretrained.enable_thinking}
+
+
+class PolicyExporter:
+  """Writes the policy in Hugging Face layout to `<workdir>/hf/step_<N>` every
+  `checkpoint.hf_every` steps and to `<workdir>/hf/final` at the end of the run."""
+
+  def __init__(self, cfg: ExperimentConfig, model: Model, workdir: str):
+    self.cfg = cfg
+    self.model = model
+    self.root = os.path.join(workdir, "hf")
+
+  def after_step(self, step: int, params: Params, last: bool) -> str | None:
+    """Exports if `step` is due (or `last`); returns the directory written, or None."""
+    every = self.cfg.checkpoint.hf_every
+    if last:
+      return export_policy(self.cfg, self.model, params, os.path.join(self.root, "final"))
+    if every and step % every == 0:
+      out = os.path.join(self.root, f"step_{step:06d}")
+      return export_policy(self.cfg, self.model, params, out)
+    return None

@@ -1,0 +1,79 @@
+"""End to end from a Hugging Face checkpoint: GRPO steps on a tiny Qwen3 fixture with its own
+tokenizer and chat template on the project's math sample, then the exported policy opens in
+transformers with the weights the learner trained."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from helpers import hf_checkpoints  # noqa: E402
+
+from jaxrl.config import ConfigError, load_config  # noqa: E402
+from jaxrl.metrics import read_metrics  # noqa: E402
+from jaxrl.model import load_pretrained  # noqa: E402
+from jaxrl.rl import job  # noqa: E402
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "grpo_hf.py")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  path = tmp_path_factory.mktemp("qwen3_tiny")
+  return hf_checkpoints.write_checkpoint(path, "qwen3", tied=True, tokenizer="qwen3")
+
+
+def test_grpo_from_checkpoint_exports_a_policy_transformers_opens(checkpoint, tmp_path):
+  cfg = load_config(CONFIG, "test", {"pretrained.path": checkpoint})
+  workdir = str(tmp_path / "run")
+  summary = job.run(cfg, workdir, show_progress=False)
+  assert summary["steps"] == 2
+
+  records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  train = [r for r in records if r["kind"] == "train"]
+  assert len(train) == 2 and all(np.isfinite(r["loss"]) for r in train)
+  assert all(r["reward_timeouts"] == 0 and "entropy" in r for r in train)
+  evals = [r for r in records if r["kind"] == "eval"]
+  assert len(evals) == 2 and all(0.0 <= r["eval_pass_at_1"] <= 1.0 for r in evals)
+
+  final = os.path.join(workdir, "hf", "final")
+  assert os.path.isdir(os.path.join(workdir, "hf", "step_000001"))
+  for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    assert os.path.exists(os.path.join(final, name)), name
+
+  # The export holds the trained weights (not the checkpoint's), and transformers reads them
+  # to the logits jaxrl computes from them.
+  model, trained = load_pretrained(final, dtype="float32")
+  _, original = load_pretrained(checkpoint, dtype="float32")
+  moved = [
+    float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    for a, b in zip(_leaves(trained), _leaves(original), strict=True)
+  ]
+  assert max(moved) > 0, "the exported policy equals the starting checkpoint: nothing trained"
+  tokens = np.random.default_rng(0).integers(0, 400, (1, 48))
+  ours = np.asarray(model.apply(trained, tokens)[0])
+  theirs = hf_checkpoints.logits(hf_checkpoints.load_model(final), tokens)
+  # Exported in bf16 (checkpoint.hf_dtype), read back in fp32 by both.
+  np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * np.abs(theirs).max())
+
+
+def _leaves(tree):
+  return jax.tree.leaves(tree)
+
+
+def test_tokenizer_key_errors_name_the_key(checkpoint, tmp_path):
+  with pytest.raises(ConfigError, match="config.tokenizer"):
+    job.run(
+      load_config(CONFIG, "test", {"pretrained.path": checkpoint, "tokenizer": str(tmp_path)}),
+      str(tmp_path / "run"),
+      show_progress=False,
+    )
+  with pytest.raises(ConfigError, match="config.pretrained.path"):
+    job.run(
+      load_config(CONFIG, "test", {"pretrained.path": str(tmp_path / "missing")}),
+      str(tmp_path / "run2"),
+      show_progress=False,
+    )
