@@ -8,6 +8,7 @@
   python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py async [--json]
   python launch/bench.py balance [--json]
+  python launch/bench.py memory [--json]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
@@ -29,6 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_async import bench_async  # noqa: E402  (launch/ is on sys.path)
 from bench_balance import bench_balance  # noqa: E402
+from bench_memory import bench_memory  # noqa: E402
 
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxrl.model import Model, get_preset  # noqa: E402
@@ -459,6 +461,7 @@ BENCHMARKS = {
   "calibrate": bench_calibrate,
   "decode_floor": bench_decode_floor,
   "logprob_mismatch": bench_logprob_mismatch,
+  "memory": bench_memory,
   "paged_attention": bench_paged_attention,
   "plan": bench_plan,
   "rollout": bench_rollout,
