@@ -63,8 +63,9 @@ def resolve_pretrained(path_or_id: str, *, revision: str | None = None) -> str:
       repo_id=str(path_or_id), revision=revision, allow_patterns=list(PRETRAINED_PATTERNS)
     )
   except Exception as e:  # network, authentication, unknown repository: all end the same way
+    reason = " ".join(str(e).split())  # one line: the Hub's messages span several
     raise PretrainedNotFound(
       f"{path_or_id}: no such local directory, and fetching it from the Hugging Face Hub "
-      f"failed ({type(e).__name__}: {e}). Check the id and your network, or download it "
+      f"failed ({type(e).__name__}: {reason}). Check the id and your network, or download it "
       "yourself and pass the directory."
     ) from None
