@@ -19,9 +19,10 @@ from typing import Any
 import ml_collections
 
 from jaxrl.data.tasks import TaskConfig
-from jaxrl.model.config import ModelConfig, get_preset
+from jaxrl.model.config import DTYPES, ModelConfig, get_preset
 from jaxrl.rollout.paged import PagedConfig
 from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.train.advantages import ADVANTAGE_MODES
 from jaxrl.train.losses import LossConfig
 from jaxrl.train.optimizer import OptimizerConfig
 from jaxrl.train.routing import MoEConfig
@@ -29,6 +30,20 @@ from jaxrl.train.routing import MoEConfig
 
 class ConfigError(ValueError):
   """A config key or value that cannot be used; the message names the key's full path."""
+
+
+def _check_at_least(section: str, config, minimum: int, *names: str) -> None:
+  """Raises for the first of `names` (fields of `config`, at `config.<section>`) below
+  `minimum`, naming its full key."""
+  for name in names:
+    value = getattr(config, name)
+    if value < minimum:
+      raise ConfigError(f"config.{section}.{name} must be >= {minimum}, got {value}.")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+  if value not in choices:
+    raise ConfigError(f"{key}={value!r}: use one of {choices}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +81,22 @@ class PlacementConfig:
   train_mesh: MeshConfig = MeshConfig(fsdp=-1)
 
   def __post_init__(self):
-    if self.mode not in PLACEMENTS:
-      raise ConfigError(f"config.placement.mode={self.mode!r}: use one of {PLACEMENTS}.")
+    _check_choice("config.placement.mode", self.mode, PLACEMENTS)
+    _check_at_least("placement", self, 1, "rollout_devices", "train_devices")
+    for name in ("rollout_mesh", "train_mesh"):
+      axes = getattr(self, name).axes()
+      for axis, size in axes.items():
+        if size < 1 and size != -1:
+          raise ConfigError(
+            f"config.placement.{name}.{axis} must be >= 1, or -1 for the devices the other "
+            f"axes leave, got {size}."
+          )
+      fill = [axis for axis, size in axes.items() if size == -1]
+      if len(fill) > 1:
+        raise ConfigError(
+          f"config.placement.{name}: {' and '.join(fill)} are both -1; at most one axis may "
+          "take the devices the others leave, give the rest sizes."
+        )
 
 
 PLACEMENTS = ("disaggregated", "colocated", "planned")
@@ -105,10 +134,13 @@ class RolloutConfig:
   param_dtype: str = ""
 
   def __post_init__(self):
-    if self.dynamic_sampling_rounds < 1:
+    _check_at_least("rollout", self, 1, "prompts_per_step", "dynamic_sampling_rounds")
+    if self.group_size < 2:
       raise ConfigError(
-        f"config.rollout.dynamic_sampling_rounds must be >= 1, got {self.dynamic_sampling_rounds}."
+        f"config.rollout.group_size must be >= 2 (advantages compare the responses to one "
+        f"prompt), got {self.group_size}."
       )
+    _check_choice("config.rollout.param_dtype", self.param_dtype, ("", *DTYPES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +173,11 @@ class TrainConfig:
   precompile: bool = False
   logprob_chunk: int = 128
 
+  def __post_init__(self):
+    _check_at_least("train", self, 0, "steps")
+    _check_at_least("train", self, 1, "updates_per_step", "micro_batch_size", "logprob_chunk")
+    _check_choice("config.train.advantage", self.advantage, ADVANTAGE_MODES)
+
 
 @dataclasses.dataclass(frozen=True)
 class WarmupConfig:
@@ -149,6 +186,10 @@ class WarmupConfig:
   steps: int = 0
   batch_size: int = 64
   learning_rate: float = 1e-3
+
+  def __post_init__(self):
+    _check_at_least("warmup", self, 0, "steps", "learning_rate")
+    _check_at_least("warmup", self, 1, "batch_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +205,10 @@ class EvalConfig:
   every: int = 10
   num_prompts: int = 128
   temperature: float = 0.0
+
+  def __post_init__(self):
+    _check_at_least("eval", self, 0, "every", "temperature")
+    _check_at_least("eval", self, 1, "num_prompts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +229,11 @@ class CheckpointConfig:
   max_to_keep: int = 2
   hf_every: int = 0
   hf_dtype: str = "bfloat16"
+
+  def __post_init__(self):
+    _check_at_least("checkpoint", self, 0, "every", "hf_every")
+    _check_at_least("checkpoint", self, 1, "max_to_keep")
+    _check_choice("config.checkpoint.hf_dtype", self.hf_dtype, DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +337,19 @@ class ExperimentConfig:
   eval: EvalConfig = EvalConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   pretrained: PretrainedConfig = PretrainedConfig()
+
+  def __post_init__(self):
+    # The config alone decides this split; whether the training mesh's data * fsdp divides a
+    # micro-batch is known once the mesh is built (`Learner.check_batch_size`).
+    batch = self.rollout.prompts_per_step * self.rollout.group_size
+    updates, micro = self.train.updates_per_step, self.train.micro_batch_size
+    if batch % (updates * micro):
+      raise ConfigError(
+        f"config.train.micro_batch_size={micro}: a step's {batch} sequences "
+        f"(config.rollout.prompts_per_step={self.rollout.prompts_per_step} x group_size="
+        f"{self.rollout.group_size}) must split into config.train.updates_per_step={updates} "
+        f"updates of whole micro-batches; make updates_per_step x micro_batch_size divide {batch}."
+      )
 
 
 def default_config() -> ml_collections.ConfigDict:

@@ -66,6 +66,70 @@ def test_invalid_value_names_its_section():
     from_config_dict(cd)
 
 
+# (key, bad value, what the message must say): every value a config can set out of range fails
+# at conversion, with the key's full path, not later inside the library under another name.
+BAD_VALUES = [
+  ("rollout.prompts_per_step", 0, "config.rollout.prompts_per_step must be >= 1, got 0."),
+  ("rollout.group_size", 0, "config.rollout.group_size must be >= 2"),
+  ("rollout.group_size", 1, "config.rollout.group_size must be >= 2"),
+  ("rollout.dynamic_sampling_rounds", 0, "config.rollout.dynamic_sampling_rounds must be >= 1"),
+  ("rollout.param_dtype", "float16", "config.rollout.param_dtype='float16': use one of"),
+  ("train.steps", -1, "config.train.steps must be >= 0, got -1."),
+  ("train.updates_per_step", 0, "config.train.updates_per_step must be >= 1, got 0."),
+  ("train.micro_batch_size", 0, "config.train.micro_batch_size must be >= 1, got 0."),
+  ("train.micro_batch_size", 5, "config.train.micro_batch_size=5: a step's 128 sequences"),
+  ("train.updates_per_step", 3, "config.train.updates_per_step=3 updates"),
+  ("train.logprob_chunk", 0, "config.train.logprob_chunk must be >= 1, got 0."),
+  ("train.advantage", "ppo", "config.train.advantage='ppo': use one of ('grpo', 'drgrpo')."),
+  ("warmup.steps", -1, "config.warmup.steps must be >= 0, got -1."),
+  ("warmup.batch_size", 0, "config.warmup.batch_size must be >= 1, got 0."),
+  ("warmup.learning_rate", -1e-3, "config.warmup.learning_rate must be >= 0, got -0.001."),
+  ("eval.every", -1, "config.eval.every must be >= 0, got -1."),
+  ("eval.num_prompts", 0, "config.eval.num_prompts must be >= 1, got 0."),
+  ("eval.temperature", -0.5, "config.eval.temperature must be >= 0, got -0.5."),
+  ("checkpoint.every", -1, "config.checkpoint.every must be >= 0, got -1."),
+  ("checkpoint.max_to_keep", 0, "config.checkpoint.max_to_keep must be >= 1, got 0."),
+  ("checkpoint.hf_every", -1, "config.checkpoint.hf_every must be >= 0, got -1."),
+  ("checkpoint.hf_dtype", "fp16", "config.checkpoint.hf_dtype='fp16': use one of"),
+  ("placement.mode", "split", "config.placement.mode='split': use one of"),
+  ("placement.rollout_devices", 0, "config.placement.rollout_devices must be >= 1, got 0."),
+  ("placement.train_devices", -1, "config.placement.train_devices must be >= 1, got -1."),
+  ("placement.train_mesh.tensor", 0, "config.placement.train_mesh.tensor must be >= 1, or -1"),
+  ("placement.rollout_mesh.expert", -2, "config.placement.rollout_mesh.expert must be >= 1"),
+  ("placement.rollout_mesh.tensor", -1, "config.placement.rollout_mesh: data and tensor are"),
+  ("loop.max_staleness", -1, "config.loop.max_staleness must be >= 0, got -1."),
+  ("loop.rollout_workers", 0, "config.loop.rollout_workers must be >= 1, got 0."),
+]
+
+
+@pytest.mark.parametrize("key, value, message", BAD_VALUES, ids=lambda x: str(x)[:40])
+def test_bad_value_names_its_key(key, value, message):
+  cd = default_config()
+  *parents, leaf = key.split(".")
+  node = cd
+  for parent in parents:
+    node = node[parent]
+  node[leaf] = value
+  with pytest.raises(ConfigError) as error:
+    from_config_dict(cd)
+  assert message in str(error.value)
+
+
+def test_boundary_values_are_accepted():
+  cd = default_config()
+  cd.rollout.group_size = 2
+  cd.rollout.prompts_per_step = 32  # 64 sequences: one micro-batch of the default 64
+  cd.train.steps = 0
+  cd.warmup.learning_rate = 0.0
+  cd.eval.every = 0
+  cd.eval.temperature = 0.0
+  cd.checkpoint.every = 0
+  cd.checkpoint.max_to_keep = 1
+  cd.placement.train_mesh.fsdp = 1
+  cd.placement.train_mesh.tensor = -1
+  from_config_dict(cd)
+
+
 def test_locked_config_rejects_unknown_override():
   cd = default_config()
   cd.lock()

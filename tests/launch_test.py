@@ -38,3 +38,20 @@ def test_bad_command_line_gives_one_clear_message(tmp_path, flags, message):
   assert result.returncode != 0
   assert message in result.stderr
   assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+  "flag, message",
+  [
+    ("--config.rollout.group_size=0", "config.rollout.group_size must be >= 2"),
+    ("--config.placement.train_mesh.fsdp=0", "config.placement.train_mesh.fsdp must be >= 1"),
+    ("--config.train.micro_batch_size=5", "config.train.micro_batch_size=5: a step's"),
+  ],
+)
+def test_bad_value_is_one_line_naming_its_key(tmp_path, flag, message):
+  """Caught when the config is converted: the user sees that line and nothing else."""
+  result = run_train(tmp_path, flag)
+  assert result.returncode != 0
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("Config error: "), result.stderr
+  assert message in lines[0]

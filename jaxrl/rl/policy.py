@@ -22,7 +22,6 @@ from jaxrl.data.hf_tokenizer import TokenizerError, load_tokenizer
 from jaxrl.data.tokenizer import TOKENIZERS, Tokenizer
 from jaxrl.hub import PretrainedNotFound, resolve_pretrained
 from jaxrl.model import Model, ModelConfig, Params
-from jaxrl.model.config import DTYPES
 from jaxrl.model.hf import load_pretrained, save_pretrained
 from jaxrl.model.hf_config import config_from_hf
 from jaxrl.model.safetensors_io import CheckpointError
@@ -103,12 +102,8 @@ def model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
 
 def rollout_model_config(cfg: ExperimentConfig, model: ModelConfig) -> ModelConfig:
   """The rollout engines' model: the learner's in `config.rollout.param_dtype`, if set."""
-  dtype = cfg.rollout.param_dtype
-  if not dtype:
-    return model
-  if dtype not in DTYPES:
-    raise ConfigError(f"config.rollout.param_dtype={dtype!r}: use '' or one of {DTYPES}.")
-  return dataclasses.replace(model, param_dtype=dtype)
+  dtype = cfg.rollout.param_dtype  # checked when the config is converted
+  return dataclasses.replace(model, param_dtype=dtype) if dtype else model
 
 
 def initial_params(cfg: ExperimentConfig, model: Model, mesh: jax.sharding.Mesh) -> Params | None:

@@ -1,1 +1,2 @@
-"""Helpers shared by tests: tiny Hugging Face checkpoints and tokenizers written on the spot."""
+"""Helpers shared by tests: tiny Hugging Face checkpoints and tokenizers written on the spot,
+and the fp32 tolerance rule (`tolerance`)."""

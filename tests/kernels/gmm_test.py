@@ -11,13 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tolerance
 
 from jaxrl.kernels.gmm import BlockSizes, gmm, tgmm
 
 IMPLS = ("reference", "pallas_tpu", "pallas_gpu")
 KERNELS = ("pallas_tpu", "pallas_gpu")
 TRITON_CALL = "__gpu$xla.gpu.triton"
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+BF16_TOL = 2e-2  # float32 sums rounded to bfloat16: a bf16 ulp (2**-7 relative) or two apart
 TM = 16  # rows per tile in the multi-tile cases, for both kernels
 
 # Tiles the defaults would not pick, so that the small shapes below span several tiles in every
@@ -70,12 +71,31 @@ def _numpy_tgmm(lhs, grad, sizes):
   return out
 
 
-def _assert_close(out, ref, dtype):
-  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+def _gmm_sums(lhs, rhs, sizes):
+  """(terms, sum of |terms|) of each element of gmm(lhs, rhs): float32 rounding scales with
+  them, whatever order a kernel adds in."""
+  return lhs.shape[1], _numpy_gmm(np.abs(np.asarray(lhs, np.float64)), np.abs(rhs), sizes)
+
+
+def _tgmm_sums(lhs, grad, sizes):
+  """(terms, sum of |terms|) of each element of tgmm(lhs, grad)."""
+  rows = max(1, int(np.max(np.asarray(sizes), initial=1)))
+  return rows, _numpy_tgmm(np.abs(np.asarray(lhs, np.float64)), np.abs(grad), sizes)
+
+
+def _assert_close(out, ref, dtype, sums):
+  out, ref = np.asarray(out, np.float32), np.asarray(ref)
   assert out.shape == ref.shape
   assert np.all(np.isfinite(out)), "NaN/inf in the output: an unwritten (poisoned) block?"
-  tol = TOL[dtype]
-  np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * max(1.0, np.abs(ref).max()))
+  if dtype == jnp.bfloat16:
+    ref = np.asarray(ref, np.float32)
+    atol = BF16_TOL * max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(out, ref, rtol=BF16_TOL, atol=atol)
+  else:
+    n, scale = sums
+    # Against the float64 oracle only `out` rounds.
+    exact = ref.dtype == np.float64
+    tolerance.assert_close(out, ref, n=n, scale=scale, exact=exact)
 
 
 def _assert_zero_past_groups(out_mn, sizes):
@@ -100,11 +120,11 @@ def test_reference_matches_numpy_oracle(dtype):
   lhs, rhs, grad, sizes = _inputs(_rng("ref", dtype), 40, 24, 20, 6, dtype)
   out = gmm(lhs, rhs, sizes, impl="reference")
   assert out.dtype == dtype and out.shape == (40, 20)
-  _assert_close(out, _numpy_gmm(lhs, rhs, sizes), dtype)
+  _assert_close(out, _numpy_gmm(lhs, rhs, sizes), dtype, _gmm_sums(lhs, rhs, sizes))
   _assert_zero_past_groups(out, sizes)
   out = tgmm(lhs, grad, sizes, impl="reference")
   assert out.dtype == dtype and out.shape == (6, 24, 20)
-  _assert_close(out, _numpy_tgmm(lhs, grad, sizes), dtype)
+  _assert_close(out, _numpy_tgmm(lhs, grad, sizes), dtype, _tgmm_sums(lhs, grad, sizes))
   _assert_zero_empty_groups(out, sizes)
 
 
@@ -128,7 +148,7 @@ def test_gmm_kernel_matches_reference(impl, dtype, tiled):
   lhs, rhs, _, sizes = _inputs(_rng("gmm", impl, dtype, tiled), m, k, n, 6, dtype)
   out = gmm(lhs, rhs, sizes, **_kwargs(impl, tiled))
   assert out.dtype == dtype and out.shape == (m, n)
-  _assert_close(out, gmm(lhs, rhs, sizes, impl="reference"), dtype)
+  _assert_close(out, gmm(lhs, rhs, sizes, impl="reference"), dtype, _gmm_sums(lhs, rhs, sizes))
   _assert_zero_past_groups(out, sizes)
 
 
@@ -140,7 +160,8 @@ def test_tgmm_kernel_matches_reference(impl, dtype, tiled):
   lhs, _, grad, sizes = _inputs(_rng("tgmm", impl, dtype, tiled), m, k, n, 6, dtype)
   out = tgmm(lhs, grad, sizes, **_kwargs(impl, tiled))
   assert out.dtype == dtype and out.shape == (6, k, n)
-  _assert_close(out, tgmm(lhs, grad, sizes, impl="reference"), dtype)
+  ref = tgmm(lhs, grad, sizes, impl="reference")
+  _assert_close(out, ref, dtype, _tgmm_sums(lhs, grad, sizes))
   _assert_zero_empty_groups(out, sizes)
 
 
@@ -155,10 +176,10 @@ def test_kernels_on_edge_group_layouts(impl, sizes):
   m, k, n = TILED_SHAPE[impl]
   lhs, rhs, grad, sizes = _inputs(_rng("edge", impl, sizes), m, k, n, 4, jnp.float32, sizes)
   out = gmm(lhs, rhs, sizes, **_kwargs(impl))
-  _assert_close(out, _numpy_gmm(lhs, rhs, sizes), jnp.float32)
+  _assert_close(out, _numpy_gmm(lhs, rhs, sizes), jnp.float32, _gmm_sums(lhs, rhs, sizes))
   _assert_zero_past_groups(out, sizes)
   out = tgmm(lhs, grad, sizes, **_kwargs(impl))
-  _assert_close(out, _numpy_tgmm(lhs, grad, sizes), jnp.float32)
+  _assert_close(out, _numpy_tgmm(lhs, grad, sizes), jnp.float32, _tgmm_sums(lhs, grad, sizes))
   _assert_zero_empty_groups(out, sizes)
 
 
@@ -169,10 +190,11 @@ def test_traced_group_sizes_past_m_are_cut_like_ragged_dot(impl):
   lhs, rhs, grad, _ = _inputs(_rng("past_m", impl), m, k, n, 4, jnp.float32, [0, 0, 0, 0])
   sizes = jnp.array([20, 0, 30, 40], jnp.int32)  # sum 90 > m = 64
   out = jax.jit(functools.partial(gmm, **_kwargs(impl)))(lhs, rhs, sizes)
-  _assert_close(out, jax.lax.ragged_dot(lhs, rhs, sizes), jnp.float32)
   cut = np.array([20, 0, 30, 14])
+  ref = jax.lax.ragged_dot(lhs, rhs, sizes)
+  _assert_close(out, ref, jnp.float32, _gmm_sums(lhs, rhs, cut))
   out = jax.jit(functools.partial(tgmm, **_kwargs(impl)))(lhs, grad, sizes)
-  _assert_close(out, _numpy_tgmm(lhs, grad, cut), jnp.float32)
+  _assert_close(out, _numpy_tgmm(lhs, grad, cut), jnp.float32, _tgmm_sums(lhs, grad, cut))
 
 
 @pytest.mark.parametrize("impl", KERNELS)
@@ -181,10 +203,10 @@ def test_preferred_element_type(impl):
   kwargs = _kwargs(impl, tiled=False)
   out = gmm(lhs, rhs, sizes, preferred_element_type=jnp.float32, **kwargs)
   assert out.dtype == jnp.float32
-  _assert_close(out, _numpy_gmm(lhs, rhs, sizes), jnp.float32)
+  _assert_close(out, _numpy_gmm(lhs, rhs, sizes), jnp.float32, _gmm_sums(lhs, rhs, sizes))
   out = tgmm(lhs, grad, sizes, preferred_element_type=jnp.float32, **kwargs)
   assert out.dtype == jnp.float32
-  _assert_close(out, _numpy_tgmm(lhs, grad, sizes), jnp.float32)
+  _assert_close(out, _numpy_tgmm(lhs, grad, sizes), jnp.float32, _tgmm_sums(lhs, grad, sizes))
 
 
 @pytest.mark.parametrize("impl", KERNELS)
@@ -215,8 +237,9 @@ def test_gmm_gradients_match_ragged_dot(impl, dtype):
   dlhs, drhs = jax.grad(functools.partial(loss, ours), argnums=(0, 1))(lhs, rhs)
   ref_dlhs, ref_drhs = jax.grad(functools.partial(loss, ref), argnums=(0, 1))(lhs, rhs)
   assert dlhs.dtype == dtype and drhs.dtype == dtype
-  _assert_close(dlhs, ref_dlhs, dtype)
-  _assert_close(drhs, ref_drhs, dtype)
+  # dlhs = cot @ rhs[g].T over the n columns, drhs = lhs.T @ cot over each group's rows.
+  _assert_close(dlhs, ref_dlhs, dtype, _gmm_sums(cot, np.swapaxes(rhs, 1, 2), sizes))
+  _assert_close(drhs, ref_drhs, dtype, _tgmm_sums(lhs, cot, sizes))
   _assert_zero_past_groups(dlhs, sizes)
   _assert_zero_empty_groups(drhs, sizes)
 
@@ -239,8 +262,11 @@ def test_tgmm_gradients_match_dense_masked_einsum(impl):
   ours = functools.partial(tgmm, group_sizes=sizes, **_kwargs(impl, tiled=False))
   got = jax.grad(functools.partial(loss, ours), argnums=(0, 1))(lhs, grad)
   want = jax.grad(functools.partial(loss, dense), argnums=(0, 1))(lhs, grad)
-  for g, w in zip(got, want, strict=True):
-    _assert_close(g, w, jnp.float32)
+  # d lhs = grad @ cot[g].T over the n columns, d grad = lhs @ cot[g] over the k rows.
+  cot_gnk = np.swapaxes(np.asarray(cot), 1, 2)
+  sums = (_gmm_sums(grad, cot_gnk, sizes), _gmm_sums(lhs, cot, sizes))
+  for g, w, s in zip(got, want, sums, strict=True):
+    _assert_close(g, w, jnp.float32, s)
 
 
 # ----------------------------------------------------------------------------- lowering

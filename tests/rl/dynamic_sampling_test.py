@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxrl.config import ConfigError, load_config
+from jaxrl.data.tasks import RewardBatch
 from jaxrl.rl import job
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +24,10 @@ def _fake_scores(informative):
   def score(records, completions):
     del completions
     rng = np.random.default_rng()
-    return np.array([rng.random() if informative(r["id"]) else 0.5 for r in records], np.float32)
+    rewards_b = np.array(
+      [rng.random() if informative(r["id"]) else 0.5 for r in records], np.float32
+    )
+    return RewardBatch(rewards_b, rewards_b == 1.0, timeouts=0)
 
   return score
 

@@ -153,8 +153,12 @@ def test_mesh_sizes_that_do_not_fit_are_reported():
 
 
 def test_batch_that_does_not_split_is_reported(tmp_path):
-  cfg = tiny_config(**{"train.micro_batch_size": 5})
-  with pytest.raises(ConfigError, match="micro_batch_size"):
+  # Into updates of whole micro-batches: when the config is converted.
+  with pytest.raises(ConfigError, match="config.train.micro_batch_size=5"):
+    tiny_config(**{"train.micro_batch_size": 5})
+  # Micro-batches over the training mesh's batch axes (fsdp 4 here): once the mesh is built.
+  cfg = tiny_config("fixed", **{"train.micro_batch_size": 2})
+  with pytest.raises(ConfigError, match="micro_batch_size=2"):
     job.build_controller(cfg, str(tmp_path), show_progress=False)
 
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tolerance
 
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import logprob_mismatch
@@ -102,7 +103,9 @@ def test_top_k_top_p_sample_only_allowed_tokens():
   seen = [set(toks[:, b].tolist()) for b in range(6)]
   # The log-prob is that of the renormalised filtered distribution.
   renorm = np.asarray(jax.nn.log_softmax(jnp.asarray(masked), axis=-1))
-  np.testing.assert_allclose(logp, renorm[np.arange(6)[None], toks], rtol=1e-5, atol=1e-5)
+  # A log-softmax over 40 logits: its rounding scales with the logits.
+  want = renorm[np.arange(6)[None], toks]
+  tolerance.assert_close(logp, want, n=logits.shape[-1], scale=np.abs(logits).max())
   for b in range(6):
     assert seen[b] <= allowed[b]
   assert len(seen[0]) == 1 and len(seen[2]) > 1
@@ -144,7 +147,10 @@ def test_rollout_logprobs_match_learner(setup):
   )
   mismatch = logprob_mismatch(learner, outs, PAD)
   assert mismatch["tokens"] > 8
-  assert mismatch["max_abs_diff"] < 1e-4, f"train/inference log-prob mismatch {mismatch}"
+  # Same weights, other shardings (tensor vs fsdp) and kernels: apart by rounding only.
+  scale = max(np.abs(c.logprobs).max() for c in outs)
+  allowed = tolerance.atol(tolerance.model_terms(model.config), scale)
+  assert mismatch["max_abs_diff"] <= allowed, f"train/inference log-prob mismatch {mismatch}"
 
 
 def test_bad_requests_rejected_at_submit(setup):

@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from helpers import tolerance
 
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import logprob_mismatch
@@ -16,6 +17,8 @@ from jaxrl.train import Learner, LossConfig, OptimizerConfig
 
 EOS, PAD = 2, 0
 MODEL = Model(get_preset("tiny"))
+# Log-probs computed two ways (engines, windows, shardings) differ by the rounding of the model.
+TERMS = tolerance.model_terms(MODEL.config)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def test_greedy_matches_static_engine_under_preemption(mesh, params):
   assert paged.num_preemptions > 0
   for a, b in zip(expected, got, strict=True):
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    tolerance.assert_close(b.logprobs, a.logprobs, n=TERMS)
     assert a.finish_reason == b.finish_reason
   assert paged.allocator.num_free == 14 and not paged.has_work
 
@@ -77,7 +80,7 @@ def test_snapshot_continues_on_another_engine_exactly(mesh, params, temperature)
   second.submit(moved)
   continued = list(second.stream())[0]
   assert continued.token_ids == whole.token_ids
-  np.testing.assert_allclose(continued.logprobs, whole.logprobs, atol=1e-5)
+  tolerance.assert_close(continued.logprobs, whole.logprobs, n=TERMS)
   assert continued.token_ids[: len(record.token_ids)] == record.token_ids
 
 
@@ -104,7 +107,7 @@ def test_decode_windows_give_the_tokens_of_single_steps(mesh, params):
   for one, three, eight in zip(outs[1], outs[3], outs[8], strict=True):
     for other in (three, eight):
       np.testing.assert_array_equal(one.token_ids, other.token_ids)
-      np.testing.assert_allclose(one.logprobs, other.logprobs, atol=1e-5)
+      tolerance.assert_close(other.logprobs, one.logprobs, n=TERMS)
       assert one.finish_reason == other.finish_reason
   assert any(c.finish_reason == "stop" for c in outs[1])
   assert any(c.finish_reason == "length" for c in outs[1])
@@ -198,7 +201,8 @@ def test_logprobs_match_the_learner(mesh, params):
     params=params,
   )
   mismatch = logprob_mismatch(learner, outs, PAD)
-  assert mismatch["max_abs_diff"] < 1e-4, mismatch
+  scale = max(np.abs(c.logprobs).max() for c in outs)
+  assert mismatch["max_abs_diff"] <= tolerance.atol(TERMS, scale), mismatch
 
 
 def test_bad_requests_are_rejected_at_submit(mesh, params):

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tolerance
 
 from jaxrl.train import losses
 
@@ -116,7 +117,8 @@ def test_random_batch_matches_numpy_reference(aggregation, kl_weight):
     logp, old, adv, mask, cfg, num_tokens=mask.sum(), num_seqs=8, ref_logp_bt=ref
   )
   expected = _reference_loss(logp, old, adv, mask, cfg, ref if kl_weight else None)
-  np.testing.assert_allclose(loss, expected, rtol=1e-5, atol=1e-6)
+  scale = tolerance.policy_loss_scale(logp, old, adv, mask, ref_logp_bt=ref, kl_weight=kl_weight)
+  tolerance.assert_close(loss, expected, n=mask.size, scale=scale, exact=True)
   np.testing.assert_allclose(loss, metrics["pg_loss"] + metrics["kl_penalty"], rtol=1e-6)
   assert 0.0 < float(metrics["clip_frac"]) < 1.0
 
@@ -144,9 +146,13 @@ def test_micro_batches_sum_to_full_batch(aggregation):
     total_loss += loss
     total_metrics = {k: total_metrics[k] + metrics[k] for k in metrics}
     grads.append(grad)
-  np.testing.assert_allclose(total_loss, full_loss, rtol=1e-5, atol=1e-7)
+  # The loss and pg_loss sum terms of either sign; the other metrics positive ones (or count),
+  # whose size is the result's own.
+  scale = tolerance.policy_loss_scale(logp, old, adv, mask, ref_logp_bt=ref, kl_weight=0.05)
+  tolerance.assert_close(total_loss, full_loss, n=mask.size, scale=scale)
   for k in full_metrics:
-    np.testing.assert_allclose(total_metrics[k], full_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    k_scale = scale if k == "pg_loss" else None
+    tolerance.assert_close(total_metrics[k], full_metrics[k], n=mask.size, scale=k_scale, err_msg=k)
   np.testing.assert_allclose(jnp.concatenate(grads), full_grad, rtol=1e-5, atol=1e-8)
   assert float(jnp.abs(full_grad).sum()) > 0
 
@@ -244,6 +250,13 @@ def _np_log_softmax(x):
   return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+def _assert_log_softmax_close(logp_bt, expected_bt, full_btv):
+  """A log-softmax over v logits rounds like a v-term sum of terms the size of the (scaled)
+  logits, which are at most max|log-prob| apart from each other."""
+  scale = np.abs(full_btv).max()
+  tolerance.assert_close(logp_bt, expected_bt, n=full_btv.shape[-1], scale=scale, exact=True)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_matches_numpy(temperature):
   k1, k2 = jax.random.split(jax.random.key(5))
@@ -253,7 +266,7 @@ def test_token_logprobs_matches_numpy(temperature):
   full_btv = _np_log_softmax(np.asarray(logits_btv, np.float64) / temperature)
   expected_bt = np.take_along_axis(full_btv, np.asarray(targets_bt)[..., None], axis=-1)[..., 0]
   assert logp_bt.shape == (3, 5) and logp_bt.dtype == jnp.float32
-  np.testing.assert_allclose(logp_bt, expected_bt, rtol=1e-5, atol=1e-5)
+  _assert_log_softmax_close(logp_bt, expected_bt, full_btv)
 
 
 def test_token_logprobs_bf16_logits_computed_in_fp32():
@@ -265,7 +278,7 @@ def test_token_logprobs_bf16_logits_computed_in_fp32():
   # Exact fp32 answer for the bf16 values; a bf16 log-softmax would be off by ~1e-2.
   full_btv = _np_log_softmax(np.asarray(logits_btv.astype(jnp.float32), np.float64))
   expected_bt = np.take_along_axis(full_btv, np.asarray(targets_bt)[..., None], axis=-1)[..., 0]
-  np.testing.assert_allclose(logp_bt, expected_bt, rtol=1e-5, atol=1e-5)
+  _assert_log_softmax_close(logp_bt, expected_bt, full_btv)
 
 
 def test_token_logprobs_bad_temperature():
@@ -290,7 +303,9 @@ def test_gspo_sequence_ratio_and_gradient():
   s_b = np.exp(np.where(m > 0, lp - od, 0).sum(1) / np.maximum(lengths, 1))
   # Unclipped: each sequence's loss is -s A; empty sequences contribute 0.
   expected = np.sum(np.where(lengths > 0, -s_b * a, 0.0)) / num_seqs
-  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  # Terms of either sign; each sequence ratio is at most its largest token ratio.
+  scale = tolerance.policy_loss_scale(logp, old, adv, mask)
+  tolerance.assert_close(loss, expected, n=mask.shape[1] + num_seqs, scale=scale, exact=True)
   # d(-s A / num_seqs) / d logp_t = -A s / (len * num_seqs) on the sequence's masked tokens.
   g = -a * s_b / np.maximum(lengths, 1) / num_seqs
   np.testing.assert_allclose(grad, np.where(m > 0, g[:, None], 0.0), rtol=1e-4, atol=1e-7)
@@ -339,10 +354,21 @@ def test_behaviour_weights_match_numpy(correction, level):
   ratio = np.exp(np.where(mask, logp - prox, 0.0))
   surrogate = np.minimum(ratio * adv[:, None], np.clip(ratio, 0.8, 1.2) * adv[:, None])
   expected = np.sum(np.where(mask, -weight * surrogate, 0.0)) / n
-  np.testing.assert_allclose(loss, expected, rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(metrics["behaviour_weight_mean"], weight[mask].mean(), rtol=1e-5)
-  np.testing.assert_allclose(
-    metrics["behaviour_weight_sq_mean"], (weight[mask] ** 2).mean(), rtol=1e-5
+  # Sums over tokens of weights, each exp of a log-ratio (a sum over the sequence's tokens at the
+  # sequence level) and times a ratio: those round with the differences of log-probs they add.
+  terms = mask.shape[1] + n
+  log_ratios = np.where(mask, np.abs(prox - behaviour), 0.0).sum(1).max()
+  logs = 1 + log_ratios + np.abs(logp - prox)[mask].max()
+  scale = np.abs(weight * surrogate)[mask].max() * logs
+  tolerance.assert_close(loss, expected, n=terms, scale=scale, exact=True)
+  kept = weight[mask]
+  w_scale = kept.max() * logs
+  tolerance.assert_close(
+    metrics["behaviour_weight_mean"], kept.mean(), n=terms, scale=w_scale, exact=True
+  )
+  sq_mean, sq_scale = (kept**2).mean(), 2 * kept.max() * w_scale
+  tolerance.assert_close(
+    metrics["behaviour_weight_sq_mean"], sq_mean, n=terms, scale=sq_scale, exact=True
   )
   np.testing.assert_allclose(metrics["behaviour_adjusted_frac"], adjusted[mask].mean(), rtol=1e-6)
   assert 0 < adjusted[mask].mean() < 1  # the case exercises both sides of the cap

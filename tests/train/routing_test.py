@@ -4,6 +4,7 @@ expert-parallel learner against the reference-dispatch learner."""
 import jax
 import numpy as np
 import pytest
+from helpers import tolerance
 
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import build_batch
@@ -67,7 +68,9 @@ def test_replayed_routes_reproduce_the_rollout_log_probs(rollout):
   with jax.default_matmul_precision("highest"):
     logp = np.asarray(ep.logprobs(ep.params, batch.tokens_bt, ep._replayed_routes(batch)))
   mask = batch.mask_bt > 0
-  np.testing.assert_allclose(logp[mask], batch.old_logp_bt[mask], atol=2e-4)
+  # The engine's log-probs, with the same experts: apart by the rounding of the model only.
+  terms = tolerance.model_terms(MODEL.config)
+  tolerance.assert_close(logp[mask], batch.old_logp_bt[mask], n=terms)
 
 
 def test_expert_parallel_learner_with_placements_matches_the_reference_learner(rollout):
@@ -76,11 +79,17 @@ def test_expert_parallel_learner_with_placements_matches_the_reference_learner(r
     ep = learner({"fsdp": 2, "expert": 2}, params)
     ref = learner({"fsdp": 4}, params, moe=MoEConfig(routing_replay=True))
     assert ep.expert_parallel is not None and ref.expert_parallel is None
+    logp_bt = ref.logprobs(ref.params, batch.tokens_bt, ref._replayed_routes(batch))
     got, want = ep.update(batch), ref.update(batch)
-  assert float(got["loss"]) == pytest.approx(float(want["loss"]), rel=1e-4, abs=1e-6)
+  mask_bt, tokens = batch.mask_bt, batch.mask_bt.size
+  scale = tolerance.policy_loss_scale(
+    logp_bt, batch.old_logp_bt, batch.advantages_b, mask_bt, computed_logp=True
+  )
+  terms = tolerance.model_terms(MODEL.config, tokens=tokens)
+  tolerance.assert_close(got["loss"], want["loss"], n=terms, scale=scale, err_msg="loss")
   assert float(got["moe_imbalance_planned"]) <= float(got["moe_imbalance_static"])
-  for x, y in zip(jax.tree.leaves(ep.params), jax.tree.leaves(ref.params), strict=True):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6)
+  terms = tolerance.update_terms(MODEL.config, params, tokens)
+  tolerance.assert_same_update(ep.params, ref.params, params, n=terms)
 
 
 def test_loads_and_bad_settings():
