@@ -15,6 +15,7 @@ from jaxrl.config import ConfigError  # noqa: E402
 from jaxrl.model import Model  # noqa: E402
 from jaxrl.rl import job  # noqa: E402
 from jaxrl.rl.checkpoint import Checkpointer  # noqa: E402
+from jaxrl.rl.policy import make_tokenizer, model_config  # noqa: E402
 from jaxrl.rl.ray_backend import RayLearner, RayWeightStore, RayWorker, RemoteStore  # noqa: E402
 from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline  # noqa: E402
 from jaxrl.rl.weights import StoreUnreachable  # noqa: E402
@@ -101,13 +102,16 @@ def test_the_learner_actor_trains_as_the_local_learner_and_checkpoints(tmp_path,
   core = max(os.sched_getaffinity(0))
   remote = RayLearner(cfg, {"fsdp": 2}, cores=[core])
   assert remote.cores() == [core]  # pinned (`loop.ray_pin_cores`)
-  local = job.make_learner(cfg, Model(cfg.model), make_mesh(jax.devices()[:2], {"fsdp": 2}))
+  # The job's model (the tokenizer's vocabulary masks the embedding's spare rows), as the
+  # actor builds it.
+  model = Model(model_config(cfg, make_tokenizer(cfg)))
+  local = job.make_learner(cfg, model, make_mesh(jax.devices()[:2], {"fsdp": 2}))
   assert _close(remote.params, local.params, 0)  # same seed, same initial weights
   rng = np.random.default_rng(0)
   b, t = cfg.rollout.prompts_per_step * cfg.rollout.group_size, 12
   mask = (rng.random((b, t - 1)) < 0.7).astype(np.float32)
   batch = TrainBatch(
-    tokens_bt=rng.integers(3, cfg.model.vocab_size, (b, t)).astype(np.int32),
+    tokens_bt=rng.integers(3, make_tokenizer(cfg).vocab_size, (b, t)).astype(np.int32),
     mask_bt=mask,
     old_logp_bt=np.log(rng.uniform(0.05, 0.9, (b, t - 1))).astype(np.float32) * mask,
     advantages_b=rng.normal(size=b).astype(np.float32),
