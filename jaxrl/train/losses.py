@@ -153,8 +153,7 @@ def chunked_token_logprobs(
   hidden_nbcd, targets_nbc = jnp.swapaxes(hidden_nbcd, 0, 1), jnp.swapaxes(targets_nbc, 0, 1)
   head_dv = head_dv.astype(hidden_btd.dtype)
 
-  @jax.checkpoint
-  def one_chunk(hidden_bcd, targets_bc):
+  def chunk_stats(hidden_bcd, targets_bc):
     logits_bcv = jnp.einsum("bcd,dv->bcv", hidden_bcd, head_dv).astype(jnp.float32)
     logits_bcv = vocab_mask(logits_bcv, vocab_limit) / temperature
     logz_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
@@ -163,6 +162,10 @@ def chunked_token_logprobs(
     entropy_bc = logz_bc - jnp.sum(probs_bcv * logits_bcv, axis=-1)
     return target_bc - logz_bc, entropy_bc
 
+  if n == 1:  # one chunk: no loop, and nothing to recompute that a loop would have freed
+    logp_bc, entropy_bc = chunk_stats(hidden_nbcd[0], targets_nbc[0])
+    return logp_bc[:, :t], entropy_bc[:, :t]
+  one_chunk = jax.checkpoint(chunk_stats)  # backward recomputes each chunk's logits
   logp_nbc, entropy_nbc = jax.lax.map(lambda xs: one_chunk(*xs), (hidden_nbcd, targets_nbc))
   unchunk = lambda x_nbc: jnp.swapaxes(x_nbc, 0, 1).reshape(b, n * chunk)[:, :t]  # noqa: E731
   return unchunk(logp_nbc), unchunk(entropy_nbc)
