@@ -296,8 +296,9 @@ class Controller:
     bar.set_postfix(postfix)
     if (s.checkpoint_every and self.state.step % s.checkpoint_every == 0) or last:
       self.save()
-    if self.exporter is not None:
-      self.exporter.after_step(self.state.step, self.learner.params, last)
+    out_dir = self.exporter and self.exporter.due(self.state.step, last)
+    if out_dir:
+      self.exporter.export(self.learner.params, out_dir)
 
   def _eval_and_write(self) -> float:
     """Evaluates, writes the eval record; returns its mean reward."""

@@ -148,12 +148,16 @@ class PolicyExporter:
     self.model = model
     self.root = os.path.join(workdir, "hf")
 
-  def after_step(self, step: int, params: Params, last: bool) -> str | None:
-    """Exports if `step` is due (or `last`); returns the directory written, or None."""
+  def due(self, step: int, last: bool) -> str | None:
+    """The directory to export to after `step` (`last`: the run's end), or None if not due:
+    asked before the weights are fetched, which for a remote learner is a full transfer."""
     every = self.cfg.checkpoint.hf_every
     if last:
-      return export_policy(self.cfg, self.model, params, os.path.join(self.root, "final"))
+      return os.path.join(self.root, "final")
     if every and step % every == 0:
-      out = os.path.join(self.root, f"step_{step:06d}")
-      return export_policy(self.cfg, self.model, params, out)
+      return os.path.join(self.root, f"step_{step:06d}")
     return None
+
+  def export(self, params: Params, out_dir: str) -> str:
+    """Writes `params` to `out_dir` (from `due`)."""
+    return export_policy(self.cfg, self.model, params, out_dir)
