@@ -122,6 +122,10 @@ class RolloutConfig:
       generates from bf16 copies of a learner's fp32 master weights (half the memory and
       bandwidth per decode step); rollout log-probs then differ from the learner's by bf16
       rounding, which `train.loss.behaviour_correction` can correct.
+    free_during_train: in the synchronous loop, when rollout and training share devices
+      (colocated), drop the rollout engine's weights and KV page pool while the learner
+      trains (the weights are stale by then; both come back at the next weight sync), so the
+      learner's step has that memory.
   """
 
   engine: str = "paged"
@@ -132,6 +136,7 @@ class RolloutConfig:
   dynamic_sampling: bool = False
   dynamic_sampling_rounds: int = 4
   param_dtype: str = ""
+  free_during_train: bool = True
 
   def __post_init__(self):
     _check_at_least("rollout", self, 1, "prompts_per_step", "dynamic_sampling_rounds")

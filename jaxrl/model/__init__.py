@@ -8,12 +8,13 @@ from jaxrl.model.hf import load_pretrained, save_pretrained
 from jaxrl.model.hf_config import config_from_hf, config_to_hf
 from jaxrl.model.moe import ExpertParallel, MoEInputs, MoEMLP, replay_route, route
 from jaxrl.model.safetensors_io import CheckpointError
-from jaxrl.model.transformer import Transformer
+from jaxrl.model.transformer import LMHead, Transformer
 
 __all__ = [
   "PRESETS",
   "CheckpointError",
   "ExpertParallel",
+  "LMHead",
   "LayerCache",
   "PagedLayerCache",
   "Model",

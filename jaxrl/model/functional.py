@@ -15,7 +15,7 @@ from flax import nnx
 from jaxrl.model.cache import LayerCache, init_cache
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.moe import MoEInputs
-from jaxrl.model.transformer import Transformer
+from jaxrl.model.transformer import LMHead, Transformer
 
 Params = dict
 
@@ -66,18 +66,18 @@ class Model:
     With `return_routing`, also the expert ids every token was routed to per layer (MoE), or
     None for a dense model; `moe` selects expert parallelism, routing replay and an expert
     placement; `return_hidden` gives the final hidden states instead of the logits (for
-    `head_weights` applied in chunks); see `Transformer.__call__`.
+    `lm_head` applied in chunks); see `Transformer.__call__`.
     """
     state = jax.tree.map(lambda x: x, self._abstract_state)
     nnx.replace_by_pure_dict(state, params)
     module = nnx.merge(self.graphdef, state)
     return module(tokens_bt, positions_bt, cache, return_routing, moe, return_hidden)
 
-  def head_weights(self, params: Params) -> jax.Array:
-    """The LM head `[d, vocab]` of `params` (the embedding, transposed, when tied)."""
+  def lm_head(self, params: Params) -> LMHead:
+    """The LM head of `params` as stored: the embedding when tied, else `lm_head_dv`."""
     if self.config.tie_embeddings:
-      return params["embed_vd"].T
-    return params["lm_head_dv"]
+      return LMHead(params["embed_vd"], vocab_major=True)
+    return LMHead(params["lm_head_dv"], vocab_major=False)
 
   def init_cache(self, batch: int, max_len: int) -> tuple[LayerCache, ...]:
     return init_cache(self.config, batch, max_len)

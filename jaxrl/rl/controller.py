@@ -53,6 +53,9 @@ class ControllerSettings:
   dynamic_sampling_rounds: int = 0  # 0: off; else DAPO dynamic sampling with this many rounds
   # Chat-template variables of every prompt, e.g. {"enable_thinking": False}.
   template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # Drop the rollout engine's weights and cache during each update (it shares the learner's
+  # devices); the weight sync after the update gives them back.
+  free_rollout_during_train: bool = False
 
 
 @dataclasses.dataclass
@@ -210,6 +213,8 @@ class Controller:
     s, step = self.s, self.state.step
     group_records, completions, rewards_b, times = self.generate_groups()
     records = group_records[:: s.group_size]
+    if s.free_rollout_during_train:
+      self.rollout.release_memory()
 
     t = time.perf_counter()
     advantages_b = np.asarray(group_advantages(rewards_b, s.group_size, mode=s.advantage))

@@ -154,6 +154,7 @@ def build_controller(
     if cfg.rollout.dynamic_sampling
     else 0,
     template_kwargs=chat,
+    free_rollout_during_train=cfg.rollout.free_during_train and placement.shares_devices,
   )
   loader = PromptLoader(train_records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
   eval_records = task.records("test", cfg.eval.num_prompts) if cfg.eval.every else []

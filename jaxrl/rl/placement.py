@@ -20,6 +20,11 @@ class Placement:
   rollout_mesh: jax.sharding.Mesh
   train_mesh: jax.sharding.Mesh
 
+  @property
+  def shares_devices(self) -> bool:
+    """Whether some device serves both stages (so their memory competes)."""
+    return bool(set(self.rollout_mesh.devices.flat) & set(self.train_mesh.devices.flat))
+
 
 def make_placement(
   cfg: PlacementConfig, devices: Sequence[jax.Device] | None = None, plan: Plan | None = None

@@ -56,6 +56,10 @@ class RolloutEngine(Protocol):
   def update_weights(self, params: Params, version: int) -> None:
     """Takes new weights (placed onto the engine's own mesh layout) and their version."""
 
+  def release_memory(self) -> None:
+    """Drops the engine's weights and caches while it is idle (the learner, sharing its
+    devices, needs the memory); the next `update_weights` gives it weights again."""
+
   def generate(
     self,
     prompts: Sequence[Sequence[int]],
@@ -123,6 +127,10 @@ class StaticEngine:
   def update_weights(self, params: Params, version: int) -> None:
     self.params = place_params(params, self.param_shardings, self.model.abstract_params())
     self.version = version
+
+  def release_memory(self) -> None:
+    """Drops the weights (each `generate` allocates its own cache and frees it on return)."""
+    self.params = None
 
   def validate(self, prompt_len: int, sampling: SamplingParams) -> None:
     """Raises if a request cannot fit the model's context."""

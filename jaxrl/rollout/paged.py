@@ -108,7 +108,9 @@ class PagedEngine:
       mesh, logical_to_pspec(("kv_heads", None, None, "head_dim"), rules, mesh, kv_shape)
     )
     zeros = jax.jit(lambda: jnp.zeros(kv_shape, jnp.dtype(mc.dtype)), out_shardings=kv_sharding)
-    self._kv = [(zeros(), zeros()) for _ in range(mc.num_layers)]
+    self._new_kv = lambda: [(zeros(), zeros()) for _ in range(mc.num_layers)]
+    self._kv = self._new_kv()  # None while released (`release_memory`)
+    self._precompiled = False
     self._row_sharding = batch_sharding(mesh, rules, 1)
     self._matrix_sharding = batch_sharding(mesh, rules, 2)
     batch_axes = self._row_sharding.spec[0] or ()
@@ -136,11 +138,23 @@ class PagedEngine:
 
   def update_weights(self, params: Params, version: int) -> None:
     """New weights take effect at the next decode window; later tokens carry `version`."""
-    first = self.params is None
     self.params = place_params(params, self.param_shardings, self.model.abstract_params())
     self.version = version
-    if first and self.cfg.precompile:
+    if self._kv is None:
+      self._kv = self._new_kv()
+    if self.cfg.precompile and not self._precompiled:
       self.precompile()
+
+  def release_memory(self) -> None:
+    """Drops the weights and the KV page pool (every page is free: no request may be in the
+    engine); `update_weights` allocates the pool again."""
+    if self.has_work:
+      raise RuntimeError(
+        f"PagedEngine.release_memory with {len(self.running)} running and {len(self.waiting)} "
+        "waiting requests in the engine; finish them (`stream`) or `abort` them first."
+      )
+    self.params = None
+    self._kv = None
 
   def precompile(self, stop_widths: Sequence[int] = (1,)) -> int:
     """Compiles every decode window and prefill call this engine can make, by running each
@@ -174,6 +188,7 @@ class PagedEngine:
         self._kv, _ = self._prefill(self.params, self._kv, tokens, positions, table)
         shapes += 1
     jax.block_until_ready(self._kv)
+    self._precompiled = True
     return shapes
 
   def submit(

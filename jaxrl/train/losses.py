@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrl.model.transformer import vocab_mask
+from jaxrl.model.transformer import LMHead, vocab_mask
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 RATIO_LEVELS = ("token", "sequence")
@@ -119,7 +119,7 @@ def token_logprobs(
 
 def chunked_token_logprobs(
   hidden_btd: jax.Array,
-  head_dv: jax.Array,
+  head: LMHead,
   targets_bt: jax.Array,
   temperature: float = 1.0,
   *,
@@ -135,7 +135,7 @@ def chunked_token_logprobs(
 
   Args:
     hidden_btd: final hidden states (`Model.apply(..., return_hidden=True)`).
-    head_dv: the LM head (`Model.head_weights(params)`), cast to the hidden states' dtype.
+    head: the LM head (`Model.lm_head(params)`), applied in the hidden states' dtype.
     targets_bt: `[B, T]` integer token ids.
     temperature: the sampling temperature the rollouts used; must be > 0.
     vocab_limit: ids at and past it are masked out (`ModelConfig.vocab_limit`); 0 keeps all.
@@ -151,10 +151,8 @@ def chunked_token_logprobs(
   hidden_nbcd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d)
   targets_nbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, chunk)
   hidden_nbcd, targets_nbc = jnp.swapaxes(hidden_nbcd, 0, 1), jnp.swapaxes(targets_nbc, 0, 1)
-  head_dv = head_dv.astype(hidden_btd.dtype)
-
   def chunk_stats(hidden_bcd, targets_bc):
-    logits_bcv = jnp.einsum("bcd,dv->bcv", hidden_bcd, head_dv).astype(jnp.float32)
+    logits_bcv = head.logits(hidden_bcd).astype(jnp.float32)
     logits_bcv = vocab_mask(logits_bcv, vocab_limit) / temperature
     logz_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
     target_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]

@@ -14,7 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl.train.learner import Learner, apply_if_finite, optimizer_shardings
+from jaxrl.train.learner import (
+  Learner,
+  apply_if_finite,
+  optimizer_shardings,
+  training_compiler_options,
+)
 from jaxrl.train.losses import chunked_token_logprobs
 
 
@@ -32,6 +37,7 @@ class SupervisedTrainer:
       self._step_impl,
       donate_argnums=(0, 1),
       out_shardings=(learner.param_shardings, opt_shardings, replicated),
+      compiler_options=training_compiler_options(learner.mesh),
     )
 
   def step(self, tokens_bt: np.ndarray, mask_bt: np.ndarray) -> dict[str, jax.Array]:
@@ -47,7 +53,7 @@ class SupervisedTrainer:
       hidden_btd, _ = self.learner.model.apply(p, tokens_bt[:, :-1], return_hidden=True)
       logp_bt, _ = chunked_token_logprobs(
         hidden_btd,
-        self.learner.model.head_weights(p),
+        self.learner.model.lm_head(p),
         tokens_bt[:, 1:],
         vocab_limit=self.learner.model.config.vocab_limit,
         chunk=self.learner.logprob_chunk,

@@ -83,6 +83,27 @@ def test_placements_use_the_configured_devices():
   assert len(rollout) == 4 and len(train) == 4 and not rollout & train
   colocated = make_placement(tiny_config("colocated").placement)
   assert colocated.rollout_mesh.devices.flat[0] == colocated.train_mesh.devices.flat[0]
+  assert colocated.shares_devices and not p.shares_devices
+
+
+def test_colocated_rollout_engine_is_empty_while_the_learner_trains(tmp_path, monkeypatch):
+  overrides = {"rollout.prompts_per_step": 4, "rollout.group_size": 4, "train.micro_batch_size": 8}
+  cfg = tiny_config("colocated", **overrides)
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  assert controller.s.free_rollout_during_train
+  controller.publish()
+  seen = []
+  update = controller.learner.update
+
+  def update_and_look(batch):
+    seen.append((controller.rollout.params, controller.rollout._kv))
+    return update(batch)
+
+  monkeypatch.setattr(controller.learner, "update", update_and_look)
+  controller.step()
+  assert seen == [(None, None)]  # dropped during the update
+  assert controller.rollout.params is not None and controller.rollout._kv is not None
+  assert controller.rollout.version == controller.state.version == 1
 
 
 def test_planned_placement_takes_split_and_meshes_from_the_planner():

@@ -181,6 +181,30 @@ def test_weight_update_takes_effect_at_the_next_window(mesh, params, decode_step
   assert record.versions == [3] * before + [4] * (12 - before)
 
 
+def test_released_engine_frees_its_pool_and_generates_the_same_after_new_weights(mesh, params):
+  rng = np.random.default_rng()
+  ps, sp = prompts(3, rng), SamplingParams(temperature=0.0, max_new_tokens=8)
+  e = engine(mesh, params)
+  expected = e.generate(ps, sp, seed=0)
+  e.submit(ps[0], sp, request_id="busy")
+  with pytest.raises(RuntimeError, match="0 running and 1 waiting requests"):
+    e.release_memory()
+  e.abort(["busy"])
+  e.release_memory()
+  assert e.params is None and e._kv is None
+  with pytest.raises(RuntimeError, match="before update_weights"):
+    e.generate(ps, sp, seed=0)
+  e.update_weights(params, version=1)
+  got = e.generate(ps, sp, seed=0)
+  for a, b in zip(expected, got, strict=True):
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+  static = StaticEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD)
+  static.update_weights(params, 0)
+  static.release_memory()
+  with pytest.raises(RuntimeError, match="before update_weights"):
+    static.generate(ps, sp, seed=0)
+
+
 def test_logprobs_match_the_learner(mesh, params):
   rng = np.random.default_rng()
   e = engine(mesh, params, page_size=8, num_pages=64)

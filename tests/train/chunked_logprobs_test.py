@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import tolerance
 
-from jaxrl.model import Model, get_preset
+from jaxrl.model import LMHead, Model, get_preset
 from jaxrl.model.transformer import MASKED_LOGIT, vocab_mask
 from jaxrl.train.losses import chunked_token_logprobs, token_logprobs
 
@@ -35,7 +35,7 @@ def test_chunked_matches_float64(chunk, vocab_limit):
   head = jnp.asarray(rng.normal(size=(d, v)) * 0.5, jnp.float32)
   targets = jnp.asarray(rng.integers(0, vocab_limit or v, (b, t)), jnp.int32)
   logp, entropy = chunked_token_logprobs(
-    hidden, head, targets, 0.7, vocab_limit=vocab_limit, chunk=chunk
+    hidden, LMHead(head, vocab_major=False), targets, 0.7, vocab_limit=vocab_limit, chunk=chunk
   )
   want_logp, want_entropy = _reference_f64(hidden, head, targets, 0.7, vocab_limit)
   # Logits sum d products, the log-softmax and the entropy v terms of the logits' size (the
@@ -46,7 +46,8 @@ def test_chunked_matches_float64(chunk, vocab_limit):
   tolerance.assert_close(entropy, want_entropy, n=d + v, scale=scale, exact=True, err_msg="entropy")
 
 
-def test_chunked_gradient_matches_unchunked():
+@pytest.mark.parametrize("vocab_major", [False, True])
+def test_chunked_gradient_matches_unchunked(vocab_major):
   rng = np.random.default_rng(1)
   b, t, d, v = 2, 11, 8, 32
   hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
@@ -55,7 +56,9 @@ def test_chunked_gradient_matches_unchunked():
   weights = jnp.asarray(rng.normal(size=(b, t)), jnp.float32)
 
   def chunked(h, w):
-    return jnp.sum(chunked_token_logprobs(h, w, targets, chunk=4)[0] * weights)
+    # A tied embedding's head is `[v, d]`, used as stored: the same values, the other layout.
+    head = LMHead(w.T, vocab_major=True) if vocab_major else LMHead(w, vocab_major=False)
+    return jnp.sum(chunked_token_logprobs(h, head, targets, chunk=4)[0] * weights)
 
   def plain(h, w):
     return jnp.sum(token_logprobs(jnp.einsum("btd,dv->btv", h, w), targets) * weights)
@@ -87,7 +90,7 @@ def test_model_masks_padded_vocabulary_and_remat_keeps_gradients():
   def loss(p, m):
     hidden, _ = m.apply(p, tokens[:, :-1], return_hidden=True)
     logp, _ = chunked_token_logprobs(
-      hidden, m.head_weights(p), tokens[:, 1:], vocab_limit=50, chunk=4
+      hidden, m.lm_head(p), tokens[:, 1:], vocab_limit=50, chunk=4
     )
     return -jnp.mean(logp)
 
