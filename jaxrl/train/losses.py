@@ -151,6 +151,7 @@ def chunked_token_logprobs(
   hidden_nbcd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d)
   targets_nbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, chunk)
   hidden_nbcd, targets_nbc = jnp.swapaxes(hidden_nbcd, 0, 1), jnp.swapaxes(targets_nbc, 0, 1)
+
   def chunk_stats(hidden_bcd, targets_bc):
     logits_bcv = head.logits(hidden_bcd).astype(jnp.float32)
     logits_bcv = vocab_mask(logits_bcv, vocab_limit) / temperature

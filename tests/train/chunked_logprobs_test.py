@@ -89,9 +89,7 @@ def test_model_masks_padded_vocabulary_and_remat_keeps_gradients():
 
   def loss(p, m):
     hidden, _ = m.apply(p, tokens[:, :-1], return_hidden=True)
-    logp, _ = chunked_token_logprobs(
-      hidden, m.lm_head(p), tokens[:, 1:], vocab_limit=50, chunk=4
-    )
+    logp, _ = chunked_token_logprobs(hidden, m.lm_head(p), tokens[:, 1:], vocab_limit=50, chunk=4)
     return -jnp.mean(logp)
 
   # The hidden-state path gives the logits' log-probs.
