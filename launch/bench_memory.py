@@ -11,7 +11,8 @@ Each case runs in a fresh process (peak resident memory, `ru_maxrss`, is per pro
 - `load`: loading alone, the peak resident memory it adds against the checkpoint's size on disk
   (target: at most 1.5x);
 - `grpo_step`: the step with the recipe's memory options on (fp32 master weights and Adam
-  state, chunked log-probs, remat, bf16 rollout weights), micro-batches of 1 sequence:
+  second moment, bf16 first moment, chunked log-probs, remat, bf16 rollout weights, rollout
+  weights and KV pool freed during the update), micro-batches of 1 sequence:
   `peak_rss_gib` (target: at most 12) and the wall time split by stage (`time_rollout`,
   `time_train`, ...; the step compiles its shapes, so the times include compilation);
 - `learner_plan_<option>_micro<m>`: XLA's buffer plan of that step's optimizer update (compiled,
@@ -38,6 +39,7 @@ OPTIONS_OFF = {
   "all_on": {},
   "logprob_chunk_off": {"train.logprob_chunk": 1 << 20},  # one chunk: whole-sequence logits
   "remat_off": {"model.remat": False},
+  "mu_bf16_off": {"train.optimizer.mu_dtype": "float32"},  # Adam's first moment in fp32
 }
 
 WORKLOAD = {

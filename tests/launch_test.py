@@ -1,5 +1,6 @@
 """launch/train.py turns a bad command line into one clear message, not a traceback."""
 
+import json
 import os
 import subprocess
 import sys
@@ -55,3 +56,14 @@ def test_bad_value_is_one_line_naming_its_key(tmp_path, flag, message):
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("Config error: "), result.stderr
   assert message in lines[0]
+
+
+def test_main_job_runs_on_one_device_as_shipped(tmp_path):
+  """The default config (planned placement) on a one-device machine colocates the stages."""
+  small = ["--config.warmup.steps=1", "--config.train.steps=2", "--config.eval.every=0"]
+  small += ["--config.rollout.prompts_per_step=4", "--config.rollout.group_size=2"]
+  small += ["--config.train.micro_batch_size=4", "--config.rollout.paged.max_running=8"]
+  result = run_train(tmp_path, "--cpu_devices=1", *small)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "colocated on it" in result.stderr
+  assert json.loads(result.stdout[result.stdout.index("{") :])["steps"] == 2

@@ -24,7 +24,7 @@ from jaxrl.rl.async_controller import AsyncController, AsyncSettings
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.controller import Controller, ControllerSettings
 from jaxrl.rl.experience import batch_lengths, pad_sequences
-from jaxrl.rl.placement import Placement, make_placement
+from jaxrl.rl.placement import Placement, place_stages
 from jaxrl.rl.policy import (
   PolicyExporter,
   initial_params,
@@ -38,8 +38,7 @@ from jaxrl.rl.weights import WeightStore
 from jaxrl.rl.workers import LocalWorker
 from jaxrl.rollout.engine import StaticEngine
 from jaxrl.rollout.paged import PagedEngine
-from jaxrl.scheduler.local import plan_for_experiment, worker_tokens_per_s
-from jaxrl.scheduler.planner import PlanningError
+from jaxrl.scheduler.local import worker_tokens_per_s
 from jaxrl.sharding import STAGE_RULES, make_mesh, split_devices
 from jaxrl.train.learner import Learner
 from jaxrl.train.sft import SupervisedTrainer
@@ -82,17 +81,7 @@ def build_controller(
   prompts = train_records[:64]
   prompt_len = max(len(encode_prompt(tokenizer, r, chat)) for r in prompts)
   if placement is None:
-    plan = None
-    if cfg.placement.mode == "planned":
-      try:
-        plan = plan_for_experiment(cfg, prompt_len)
-      except PlanningError as e:
-        raise ConfigError(
-          f"config.placement.mode='planned': {e} Set placement.mode='disaggregated' with "
-          "explicit device counts, or change the batch settings."
-        ) from None
-      log.info("placement planned by the scheduler:\n%s", plan.table())
-    placement = make_placement(cfg.placement, plan=plan)
+    placement = place_stages(cfg, prompt_len)
   make_engine = _choose(ENGINES, cfg.rollout.engine, "config.rollout.engine")
   mode = resolve_loop_mode(cfg, placement)
   if cfg.loop.mode == "auto":

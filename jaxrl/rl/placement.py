@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import jax
 
-from jaxrl.config import ConfigError, MeshConfig, PlacementConfig
+from jaxrl.config import ConfigError, ExperimentConfig, MeshConfig, PlacementConfig
+from jaxrl.scheduler.local import plan_for_experiment
 from jaxrl.scheduler.plan import Plan
+from jaxrl.scheduler.problem import PlanningError
 from jaxrl.sharding import make_mesh, split_devices
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +29,40 @@ class Placement:
   def shares_devices(self) -> bool:
     """Whether some device serves both stages (so their memory competes)."""
     return bool(set(self.rollout_mesh.devices.flat) & set(self.train_mesh.devices.flat))
+
+
+def place_stages(
+  cfg: ExperimentConfig, prompt_len: int, devices: Sequence[jax.Device] | None = None
+) -> Placement:
+  """The stages' meshes for `cfg.placement` over this process's devices (or `devices`).
+
+  In "planned" mode the scheduler splits the devices between the stages. One device cannot be
+  split: both stages are then colocated on it (and the log says so), so the job starts on a
+  one-GPU machine as shipped. Where the planner finds no split of several devices, the error
+  says what is missing.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if cfg.placement.mode != "planned":
+    return make_placement(cfg.placement, devices)
+  if len(devices) == 1:
+    log.info(
+      "config.placement.mode='planned': one %s device cannot be split between the stages; "
+      "rollout and training are colocated on it.",
+      devices[0].platform,
+    )
+    return make_placement(
+      dataclasses.replace(cfg.placement, mode="colocated", train_devices=1), devices
+    )
+  try:
+    plan = plan_for_experiment(cfg, prompt_len, devices)
+  except PlanningError as e:
+    raise ConfigError(
+      f"config.placement.mode='planned': {e} Set placement.mode='colocated' (both stages on "
+      "the same devices) or 'disaggregated' with explicit device counts, or change the batch "
+      "settings."
+    ) from None
+  log.info("placement planned by the scheduler:\n%s", plan.table())
+  return make_placement(cfg.placement, devices, plan=plan)
 
 
 def make_placement(

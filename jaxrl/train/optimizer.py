@@ -2,9 +2,11 @@
 
 import dataclasses
 
+import jax.numpy as jnp
 import optax
 
 SCHEDULES = ("constant", "cosine", "linear")
+MU_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +24,9 @@ class OptimizerConfig:
     b2: Adam's second-moment decay.
     eps: Adam's denominator epsilon.
     max_grad_norm: gradients are scaled down to this global L2 norm; <= 0 disables clipping.
+    mu_dtype: dtype of Adam's first moment, "float32" or "bfloat16". bf16 saves 2 bytes per
+      parameter (1.1 GiB at 0.6B) at the cost of rounding the momentum to 8 bits of mantissa;
+      the second moment, whose square root divides the step, stays fp32.
   """
 
   learning_rate: float = 1e-5
@@ -33,6 +38,7 @@ class OptimizerConfig:
   b2: float = 0.999
   eps: float = 1e-8
   max_grad_norm: float = 1.0
+  mu_dtype: str = "float32"
 
   def __post_init__(self):
     if self.learning_rate < 0:
@@ -55,6 +61,10 @@ class OptimizerConfig:
         raise ValueError(f"OptimizerConfig.{name} must be in [0, 1), got {getattr(self, name)}.")
     if self.eps <= 0:
       raise ValueError(f"OptimizerConfig.eps must be > 0, got {self.eps}.")
+    if self.mu_dtype not in MU_DTYPES:
+      raise ValueError(
+        f"OptimizerConfig.mu_dtype must be one of {MU_DTYPES}, got {self.mu_dtype!r}."
+      )
 
 
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -92,7 +102,12 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     `cfg.max_grad_norm <= 0`.
   """
   adamw = optax.adamw(
-    make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay
+    make_schedule(cfg),
+    b1=cfg.b1,
+    b2=cfg.b2,
+    eps=cfg.eps,
+    weight_decay=cfg.weight_decay,
+    mu_dtype=jnp.dtype(cfg.mu_dtype),
   )
   if cfg.max_grad_norm <= 0:
     return adamw

@@ -12,7 +12,7 @@ import pytest
 from jaxrl.config import ConfigError, load_config
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
-from jaxrl.rl.placement import make_placement
+from jaxrl.rl.placement import make_placement, place_stages
 from jaxrl.rl.timeline import load_segments
 from jaxrl.scheduler.local import plan_for_experiment
 
@@ -118,6 +118,16 @@ def test_planned_placement_takes_split_and_meshes_from_the_planner():
   assert dict(p.train_mesh.shape) == plan.train.mesh
   with pytest.raises(ConfigError, match="needs a plan"):
     make_placement(cfg.placement)
+  assert place_stages(cfg, prompt_len=12).train_mesh.shape == p.train_mesh.shape
+
+
+def test_planned_placement_colocates_on_one_device(caplog):
+  cfg = tiny_config()  # planned; its colocated device count (4) is more than one device has
+  caplog.set_level("INFO")
+  one = place_stages(cfg, prompt_len=12, devices=jax.devices()[:1])
+  assert one.mode == "colocated" and one.shares_devices
+  assert one.rollout_mesh.devices.size == one.train_mesh.devices.size == 1
+  assert "one cpu device cannot be split" in caplog.text
 
 
 def test_published_weights_land_on_the_rollout_mesh(tmp_path):

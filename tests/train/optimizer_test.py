@@ -59,6 +59,22 @@ def test_first_update_is_adamw_at_scheduled_rate():
   np.testing.assert_allclose(updates_d, expected_d, rtol=1e-5)
 
 
+def test_bf16_first_moment_is_stored_in_bf16_and_updates_like_fp32():
+  k1, k2 = jax.random.split(jax.random.key(1))
+  params_d = jax.random.normal(k1, (64,))
+  grads_d = jax.random.normal(k2, (64,)) * 0.1
+  updates = {}
+  for mu_dtype in ("float32", "bfloat16"):
+    opt = optimizer.make_optimizer(_cfg(max_grad_norm=10.0, mu_dtype=mu_dtype))
+    state = opt.init(params_d)
+    mus = [x for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (64,)]
+    assert mus[0].dtype == jnp.dtype(mu_dtype) and mus[1].dtype == jnp.float32  # mu, nu
+    for _ in range(3):
+      updates[mu_dtype], state = jax.jit(opt.update)(grads_d, state, params_d)
+  # The momentum rounded to bf16 (8 bits of mantissa) moves each update by at most ~2^-8.
+  np.testing.assert_allclose(updates["bfloat16"], updates["float32"], rtol=2**-7, atol=1e-9)
+
+
 def test_warmup_step_zero_does_not_move_params():
   params_d = jax.random.normal(jax.random.key(1), (5,))
   opt = optimizer.make_optimizer(_cfg(warmup_steps=4, weight_decay=0.1))
@@ -121,6 +137,7 @@ def test_small_gradients_are_not_clipped():
     ({"b1": 1.0}, "b1"),
     ({"b2": -0.5}, "b2"),
     ({"eps": 0.0}, "eps"),
+    ({"mu_dtype": "float16"}, "mu_dtype"),
   ],
 )
 def test_optimizer_config_validation(kwargs, field):
