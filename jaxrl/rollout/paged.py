@@ -35,7 +35,7 @@ import numpy as np
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PagedLayerCache, Params
 from jaxrl.rollout.engine import Completion, bucket, place_params
 from jaxrl.rollout.requests import PageAllocator, RequestRecord, pages_for
-from jaxrl.rollout.sampling import SamplingParams, sample_tokens
+from jaxrl.rollout.sampling import SamplingParams, needs_filter, sample_tokens
 from jaxrl.sharding import batch_sharding, logical_to_pspec, tree_shardings
 
 
@@ -156,10 +156,13 @@ class PagedEngine:
     self.params = None
     self._kv = None
 
-  def precompile(self, stop_widths: Sequence[int] = (1,)) -> int:
+  def precompile(
+    self, stop_widths: Sequence[int] = (1,), filtering: Sequence[bool] = (False, True)
+  ) -> int:
     """Compiles every decode window and prefill call this engine can make, by running each
     shape once on padding rows (position -1: they read and write no cache), so that none
-    compiles mid-run. `stop_widths`: the stop-id list widths to cover (1: the end token only).
+    compiles mid-run. `stop_widths`: the stop-id list widths to cover (1: the end token only);
+    `filtering`: the sampler variants to cover (with and without top-k/top-p rows).
     Needs weights. Returns the number of shapes run."""
     if self.params is None:
       raise ValueError("PagedEngine.precompile needs weights first: call update_weights.")
@@ -173,8 +176,8 @@ class PagedEngine:
     for rows, width in itertools.product(row_counts, widths):
       table = np.zeros((rows, width), np.int32)
       pad_rows = np.full((rows,), -1, np.int32)
-      for window, stops in itertools.product(windows, stop_widths):
-        out = self._decoder(window)(
+      for window, stops, filters in itertools.product(windows, stop_widths, filtering):
+        out = self._decoder(window, filters)(
           self.params, self._kv, np.zeros((rows,), np.int32), pad_rows, table,
           np.zeros((rows,), np.int32), np.zeros((rows,), np.uint32), np.zeros((rows,), np.int32),
           np.ones((rows,), np.float32), np.zeros((rows,), np.int32), np.ones((rows,), np.float32),
@@ -411,7 +414,8 @@ class PagedEngine:
       )
       stop_ids[i, : len(stops[i])] = stops[i]
     table = self._page_table(states, rows)
-    tokens_wb, logprobs_wb, routing_wblk, taken_b, self._kv = self._decoder(window)(
+    filtering = needs_filter(s.record.sampling for s in states)
+    tokens_wb, logprobs_wb, routing_wblk, taken_b, self._kv = self._decoder(window, filtering)(
       self.params,
       self._kv,
       tokens,
@@ -452,14 +456,16 @@ class PagedEngine:
     eos = () if record.sampling.ignore_eos else (self.eos_id,)
     return eos + tuple(record.sampling.stop_token_ids)
 
-  def _decoder(self, steps: int):
-    if steps not in self._decoders:
-      self._decoders[steps] = jax.jit(
-        functools.partial(self._decode_impl, steps=steps),
+  def _decoder(self, steps: int, filtering: bool):
+    """The jitted window of `steps` decode steps; `filtering`: some row uses top-k/top-p."""
+    key = (steps, filtering)
+    if key not in self._decoders:
+      self._decoders[key] = jax.jit(
+        functools.partial(self._decode_impl, steps=steps, filtering=filtering),
         donate_argnums=(1,),
         in_shardings=self._decode_shardings,
       )
-    return self._decoders[steps]
+    return self._decoders[key]
 
   def _layers(self, kv, table):
     return tuple(PagedLayerCache(k, v, table) for k, v in kv)
@@ -491,6 +497,7 @@ class PagedEngine:
     stop_ids_bs,
     *,
     steps: int,
+    filtering: bool,
   ):
     """`steps` decode steps; a row takes at most its budget and stops after a stop token.
 
@@ -510,7 +517,9 @@ class PagedEngine:
         moe=self._moe,
       )
       keys_b = jax.vmap(_token_key)(seeds_b, index_b + j)
-      new_b, logprobs_b = sample_tokens(keys_b, logits_b1v[:, 0], temperature_b, top_k_b, top_p_b)
+      new_b, logprobs_b = sample_tokens(
+        keys_b, logits_b1v[:, 0], temperature_b, top_k_b, top_p_b, filtering=filtering
+      )
       taken_b = taken_b + live_b
       stopped_b = jnp.any(new_b[:, None] == stop_ids_bs, axis=1) | (taken_b >= budgets_b)
       kv = [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]

@@ -6,6 +6,7 @@ Glossary: b batch rows, v vocab.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -73,30 +74,40 @@ def first_argmax(x_bv: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(x_bv == max_b1, index_v, x_bv.shape[-1] - 1), axis=-1)
 
 
+def needs_filter(params: Iterable[SamplingParams]) -> bool:
+  """Whether any of these requests asks for top-k or top-p (the sampler's static switch)."""
+  return any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+
+
 def sample_tokens(
   keys_b: jax.Array,
   logits_bv: jax.Array,
   temperature_b: jax.Array,
   top_k_b: jax.Array,
   top_p_b: jax.Array,
+  *,
+  filtering: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples one token per row with that row's key; returns (tokens_b, logprobs_b).
 
   The log-probability is that of the distribution actually sampled from (temperature-scaled,
-  then top-k/top-p filtered and renormalised). Greedy rows (temperature 0) report the
-  log-probability under temperature 1, which is what a learner would score them with.
+  then top-k/top-p filtered and renormalised): the chosen logit minus a log-sum-exp, no
+  `[b, v]` log-softmax. Greedy rows (temperature 0) take the argmax in the same pass (no noise
+  added to them) and report the log-probability under temperature 1, which is what a learner
+  would score them with.
+
+  `filtering` is static (the engine knows its requests' parameters on the host: `needs_filter`):
+  without it there is no vocabulary sort, and no device-side branch whose predicate a GPU
+  would copy back to the host at every step.
   """
   logits_bv = logits_bv.astype(jnp.float32)
   greedy_b = temperature_b <= 0
   scaled_bv = logits_bv / jnp.where(greedy_b, 1.0, temperature_b)[:, None]
-  needs_filter = jnp.any((top_k_b > 0) | (top_p_b < 1.0))
-  filtered_bv = jax.lax.cond(
-    needs_filter, filter_logits, lambda x, *_: x, scaled_bv, top_k_b, top_p_b
-  )
-  # Gumbel-max, as jax.random.categorical does it, but with first_argmax (see there).
+  filtered_bv = filter_logits(scaled_bv, top_k_b, top_p_b) if filtering else scaled_bv
+  # Gumbel-max, as jax.random.categorical does it, but with first_argmax (see there). The
+  # filter keeps every row's largest logit, so a greedy row's argmax is its logits' argmax.
   gumbel_bv = jax.vmap(lambda key: jax.random.gumbel(key, filtered_bv.shape[-1:]))(keys_b)
-  sampled_b = first_argmax(filtered_bv + gumbel_bv)
-  tokens_b = jnp.where(greedy_b, first_argmax(logits_bv), sampled_b)
-  logp_bv = jax.nn.log_softmax(jnp.where(greedy_b[:, None], scaled_bv, filtered_bv), axis=-1)
-  logprobs_b = jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=-1)[:, 0]
-  return tokens_b, logprobs_b
+  tokens_b = first_argmax(filtered_bv + jnp.where(greedy_b[:, None], 0.0, gumbel_bv))
+  scored_bv = jnp.where(greedy_b[:, None], scaled_bv, filtered_bv) if filtering else scaled_bv
+  chosen_b = jnp.take_along_axis(scored_bv, tokens_b[:, None], axis=-1)[:, 0]
+  return tokens_b, chosen_b - jax.nn.logsumexp(scored_bv, axis=-1)

@@ -123,6 +123,38 @@ def test_sampler_draws_what_categorical_draws_and_first_argmax_breaks_ties_low()
   np.testing.assert_array_equal(first_argmax(logits), jnp.argmax(logits, axis=-1))
 
 
+@pytest.mark.parametrize("filtering", [False, True])
+def test_sampler_logprobs_equal_float64_for_greedy_and_sampled_rows(filtering):
+  rng = np.random.default_rng()
+  b, v = 6, 500
+  logits = jnp.asarray(rng.normal(size=(b, v)) * 4, jnp.float32)
+  temperature = jnp.array([0.0, 0.7, 1.0, 1.3, 0.0, 1.0], jnp.float32)
+  top_k = jnp.array([0, 0, 7 if filtering else 0, 0, 3 if filtering else 0, 0], jnp.int32)
+  top_p = jnp.array([1.0, 0.8 if filtering else 1.0, 1.0, 1.0, 1.0, 1.0], jnp.float32)
+  keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), b)
+  sample = jax.jit(sample_tokens, static_argnames="filtering")
+  toks, logp = sample(keys, logits, temperature, top_k, top_p, filtering=filtering)
+  toks, logp = np.asarray(toks), np.asarray(logp)
+  x = np.asarray(logits, np.float64)
+  masked = np.asarray(
+    filter_logits(logits / jnp.where(temperature > 0, temperature, 1)[:, None], top_k, top_p)
+  )
+  for row in range(b):
+    t = float(temperature[row])
+    # Greedy rows: the argmax, scored at temperature 1 without the filter; others: the
+    # filtered, temperature-scaled distribution, renormalised.
+    scores = x[row] if t == 0 else np.where(np.isfinite(masked[row]), x[row] / t, -np.inf)
+    want = scores[toks[row]] - (np.log(np.sum(np.exp(scores - scores.max()))) + scores.max())
+    if t == 0:
+      assert toks[row] == np.argmax(x[row])
+    assert np.isfinite(masked[row, toks[row]])
+    tolerance.assert_close(logp[row], want, n=v, scale=np.abs(x[row]).max() / (t or 1.0))
+  if not filtering:  # no row filters: the variant with the filter gives the same draw
+    again = sample(keys, logits, temperature, top_k, top_p, filtering=True)
+    np.testing.assert_array_equal(again[0], toks)
+    tolerance.assert_close(again[1], logp, n=v, scale=float(np.abs(x).max()) / 0.7)
+
+
 def test_rollout_logprobs_match_learner(setup):
   model, engine, params = setup
   train_mesh = make_mesh(jax.devices()[4:], {"fsdp": 4})

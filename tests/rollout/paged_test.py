@@ -103,7 +103,7 @@ def test_decode_windows_give_the_tokens_of_single_steps(mesh, params):
     e = engine(mesh, params, decode_steps=steps, **small)
     outs[steps] = e.generate(ps, sampling, seed=11)
     assert e.allocator.num_free == 24 and not e.has_work
-    assert max(e._decoders) <= steps
+    assert max(w for w, _ in e._decoders) <= steps
   for one, three, eight in zip(outs[1], outs[3], outs[8], strict=True):
     for other in (three, eight):
       np.testing.assert_array_equal(one.token_ids, other.token_ids)
@@ -140,7 +140,9 @@ def test_out_of_pages_preemption_loses_no_request(mesh, params, decode_steps):
   # Shapes are bucketed: rows in {2, 4, 8, 16} x page-table widths in {1, 2, 4, 8, 16}, for
   # each window size in {1, 2, 4}.
   assert steps > 40 // decode_steps and e._prefill._cache_size() <= 20
-  assert set(e._decoders) <= {1, 2, 4} and all(d._cache_size() <= 20 for d in e._decoders.values())
+  assert {w for w, _ in e._decoders} <= {1, 2, 4} and all(
+    d._cache_size() <= 20 for d in e._decoders.values()
+  )
   for rid, p, m in zip(ids, ps, budgets, strict=True):
     r = done[rid]
     assert r.prompt_ids == p
@@ -318,9 +320,11 @@ def test_precompiled_engine_compiles_nothing_while_it_generates(mesh, params):
     )
 
   ps = [list(rng.integers(3, 60, n)) for n in rng.integers(1, 9, 6)]
-  sp = [SamplingParams(temperature=1.0, max_new_tokens=16 - len(p)) for p in ps]
+  # Half the requests use top-k: windows with and without the sampler's filter.
+  sp = [SamplingParams(max_new_tokens=16 - len(p), top_k=5 * (i % 2)) for i, p in enumerate(ps)]
   before, after, tokens = run(precompile=True)
-  assert sorted(before[0]) == [1, 2] and all(before[0].values()) and before[1]
+  windows = [(1, False), (1, True), (2, False), (2, True)]
+  assert sorted(before[0]) == windows and all(before[0].values()) and before[1]
   assert after == before  # nothing compiled while generating
   _, plain_after, plain_tokens = run(precompile=False)
   assert plain_after[1] <= before[1]  # a plain run meets a subset of the shapes
