@@ -88,8 +88,15 @@ class Ledger:
     assert [self.prompts[g] for g in range(controller.next_group)] == expected
 
 
+# The bound with partial rollouts (eta 2) runs by default; the other bounds are `slow` (about
+# 1 minute each on 2 cores; `pytest -m slow`).
 @pytest.mark.parametrize(
-  "eta,partial", [(0, True), (1, False), (2, True)], ids=["sync", "eta1", "eta2-partial"]
+  "eta,partial",
+  [
+    pytest.param(0, True, id="sync", marks=pytest.mark.slow),
+    pytest.param(1, False, id="eta1", marks=pytest.mark.slow),
+    pytest.param(2, True, id="eta2-partial"),
+  ],
 )
 def test_async_loop_trains_each_group_once_within_the_bound(tmp_path, eta, partial):
   cfg = async_config(**{"loop.max_staleness": eta, "loop.partial_rollouts": partial})

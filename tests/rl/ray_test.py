@@ -24,6 +24,8 @@ from jaxrl.train.learner import TrainBatch  # noqa: E402
 
 from .async_test import Ledger, async_config  # noqa: E402, TID252
 
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 @pytest.fixture(scope="module")
 def local_ray():
@@ -32,6 +34,9 @@ def local_ray():
   ray.shutdown()
 
 
+# `slow` (3 minutes on 2 cores): the same churn as async_test's local-worker test, which runs
+# by default, through Ray actors.
+@pytest.mark.slow
 def test_ray_workers_killed_preempted_and_added_lose_nothing(tmp_path, local_ray):
   cfg = async_config(
     **{
