@@ -67,39 +67,14 @@ def _make_inputs(rng, *, n, h, k, d, s, m, dtype, lengths=None):
   )
 
 
-def _numpy_oracle(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
-  """Dense float64 attention, one sequence and head at a time."""
+def _heads_f64(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
+  """Yields (sequence, head, its query, keys, values, softmax weights) in float64 for every
+  sequence with a positive length: dense attention, one sequence and head at a time."""
   q, kp, vp = (np.asarray(x, np.float64) for x in (q_nhd, k_kpsd, v_kpsd))
-  n, h, d = q.shape
+  _, h, d = q.shape
   k, _, s, _ = kp.shape
   m = page_indices_nm.shape[1]
-  out = np.zeros((n, h, d))
-  for b in range(n):
-    length = int(np.clip(lengths_n[b], 0, m * s))
-    if length == 0:
-      continue
-    pages = np.asarray(page_indices_nm[b])
-    for i in range(h):
-      kv = i // (h // k)
-      keys = kp[kv, pages].reshape(m * s, d)[:length]
-      values = vp[kv, pages].reshape(m * s, d)[:length]
-      logits = keys @ q[b, i] * sm_scale
-      weights = np.exp(logits - logits.max())
-      out[b, i] = weights @ values / weights.sum()
-  return out
-
-
-def _rounding_sums(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
-  """(terms, scale per output element) of float32 rounding in attention: the output sums up to
-  m * s weighted values, sum_t w_t |v_t| in absolute value; each logit sums d products, and
-  logits off by e relative to the sum of their |products| move the output by up to
-  e * sum_t w_t |v_t - out|."""
-  q, kp, vp = (np.asarray(x, np.float64) for x in (q_nhd, k_kpsd, v_kpsd))
-  n, h, d = q.shape
-  k, _, s, _ = kp.shape
-  m = page_indices_nm.shape[1]
-  scale = np.zeros((n, h, d))
-  for b in range(n):
+  for b in range(q.shape[0]):
     length = int(np.clip(lengths_n[b], 0, m * s))
     pages = np.asarray(page_indices_nm[b])
     for i in range(h if length else 0):
@@ -108,10 +83,32 @@ def _rounding_sums(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
       values = vp[kv, pages].reshape(m * s, d)[:length]
       logits = keys @ q[b, i] * sm_scale
       weights = np.exp(logits - logits.max())
-      weights /= weights.sum()
-      logit_sums = np.abs(keys) @ np.abs(q[b, i]) * abs(sm_scale)
-      spread = weights @ np.abs(values - weights @ values)
-      scale[b, i] = weights @ np.abs(values) + logit_sums.max() * spread
+      yield b, i, q[b, i], keys, values, weights / weights.sum()
+
+
+def _numpy_oracle(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
+  """Dense float64 attention (0 for sequences of length 0)."""
+  out = np.zeros(q_nhd.shape)
+  for b, i, _, _, values, weights in _heads_f64(
+    q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale
+  ):
+    out[b, i] = weights @ values
+  return out
+
+
+def _rounding_sums(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
+  """(terms, scale per output element) of float32 rounding in attention: the output sums up to
+  m * s weighted values, sum_t w_t |v_t| in absolute value; each logit sums d products, and
+  logits off by e relative to the sum of their |products| move the output by up to
+  e * sum_t w_t |v_t - out|."""
+  d, s, m = q_nhd.shape[-1], k_kpsd.shape[2], page_indices_nm.shape[1]
+  scale = np.zeros(q_nhd.shape)
+  for b, i, q_d, keys, values, weights in _heads_f64(
+    q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale
+  ):
+    logit_sums = np.abs(keys) @ np.abs(q_d) * abs(sm_scale)
+    spread = weights @ np.abs(values - weights @ values)
+    scale[b, i] = weights @ np.abs(values) + logit_sums.max() * spread
   return max(d, m * s), scale
 
 
