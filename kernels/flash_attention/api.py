@@ -1,0 +1,268 @@
+"""The public `flash_attention`: input checks, block sizes, the gradient, the choice of kernel.
+
+Shapes: b batch, t query tokens, s key tokens, h query heads, k kv heads, e head dim.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.kernels.common import IMPLS, check_block_fields, resolve_impl
+from jaxrl.kernels.flash_attention import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiling of the flash attention implementations; a field left as None is derived.
+
+  Token counts are padded up to whole blocks (the padding is invisible); a block larger than
+  its (padded) dimension is clipped to it.
+
+  Attributes:
+    block_q: query tokens per block in the forward pass. Reference: any. TPU: a multiple of 8
+      (16 for 16-bit inputs) or at least the query length. GPU: a power of two >= 16.
+    block_kv: key tokens per block in the forward pass. Reference: any. TPU: a multiple of
+      128 or at least the key length. GPU: a power of two >= 16.
+    block_q_bwd: query tokens per block in the backward pass, rules as `block_q`.
+    block_kv_bwd: key tokens per block in the backward pass, rules as `block_kv`.
+    num_warps: GPU only: Triton warps per program, a power of two.
+    num_stages: GPU only: Triton software-pipelining stages.
+  """
+
+  block_q: int | None = None
+  block_kv: int | None = None
+  block_q_bwd: int | None = None
+  block_kv_bwd: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+  def __post_init__(self):
+    check_block_fields(self)
+
+
+def _load_tpu() -> ModuleType:
+  from jaxrl.kernels.flash_attention import pallas_tpu
+
+  return pallas_tpu
+
+
+def _load_gpu() -> ModuleType:
+  from jaxrl.kernels.flash_attention import pallas_gpu
+
+  return pallas_gpu
+
+
+# Kernels load lazily, so that a CPU-only install never imports a backend it cannot use. Each
+# module has `forward(q, k, v, meta, *, causal, sm_scale, block_sizes, interpret) -> (o,
+# residual)` and `backward(q, k, v, meta, o, residual, do, *, ...) -> (dq, dk, dv)`, where
+# `residual` (the log-sum-exp of each query's logits) is laid out as that module likes.
+_LOADERS: dict[str, Callable[[], ModuleType]] = {
+  "reference": lambda: reference,
+  "pallas_tpu": _load_tpu,
+  "pallas_gpu": _load_gpu,
+}
+
+
+def _check_ids(name: str, x, shape: tuple[int, int], what: str) -> None:
+  if x is None:
+    return
+  if x.shape != shape:
+    raise ValueError(f"{name} must be [batch, {what}] = {list(shape)}, got shape {x.shape}.")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer (int32) array, got {x.dtype}.")
+
+
+def _check_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [batch, q_len, num_q_heads, head_dim], got shape {q.shape}.")
+  if k.ndim != 4:
+    raise ValueError(f"k must be [batch, kv_len, num_kv_heads, head_dim], got shape {k.shape}.")
+  if v.shape != k.shape:
+    raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}.")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q must be a floating dtype, got {q.dtype}.")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise ValueError(
+      f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}; cast them "
+      "(the softmax runs in float32 whatever the input dtype)."
+    )
+  b, t, h, e = q.shape
+  b_kv, s, kh, e_kv = k.shape
+  if b_kv != b:
+    raise ValueError(f"q has batch {b} but k/v have batch {b_kv}.")
+  if e_kv != e:
+    raise ValueError(f"q has head_dim {e} but k/v have head_dim {e_kv}.")
+  if kh < 1 or h % kh:
+    raise ValueError(
+      f"num_q_heads ({h}) must be a multiple of num_kv_heads ({kh}): query head i uses kv head "
+      "i // (num_q_heads // num_kv_heads)."
+    )
+  _check_ids("q_segment_ids", q_segment_ids, (b, t), "q_len")
+  _check_ids("kv_segment_ids", kv_segment_ids, (b, s), "kv_len")
+  _check_ids("q_positions", q_positions, (b, t), "q_len")
+  _check_ids("kv_positions", kv_positions, (b, s), "kv_len")
+  if t != s and (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError(
+      f"q_len ({t}) != kv_len ({s}): give both q_segment_ids and kv_segment_ids, or neither."
+    )
+  if causal and t != s and (q_positions is None or kv_positions is None):
+    raise ValueError(
+      f"causal attention with q_len ({t}) != kv_len ({s}) needs q_positions and kv_positions: "
+      "where the queries sit among the keys is not implied by the shapes (a prefill chunk after "
+      "cached keys has q_positions = first_position + arange(q_len))."
+    )
+
+
+def _metadata(b, t, s, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+  """(q segment ids, kv segment ids, q positions, kv positions), int32, defaults filled in.
+
+  With q_len == kv_len (self-attention) the kv ids and positions default to the queries'.
+  """
+  if q_segment_ids is None:
+    q_segment_ids = jnp.zeros((b, t), jnp.int32)
+  if kv_segment_ids is None:
+    kv_segment_ids = q_segment_ids if s == t else jnp.zeros((b, s), jnp.int32)
+  if q_positions is None:
+    q_positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  if kv_positions is None:
+    kv_positions = (
+      q_positions if s == t else jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    )
+  ids = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+  return reference.Metadata(*(x.astype(jnp.int32) for x in ids))
+
+
+# Static configuration shared by forward and backward: (impl, causal, sm_scale, block_sizes,
+# interpret).
+
+
+def _forward(cfg, q, k, v, meta):
+  impl, causal, sm_scale, block_sizes, interpret = cfg
+  module = _LOADERS[impl]()
+  kwargs = {} if impl == "reference" else {"interpret": interpret}
+  return module.forward(
+    q, k, v, meta, causal=causal, sm_scale=sm_scale, block_sizes=block_sizes, **kwargs
+  )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q_bthe, k_bske, v_bske, meta, cfg):
+  return _forward(cfg, q_bthe, k_bske, v_bske, meta)[0]
+
+
+def _flash_fwd(q_bthe, k_bske, v_bske, meta, cfg):
+  o_bthe, residual = _forward(cfg, q_bthe, k_bske, v_bske, meta)
+  return o_bthe, (q_bthe, k_bske, v_bske, meta, o_bthe, residual)
+
+
+def _flash_bwd(cfg, residuals, do_bthe):
+  impl, causal, sm_scale, block_sizes, interpret = cfg
+  q_bthe, k_bske, v_bske, meta, o_bthe, residual = residuals
+  module = _LOADERS[impl]()
+  kwargs = {} if impl == "reference" else {"interpret": interpret}
+  dq, dk, dv = module.backward(
+    q_bthe,
+    k_bske,
+    v_bske,
+    meta,
+    o_bthe,
+    residual,
+    do_bthe.astype(q_bthe.dtype),
+    causal=causal,
+    sm_scale=sm_scale,
+    block_sizes=block_sizes,
+    **kwargs,
+  )
+  return dq, dk, dv, None  # integer segment ids and positions get no cotangent
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _run(q, k, v, ids, *, cfg):
+  b, t = q.shape[:2]
+  meta = _metadata(b, t, k.shape[1], *ids)  # under jit: the defaults live where q does
+  return _flash(q, k, v, meta, cfg)
+
+
+def flash_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  q_positions: jax.Array | None = None,
+  kv_positions: jax.Array | None = None,
+  causal: bool = True,
+  sm_scale: float | None = None,
+  impl: str = "auto",
+  block_sizes: BlockSizes | None = None,
+  interpret: Any = False,
+) -> jax.Array:
+  """Grouped-query softmax attention for training and prefill, in memory linear in length.
+
+  Query `i` of row `b` sees key `j` iff they share a segment id that is not negative and, when
+  `causal`, `kv_positions[b, j] <= q_positions[b, i]` (the visibility rule of
+  `jaxrl.model.cache.dot_attention`, plus segments). Query head `n` uses kv head
+  `n // (num_q_heads // num_kv_heads)`. The softmax runs in float32 over blocks of keys (online
+  softmax), so no `[q_len, kv_len]` matrix is ever formed; a query that sees no key gets zeros
+  (not NaN) and passes no gradient. Differentiable in q, k and v with every impl: a
+  `custom_vjp` whose backward pass recomputes the probabilities block by block from the saved
+  log-sum-exp (FlashAttention-2).
+
+  Packed rows: give each sequence of a row its own segment id (0, 1, 2, ...) and restart its
+  positions at 0. Padding: segment id -1 (any negative id), for query and key tokens alike; a
+  padding query outputs zeros, a padding key is seen by nobody.
+
+  Args:
+    q: `[batch, q_len, num_q_heads, head_dim]` queries.
+    k: `[batch, kv_len, num_kv_heads, head_dim]` keys, same dtype as q.
+    v: values, same shape and dtype as k.
+    q_segment_ids: int `[batch, q_len]`; default all 0 (one segment per row).
+    kv_segment_ids: int `[batch, kv_len]`; default q_segment_ids when kv_len == q_len, else
+      all 0 (then q_segment_ids must be None too).
+    q_positions: int `[batch, q_len]`; default `arange(q_len)`.
+    kv_positions: int `[batch, kv_len]`; default q_positions when kv_len == q_len. With
+      `causal` and kv_len != q_len both positions must be given (a prefill chunk after cached
+      keys).
+    causal: apply the position rule; False attends to the whole segment.
+    sm_scale: logit multiplier, default `head_dim ** -0.5`.
+    impl: `"auto"` (`pallas_tpu` on TPU, `pallas_gpu` on GPU, `reference` elsewhere, from the
+      platform of q's devices, or of the default backend while tracing), `"reference"` (jnp,
+      blockwise), `"pallas_tpu"` or `"pallas_gpu"`.
+    block_sizes: tiling, None for defaults derived from the shapes.
+    interpret: run the Pallas kernel in interpret mode (on CPU). True, or for `pallas_tpu` a
+      `pltpu.InterpretParams`; it needs a kernel `impl`, since the reference has no kernel.
+
+  Returns:
+    `[batch, q_len, num_q_heads, head_dim]` in q's dtype.
+
+  Raises:
+    ValueError: unknown `impl`, inconsistent shapes or dtypes, missing positions for a causal
+      q_len != kv_len, `interpret` without a kernel, or block sizes the chosen implementation
+      cannot use.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"Unknown flash_attention impl {impl!r}; expected one of {IMPLS}.")
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes)}.")
+  if not isinstance(causal, bool):
+    raise ValueError(f"causal must be a bool, got {causal!r}.")
+  _check_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal)
+  impl = resolve_impl("flash_attention", impl, interpret, q)
+  b, t, h, e = q.shape
+  s = k.shape[1]
+  if sm_scale is None:
+    sm_scale = e**-0.5
+  if min(b, t, h, e) == 0 or s == 0:
+    return jnp.zeros(q.shape, q.dtype)  # nothing to attend to: every query sees no key
+  ids = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+  cfg = (impl, causal, float(sm_scale), block_sizes, interpret)
+  return _run(q, k, v, ids, cfg=cfg)

@@ -1,0 +1,449 @@
+"""Flash attention as Pallas GPU kernels (Triton lowering), forward and backward.
+
+Triton has no scalar prefetch, so the per-block metadata are ordinary inputs, computed in jnp
+(`reference.block_visibility`): for each (row, query block) the range `[lo, hi)` of key blocks
+that may be visible, and for each (row, key block) the range of query blocks that may see it.
+Programs loop over their range only: causal rows skip the blocks above the diagonal, packed
+rows the blocks of other segments, and a query block of padding runs no step at all. Inside
+the range, the mask (`reference.visible`) handles block pairs that straddle a boundary.
+
+- forward, grid `(b, h, n)`: one query block of one head against the keys of its kv head,
+  online softmax in float32; writes the output and the log-sum-exp of each query.
+- dq, grid `(b, h, n)`: the same walk, recomputing the probabilities from the log-sum-exp.
+- dk and dv, grid `(b, k, m)`: one key block against the query blocks that see it, for every
+  query head of its group (a static loop over the g heads), so the group's sum needs no
+  atomics and no second pass.
+
+Token axes are padded to whole blocks (padding tokens get segment id -1, which nobody sees).
+Triton block dims are powers of two and its dot needs every dim >= 16: block sizes follow, and
+head_dim must be a power of two >= 16.
+
+Shapes: b batch, t query tokens, s key tokens, h query heads, k kv heads, g = h // k, e head
+dim; n query blocks of bq tokens, m key blocks of bk tokens.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxrl.kernels.flash_attention import reference
+from jaxrl.kernels.flash_attention.api import BlockSizes
+
+# The Triton compiler-params class was `TritonCompilerParams` before it became
+# `CompilerParams`; take whichever this jax has.
+_TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+
+_MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16.
+# Untuned starting points, the usual Triton flash-attention tiles for head_dim 64-128: larger
+# query blocks forward (reuse of K/V loads), smaller blocks backward (more live tiles: q, k, v,
+# do, probabilities and their gradient).
+_DEFAULT_BQ, _DEFAULT_BK = 128, 64
+_DEFAULT_BQ_BWD, _DEFAULT_BK_BWD = 64, 64
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, x - 1).bit_length()
+
+
+def resolve_block_sizes(block_sizes: BlockSizes | None, *, t: int, s: int, e: int) -> BlockSizes:
+  """Fills the None fields, clips blocks to the dims (rounded up to a power of two >= 16)."""
+  bs = block_sizes or BlockSizes()
+  fields = {
+    "block_q": (_DEFAULT_BQ, t),
+    "block_kv": (_DEFAULT_BK, s),
+    "block_q_bwd": (_DEFAULT_BQ_BWD, t),
+    "block_kv_bwd": (_DEFAULT_BK_BWD, s),
+  }
+  blocks = {}
+  for name, (default, dim) in fields.items():
+    block = getattr(bs, name) or default
+    if not _is_pow2(block) or block < _MIN_DOT:
+      raise ValueError(
+        f"impl='pallas_gpu' needs BlockSizes.{name} to be a power of two >= {_MIN_DOT} (Triton "
+        f"block shapes and dot), got {block}."
+      )
+    blocks[name] = min(block, max(_MIN_DOT, _next_pow2(dim)))
+  return BlockSizes(
+    **blocks,
+    num_warps=bs.num_warps or (4 if e <= 64 else 8),
+    num_stages=bs.num_stages or 2,
+  )
+
+
+def _check_head_dim(e: int) -> None:
+  if not _is_pow2(e) or e < _MIN_DOT:
+    raise ValueError(
+      f"impl='pallas_gpu' needs head_dim to be a power of two >= {_MIN_DOT} (Triton block "
+      f"shapes and dot), got {e}; use impl='reference' for this shape."
+    )
+
+
+def _precision(dtype) -> jax.lax.Precision | None:
+  # Triton runs float32 dots in TF32 by default (about 1e-3 relative error); the reference
+  # is full float32. A no-op for bf16.
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _dot(a, b, precision, *, trans_a=False, trans_b=False):
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _geometry(q_bthe, k_bske, bs: BlockSizes):
+  """Padded lengths: multiples of both passes' blocks (powers of two, so of the larger)."""
+  t, s = q_bthe.shape[1], k_bske.shape[1]
+  t_pad = reference.round_up(t, max(bs.block_q, bs.block_q_bwd))
+  s_pad = reference.round_up(s, max(bs.block_kv, bs.block_kv_bwd))
+  return t_pad, s_pad
+
+
+def _fwd_kernel(
+  lo_ref,  # int32[1]: first key block this query block may see
+  hi_ref,  # int32[1]: one past the last
+  q_ref,  # [bq, e]
+  k_ref,  # [s_pad, e] of this head's kv head
+  v_ref,  # [s_pad, e]
+  seg_q_ref,  # int32[bq]
+  pos_q_ref,  # int32[bq]
+  seg_kv_ref,  # int32[s_pad]
+  pos_kv_ref,  # int32[s_pad]
+  o_ref,  # [bq, e]
+  lse_ref,  # f32[bq]
+  *,
+  bk: int,
+  sm_scale: float,
+  causal: bool,
+  precision,
+):
+  q_qe = q_ref[...]
+  bq, e = q_qe.shape
+  seg_q, pos_q = seg_q_ref[...][:, None], pos_q_ref[...][:, None]
+
+  def body(j, carry):
+    acc_qe, max_q, denom_q = carry
+    keys = pl.ds(j * bk, bk)
+    logits_qk = _dot(q_qe, k_ref[keys, :], precision, trans_b=True) * sm_scale
+    vis_qk = reference.visible(
+      seg_q, pos_q, seg_kv_ref[keys][None, :], pos_kv_ref[keys][None, :], causal=causal
+    )
+    logits_qk = jnp.where(vis_qk, logits_qk, -jnp.inf)
+    new_max = jnp.maximum(max_q, jnp.max(logits_qk, axis=1))
+    # A query that has seen no key yet keeps max -inf; a finite stand-in keeps exp() at 0.
+    safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    probs_qk = jnp.exp(logits_qk - safe_max[:, None])
+    rescale = jnp.exp(max_q - safe_max)
+    v_ke = v_ref[keys, :]
+    acc_qe = acc_qe * rescale[:, None] + _dot(probs_qk.astype(v_ke.dtype), v_ke, precision)
+    return acc_qe, new_max, denom_q * rescale + jnp.sum(probs_qk, axis=1)
+
+  init = (
+    jnp.zeros((bq, e), jnp.float32),
+    jnp.full((bq,), -jnp.inf, jnp.float32),
+    jnp.zeros((bq,), jnp.float32),
+  )
+  acc_qe, max_q, denom_q = jax.lax.fori_loop(lo_ref[0], hi_ref[0], body, init)
+  seen = denom_q > 0
+  safe_denom = jnp.where(seen, denom_q, 1.0)
+  o_ref[...] = (acc_qe * jnp.where(seen, 1.0 / safe_denom, 0.0)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, max_q + jnp.log(safe_denom), jnp.inf)
+
+
+def _padded_inputs(q_bthe, k_bske, v_bske, meta, t_pad, s_pad):
+  return (
+    reference.pad_tokens(q_bthe, t_pad),
+    reference.pad_tokens(k_bske, s_pad),
+    reference.pad_tokens(v_bske, s_pad),
+    reference.pad_metadata(meta, t_pad, s_pad),
+  )
+
+
+def forward(
+  q_bthe,
+  k_bske,
+  v_bske,
+  meta: reference.Metadata,
+  *,
+  causal: bool,
+  sm_scale: float,
+  block_sizes: BlockSizes | None = None,
+  interpret: Any = False,
+):
+  """Output `[b, t, h, e]` in q's dtype and the float32 log-sum-exp `[b, h, t_pad]` (+inf for
+  queries that see no key); arguments as in `jaxrl.kernels.flash_attention.reference`."""
+  b, t, h, e = q_bthe.shape
+  s, kh = k_bske.shape[1:3]
+  g = h // kh
+  _check_head_dim(e)
+  bs = resolve_block_sizes(block_sizes, t=t, s=s, e=e)
+  bq, bk = bs.block_q, bs.block_kv
+  t_pad, s_pad = _geometry(q_bthe, k_bske, bs)
+  n = t_pad // bq
+  q_p, k_p, v_p, meta_p = _padded_inputs(q_bthe, k_bske, v_bske, meta, t_pad, s_pad)
+  maybe_bnm = reference.block_visibility(meta_p, bq=bq, bk=bk, causal=causal)
+  lo_bn, hi_bn = reference.block_ranges(maybe_bnm)
+
+  def kv_head(j):
+    return jax.lax.div(j, g)
+
+  q_spec = pl.BlockSpec((None, bq, None, e), lambda i, j, x: (i, x, j, 0))
+  kv_spec = pl.BlockSpec((None, s_pad, None, e), lambda i, j, x: (i, 0, kv_head(j), 0))
+  range_spec = pl.BlockSpec((1,), lambda i, j, x: (i * n + x,))
+  q_ids_spec = pl.BlockSpec((None, bq), lambda i, j, x: (i, x))
+  kv_ids_spec = pl.BlockSpec((None, s_pad), lambda i, j, x: (i, 0))
+  kernel = functools.partial(
+    _fwd_kernel, bk=bk, sm_scale=sm_scale, causal=causal, precision=_precision(q_bthe.dtype)
+  )
+  o_bthe, lse_bht = pl.pallas_call(
+    kernel,
+    grid=(b, h, n),
+    in_specs=[
+      range_spec,
+      range_spec,
+      q_spec,
+      kv_spec,
+      kv_spec,
+      q_ids_spec,
+      q_ids_spec,
+      kv_ids_spec,
+      kv_ids_spec,
+    ],
+    out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, j, x: (i, j, x))],
+    out_shape=[
+      jax.ShapeDtypeStruct((b, t_pad, h, e), q_bthe.dtype),
+      jax.ShapeDtypeStruct((b, h, t_pad), jnp.float32),
+    ],
+    compiler_params=_TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+    interpret=interpret,
+    name="flash_attention_fwd_gpu",
+  )(
+    lo_bn.reshape(-1),
+    hi_bn.reshape(-1),
+    q_p,
+    k_p,
+    v_p,
+    meta_p.q_segment_ids_bt,
+    meta_p.q_positions_bt,
+    meta_p.kv_segment_ids_bs,
+    meta_p.kv_positions_bs,
+  )
+  return o_bthe[:, :t], lse_bht
+
+
+def _dq_kernel(
+  lo_ref,  # int32[1]
+  hi_ref,  # int32[1]
+  q_ref,  # [bq, e]
+  k_ref,  # [s_pad, e]
+  v_ref,  # [s_pad, e]
+  do_ref,  # [bq, e]
+  lse_ref,  # f32[bq]
+  delta_ref,  # f32[bq]
+  seg_q_ref,  # int32[bq]
+  pos_q_ref,  # int32[bq]
+  seg_kv_ref,  # int32[s_pad]
+  pos_kv_ref,  # int32[s_pad]
+  dq_ref,  # [bq, e]
+  *,
+  bk: int,
+  sm_scale: float,
+  causal: bool,
+  precision,
+):
+  q_qe, do_qe = q_ref[...], do_ref[...]
+  lse_q1, delta_q1 = lse_ref[...][:, None], delta_ref[...][:, None]
+  seg_q, pos_q = seg_q_ref[...][:, None], pos_q_ref[...][:, None]
+
+  def body(j, dq_qe):
+    keys = pl.ds(j * bk, bk)
+    k_ke, v_ke = k_ref[keys, :], v_ref[keys, :]
+    logits_qk = _dot(q_qe, k_ke, precision, trans_b=True) * sm_scale
+    vis_qk = reference.visible(
+      seg_q, pos_q, seg_kv_ref[keys][None, :], pos_kv_ref[keys][None, :], causal=causal
+    )
+    probs_qk = jnp.where(vis_qk, jnp.exp(logits_qk - lse_q1), 0.0)
+    dprobs_qk = _dot(do_qe, v_ke, precision, trans_b=True)
+    dlogits_qk = probs_qk * (dprobs_qk - delta_q1) * sm_scale
+    return dq_qe + _dot(dlogits_qk.astype(k_ke.dtype), k_ke, precision)
+
+  dq_qe = jax.lax.fori_loop(lo_ref[0], hi_ref[0], body, jnp.zeros(q_qe.shape, jnp.float32))
+  dq_ref[...] = dq_qe.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(
+  lo_ref,  # int32[1]: first query block that may see this key block
+  hi_ref,  # int32[1]: one past the last
+  q_ref,  # [t_pad, g, e]: the queries of this kv head's group
+  k_ref,  # [bk, e]
+  v_ref,  # [bk, e]
+  do_ref,  # [t_pad, g, e]
+  lse_ref,  # f32[g, t_pad]
+  delta_ref,  # f32[g, t_pad]
+  seg_q_ref,  # int32[t_pad]
+  pos_q_ref,  # int32[t_pad]
+  seg_kv_ref,  # int32[bk]
+  pos_kv_ref,  # int32[bk]
+  dk_ref,  # [bk, e]
+  dv_ref,  # [bk, e]
+  *,
+  bq: int,
+  sm_scale: float,
+  causal: bool,
+  precision,
+):
+  k_ke, v_ke = k_ref[...], v_ref[...]
+  seg_kv, pos_kv = seg_kv_ref[...][None, :], pos_kv_ref[...][None, :]
+  g = q_ref.shape[1]
+  carry = (jnp.zeros(k_ke.shape, jnp.float32), jnp.zeros(v_ke.shape, jnp.float32))
+  for head in range(g):  # static: g is small, and a static index keeps the loads plain
+
+    def body(i, carry, head=head):
+      dk_ke, dv_ke = carry
+      queries = pl.ds(i * bq, bq)
+      q_qe, do_qe = q_ref[queries, head, :], do_ref[queries, head, :]
+      logits_qk = _dot(q_qe, k_ke, precision, trans_b=True) * sm_scale
+      vis_qk = reference.visible(
+        seg_q_ref[queries][:, None], pos_q_ref[queries][:, None], seg_kv, pos_kv, causal=causal
+      )
+      lse_q1 = lse_ref[head, queries][:, None]
+      probs_qk = jnp.where(vis_qk, jnp.exp(logits_qk - lse_q1), 0.0)
+      dv_ke += _dot(probs_qk.astype(do_qe.dtype), do_qe, precision, trans_a=True)
+      dprobs_qk = _dot(do_qe, v_ke, precision, trans_b=True)
+      dlogits_qk = probs_qk * (dprobs_qk - delta_ref[head, queries][:, None]) * sm_scale
+      dk_ke += _dot(dlogits_qk.astype(q_qe.dtype), q_qe, precision, trans_a=True)
+      return dk_ke, dv_ke
+
+    carry = jax.lax.fori_loop(lo_ref[0], hi_ref[0], body, carry)
+  dk_ke, dv_ke = carry
+  dk_ref[...] = dk_ke.astype(dk_ref.dtype)
+  dv_ref[...] = dv_ke.astype(dv_ref.dtype)
+
+
+def backward(
+  q_bthe,
+  k_bske,
+  v_bske,
+  meta: reference.Metadata,
+  o_bthe,
+  lse_bht,
+  do_bthe,
+  *,
+  causal: bool,
+  sm_scale: float,
+  block_sizes: BlockSizes | None = None,
+  interpret: Any = False,
+):
+  """(dq, dk, dv) in the inputs' dtypes from the forward pass's output and log-sum-exp."""
+  b, t, h, e = q_bthe.shape
+  s, kh = k_bske.shape[1:3]
+  g = h // kh
+  bs = resolve_block_sizes(block_sizes, t=t, s=s, e=e)
+  bq, bk = bs.block_q_bwd, bs.block_kv_bwd
+  t_pad, s_pad = _geometry(q_bthe, k_bske, bs)
+  n, m = t_pad // bq, s_pad // bk
+  q_p, k_p, v_p, meta_p = _padded_inputs(q_bthe, k_bske, v_bske, meta, t_pad, s_pad)
+  do_p = reference.pad_tokens(do_bthe, t_pad)
+  # delta_i = sum_j p_ij dp_ij = do_i . o_i: the softmax's backward, one number per query.
+  delta_bht = jnp.einsum(
+    "bthe,bthe->bht",
+    do_bthe.astype(jnp.float32),
+    o_bthe.astype(jnp.float32),
+    precision=jax.lax.Precision.HIGHEST,
+  )
+  delta_bht = jnp.pad(delta_bht, ((0, 0), (0, 0), (0, t_pad - t)))
+  maybe_bnm = reference.block_visibility(meta_p, bq=bq, bk=bk, causal=causal)
+  lo_bn, hi_bn = reference.block_ranges(maybe_bnm)
+  lo_bm, hi_bm = reference.block_ranges(jnp.swapaxes(maybe_bnm, 1, 2))
+  compiler_params = _TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+  precision = _precision(q_bthe.dtype)
+  ids = (
+    meta_p.q_segment_ids_bt,
+    meta_p.q_positions_bt,
+    meta_p.kv_segment_ids_bs,
+    meta_p.kv_positions_bs,
+  )
+
+  def kv_head(j):
+    return jax.lax.div(j, g)
+
+  q_spec = pl.BlockSpec((None, bq, None, e), lambda i, j, x: (i, x, j, 0))
+  kv_spec = pl.BlockSpec((None, s_pad, None, e), lambda i, j, x: (i, 0, kv_head(j), 0))
+  row_spec = pl.BlockSpec((None, None, bq), lambda i, j, x: (i, j, x))
+  q_range_spec = pl.BlockSpec((1,), lambda i, j, x: (i * n + x,))
+  q_ids_spec = pl.BlockSpec((None, bq), lambda i, j, x: (i, x))
+  kv_ids_spec = pl.BlockSpec((None, s_pad), lambda i, j, x: (i, 0))
+  dq_bthe = pl.pallas_call(
+    functools.partial(_dq_kernel, bk=bk, sm_scale=sm_scale, causal=causal, precision=precision),
+    grid=(b, h, n),
+    in_specs=[
+      q_range_spec,
+      q_range_spec,
+      q_spec,
+      kv_spec,
+      kv_spec,
+      q_spec,
+      row_spec,
+      row_spec,
+      q_ids_spec,
+      q_ids_spec,
+      kv_ids_spec,
+      kv_ids_spec,
+    ],
+    out_specs=q_spec,
+    out_shape=jax.ShapeDtypeStruct((b, t_pad, h, e), q_bthe.dtype),
+    compiler_params=compiler_params,
+    interpret=interpret,
+    name="flash_attention_dq_gpu",
+  )(lo_bn.reshape(-1), hi_bn.reshape(-1), q_p, k_p, v_p, do_p, lse_bht, delta_bht, *ids)
+
+  # Queries grouped by kv head, [b, t_pad, k, g, e] (a free reshape): one block holds a group.
+  group_spec = pl.BlockSpec((None, t_pad, None, g, e), lambda i, j, y: (i, 0, j, 0, 0))
+  group_rows_spec = pl.BlockSpec((None, None, g, t_pad), lambda i, j, y: (i, j, 0, 0))
+  kv_block_spec = pl.BlockSpec((None, bk, None, e), lambda i, j, y: (i, y, j, 0))
+  kv_range_spec = pl.BlockSpec((1,), lambda i, j, y: (i * m + y,))
+  all_q_ids_spec = pl.BlockSpec((None, t_pad), lambda i, j, y: (i, 0))
+  kv_block_ids_spec = pl.BlockSpec((None, bk), lambda i, j, y: (i, y))
+  dk_bske, dv_bske = pl.pallas_call(
+    functools.partial(_dkv_kernel, bq=bq, sm_scale=sm_scale, causal=causal, precision=precision),
+    grid=(b, kh, m),
+    in_specs=[
+      kv_range_spec,
+      kv_range_spec,
+      group_spec,
+      kv_block_spec,
+      kv_block_spec,
+      group_spec,
+      group_rows_spec,
+      group_rows_spec,
+      all_q_ids_spec,
+      all_q_ids_spec,
+      kv_block_ids_spec,
+      kv_block_ids_spec,
+    ],
+    out_specs=[kv_block_spec, kv_block_spec],
+    out_shape=[
+      jax.ShapeDtypeStruct((b, s_pad, kh, e), k_bske.dtype),
+      jax.ShapeDtypeStruct((b, s_pad, kh, e), v_bske.dtype),
+    ],
+    compiler_params=compiler_params,
+    interpret=interpret,
+    name="flash_attention_dkv_gpu",
+  )(
+    lo_bm.reshape(-1),
+    hi_bm.reshape(-1),
+    q_p.reshape(b, t_pad, kh, g, e),
+    k_p,
+    v_p,
+    do_p.reshape(b, t_pad, kh, g, e),
+    lse_bht.reshape(b, kh, g, t_pad),
+    delta_bht.reshape(b, kh, g, t_pad),
+    *ids,
+  )
+  return dq_bthe[:, :t], dk_bske[:, :s], dv_bske[:, :s]
