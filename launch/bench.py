@@ -1,7 +1,7 @@
 """Benchmarks behind docs/BENCHMARKS.md.
 
   python launch/bench.py logprob_mismatch [--json]
-  python launch/bench.py rollout [--json] [--presets bench-tiny,bench-small]
+  python launch/bench.py rollout [--json] [--presets micro,bench-tiny,bench-small]
   python launch/bench.py plan [--json]
   python launch/bench.py calibrate [--json]
   python launch/bench.py paged_attention [--json]
@@ -204,7 +204,7 @@ def _timed_generate(engine, prompts, sampling) -> tuple[float, int]:
 
 
 def bench_rollout(
-  presets=("bench-tiny", "bench-small"),
+  presets=("micro", "bench-tiny", "bench-small"),
   num_prompts: int = 64,
   responses: int = 4,
   median: int = 64,
@@ -217,7 +217,9 @@ def bench_rollout(
 
   Response lengths are forced (EOS ignored, max_new_tokens = target) so both engines do the
   same work: a long tail (lognormal, median `median`, capped at `cap`) and equal lengths.
-  Each engine runs every workload once to compile, then once timed.
+  Each engine runs every workload once to compile, then once timed. The `micro` preset's
+  device work is negligible: there the host's per-token overhead decides. Each row also gives
+  the device-to-host waits per generated token and the executables each engine compiled.
   """
   devices = jax.devices()[:1]
   mesh = make_mesh(devices, {})
@@ -263,9 +265,13 @@ def bench_rollout(
           SamplingParams(temperature=1.0, max_new_tokens=int(n), ignore_eos=True) for n in lengths
         ]
         _timed_generate(engine, prompts, sampling)  # compile every shape once
+        waits = engine.num_host_waits
         seconds, tokens = _timed_generate(engine, prompts, sampling)
         assert tokens == int(lengths.sum()), (name, workload, tokens)
         row[f"{name}_{workload}_tokens_per_s"] = tokens / seconds
+        # Device-to-host waits (the device idle until the host answers) per generated token.
+        row[f"{name}_{workload}_host_syncs_per_token"] = (engine.num_host_waits - waits) / tokens
+      row[f"{name}_compiled_shapes"] = engine.compiled_shapes()
     # Roofline of one decode step of `roofline_seqs` equal-length sequences, at their mean
     # context over the timed steps.
     sampling = [SamplingParams(temperature=1.0, max_new_tokens=median, ignore_eos=True)] * (

@@ -168,6 +168,17 @@ PRESETS: dict[str, ModelConfig] = {
   # Small enough to train to competence on a 2-core CPU in minutes (tests and the demo).
   "tiny": ModelConfig(),
   "tiny-moe": ModelConfig(num_experts=8, experts_per_token=2, moe_mlp_dim=128),
+  # Device work negligible beside the host's: the rollout bench's host-overhead workload.
+  "micro": ModelConfig(
+    vocab_size=256,
+    d_model=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    mlp_dim=128,
+    max_seq_len=1024,
+  ),
   "bench-tiny": ModelConfig(
     vocab_size=1024,
     d_model=256,

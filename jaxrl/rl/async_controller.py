@@ -33,8 +33,7 @@ from jaxrl.rl.dispatch import LengthPredictor, WorkerRates
 from jaxrl.rl.experience import build_batch
 from jaxrl.rl.timeline import LEARNER_LANE
 from jaxrl.rl.workers import Assignment, LocalWorker, WorkerEvent, copy_record
-from jaxrl.rollout.paged import record_completion
-from jaxrl.rollout.requests import RequestRecord
+from jaxrl.rollout.requests import RequestRecord, record_completion
 from jaxrl.train.advantages import group_advantages
 
 log = logging.getLogger(__name__)

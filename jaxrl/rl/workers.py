@@ -208,6 +208,7 @@ class LocalWorker:
 
   def _leave(self) -> None:
     e = self.engine
+    self._stream(e.drain())  # what finished in the window in flight is finished, not left
     ids = [*e.running, *(r.request_id for r in e.waiting)]
     records = [copy_record(r) for r in e.abort(ids)]
     records += [copy_record(a.record) for a in self._held]
@@ -230,6 +231,7 @@ class LocalWorker:
       return
     start = time.time()
     version, params = pulled
+    self._stream(e.drain())
     running = e.abort(list(e.running))  # re-admitted below: caches rebuilt under new weights
     e.update_weights(params, version)
     waiting = list(e.waiting)

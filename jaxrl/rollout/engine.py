@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
-from jaxrl.rollout.sampling import SamplingParams, needs_filter, sample_tokens
+from jaxrl.rollout.sampling import SamplingParams, filter_width, sample_tokens
 from jaxrl.sharding import batch_sharding, tree_shardings
 
 
@@ -122,7 +122,12 @@ class StaticEngine:
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
     # Batch buckets are multiples of this so every data shard gets whole rows.
     self._data_size = int(np.prod([mesh.shape[a] for a in batch_axes]))
-    self._generate = jax.jit(self._generate_impl, static_argnames=("max_new", "filtering"))
+    self._generate = jax.jit(self._generate_impl, static_argnames=("max_new", "width"))
+    self.num_host_waits = 0  # device-to-host waits: one per batch, after its last token
+
+  def compiled_shapes(self) -> int:
+    """Executables compiled so far (one per batch, prompt and response bucket)."""
+    return self._generate._cache_size()
 
   def update_weights(self, params: Params, version: int) -> None:
     self.params = place_params(params, self.param_shardings, self.model.abstract_params())
@@ -200,9 +205,10 @@ class StaticEngine:
         put(stop_rows),
         jax.random.key(seed),
         max_new=n,
-        filtering=needs_filter(per_row),
+        width=filter_width(per_row),
       )
     )
+    self.num_host_waits += 1
     out = []
     for i in range(rows):
       length = int(lengths_b[i])
@@ -230,7 +236,7 @@ class StaticEngine:
     rng,
     *,
     max_new: int,
-    filtering: bool,
+    width: int,
   ):
     b, p = prompt_bp.shape
     cache = self.model.init_cache(b, p + max_new)
@@ -247,7 +253,7 @@ class StaticEngine:
       i, logits_bv, cache, tokens_bn, logprobs_bn, done_b, lengths_b, stopped_b = carry
       keys_b = jax.random.split(jax.random.fold_in(rng, i), b)
       token_b, logprob_b = sample_tokens(
-        keys_b, logits_bv, temperature_b, top_k_b, top_p_b, filtering=filtering
+        keys_b, logits_bv, temperature_b, top_k_b, top_p_b, filter_width=width
       )
       token_b = jnp.where(done_b, self.pad_id, token_b)
       tokens_bn = tokens_bn.at[:, i].set(token_b)

@@ -1,21 +1,24 @@
-"""Continuous batching over a paged KV cache.
+"""Continuous batching over a paged KV cache, with the decode loop resident on the device.
 
-Requests join and leave a running batch at every step. Keys and values live in fixed-size pages
-shared by all sequences; a host-side scheduler hands pages out, frees them when a request
-finishes, and, when pages run out, preempts the youngest running request (frees its pages, keeps
-its tokens) to resume it later by re-prefilling its prompt plus generated prefix.
+Requests join and leave a running batch between decode windows. Keys and values live in
+fixed-size pages shared by all sequences; a host-side scheduler hands pages out, frees them when a
+request finishes, and, when pages run out, preempts the youngest running request (frees its
+pages, keeps its tokens) to resume it later by re-prefilling its prompt plus generated prefix.
 
 Invariant: a running request has keys/values cached for all its tokens but the last; the next
 decode step feeds that last token, caches it, and samples the following one. Prefill therefore
 only fills the cache (in chunks); it never samples.
 
-One device call runs a window of up to `decode_steps` decode steps (a scan on the device), so
-the host's per-step work (scheduling, page tables, transfers, reading tokens back) is paid once
-per window: on a GPU that work, not the model, was most of a step's time. A row stops inside
-the window at a stop token or its length limit and writes nothing after; pages are handed out
-for the whole window before it starts. Admission, preemption and weight updates happen between
-windows. Sampling keys depend only on (request seed, token index), so the tokens are the same
-for every window size.
+One device call runs a window of up to `decode_steps` decode steps (a scan on the device). Each
+row's decode state (next token, position, budget, token index, live flag) and sampling
+parameters stay on the device (`decode_loop`): a window starts from the state the last one left,
+so the host dispatches window N+1 before it reads window N back, and builds the next page table
+while the device works. Admission writes the new rows into free slots, and a batch that grows or
+shrinks is re-laid out, on the device; only preemption and abort wait for the window in flight
+(they need its tokens). The host learns that a request finished one window late, so pages are
+handed out for the window in flight and the next one. A row stops inside a window at a stop
+token or its length limit and writes nothing after. Sampling keys depend only on (request seed,
+token index), so the tokens are the same for every window size.
 
 Glossary: b rows, t tokens per row, n pages per row, k kv heads, p pages, z page size, e head dim.
 """
@@ -33,9 +36,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PagedLayerCache, Params
+from jaxrl.rollout.decode_loop import (
+  DecodeState,
+  DeviceBatch,
+  RowSampling,
+  RowStart,
+  WindowOutput,
+  dead_rows,
+  decode_window,
+)
 from jaxrl.rollout.engine import Completion, bucket, place_params
-from jaxrl.rollout.requests import PageAllocator, RequestRecord, pages_for
-from jaxrl.rollout.sampling import SamplingParams, needs_filter, sample_tokens
+from jaxrl.rollout.requests import (
+  PageAllocator,
+  RequestRecord,
+  pages_for,
+  record_completion,
+  record_prompt_routing,
+)
+from jaxrl.rollout.sampling import (
+  NO_FILTER,
+  SORT_ALL,
+  TOP_K_CANDIDATES,
+  SamplingParams,
+  filter_width,
+)
 from jaxrl.sharding import batch_sharding, logical_to_pspec, tree_shardings
 
 
@@ -76,6 +100,18 @@ class _Running:
   record: RequestRecord
   pages: list[int]
   admitted: int  # admission order; the highest is the youngest
+  row: int = -1  # its row in the device batch
+  pending: int = 0  # steps of the window in flight: at most this many tokens not yet read back
+
+
+@dataclasses.dataclass
+class _InFlight:
+  """A dispatched window whose tokens the host has not read back yet."""
+
+  output: WindowOutput
+  rows: list[_Running | None]  # the batch's rows when it was dispatched
+  steps: int
+  version: int
 
 
 class PagedEngine:
@@ -122,16 +158,31 @@ class PagedEngine:
     self._admissions = itertools.count()
     self._ids = itertools.count()
     self.num_preemptions = 0
+    self._inflight: _InFlight | None = None
+    self._finished: list[RequestRecord] = []  # read back outside `step`'s own read-back
+    self.num_windows = 0
+    # Read-backs that found no window queued behind them: the device waited for the host.
+    self.num_host_waits = 0
     # Host arrays go straight into the jitted call with their shardings declared: jit's own
     # transfer is about 10x cheaper per array than a separate device_put (which was most of
     # the host time of a small model's decode step). Params and caches keep their placement.
     params_kv = (self.param_shardings, [(kv_sharding, kv_sharding)] * mc.num_layers)
     row, matrix = self._row_sharding, self._matrix_sharding
-    # One jitted decode per window size (powers of two below decode_steps, and decode_steps).
+    # One jitted decode per (window size, sampler filter); window sizes are the powers of two
+    # below decode_steps, and decode_steps.
     self._decoders = {}
-    self._decode_shardings = (*params_kv, row, row, matrix, row, row, row, row, row, row, matrix)
+    state, sampling = DecodeState(*[row] * 5), RowSampling(row, row, row, row, matrix)
+    self._decode_shardings = (*params_kv, state, sampling, matrix)
+    steps_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, row.spec[0]))
+    routing = steps_rows if mc.is_moe else None
+    window = WindowOutput(steps_rows, steps_rows, routing, row)
+    self._decode_out_shardings = (window, state, params_kv[1])
+    self._batch = DeviceBatch((state, sampling), pad_id)
     self._prefill = jax.jit(
-      self._prefill_impl, donate_argnums=(1,), in_shardings=(*params_kv, matrix, matrix, matrix)
+      self._prefill_impl,
+      donate_argnums=(1,),
+      in_shardings=(*params_kv, matrix, matrix, matrix),
+      out_shardings=(params_kv[1], row if mc.is_moe else None),
     )
 
   # -- requests ----------------------------------------------------------------------------------
@@ -157,12 +208,14 @@ class PagedEngine:
     self._kv = None
 
   def precompile(
-    self, stop_widths: Sequence[int] = (1,), filtering: Sequence[bool] = (False, True)
+    self,
+    stop_widths: Sequence[int] = (1,),
+    filter_widths: Sequence[int] = (NO_FILTER, TOP_K_CANDIDATES, SORT_ALL),
   ) -> int:
     """Compiles every decode window and prefill call this engine can make, by running each
     shape once on padding rows (position -1: they read and write no cache), so that none
     compiles mid-run. `stop_widths`: the stop-id list widths to cover (1: the end token only);
-    `filtering`: the sampler variants to cover (with and without top-k/top-p rows).
+    `filter_widths`: the sampler variants to cover (`sampling.filter_width`).
     Needs weights. Returns the number of shapes run."""
     if self.params is None:
       raise ValueError("PagedEngine.precompile needs weights first: call update_weights.")
@@ -175,15 +228,11 @@ class PagedEngine:
     shapes = 0
     for rows, width in itertools.product(row_counts, widths):
       table = np.zeros((rows, width), np.int32)
-      pad_rows = np.full((rows,), -1, np.int32)
-      for window, stops, filters in itertools.product(windows, stop_widths, filtering):
-        out = self._decoder(window, filters)(
-          self.params, self._kv, np.zeros((rows,), np.int32), pad_rows, table,
-          np.zeros((rows,), np.int32), np.zeros((rows,), np.uint32), np.zeros((rows,), np.int32),
-          np.ones((rows,), np.float32), np.zeros((rows,), np.int32), np.ones((rows,), np.float32),
-          np.full((rows, stops), -1, np.int32),
-        )  # fmt: skip
-        self._kv = out[-1]
+      for window, stops, filters in itertools.product(windows, stop_widths, filter_widths):
+        state, sampling = jax.device_put(
+          dead_rows(rows, stops, self.pad_id), self._decode_shardings[2:4]
+        )
+        *_, self._kv = self._decoder(window, filters)(self.params, self._kv, state, sampling, table)
         shapes += 1
       for chunk in chunks:
         tokens = np.full((rows, chunk), self.pad_id, np.int32)
@@ -193,6 +242,11 @@ class PagedEngine:
     jax.block_until_ready(self._kv)
     self._precompiled = True
     return shapes
+
+  def compiled_shapes(self) -> int:
+    """Executables compiled so far: decode windows, prefill chunks and row updates."""
+    jitted = [*self._decoders.values(), self._prefill, *self._batch.jitted]
+    return sum(f._cache_size() for f in jitted)
 
   def submit(
     self,
@@ -239,20 +293,35 @@ class PagedEngine:
 
   @property
   def has_work(self) -> bool:
-    return bool(self.waiting or self.running)
+    return bool(self.waiting or self.running or self._inflight or self._finished)
 
   def snapshot(self, request_id: str) -> RequestRecord:
     """Stops a request and returns its record; `submit` it on any engine to continue."""
     return self.abort([request_id])[0]
 
+  def drain(self) -> list[RequestRecord]:
+    """Waits for the window in flight and returns every request that finished and was not
+    returned yet (by `step`); afterwards every running record holds all its tokens."""
+    self._read_back()
+    finished, self._finished = self._finished, []
+    return finished
+
   def abort(self, request_ids: Sequence[str]) -> list[RequestRecord]:
-    """Removes requests (running or waiting) and returns their partial records."""
+    """Removes requests (running or waiting) and returns their partial records, with the
+    tokens of the window in flight (this waits for it). A request that finished in that window
+    comes back finished (`finish_reason` set): call `drain` first to collect those apart."""
+    self._read_back()
     out = []
     for rid in request_ids:
       if rid in self.running:
-        state = self.running.pop(rid)
-        self.allocator.free(state.pages)
+        state = self.running[rid]
+        self._remove(state)
         out.append(state.record)
+        continue
+      done = [r for r in self._finished if r.request_id == rid]
+      if done:
+        self._finished.remove(done[0])
+        out.append(done[0])
         continue
       match = [r for r in self.waiting if r.request_id == rid]
       if not match:
@@ -264,18 +333,30 @@ class PagedEngine:
   # -- the loop ----------------------------------------------------------------------------------
 
   def step(self) -> list[RequestRecord]:
-    """Admits what fits, runs one decode window (up to `decode_steps` tokens for every running
-    request); returns the requests that finished."""
+    """Admits what fits and dispatches one decode window (up to `decode_steps` tokens for every
+    running request), then reads the previous window back; returns the requests that finished.
+
+    The tokens of the window dispatched here are read by the next call (or `drain`), so a
+    request is returned one call after the window it finished in.
+    """
     if self.params is None:
       raise RuntimeError("PagedEngine.step called before update_weights gave it weights.")
     self._admit()
-    if not self.running:
-      if self.waiting:
-        raise RuntimeError("No request fits the free pages although none is running.")
-      return []
-    window = self._window()
-    self._grow_pages(window)
-    return self._decode_window(window)
+    if not self.running and self._inflight is not None:
+      self._read_back()  # frees the pages of what finished: admit into them
+      self._admit()
+    window = self._window() if self.running else 0
+    if window:
+      self._grow_pages(window)
+      previous = self._dispatch(window)
+      if previous is not None:
+        self._consume(previous, waited=False)  # the device runs the window just dispatched
+    elif self.waiting and not self.running and self._inflight is None:
+      raise RuntimeError("No request fits the free pages although none is running.")
+    else:
+      self._read_back()  # every running row ends in the window in flight
+    finished, self._finished = self._finished, []
+    return finished
 
   def stream(self) -> Iterator[RequestRecord]:
     """Steps until no work is left, yielding each request as soon as it finishes."""
@@ -309,52 +390,91 @@ class PagedEngine:
       admitted.append(state)
     if admitted:
       self._prefill_states(admitted)
+      self._place(admitted)
 
   def _budget(self, record: RequestRecord) -> int:
-    """Tokens the request may still generate before its length limit."""
+    """Tokens the request may still generate before its length limit (as read back so far)."""
     return min(
       record.sampling.max_new_tokens - len(record.token_ids),
       self.model.config.max_seq_len - record.num_tokens,
     )
 
   def _window(self) -> int:
-    """Steps of the next device call: enough for the longest budget, bucketed, capped."""
-    longest = max(self._budget(s.record) for s in self.running.values())
-    return min(self.cfg.decode_steps, bucket(longest, 1))
+    """Steps of the next device call: enough for the longest budget left after the window in
+    flight, bucketed, capped; 0 when every running request ends in that window."""
+    longest = max(self._budget(s.record) - s.pending for s in self.running.values())
+    return min(self.cfg.decode_steps, bucket(longest, 1)) if longest > 0 else 0
 
   def _grow_pages(self, window: int) -> None:
-    """Gives every running request pages for the tokens its window will cache, preempting the
-    youngest when pages run out. A window caches the request's last token and the tokens it
-    samples but the final one."""
+    """Gives every running request pages for the tokens the window in flight and the next one
+    may cache, preempting the youngest when pages run out (after reading the window in flight
+    back: a preempted record keeps every token). A window caches the request's last token and
+    the tokens it samples but the final one."""
     for state in sorted(self.running.values(), key=lambda s: s.admitted):
       if state.record.request_id not in self.running:
-        continue  # preempted below while serving an older request
+        continue  # preempted, or finished in the window read back below
       r = state.record
-      cached = r.num_tokens - 1 + min(window, self._budget(r))
+      cached = r.num_tokens - 1 + min(state.pending + window, self._budget(r))
       need = pages_for(cached, self.cfg.page_size) - len(state.pages)
       while need > 0:
         pages = self.allocator.allocate(need)
         if pages is not None:
           state.pages.extend(pages)
           break
+        if self._inflight is not None:
+          self._read_back()  # frees what finished; the rest then needs pages for `window` only
+          if state.record.request_id not in self.running:
+            break
+          need = pages_for(r.num_tokens - 1 + min(window, self._budget(r)), self.cfg.page_size)
+          need -= len(state.pages)
+          continue
         youngest = max(self.running.values(), key=lambda s: s.admitted)
         self._preempt(youngest)
         if youngest is state:
           break
 
   def _preempt(self, state: _Running) -> None:
-    del self.running[state.record.request_id]
-    self.allocator.free(state.pages)
+    self._remove(state)
     self.waiting.appendleft(state.record)
     self.num_preemptions += 1
 
-  # -- device calls ------------------------------------------------------------------------------
+  def _remove(self, state: _Running) -> None:
+    """Takes a running request out (its record complete: nothing of it in flight), frees its
+    pages and marks its row dead on the device."""
+    del self.running[state.record.request_id]
+    self.allocator.free(state.pages)
+    self._batch.kill(state.row)
 
-  def _page_table(self, states: Sequence[_Running], rows: int) -> np.ndarray:
-    width = bucket(max(len(s.pages) for s in states), 1)
+  # -- the device batch --------------------------------------------------------------------------
+
+  def _place(self, admitted: Sequence[_Running]) -> None:
+    """Gives the admitted requests rows of the device batch and their start there."""
+    keep = [s for s in self._batch.rows if s is not None]
+    new = []
+    for state in admitted:
+      r = state.record
+      start = RowStart(
+        token=r.token_ids[-1] if r.token_ids else r.prompt_ids[-1],
+        position=r.num_tokens - 1,
+        budget=self._budget(r),
+        index=len(r.token_ids),
+        seed=r.seed,
+        temperature=r.sampling.temperature,
+        top_k=r.sampling.top_k,
+        top_p=r.sampling.top_p,
+        stop_ids=self._stop_ids(r),
+      )
+      new.append((state, start))
+    rows = self._rows(len(keep) + len(new))
+    stop_width = bucket(max(len(x.stop_ids) for _, x in new), 1)
+    self._batch.place(sorted(keep, key=lambda s: s.admitted), new, rows, stop_width)
+
+  def _page_table(self, states: Sequence[_Running | None], rows: int) -> np.ndarray:
+    width = bucket(max(len(s.pages) for s in states if s is not None), 1)
     table = np.zeros((rows, width), np.int32)
     for i, s in enumerate(states):
-      table[i, : len(s.pages)] = s.pages
+      if s is not None:
+        table[i, : len(s.pages)] = s.pages
     return table
 
   def _rows(self, n: int) -> int:
@@ -377,93 +497,73 @@ class PagedEngine:
       table = self._page_table([s for s, _ in live], rows)
       self._kv, routing_btlk = self._prefill(self.params, self._kv, tokens, positions, table)
       if routing_btlk is not None:
-        self._record_prompt_routing([s.record for s, _ in live], start, np.asarray(routing_btlk))
+        record_prompt_routing([s.record for s, _ in live], start, np.asarray(routing_btlk))
 
-  @staticmethod
-  def _record_prompt_routing(records, start: int, routing_btlk: np.ndarray) -> None:
-    """Keeps the routes of prompt tokens not yet traced (a re-prefill after preemption re-routes
-    tokens whose routes were recorded when they were first processed; those are kept)."""
-    for i, r in enumerate(records):
-      first, stop = len(r.prompt_routing), len(r.prompt_ids) - 1
-      for position in range(max(first, start), min(stop, start + routing_btlk.shape[1])):
-        r.prompt_routing.append(routing_btlk[i, position - start].tolist())
-
-  def _decode_window(self, window: int) -> list[RequestRecord]:
-    states = sorted(self.running.values(), key=lambda s: s.admitted)
-    rows = self._rows(len(states))
-    stops = [self._stop_ids(s.record) for s in states]
-    tokens = np.full((rows,), self.pad_id, np.int32)
-    positions = np.full((rows,), -1, np.int32)
-    budgets = np.zeros((rows,), np.int32)  # padding rows take no step
-    seeds = np.zeros((rows,), np.uint32)
-    index = np.zeros((rows,), np.int32)
-    temperature = np.ones((rows,), np.float32)
-    top_k = np.zeros((rows,), np.int32)
-    top_p = np.ones((rows,), np.float32)
-    stop_ids = np.full((rows, bucket(max(map(len, stops)), 1)), -1, np.int32)
-    for i, s in enumerate(states):
-      r = s.record
-      tokens[i] = r.token_ids[-1] if r.token_ids else r.prompt_ids[-1]
-      positions[i] = r.num_tokens - 1
-      budgets[i] = self._budget(r)
-      seeds[i], index[i] = r.seed, len(r.token_ids)
-      temperature[i], top_k[i], top_p[i] = (
-        r.sampling.temperature,
-        r.sampling.top_k,
-        r.sampling.top_p,
-      )
-      stop_ids[i, : len(stops[i])] = stops[i]
-    table = self._page_table(states, rows)
-    filtering = needs_filter(s.record.sampling for s in states)
-    tokens_wb, logprobs_wb, routing_wblk, taken_b, self._kv = self._decoder(window, filtering)(
-      self.params,
-      self._kv,
-      tokens,
-      positions,
-      table,
-      budgets,
-      seeds,
-      index,
-      temperature,
-      top_k,
-      top_p,
-      stop_ids,
+  def _dispatch(self, window: int) -> _InFlight | None:
+    """Runs the next window from the state the last one left (nothing read from the device);
+    returns the window that was in flight before, for the caller to read back."""
+    batch = self._batch
+    table = self._page_table(batch.rows, len(batch.rows))
+    width = filter_width(s.record.sampling for s in self.running.values())
+    output, batch.state, self._kv = self._decoder(window, width)(
+      self.params, self._kv, batch.state, batch.sampling, table
     )
-    tokens_wb, logprobs_wb = np.asarray(tokens_wb), np.asarray(logprobs_wb)
-    taken_b = np.asarray(taken_b)
-    routing_wblk = None if routing_wblk is None else np.asarray(routing_wblk)
-    finished = []
-    for i, s in enumerate(states):
-      r = s.record
+    for state in self.running.values():
+      state.pending += window
+    previous = self._inflight
+    self._inflight = _InFlight(output, list(batch.rows), window, self.version)
+    self.num_windows += 1
+    return previous
+
+  def _read_back(self) -> None:
+    """Waits for the window in flight, if any, and takes its tokens (the device idles after)."""
+    if self._inflight is not None:
+      inflight, self._inflight = self._inflight, None
+      self._consume(inflight, waited=True)
+
+  def _consume(self, window: _InFlight, *, waited: bool) -> None:
+    """Appends a window's tokens to its requests; the finished ones leave the engine."""
+    out = window.output
+    tokens_wb, logprobs_wb = np.asarray(out.tokens_wb), np.asarray(out.logprobs_wb)
+    taken_b = np.asarray(out.taken_b)
+    routing_wblk = None if out.routing_wblk is None else np.asarray(out.routing_wblk)
+    self.num_host_waits += waited
+    for i, s in enumerate(window.rows):
+      if s is None or self.running.get(s.record.request_id) is not s:
+        continue  # a free row, or a request that finished in an earlier window
+      s.pending -= window.steps
+      r, stops = s.record, self._stop_ids(s.record)
       for j in range(int(taken_b[i])):
         token = int(tokens_wb[j, i])
         r.token_ids.append(token)
         r.logprobs.append(float(logprobs_wb[j, i]))
-        r.versions.append(self.version)
+        r.versions.append(window.version)
         if routing_wblk is not None:
           r.routing.append(routing_wblk[j, i].tolist())
-        if token in stops[i]:
+        if token in stops:
           r.finish_reason = "stop"
         elif self._budget(r) <= 0:
           r.finish_reason = "length"
       if r.finish_reason:
+        # Its row is dead on the device already (it stopped there too); free it for admission.
         del self.running[r.request_id]
         self.allocator.free(s.pages)
-        finished.append(r)
-    return finished
+        self._batch.free(s.row)
+        self._finished.append(r)
 
   def _stop_ids(self, record: RequestRecord) -> tuple[int, ...]:
     eos = () if record.sampling.ignore_eos else (self.eos_id,)
     return eos + tuple(record.sampling.stop_token_ids)
 
-  def _decoder(self, steps: int, filtering: bool):
-    """The jitted window of `steps` decode steps; `filtering`: some row uses top-k/top-p."""
-    key = (steps, filtering)
+  def _decoder(self, steps: int, width: int):
+    """The jitted window of `steps` decode steps with the sampler's filter `width`."""
+    key = (steps, width)
     if key not in self._decoders:
       self._decoders[key] = jax.jit(
-        functools.partial(self._decode_impl, steps=steps, filtering=filtering),
+        functools.partial(self._decode_impl, steps=steps, width=width),
         donate_argnums=(1,),
         in_shardings=self._decode_shardings,
+        out_shardings=self._decode_out_shardings,
       )
     return self._decoders[key]
 
@@ -481,76 +581,19 @@ class PagedEngine:
     )
     return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
 
-  def _decode_impl(
-    self,
-    params,
-    kv,
-    tokens_b,
-    positions_b,
-    table_bn,
-    budgets_b,
-    seeds_b,
-    index_b,
-    temperature_b,
-    top_k_b,
-    top_p_b,
-    stop_ids_bs,
-    *,
-    steps: int,
-    filtering: bool,
-  ):
-    """`steps` decode steps; a row takes at most its budget and stops after a stop token.
+  def _decode_impl(self, params, kv, state, sampling, table_bn, *, steps: int, width: int):
+    """`decode_window` with this engine's model: (WindowOutput, advanced state, caches)."""
 
-    Returns per step the sampled tokens, their log-probs and routes ([steps, b, ...]; a row's
-    entries after it stopped are junk), the steps each row took, and the caches.
-    """
-
-    def one_step(carry, j):
-      kv, tokens_b, taken_b, live_b = carry
-      positions_j = jnp.where(live_b, positions_b + j, -1)  # stopped rows write nothing
+    def step_logits(kv, tokens_b, positions_b):
       logits_b1v, cache, routing_b1lk = self.model.apply(
         params,
         tokens_b[:, None],
-        positions_j[:, None],
+        positions_b[:, None],
         self._layers(kv, table_bn),
         return_routing=True,
         moe=self._moe,
       )
-      keys_b = jax.vmap(_token_key)(seeds_b, index_b + j)
-      new_b, logprobs_b = sample_tokens(
-        keys_b, logits_b1v[:, 0], temperature_b, top_k_b, top_p_b, filtering=filtering
-      )
-      taken_b = taken_b + live_b
-      stopped_b = jnp.any(new_b[:, None] == stop_ids_bs, axis=1) | (taken_b >= budgets_b)
-      kv = [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
       routing_blk = None if routing_b1lk is None else routing_b1lk[:, 0]
-      carry = (kv, jnp.where(live_b, new_b, tokens_b), taken_b, live_b & ~stopped_b)
-      return carry, (new_b, logprobs_b, routing_blk)
+      return logits_b1v[:, 0], routing_blk, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
 
-    init = (kv, tokens_b, jnp.zeros_like(budgets_b), budgets_b > 0)
-    (kv, _, taken_b, _), (tokens_wb, logprobs_wb, routing_wblk) = jax.lax.scan(
-      one_step, init, jnp.arange(steps, dtype=jnp.int32)
-    )
-    return tokens_wb, logprobs_wb, routing_wblk, taken_b, kv
-
-
-def _token_key(seed, index):
-  """The key of token `index` of the request with `seed`: independent of batching."""
-  return jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), index)
-
-
-def record_completion(record: RequestRecord) -> Completion:
-  """The `Completion` of a finished record (arrays, routing reshaped), as the learner takes it."""
-  routing = prompt_routing = None
-  if record.routing:
-    routing = np.asarray(record.routing, np.int32)
-    prompt_routing = np.asarray(record.prompt_routing, np.int32).reshape(-1, *routing.shape[1:])
-  return Completion(
-    prompt_ids=list(record.prompt_ids),
-    token_ids=np.asarray(record.token_ids, np.int32),
-    logprobs=np.asarray(record.logprobs, np.float32),
-    versions=np.asarray(record.versions, np.int32),
-    finish_reason=record.finish_reason,
-    routing=routing,
-    prompt_routing=prompt_routing,
-  )
+    return decode_window(step_logits, kv, state, sampling, steps=steps, filter_width=width)

@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
+from jaxrl.rollout.engine import Completion
 from jaxrl.rollout.sampling import SamplingParams
 
 
@@ -90,3 +93,31 @@ class PageAllocator:
 
 def pages_for(num_tokens: int, page_size: int) -> int:
   return -(-num_tokens // page_size)
+
+
+def record_prompt_routing(records, start: int, routing_btlk: np.ndarray) -> None:
+  """MoE: appends to each record the routes of its prompt tokens that a prefill chunk from
+  `start` routed (`routing_btlk`, one row per record). Only tokens not yet traced: a re-prefill
+  after preemption re-routes tokens whose routes were recorded when first processed; those
+  are kept."""
+  for i, r in enumerate(records):
+    first, stop = len(r.prompt_routing), len(r.prompt_ids) - 1
+    for position in range(max(first, start), min(stop, start + routing_btlk.shape[1])):
+      r.prompt_routing.append(routing_btlk[i, position - start].tolist())
+
+
+def record_completion(record: RequestRecord) -> Completion:
+  """The `Completion` of a finished record (arrays, routing reshaped), as the learner takes it."""
+  routing = prompt_routing = None
+  if record.routing:
+    routing = np.asarray(record.routing, np.int32)
+    prompt_routing = np.asarray(record.prompt_routing, np.int32).reshape(-1, *routing.shape[1:])
+  return Completion(
+    prompt_ids=list(record.prompt_ids),
+    token_ids=np.asarray(record.token_ids, np.int32),
+    logprobs=np.asarray(record.logprobs, np.float32),
+    versions=np.asarray(record.versions, np.int32),
+    finish_reason=record.finish_reason,
+    routing=routing,
+    prompt_routing=prompt_routing,
+  )

@@ -43,22 +43,50 @@ class SamplingParams:
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
 
 
-def filter_logits(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
+NO_FILTER = 0  # no row uses top-k or top-p
+SORT_ALL = -1  # some row needs the whole vocabulary in order (top-p without a small top-k)
+TOP_K_CANDIDATES = 64  # every filtering row keeps at most this many: `lax.top_k` suffices
+
+
+def filter_width(params: Iterable[SamplingParams]) -> int:
+  """The sampler's static filter for these requests: NO_FILTER; TOP_K_CANDIDATES when every
+  filtering row has 0 < top_k <= TOP_K_CANDIDATES (its nucleus lies inside its top k); else
+  SORT_ALL."""
+  width = NO_FILTER
+  for p in params:
+    if 0 < p.top_k <= TOP_K_CANDIDATES:
+      width = TOP_K_CANDIDATES
+    elif p.top_k > 0 or p.top_p < 1.0:
+      return SORT_ALL
+  return width
+
+
+def filter_logits(
+  logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array, *, width: int = SORT_ALL
+) -> jax.Array:
   """Masks logits outside each row's top-k set and top-p nucleus to -inf.
 
   Ties at the k-th value are kept. The nucleus keeps the most likely tokens whose probability
-  mass before them is below top_p, so the most likely token always survives.
+  mass before them is below top_p, so the most likely token always survives; a row with
+  neither keeps every logit. The candidates are the `width` largest logits (`lax.top_k`) when
+  every filtering row's top_k is at most `width`, else the whole sorted row (SORT_ALL).
   """
   vocab = logits_bv.shape[-1]
-  sorted_bv = jnp.sort(logits_bv, axis=-1)[:, ::-1]
-  k_b = jnp.where(top_k_b > 0, jnp.minimum(top_k_b, vocab), vocab)
-  kth_b1 = jnp.take_along_axis(sorted_bv, (k_b - 1)[:, None], axis=-1)
-  logits_bv = jnp.where(logits_bv >= kth_b1, logits_bv, -jnp.inf)
-  probs_sorted = jax.nn.softmax(jnp.where(sorted_bv >= kth_b1, sorted_bv, -jnp.inf), axis=-1)
-  mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-  keep_sorted = mass_before < top_p_b[:, None]
-  # The smallest logit still inside the nucleus is the threshold for the unsorted row.
-  threshold_b1 = jnp.min(jnp.where(keep_sorted, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+  if 0 < width < vocab:
+    candidates_bc = jax.lax.top_k(logits_bv, width)[0]  # descending
+  else:
+    candidates_bc = jnp.sort(logits_bv, axis=-1)[:, ::-1]
+  c = candidates_bc.shape[-1]
+  k_b = jnp.where(top_k_b > 0, jnp.minimum(top_k_b, c), c)
+  kth_b1 = jnp.take_along_axis(candidates_bc, (k_b - 1)[:, None], axis=-1)
+  in_top_k = candidates_bc >= kth_b1
+  probs_bc = jax.nn.softmax(jnp.where(in_top_k, candidates_bc, -jnp.inf), axis=-1)
+  mass_before = jnp.cumsum(probs_bc, axis=-1) - probs_bc
+  keep_bc = in_top_k & (mass_before < top_p_b[:, None])
+  # The smallest logit still kept is the threshold for the unsorted row.
+  threshold_b1 = jnp.min(jnp.where(keep_bc, candidates_bc, jnp.inf), axis=-1, keepdims=True)
+  unfiltered_b1 = ((top_k_b <= 0) & (top_p_b >= 1.0))[:, None]
+  threshold_b1 = jnp.where(unfiltered_b1, -jnp.inf, threshold_b1)
   return jnp.where(logits_bv >= threshold_b1, logits_bv, -jnp.inf)
 
 
@@ -74,11 +102,6 @@ def first_argmax(x_bv: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(x_bv == max_b1, index_v, x_bv.shape[-1] - 1), axis=-1)
 
 
-def needs_filter(params: Iterable[SamplingParams]) -> bool:
-  """Whether any of these requests asks for top-k or top-p (the sampler's static switch)."""
-  return any(p.top_k > 0 or p.top_p < 1.0 for p in params)
-
-
 def sample_tokens(
   keys_b: jax.Array,
   logits_bv: jax.Array,
@@ -86,7 +109,7 @@ def sample_tokens(
   top_k_b: jax.Array,
   top_p_b: jax.Array,
   *,
-  filtering: bool = True,
+  filter_width: int = SORT_ALL,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples one token per row with that row's key; returns (tokens_b, logprobs_b).
 
@@ -96,14 +119,18 @@ def sample_tokens(
   added to them) and report the log-probability under temperature 1, which is what a learner
   would score them with.
 
-  `filtering` is static (the engine knows its requests' parameters on the host: `needs_filter`):
-  without it there is no vocabulary sort, and no device-side branch whose predicate a GPU
-  would copy back to the host at every step.
+  `filter_width` is static (the engine knows its requests' parameters on the host:
+  `filter_width`): NO_FILTER skips filtering, TOP_K_CANDIDATES filters among `lax.top_k`'s
+  candidates, SORT_ALL sorts the vocabulary; no device-side branch whose predicate a GPU would
+  copy back to the host at every step.
   """
   logits_bv = logits_bv.astype(jnp.float32)
   greedy_b = temperature_b <= 0
   scaled_bv = logits_bv / jnp.where(greedy_b, 1.0, temperature_b)[:, None]
-  filtered_bv = filter_logits(scaled_bv, top_k_b, top_p_b) if filtering else scaled_bv
+  filtering = filter_width != NO_FILTER
+  filtered_bv = (
+    filter_logits(scaled_bv, top_k_b, top_p_b, width=filter_width) if filtering else scaled_bv
+  )
   # Gumbel-max, as jax.random.categorical does it, but with first_argmax (see there). The
   # filter keeps every row's largest logit, so a greedy row's argmax is its logits' argmax.
   gumbel_bv = jax.vmap(lambda key: jax.random.gumbel(key, filtered_bv.shape[-1:]))(keys_b)

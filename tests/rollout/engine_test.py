@@ -9,7 +9,13 @@ from helpers import tolerance
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import logprob_mismatch
 from jaxrl.rollout import SamplingParams, StaticEngine, filter_logits, sample_tokens
-from jaxrl.rollout.sampling import first_argmax
+from jaxrl.rollout.sampling import (
+  NO_FILTER,
+  SORT_ALL,
+  TOP_K_CANDIDATES,
+  filter_width,
+  first_argmax,
+)
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig
 
@@ -123,17 +129,21 @@ def test_sampler_draws_what_categorical_draws_and_first_argmax_breaks_ties_low()
   np.testing.assert_array_equal(first_argmax(logits), jnp.argmax(logits, axis=-1))
 
 
-@pytest.mark.parametrize("filtering", [False, True])
-def test_sampler_logprobs_equal_float64_for_greedy_and_sampled_rows(filtering):
+@pytest.mark.parametrize("width", [NO_FILTER, TOP_K_CANDIDATES, SORT_ALL])
+def test_sampler_logprobs_equal_float64_for_greedy_and_sampled_rows(width):
   rng = np.random.default_rng()
   b, v = 6, 500
   logits = jnp.asarray(rng.normal(size=(b, v)) * 4, jnp.float32)
   temperature = jnp.array([0.0, 0.7, 1.0, 1.3, 0.0, 1.0], jnp.float32)
-  top_k = jnp.array([0, 0, 7 if filtering else 0, 0, 3 if filtering else 0, 0], jnp.int32)
-  top_p = jnp.array([1.0, 0.8 if filtering else 1.0, 1.0, 1.0, 1.0, 1.0], jnp.float32)
+  # Top-p alone needs the whole row sorted; with a top-k it lies inside lax.top_k's candidates.
+  top_k = {NO_FILTER: [0] * 6, TOP_K_CANDIDATES: [0, 20, 7, 0, 3, 64], SORT_ALL: [0, 0, 7, 0, 3, 0]}
+  top_p = [1.0, 0.8 if width != NO_FILTER else 1.0, 1.0, 1.0, 1.0, 1.0]
+  params = [SamplingParams(top_k=k, top_p=p) for k, p in zip(top_k[width], top_p, strict=True)]
+  assert filter_width(params) == width
+  top_k, top_p = jnp.array(top_k[width], jnp.int32), jnp.array(top_p, jnp.float32)
   keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), b)
-  sample = jax.jit(sample_tokens, static_argnames="filtering")
-  toks, logp = sample(keys, logits, temperature, top_k, top_p, filtering=filtering)
+  sample = jax.jit(sample_tokens, static_argnames="filter_width")
+  toks, logp = sample(keys, logits, temperature, top_k, top_p, filter_width=width)
   toks, logp = np.asarray(toks), np.asarray(logp)
   x = np.asarray(logits, np.float64)
   masked = np.asarray(
@@ -149,10 +159,22 @@ def test_sampler_logprobs_equal_float64_for_greedy_and_sampled_rows(filtering):
       assert toks[row] == np.argmax(x[row])
     assert np.isfinite(masked[row, toks[row]])
     tolerance.assert_close(logp[row], want, n=v, scale=np.abs(x[row]).max() / (t or 1.0))
-  if not filtering:  # no row filters: the variant with the filter gives the same draw
-    again = sample(keys, logits, temperature, top_k, top_p, filtering=True)
+  if width != SORT_ALL:  # the sorting variant gives the same draw
+    again = sample(keys, logits, temperature, top_k, top_p, filter_width=SORT_ALL)
     np.testing.assert_array_equal(again[0], toks)
     tolerance.assert_close(again[1], logp, n=v, scale=float(np.abs(x).max()) / 0.7)
+
+
+def test_top_k_candidates_filter_like_the_whole_sorted_row():
+  """lax.top_k's candidates keep exactly what sorting the vocabulary keeps, ties included."""
+  rng = np.random.default_rng()
+  logits = jnp.asarray(rng.integers(-20, 20, size=(8, 300)) / 4, jnp.float32)  # many ties
+  top_k = jnp.array([1, 5, 17, 64, 0, 2, 33, 64], jnp.int32)
+  top_p = jnp.array([1.0, 0.5, 0.9, 0.95, 1.0, 0.3, 1.0, 1.0], jnp.float32)
+  full = filter_logits(logits, top_k, top_p, width=SORT_ALL)
+  candidates = filter_logits(logits, top_k, top_p, width=TOP_K_CANDIDATES)
+  np.testing.assert_array_equal(np.isfinite(full), np.isfinite(candidates))
+  assert np.isfinite(np.asarray(full)[4]).all()  # a row without top-k and top-p keeps all
 
 
 def test_rollout_logprobs_match_learner(setup):

@@ -1,17 +1,20 @@
 """Paged continuous-batching engine: parity, preemption, snapshot/continue, streaming, errors."""
 
+import itertools
 import json
 
 import jax
 import numpy as np
 import pytest
 from helpers import tolerance
+from jax._src.array import ArrayImpl
 
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import logprob_mismatch
 from jaxrl.rollout import SamplingParams, StaticEngine
 from jaxrl.rollout.paged import PagedConfig, PagedEngine
 from jaxrl.rollout.requests import RequestRecord
+from jaxrl.rollout.sampling import NO_FILTER, SORT_ALL, TOP_K_CANDIDATES
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig
 
@@ -113,6 +116,34 @@ def test_decode_windows_give_the_tokens_of_single_steps(mesh, params):
   assert any(c.finish_reason == "length" for c in outs[1])
 
 
+def test_decode_windows_chain_on_the_device_without_waiting_for_the_host(mesh, params, monkeypatch):
+  """Each step dispatches the next window from the state the last one left on the device and
+  only then reads the last one back: the device never waits for the host mid-run."""
+  rng = np.random.default_rng()
+  e = engine(mesh, params, decode_steps=2, max_running=8)
+  budgets = [int(n) for n in rng.integers(9, 30, 6)]
+  for i, n in enumerate(budgets):
+    e.submit(prompts(1, rng)[0], SamplingParams(max_new_tokens=n, ignore_eos=True), seed=i)
+  assert e.step() == []  # admission, prefill and the first window: nothing read yet
+  reads = []  # the windows dispatched at each device-to-host copy
+  copy = ArrayImpl._value
+
+  def counted(array):
+    if array._npy_value is None:
+      reads.append(e.num_windows)
+    return copy.fget(array)
+
+  monkeypatch.setattr(ArrayImpl, "_value", property(counted))
+  e.step()
+  monkeypatch.undo()
+  # The first window's tokens, log-probs and steps taken, read after the second was dispatched.
+  assert reads == [2, 2, 2]
+  done = list(e.stream())
+  assert sorted(len(r.token_ids) for r in done) == sorted(budgets)
+  assert e.num_host_waits == 1  # the last window, when nothing is left to dispatch
+  assert e.num_windows == -(-max(budgets) // 2)
+
+
 @pytest.mark.parametrize("decode_steps", [1, 4])
 def test_out_of_pages_preemption_loses_no_request(mesh, params, decode_steps):
   rng = np.random.default_rng()
@@ -158,10 +189,11 @@ def test_stream_yields_short_requests_first_and_abort_returns_partials(mesh, par
   long = SamplingParams(max_new_tokens=40, ignore_eos=True)  # 4 windows of 8 do not end it
   e.submit(prompts(1, rng)[0], long, request_id="long")
   e.submit(prompts(1, rng)[0], long, request_id="other")
-  first = next(e.stream())
+  first = next(e.stream())  # two calls: the first window is read back by the second
   assert first.request_id == "short"
-  for _ in range(3):
+  for _ in range(2):
     e.step()
+  # Four windows dispatched; abort waits for the one in flight and keeps its tokens.
   partial = {r.request_id: r for r in e.abort(["long", "other"])}
   for r in partial.values():
     assert r.finish_reason is None
@@ -323,7 +355,7 @@ def test_precompiled_engine_compiles_nothing_while_it_generates(mesh, params):
   # Half the requests use top-k: windows with and without the sampler's filter.
   sp = [SamplingParams(max_new_tokens=16 - len(p), top_k=5 * (i % 2)) for i, p in enumerate(ps)]
   before, after, tokens = run(precompile=True)
-  windows = [(1, False), (1, True), (2, False), (2, True)]
+  windows = sorted(itertools.product([1, 2], [NO_FILTER, TOP_K_CANDIDATES, SORT_ALL]))
   assert sorted(before[0]) == windows and all(before[0].values()) and before[1]
   assert after == before  # nothing compiled while generating
   _, plain_after, plain_tokens = run(precompile=False)
