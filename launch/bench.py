@@ -2,9 +2,11 @@
 
   python launch/bench.py logprob_mismatch [--json]
   python launch/bench.py rollout [--json] [--presets micro,bench-tiny,bench-small]
+  python launch/bench.py prefix_sharing [--json] [--presets bench-tiny]
   python launch/bench.py plan [--json]
   python launch/bench.py calibrate [--json]
   python launch/bench.py paged_attention [--json]
+  python launch/bench.py flash_attention [--json]
   python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py async [--json]
   python launch/bench.py balance [--json]
@@ -29,6 +31,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_async import bench_async  # noqa: E402  (launch/ is on sys.path)
+from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
 from bench_memory import bench_memory  # noqa: E402
 
@@ -461,15 +464,60 @@ def bench_calibrate(
   }
 
 
+def bench_prefix_sharing(
+  presets=("bench-tiny",),
+  prompt_len: int = 1024,
+  group: int = 8,
+  num_prompts: int = 8,
+  new_tokens: int = 64,
+) -> dict:
+  """GRPO's shape of work: `num_prompts` prompts of `prompt_len` tokens, `group` sampled
+  responses each, on the paged engine with and without `share_prefix` (prompt prefilled once,
+  whole KV pages shared); wall time of the whole generate (prefill included), second run."""
+  mesh = make_mesh(jax.devices()[:1], {})
+  rng = np.random.default_rng(0)
+  out = {}
+  for preset in presets:
+    cfg = get_preset(preset, max_seq_len=prompt_len + new_tokens)
+    model = Model(cfg)
+    params = model.init(0)
+    prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(num_prompts)]
+    prompts = [p for p in prompts for _ in range(group)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    rows = len(prompts)
+    row = {}
+    for share in (False, True):
+      config = PagedConfig(
+        page_size=16, num_pages=rows * -(-(prompt_len + new_tokens) // 16), max_running=rows,
+        prefill_chunk=512, share_prefix=share,
+      )  # fmt: skip
+      engine = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=config)
+      engine.update_weights(params, 0)
+      _timed_generate(engine, prompts, sampling)  # compile
+      shared_before = engine.num_shared_prefill_tokens
+      seconds, tokens = _timed_generate(engine, prompts, sampling)
+      name = "shared" if share else "unshared"
+      row[f"{name}_seconds"] = seconds
+      row[f"{name}_tokens_per_s"] = tokens / seconds
+      row[f"{name}_prefilled_tokens"] = rows * (prompt_len - 1) - (
+        engine.num_shared_prefill_tokens - shared_before
+      )
+    row["speedup"] = row["unshared_seconds"] / row["shared_seconds"]
+    out[preset] = row
+  return out
+
+
 BENCHMARKS = {
   "async": bench_async,
   "balance": bench_balance,
   "calibrate": bench_calibrate,
   "decode_floor": bench_decode_floor,
+  "flash_attention": bench_flash_attention,
   "logprob_mismatch": bench_logprob_mismatch,
   "memory": bench_memory,
   "paged_attention": bench_paged_attention,
   "plan": bench_plan,
+  "prefix_sharing": bench_prefix_sharing,
   "rollout": bench_rollout,
 }
 

@@ -27,25 +27,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 from collections.abc import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.model import ExpertParallel, Model, MoEInputs, PagedLayerCache, Params
+from jaxrl.model import Model, Params
 from jaxrl.rollout.decode_loop import (
-  DecodeState,
   DeviceBatch,
-  RowSampling,
   RowStart,
   WindowOutput,
   dead_rows,
-  decode_window,
 )
 from jaxrl.rollout.engine import Completion, bucket, place_params
+from jaxrl.rollout.paged_calls import PagedCalls
 from jaxrl.rollout.requests import (
   PageAllocator,
   RequestRecord,
@@ -60,7 +56,7 @@ from jaxrl.rollout.sampling import (
   SamplingParams,
   filter_width,
 )
-from jaxrl.sharding import batch_sharding, logical_to_pspec, tree_shardings
+from jaxrl.sharding import tree_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +76,9 @@ class PagedConfig:
       long-tail workload otherwise meets a new shape now and then, mid-run. It compiles one
       function per (row bucket, page-table width, window or prefill width): over a hundred for
       `max_running=128`, a cost that pays off in long runs only.
+    share_prefix: requests admitted together with the same tokens so far (GRPO's G responses
+      to one prompt) are prefilled once and share its full KV pages (reference-counted); each
+      gets its own copy of the last, partly filled page, which its decode writes into.
   """
 
   page_size: int = 16
@@ -88,6 +87,7 @@ class PagedConfig:
   prefill_chunk: int = 128
   decode_steps: int = 8
   precompile: bool = False
+  share_prefix: bool = True
 
   def __post_init__(self):
     for name in ("page_size", "num_pages", "max_running", "prefill_chunk", "decode_steps"):
@@ -130,26 +130,17 @@ class PagedEngine:
     self.model = model
     self.mesh = mesh
     self.cfg = config
-    # MoE on a mesh with an expert axis: the expert-parallel layer (else the reference).
-    self._moe = MoEInputs(ExpertParallel.for_mesh(model.config, mesh))
     self.eos_id = eos_id
     self.pad_id = pad_id
     self.version = -1
     self.params: Params | None = None
     shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
     self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
-    mc = model.config
-    kv_shape = (mc.num_kv_heads, config.num_pages, config.page_size, mc.head_dim)
-    kv_sharding = jax.sharding.NamedSharding(
-      mesh, logical_to_pspec(("kv_heads", None, None, "head_dim"), rules, mesh, kv_shape)
-    )
-    zeros = jax.jit(lambda: jnp.zeros(kv_shape, jnp.dtype(mc.dtype)), out_shardings=kv_sharding)
-    self._new_kv = lambda: [(zeros(), zeros()) for _ in range(mc.num_layers)]
-    self._kv = self._new_kv()  # None while released (`release_memory`)
+    self._calls = PagedCalls(model, mesh, rules, self.param_shardings, config)
+    self._kv = self._calls.new_kv()  # None while released (`release_memory`)
     self._precompiled = False
-    self._row_sharding = batch_sharding(mesh, rules, 1)
-    self._matrix_sharding = batch_sharding(mesh, rules, 2)
-    batch_axes = self._row_sharding.spec[0] or ()
+    row = self._calls.row_sharding
+    batch_axes = row.spec[0] or ()
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
     self._row_multiple = int(np.prod([mesh.shape[a] for a in batch_axes]))
     self.allocator = PageAllocator(config.num_pages)
@@ -161,29 +152,10 @@ class PagedEngine:
     self._inflight: _InFlight | None = None
     self._finished: list[RequestRecord] = []  # read back outside `step`'s own read-back
     self.num_windows = 0
+    self.num_shared_prefill_tokens = 0  # prompt tokens not prefilled: shared with a leader
     # Read-backs that found no window queued behind them: the device waited for the host.
     self.num_host_waits = 0
-    # Host arrays go straight into the jitted call with their shardings declared: jit's own
-    # transfer is about 10x cheaper per array than a separate device_put (which was most of
-    # the host time of a small model's decode step). Params and caches keep their placement.
-    params_kv = (self.param_shardings, [(kv_sharding, kv_sharding)] * mc.num_layers)
-    row, matrix = self._row_sharding, self._matrix_sharding
-    # One jitted decode per (window size, sampler filter); window sizes are the powers of two
-    # below decode_steps, and decode_steps.
-    self._decoders = {}
-    state, sampling = DecodeState(*[row] * 5), RowSampling(row, row, row, row, matrix)
-    self._decode_shardings = (*params_kv, state, sampling, matrix)
-    steps_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, row.spec[0]))
-    routing = steps_rows if mc.is_moe else None
-    window = WindowOutput(steps_rows, steps_rows, routing, row)
-    self._decode_out_shardings = (window, state, params_kv[1])
-    self._batch = DeviceBatch((state, sampling), pad_id)
-    self._prefill = jax.jit(
-      self._prefill_impl,
-      donate_argnums=(1,),
-      in_shardings=(*params_kv, matrix, matrix, matrix),
-      out_shardings=(params_kv[1], row if mc.is_moe else None),
-    )
+    self._batch = DeviceBatch(self._calls.row_state_shardings, pad_id)
 
   # -- requests ----------------------------------------------------------------------------------
 
@@ -192,7 +164,7 @@ class PagedEngine:
     self.params = place_params(params, self.param_shardings, self.model.abstract_params())
     self.version = version
     if self._kv is None:
-      self._kv = self._new_kv()
+      self._kv = self._calls.new_kv()
     if self.cfg.precompile and not self._precompiled:
       self.precompile()
 
@@ -230,14 +202,16 @@ class PagedEngine:
       table = np.zeros((rows, width), np.int32)
       for window, stops, filters in itertools.product(windows, stop_widths, filter_widths):
         state, sampling = jax.device_put(
-          dead_rows(rows, stops, self.pad_id), self._decode_shardings[2:4]
+          dead_rows(rows, stops, self.pad_id), self._calls.row_state_shardings
         )
-        *_, self._kv = self._decoder(window, filters)(self.params, self._kv, state, sampling, table)
+        *_, self._kv = self._calls.decoder(window, filters)(
+          self.params, self._kv, state, sampling, table
+        )
         shapes += 1
       for chunk in chunks:
         tokens = np.full((rows, chunk), self.pad_id, np.int32)
         positions = np.full((rows, chunk), -1, np.int32)
-        self._kv, _ = self._prefill(self.params, self._kv, tokens, positions, table)
+        self._kv, _ = self._calls.prefill(self.params, self._kv, tokens, positions, table)
         shapes += 1
     jax.block_until_ready(self._kv)
     self._precompiled = True
@@ -245,8 +219,7 @@ class PagedEngine:
 
   def compiled_shapes(self) -> int:
     """Executables compiled so far: decode windows, prefill chunks and row updates."""
-    jitted = [*self._decoders.values(), self._prefill, *self._batch.jitted]
-    return sum(f._cache_size() for f in jitted)
+    return sum(f._cache_size() for f in [*self._calls.jitted, *self._batch.jitted])
 
   def submit(
     self,
@@ -378,19 +351,37 @@ class PagedEngine:
   # -- scheduling --------------------------------------------------------------------------------
 
   def _admit(self) -> None:
-    admitted = []
+    admitted, leaders, copies = [], {}, []
+    z = self.cfg.page_size
     while self.waiting and len(self.running) < self.cfg.max_running:
       record = self.waiting[0]
-      pages = self.allocator.allocate(pages_for(record.num_tokens, self.cfg.page_size))
-      if pages is None:
+      tokens = tuple(record.prompt_ids + record.token_ids)
+      leader = leaders.get(tokens) if self.cfg.share_prefix else None
+      # Pages wholly below the last token's position hold the same keys for every request with
+      # these tokens; the page that position falls in is written by the first decode step.
+      full = (len(tokens) - 1) // z if leader is not None else 0
+      own = self.allocator.allocate(pages_for(len(tokens), z) - full)
+      if own is None:
         break
       self.waiting.popleft()
+      pages = own
+      if leader is not None:
+        pages = self.allocator.share(leader.pages[:full]) + own
+        if (len(tokens) - 1) % z:  # the leader's partly filled page: copied, not shared
+          copies.append((leader.pages[full], own[0]))
       state = _Running(record, pages, next(self._admissions))
       self.running[record.request_id] = state
-      admitted.append(state)
+      admitted.append((state, leader))
+      leaders.setdefault(tokens, state)
     if admitted:
-      self._prefill_states(admitted)
-      self._place(admitted)
+      self._prefill_states([s for s, leader in admitted if leader is None])
+      if copies:
+        self._kv = self._calls.copy_pages(self._kv, *_bucketed_pairs(copies, self.cfg.num_pages))
+      for state, leader in admitted:
+        if leader is not None:
+          state.record.prompt_routing = [list(x) for x in leader.record.prompt_routing]
+          self.num_shared_prefill_tokens += leader.record.num_tokens - 1
+      self._place([s for s, _ in admitted])
 
   def _budget(self, record: RequestRecord) -> int:
     """Tokens the request may still generate before its length limit (as read back so far)."""
@@ -495,7 +486,7 @@ class PagedEngine:
         tokens[i, : len(part)] = part
         positions[i, : len(part)] = np.arange(start, start + len(part))
       table = self._page_table([s for s, _ in live], rows)
-      self._kv, routing_btlk = self._prefill(self.params, self._kv, tokens, positions, table)
+      self._kv, routing_btlk = self._calls.prefill(self.params, self._kv, tokens, positions, table)
       if routing_btlk is not None:
         record_prompt_routing([s.record for s, _ in live], start, np.asarray(routing_btlk))
 
@@ -505,7 +496,7 @@ class PagedEngine:
     batch = self._batch
     table = self._page_table(batch.rows, len(batch.rows))
     width = filter_width(s.record.sampling for s in self.running.values())
-    output, batch.state, self._kv = self._decoder(window, width)(
+    output, batch.state, self._kv = self._calls.decoder(window, width)(
       self.params, self._kv, batch.state, batch.sampling, table
     )
     for state in self.running.values():
@@ -555,45 +546,12 @@ class PagedEngine:
     eos = () if record.sampling.ignore_eos else (self.eos_id,)
     return eos + tuple(record.sampling.stop_token_ids)
 
-  def _decoder(self, steps: int, width: int):
-    """The jitted window of `steps` decode steps with the sampler's filter `width`."""
-    key = (steps, width)
-    if key not in self._decoders:
-      self._decoders[key] = jax.jit(
-        functools.partial(self._decode_impl, steps=steps, width=width),
-        donate_argnums=(1,),
-        in_shardings=self._decode_shardings,
-        out_shardings=self._decode_out_shardings,
-      )
-    return self._decoders[key]
 
-  def _layers(self, kv, table):
-    return tuple(PagedLayerCache(k, v, table) for k, v in kv)
-
-  def _prefill_impl(self, params, kv, tokens_bt, positions_bt, table_bn):
-    _, cache, routing_btlk = self.model.apply(
-      params,
-      tokens_bt,
-      positions_bt,
-      self._layers(kv, table_bn),
-      return_routing=True,
-      moe=self._moe,
-    )
-    return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
-
-  def _decode_impl(self, params, kv, state, sampling, table_bn, *, steps: int, width: int):
-    """`decode_window` with this engine's model: (WindowOutput, advanced state, caches)."""
-
-    def step_logits(kv, tokens_b, positions_b):
-      logits_b1v, cache, routing_b1lk = self.model.apply(
-        params,
-        tokens_b[:, None],
-        positions_b[:, None],
-        self._layers(kv, table_bn),
-        return_routing=True,
-        moe=self._moe,
-      )
-      routing_blk = None if routing_b1lk is None else routing_b1lk[:, 0]
-      return logits_b1v[:, 0], routing_blk, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
-
-    return decode_window(step_logits, kv, state, sampling, steps=steps, filter_width=width)
+def _bucketed_pairs(pairs: list[tuple[int, int]], num_pages: int) -> tuple[np.ndarray, ...]:
+  """(sources, targets) of page copies, padded to a power of two with targets out of range."""
+  count = bucket(len(pairs), 1)
+  source = np.zeros((count,), np.int32)
+  target = np.full((count,), num_pages, np.int32)
+  for i, (a, b) in enumerate(pairs):
+    source[i], target[i] = a, b
+  return source, target

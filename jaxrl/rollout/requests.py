@@ -68,13 +68,15 @@ class RequestRecord:
 
 
 class PageAllocator:
-  """A free list over `num_pages` KV pages."""
+  """A free list over `num_pages` KV pages, with reference counts: a page shared by several
+  requests (a common prompt prefix) returns to the free list when the last one frees it."""
 
   def __init__(self, num_pages: int):
     if num_pages < 1:
       raise ValueError(f"The page budget must be at least 1 page, got {num_pages}.")
     self.num_pages = num_pages
     self._free = list(range(num_pages - 1, -1, -1))
+    self._refs = [0] * num_pages
 
   @property
   def num_free(self) -> int:
@@ -85,10 +87,24 @@ class PageAllocator:
     if n > len(self._free):
       return None
     pages = [self._free.pop() for _ in range(n)]
+    for page in pages:
+      self._refs[page] = 1
     return pages
 
+  def share(self, pages: list[int]) -> list[int]:
+    """Another holder of these (allocated) pages; returns them."""
+    for page in pages:
+      if self._refs[page] < 1:
+        raise ValueError(f"Page {page} is free: only allocated pages can be shared.")
+      self._refs[page] += 1
+    return list(pages)
+
   def free(self, pages: list[int]) -> None:
-    self._free.extend(reversed(pages))
+    """Drops one holder of each page; pages nobody holds any more are free again."""
+    for page in reversed(pages):
+      self._refs[page] -= 1
+      if self._refs[page] == 0:
+        self._free.append(page)
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

@@ -106,7 +106,7 @@ def test_decode_windows_give_the_tokens_of_single_steps(mesh, params):
     e = engine(mesh, params, decode_steps=steps, **small)
     outs[steps] = e.generate(ps, sampling, seed=11)
     assert e.allocator.num_free == 24 and not e.has_work
-    assert max(w for w, _ in e._decoders) <= steps
+    assert max(w for w, _ in e._calls.decoders) <= steps
   for one, three, eight in zip(outs[1], outs[3], outs[8], strict=True):
     for other in (three, eight):
       np.testing.assert_array_equal(one.token_ids, other.token_ids)
@@ -144,6 +144,36 @@ def test_decode_windows_chain_on_the_device_without_waiting_for_the_host(mesh, p
   assert e.num_windows == -(-max(budgets) // 2)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_prompt_pages_give_the_tokens_of_unshared_requests(mesh, params, temperature):
+  """G responses to one prompt: prefilled once, whole pages shared, the partly filled page
+  copied; under preemption and a snapshot moved mid-run, the tokens are those of unshared
+  requests."""
+  rng = np.random.default_rng()
+  group = 4
+  base = [list(rng.integers(3, 60, n)) for n in (8, 9, int(rng.integers(2, 30)))]
+  ps = [p for p in base for _ in range(group)]  # 8 and 9 tokens: the last page full and not
+  sp = SamplingParams(temperature=temperature, max_new_tokens=16, ignore_eos=True)
+  small = dict(page_size=4, num_pages=26, max_running=8, prefill_chunk=8, decode_steps=2)
+  outs = {}
+  for share in (False, True):
+    e = engine(mesh, params, share_prefix=share, **small)
+    ids = [e.submit(p, sp, seed=i) for i, p in enumerate(ps)]
+    done = {r.request_id: r for r in e.step()}
+    if share:  # 8-token prompt: 7 cached = 1 whole page shared, 1 copied; 9: 2 shared, none
+      assert e.num_shared_prefill_tokens >= 3 * 7 + 3 * 8
+      moved = e.snapshot(ids[1])  # a follower, moved out and back in mid-run
+      e.submit(RequestRecord.from_dict(json.loads(json.dumps(moved.to_dict()))))
+    for r in e.stream():
+      done[r.request_id] = r
+    outs[share] = [done[i] for i in ids]
+    assert e.allocator.num_free == 26 and not e.has_work
+    assert e.num_preemptions > 0  # 26 pages of 4 cannot hold 12 requests of up to 45 tokens
+  for a, b in zip(outs[False], outs[True], strict=True):
+    assert a.token_ids == b.token_ids
+    tolerance.assert_close(b.logprobs, a.logprobs, n=TERMS)
+
+
 @pytest.mark.parametrize("decode_steps", [1, 4])
 def test_out_of_pages_preemption_loses_no_request(mesh, params, decode_steps):
   rng = np.random.default_rng()
@@ -170,9 +200,9 @@ def test_out_of_pages_preemption_loses_no_request(mesh, params, decode_steps):
   assert set(done) == set(ids)
   # Shapes are bucketed: rows in {2, 4, 8, 16} x page-table widths in {1, 2, 4, 8, 16}, for
   # each window size in {1, 2, 4}.
-  assert steps > 40 // decode_steps and e._prefill._cache_size() <= 20
-  assert {w for w, _ in e._decoders} <= {1, 2, 4} and all(
-    d._cache_size() <= 20 for d in e._decoders.values()
+  assert steps > 40 // decode_steps and e._calls.prefill._cache_size() <= 20
+  assert {w for w, _ in e._calls.decoders} <= {1, 2, 4} and all(
+    d._cache_size() <= 20 for d in e._calls.decoders.values()
   )
   for rid, p, m in zip(ids, ps, budgets, strict=True):
     r = done[rid]
@@ -341,13 +371,14 @@ def test_precompiled_engine_compiles_nothing_while_it_generates(mesh, params):
       config=PagedConfig(precompile=precompile, **cfg),
     )  # fmt: skip
     e.update_weights(params, 0)
-    compiled = {w: d._cache_size() for w, d in e._decoders.items()}, e._prefill._cache_size()
+    decoders, prefill = e._calls.decoders, e._calls.prefill
+    compiled = {w: d._cache_size() for w, d in decoders.items()}, prefill._cache_size()
     for i, (prompt, sampling) in enumerate(zip(ps, sp, strict=True)):
       e.submit(prompt, sampling, request_id=str(i), seed=i)
     done = {r.request_id: r.token_ids for r in e.stream()}
     return (
       compiled,
-      ({w: d._cache_size() for w, d in e._decoders.items()}, e._prefill._cache_size()),
+      ({w: d._cache_size() for w, d in e._calls.decoders.items()}, e._calls.prefill._cache_size()),
       done,
     )
 

@@ -1,0 +1,111 @@
+"""The paged engine's device calls: decode windows, prefill chunks, page copies, the KV pool.
+
+Every call declares its input and output shardings, so that the KV pool and the rows' decode
+state keep one layout from call to call (an output laid out differently from what the next
+call declares would be an error, or a silent copy), and host arrays go straight into the call:
+jit's own transfer is about 10x cheaper per array than a separate `device_put`, which was
+most of the host time of a small model's decode step.
+
+Glossary: b rows, t tokens per row, n pages per row, k kv heads, p pages, z page size, e head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.model import ExpertParallel, Model, MoEInputs, PagedLayerCache
+from jaxrl.rollout.decode_loop import DecodeState, RowSampling, WindowOutput, decode_window
+from jaxrl.sharding import batch_sharding, logical_to_pspec
+
+
+class PagedCalls:
+  """The jitted calls of one paged engine over `mesh` (`config`: its `PagedConfig`)."""
+
+  def __init__(self, model: Model, mesh: jax.sharding.Mesh, rules, param_shardings, config):
+    self.model = model
+    mc = model.config
+    # MoE on a mesh with an expert axis: the expert-parallel layer (else the reference).
+    self._moe = MoEInputs(ExpertParallel.for_mesh(mc, mesh))
+    kv_shape = (mc.num_kv_heads, config.num_pages, config.page_size, mc.head_dim)
+    kv_sharding = jax.sharding.NamedSharding(
+      mesh, logical_to_pspec(("kv_heads", None, None, "head_dim"), rules, mesh, kv_shape)
+    )
+    zeros = jax.jit(lambda: jnp.zeros(kv_shape, jnp.dtype(mc.dtype)), out_shardings=kv_sharding)
+    self.new_kv = lambda: [(zeros(), zeros()) for _ in range(mc.num_layers)]
+    kv = [(kv_sharding, kv_sharding)] * mc.num_layers
+    row = self.row_sharding = batch_sharding(mesh, rules, 1)
+    matrix = batch_sharding(mesh, rules, 2)
+    state, sampling = DecodeState(*[row] * 5), RowSampling(row, row, row, row, matrix)
+    self.row_state_shardings = (state, sampling)
+    steps_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, row.spec[0]))
+    window = WindowOutput(steps_rows, steps_rows, steps_rows if mc.is_moe else None, row)
+    self._decode_shardings = (param_shardings, kv, state, sampling, matrix), (window, state, kv)
+    # One jitted decode per (window size, sampler filter width).
+    self.decoders: dict[tuple[int, int], jax.stages.Wrapped] = {}
+    self.prefill = jax.jit(
+      self._prefill_impl,
+      donate_argnums=(1,),
+      in_shardings=(param_shardings, kv, matrix, matrix, matrix),
+      out_shardings=(kv, row if mc.is_moe else None),
+    )
+    self.copy_pages = jax.jit(
+      _copy_pages, donate_argnums=(0,), in_shardings=(kv, None, None), out_shardings=kv
+    )
+
+  @property
+  def jitted(self) -> list:
+    """Every jitted call made so far (for counting compiled shapes)."""
+    return [*self.decoders.values(), self.prefill, self.copy_pages]
+
+  def decoder(self, steps: int, width: int):
+    """The jitted window of `steps` decode steps with the sampler's filter `width`:
+    (params, kv, DecodeState, RowSampling, page table) -> (WindowOutput, state, kv)."""
+    key = (steps, width)
+    if key not in self.decoders:
+      in_shardings, out_shardings = self._decode_shardings
+      self.decoders[key] = jax.jit(
+        functools.partial(self._decode_impl, steps=steps, width=width),
+        donate_argnums=(1,),
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+      )
+    return self.decoders[key]
+
+  def _layers(self, kv, table):
+    return tuple(PagedLayerCache(k, v, table) for k, v in kv)
+
+  def _prefill_impl(self, params, kv, tokens_bt, positions_bt, table_bn):
+    _, cache, routing_btlk = self.model.apply(
+      params,
+      tokens_bt,
+      positions_bt,
+      self._layers(kv, table_bn),
+      return_routing=True,
+      moe=self._moe,
+    )
+    return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
+
+  def _decode_impl(self, params, kv, state, sampling, table_bn, *, steps: int, width: int):
+    def step_logits(kv, tokens_b, positions_b):
+      logits_b1v, cache, routing_b1lk = self.model.apply(
+        params,
+        tokens_b[:, None],
+        positions_b[:, None],
+        self._layers(kv, table_bn),
+        return_routing=True,
+        moe=self._moe,
+      )
+      routing_blk = None if routing_b1lk is None else routing_b1lk[:, 0]
+      return logits_b1v[:, 0], routing_blk, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
+
+    return decode_window(step_logits, kv, state, sampling, steps=steps, filter_width=width)
+
+
+def _copy_pages(kv, source_c, target_c):
+  """Every layer's keys and values of pages `source_c` copied into pages `target_c` (targets
+  out of range, the padding of a bucketed call, write nothing)."""
+  move = lambda pages: pages.at[:, target_c].set(pages[:, source_c], mode="drop")  # noqa: E731
+  return [(move(k), move(v)) for k, v in kv]
