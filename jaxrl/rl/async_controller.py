@@ -34,6 +34,7 @@ from jaxrl.rl.experience import build_batch
 from jaxrl.rl.timeline import LEARNER_LANE
 from jaxrl.rl.workers import Assignment, LocalWorker, WorkerEvent, copy_record
 from jaxrl.rollout.requests import RequestRecord, record_completion
+from jaxrl.scheduler.staleness import admission_cap, choose_batch
 from jaxrl.train.advantages import group_advantages
 
 log = logging.getLogger(__name__)
@@ -298,7 +299,7 @@ class AsyncController(Controller):
   def _release(self) -> None:
     """Starts the groups admission control allows: k < (version + eta + 1) x batch."""
     s = self.s
-    cap = (self.state.version + self.a.max_staleness + 1) * s.prompts_per_step
+    cap = admission_cap(self.state.version, self.a.max_staleness, s.prompts_per_step)
     released = []
     while self.next_group < cap:
       for prompt in next(self.loader):
@@ -357,21 +358,21 @@ class AsyncController(Controller):
   # -- training ----------------------------------------------------------------------------------
 
   def _choose_batch(self) -> list[Group] | None:
-    """The groups of the next step, or None while the learner must wait."""
-    n, eta, v = self.s.prompts_per_step, self.a.max_staleness, self.state.version
-    if len(self.ready) < n:
+    """The groups of the next step, or None while the learner must wait (`choose_batch`)."""
+    ready = [(gid, self.groups[gid].version) for gid in self.ready]
+    waiting = set(self.ready)
+    in_flight = [g.version for gid, g in self.groups.items() if gid not in waiting]
+    choice = choose_batch(
+      ready, in_flight, self.state.version, self.a.max_staleness, self.s.prompts_per_step
+    )
+    if choice is None:
       return None
-    order = {gid: i for i, gid in enumerate(self.ready)}
-    take = sorted(self.ready, key=lambda gid: (self.groups[gid].version, order[gid]))[:n]
-    chosen = set(take)
-    left = [g for gid, g in self.groups.items() if gid not in chosen]
-    # A group of version u must be trained by step u + eta; after this step m more steps of n
-    # groups each can take the groups due by step v + m.
-    for m in range(eta + 1):
-      due = [g for g in left if g.version <= v + m - eta]
-      if len(due) > m * n:
-        return None  # wait for the old groups to finish
-    return [self.groups[gid] for gid in take]
+    if choice.forced:
+      log.warning(
+        "Step %d trains although a group left over cannot be trained within max_staleness=%d "
+        "(nothing is in flight to wait for).", self.state.step, self.a.max_staleness,
+      )  # fmt: skip
+    return [self.groups[gid] for gid in choice.groups]
 
   def _train(self, groups: list[Group]) -> dict[str, float]:
     s, v, eta = self.s, self.state.version, self.a.max_staleness

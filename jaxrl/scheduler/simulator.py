@@ -47,6 +47,7 @@ from jaxrl.scheduler.policies import (
 )
 from jaxrl.scheduler.replan import PoolEvent, decide
 from jaxrl.scheduler.sim_state import SimInstance, SimRequest, WaitQueue
+from jaxrl.scheduler.staleness import admission_cap, choose_batch
 from jaxrl.scheduler.timeline import TRAIN_LANE, Recorder, plot_comparison, plot_timeline
 
 __all__ = [
@@ -361,7 +362,8 @@ class _Sim:
 
   # ------------------------------------------------------------------ learner
   def _release(self):
-    cap = min((self.version + self.eta + 1) * self.S, len(self.lengths))
+    # Requests of group k: admission control in groups, times G.
+    cap = min(admission_cap(self.version, self.eta, self.P) * self.G, len(self.lengths))
     for rid in range(self.released, cap):
       self.queue.push_new(rid, self.lengths[rid])
     self.released = max(self.released, cap)
@@ -369,28 +371,19 @@ class _Sim:
   def _try_train(self):
     if self.training or self.end is not None or self.now < self.train_blocked:
       return
-    j, P = self.version, self.P
-    if self.complete < P:
+    j = self.version
+    ready = [(gid, v) for v, (done, _) in sorted(self.pending.items()) for gid in done]
+    in_flight = [v for v, (_, n) in self.pending.items() for _ in range(n)]
+    choice = choose_batch(ready, in_flight, j, self.eta, self.P)
+    if choice is None:
       return
-    versions = sorted(self.pending)
-    take, need = {}, P  # oldest version first, then completion order
-    for v in versions:
-      take[v] = min(need, len(self.pending[v][0]))
-      need -= take[v]
-    # Skipping an unfinished old group must leave the later steps room to train it in time:
-    # groups of version <= j + m - eta must all be trained by step j + m.
-    left = {v: len(d) + n - take[v] for v, (d, n) in self.pending.items()}
-    late = [sum(k for v, k in left.items() if v <= j + m - self.eta) for m in range(self.eta + 1)]
-    if any(k > m * P for m, k in enumerate(late)):
-      if any(n for _, n in self.pending.values()):
-        return  # wait for the old groups to finish
-      self.audit["forced_trains"] += 1
-    self.complete -= P
-    chosen = []
-    for v, n in take.items():
-      done = self.pending[v][0]
-      chosen += [done.popleft() for _ in range(n)]
-      if not done and not self.pending[v][1]:
+    self.audit["forced_trains"] += choice.forced
+    self.complete -= self.P
+    chosen = choice.groups
+    for gid in chosen:
+      v = self.groups[gid][0]
+      self.pending[v][0].remove(gid)
+      if not self.pending[v][0] and not self.pending[v][1]:
         del self.pending[v]
     for gid in chosen:
       for rid in range(gid * self.G, (gid + 1) * self.G):
