@@ -1,17 +1,20 @@
 """Group-relative advantages for GRPO-style training.
 
+Computed on the host with numpy: a batch's rewards are a few hundred floats, and eager `jnp`
+would put them on `jax.devices()[0]`, a rollout device when the stages are disaggregated.
+
 Shape suffixes: b = rollouts (flat, groups contiguous), g = groups (prompts), k = per-group index.
 """
 
-import jax
-import jax.numpy as jnp
+import numpy as np
+from numpy.typing import ArrayLike
 
 ADVANTAGE_MODES = ("grpo", "drgrpo")
 
 
-def _rewards_by_group(rewards_b: jax.Array, group_size: int) -> jax.Array:
+def _rewards_by_group(rewards_b: ArrayLike, group_size: int) -> np.ndarray:
   """Checks the group layout and reshapes flat rewards to `[num_groups, group_size]` in fp32."""
-  rewards_b = jnp.asarray(rewards_b)
+  rewards_b = np.asarray(rewards_b)
   if rewards_b.ndim != 1:
     raise ValueError(
       f"rewards_b must be 1-D [num_groups * group_size], got shape {rewards_b.shape}."
@@ -25,12 +28,12 @@ def _rewards_by_group(rewards_b: jax.Array, group_size: int) -> jax.Array:
       f"rewards_b has {rewards_b.shape[0]} entries, not divisible by group_size={group_size}; "
       "rewards must be [num_groups * group_size] with each group contiguous."
     )
-  return rewards_b.astype(jnp.float32).reshape(-1, group_size)
+  return rewards_b.astype(np.float32).reshape(-1, group_size)
 
 
 def group_advantages(
-  rewards_b: jax.Array, group_size: int, *, mode: str = "grpo", eps: float = 1e-6
-) -> jax.Array:
+  rewards_b: ArrayLike, group_size: int, *, mode: str = "grpo", eps: float = 1e-6
+) -> np.ndarray:
   """Advantage of each rollout relative to the other rollouts of its prompt.
 
   Args:
@@ -53,12 +56,12 @@ def group_advantages(
   rewards_gk = _rewards_by_group(rewards_b, group_size)
   centred_gk = rewards_gk - rewards_gk.mean(axis=1, keepdims=True)
   if mode == "grpo":
-    std_g1 = jnp.std(rewards_gk, axis=1, ddof=1, keepdims=True)
-    centred_gk = centred_gk / (std_g1 + eps)
-  return centred_gk.reshape(-1)
+    std_g1 = np.std(rewards_gk, axis=1, ddof=1, keepdims=True)
+    centred_gk = centred_gk / (std_g1 + np.float32(eps))
+  return centred_gk.reshape(-1).astype(np.float32)
 
 
-def zero_variance_groups(rewards_b: jax.Array, group_size: int) -> jax.Array:
+def zero_variance_groups(rewards_b: ArrayLike, group_size: int) -> np.ndarray:
   """Which groups have all-equal rewards, hence zero advantage and no learning signal.
 
   Args:
@@ -70,4 +73,4 @@ def zero_variance_groups(rewards_b: jax.Array, group_size: int) -> jax.Array:
     sampling, which drops such groups).
   """
   rewards_gk = _rewards_by_group(rewards_b, group_size)
-  return jnp.all(rewards_gk == rewards_gk[:, :1], axis=1)
+  return np.all(rewards_gk == rewards_gk[:, :1], axis=1)
