@@ -17,6 +17,7 @@ Each benchmark prints a table (or one JSON object with --json) and the machine i
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import platform
@@ -326,13 +327,16 @@ ATTENTION_CASES = (
 )
 
 
-def bench_paged_attention(cases=ATTENTION_CASES, dtype: str = "bfloat16") -> dict:
+def bench_paged_attention(cases=ATTENTION_CASES, dtypes=("bfloat16", "float32")) -> dict:
   """Paged decode attention, one device: this backend's kernel against the jnp reference.
 
   Pages are a random permutation of the pool (a fragmented cache). Reports each
   implementation's time, the KV bytes it must read per second, that rate as a fraction of the
   in-place copy rate (read + write) measured in the same run, and the kernel's largest
-  difference from the reference. On a backend without a kernel (CPU) only the reference runs.
+  difference from the reference. Rows are named by case, with "/float32" for a float32 cache;
+  there the GPU kernel also runs at precision="highest" (exact IEEE products) beside its
+  default (3xTF32 dots, or exact CUDA-core sums for small GQA groups). On a backend without a
+  kernel (CPU) only the reference runs.
   """
   device = jax.devices()[0]
   kernel = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(device.platform)
@@ -340,8 +344,8 @@ def bench_paged_attention(cases=ATTENTION_CASES, dtype: str = "bfloat16") -> dic
   out = {"machine": {"platform": device.platform, "kind": device.device_kind}}
   out["machine"]["memcpy_GBps"] = bandwidth / 1e9
   rng = np.random.default_rng(0)
-  dt = jnp.dtype(dtype)
-  for name, n, h, k, d, s, context in cases:
+  for dtype, (name, n, h, k, d, s, context) in itertools.product(dtypes, cases):
+    dt = jnp.dtype(dtype)
     if context > 0:
       lengths = np.full(n, context, np.int32)
     else:
@@ -361,19 +365,26 @@ def bench_paged_attention(cases=ATTENTION_CASES, dtype: str = "bfloat16") -> dic
     # Keys and values of the used pages, the bytes a decode step cannot avoid reading.
     kv_bytes = 2 * k * d * dt.itemsize * s * int(np.sum(-(-lengths // s)))
     row = {"tokens": int(lengths.sum()), "kv_MB": kv_bytes / 2**20}
-    results = {}
-    for impl in ("reference", kernel) if kernel else ("reference",):
-      fn = jax.jit(functools.partial(paged_attention, impl=impl))
-      results[impl] = fn(*args)
-      seconds = _best_seconds(lambda fn=fn, args=args: fn(*args))
-      row[f"{impl}_us"] = seconds * 1e6
-      row[f"{impl}_GBps"] = kv_bytes / seconds / 1e9
-      row[f"{impl}_bandwidth_fraction"] = kv_bytes / seconds / bandwidth
+    # (row key, impl, precision)
+    variants = [("reference", "reference", None)]
     if kernel:
-      diff = jnp.abs(results[kernel].astype(jnp.float32) - results["reference"].astype(jnp.float32))
-      row["max_abs_diff"] = float(jnp.max(diff))
-      row["speedup_vs_reference"] = row["reference_us"] / row[f"{kernel}_us"]
-    out[name] = row
+      variants.append((kernel, kernel, None))
+      if kernel == "pallas_gpu" and dt == jnp.float32:
+        variants.append((f"{kernel}_highest", kernel, "highest"))
+    results = {}
+    for key, impl, precision in variants:
+      fn = jax.jit(functools.partial(paged_attention, impl=impl, precision=precision))
+      results[key] = fn(*args)
+      seconds = _best_seconds(lambda fn=fn, args=args: fn(*args))
+      row[f"{key}_us"] = seconds * 1e6
+      row[f"{key}_GBps"] = kv_bytes / seconds / 1e9
+      row[f"{key}_bandwidth_fraction"] = kv_bytes / seconds / bandwidth
+    for key, _, _ in variants[1:]:
+      diff = jnp.abs(results[key].astype(jnp.float32) - results["reference"].astype(jnp.float32))
+      suffix = "" if key == kernel else f"_{key}"
+      row[f"max_abs_diff{suffix}"] = float(jnp.max(diff))
+      row[f"speedup_vs_reference{suffix}"] = row["reference_us"] / row[f"{key}_us"]
+    out[name if dt == jnp.bfloat16 else f"{name}/{dtype}"] = row
   return out
 
 

@@ -18,23 +18,38 @@ from jaxrl.kernels.paged_attention import reference
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiling of the paged attention kernels; a field left as None is derived from the shapes.
+  """Tiling of the paged attention kernels and the choices that go with it; a field left as
+  None is derived from the shapes.
 
   Attributes:
     pages_per_compute_block: pages of one sequence attended to per inner step (both kernels).
       The GPU kernel needs `pages_per_compute_block * page_size * head_dim` to be a power of
-      two and `pages_per_compute_block * page_size >= 16`.
+      two and, where it multiplies with tensor-core dots, `pages_per_compute_block * page_size
+      >= 16`.
     num_splits: GPU only: the page axis of every sequence is cut into this many parts, each
       its own program, merged afterwards (split-K / flash-decoding), to fill the GPU when
       `num_seqs * num_kv_heads` is small. The TPU kernel accepts only None or 1.
     num_warps: GPU only: Triton warps per program, a power of two.
     num_stages: GPU only: Triton software-pipelining stages.
+    dot_min_group: GPU only: the smallest GQA group size g = num_q_heads // num_kv_heads that
+      the kernel multiplies with tensor-core dots (g rows padded to 16); a smaller g is
+      multiplied and summed in float32 on CUDA cores, exactly, with no padded rows. None: 1
+      (always dots) for 16-bit pools; for float32 pools 5 (g <= 4 multiplies exactly, which
+      costs fewer instructions than splitting for tensor cores), or 16 at
+      `precision="highest"` (exact either way; a padded IEEE dot would do 16 rows of work).
+    reference_below_tokens: `impl="auto"` only: run the jnp reference instead of the
+      kernel when a sequence's capacity, `pages_per_seq * page_size`, is below this many
+      tokens (short contexts, where one XLA gather and matmul may beat a kernel launch and the
+      split merge). None: always the kernel. No default threshold is set, since none has been
+      measured.
   """
 
   pages_per_compute_block: int | None = None
   num_splits: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
+  dot_min_group: int | None = None
+  reference_below_tokens: int | None = None
 
   def __post_init__(self):
     check_block_fields(self)
@@ -58,6 +73,23 @@ _LOADERS: dict[str, Callable[[], Callable[..., jax.Array]]] = {
   "pallas_tpu": _load_tpu,
   "pallas_gpu": _load_gpu,
 }
+
+
+def _check_precision(precision) -> jax.lax.Precision:
+  """`precision` as a `jax.lax.Precision`; None is HIGH (split precision for float32)."""
+  if precision is None:
+    return jax.lax.Precision.HIGH
+  if isinstance(precision, jax.lax.Precision):
+    return precision
+  if isinstance(precision, str):
+    try:
+      return jax.lax.Precision(precision)
+    except ValueError:
+      pass
+  raise ValueError(
+    "precision must be None, a jax.lax.Precision or its name ('default', 'high', 'highest'), "
+    f"got {precision!r}."
+  )
 
 
 def _check_inputs(q, k_pages, v_pages, lengths, page_indices) -> None:
@@ -102,8 +134,12 @@ def _check_inputs(q, k_pages, v_pages, lengths, page_indices) -> None:
       raise ValueError(f"{name} must be an integer (int32) array, got {x.dtype}.")
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "sm_scale", "block_sizes", "interpret"))
-def _run(q, k_pages, v_pages, lengths, page_indices, *, impl, sm_scale, block_sizes, interpret):
+@functools.partial(
+  jax.jit, static_argnames=("impl", "sm_scale", "block_sizes", "precision", "interpret")
+)
+def _run(
+  q, k_pages, v_pages, lengths, page_indices, *, impl, sm_scale, block_sizes, precision, interpret
+):
   _, _, s, _ = k_pages.shape
   m = page_indices.shape[1]
   # Kernels never read past a sequence's m pages: lengths beyond m * s or below 0 are clipped.
@@ -112,6 +148,8 @@ def _run(q, k_pages, v_pages, lengths, page_indices, *, impl, sm_scale, block_si
   fn = _LOADERS[impl]()
   if impl == "reference":
     return fn(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale)
+  # The TPU kernel multiplies in float32 at HIGHEST, at least as accurate as any precision.
+  extra = {"precision": precision} if impl == "pallas_gpu" else {}
   return fn(
     q,
     k_pages,
@@ -121,6 +159,7 @@ def _run(q, k_pages, v_pages, lengths, page_indices, *, impl, sm_scale, block_si
     sm_scale=sm_scale,
     block_sizes=block_sizes,
     interpret=interpret,
+    **extra,
   )
 
 
@@ -132,6 +171,7 @@ def paged_attention(
   page_indices: jax.Array,
   *,
   sm_scale: float | None = None,
+  precision: str | jax.lax.Precision | None = None,
   impl: str = "auto",
   block_sizes: BlockSizes | None = None,
   interpret: Any = False,
@@ -143,6 +183,22 @@ def paged_attention(
   the pools (token `t` lives in page `page_indices[b, t // page_size]`, slot
   `t % page_size`). The softmax runs in float32.
 
+  Precision. The softmax and every sum are float32. Products: the reference and the TPU kernel
+  multiply in float32 (`Precision.HIGHEST`) whatever `precision` says. The GPU kernel
+  multiplies 16-bit pools (the default on accelerators: bfloat16 K/V, float32 softmax) in
+  their dtype with float32 accumulation, after rounding q and the softmax weights to it, when
+  it uses tensor-core dots (`BlockSizes.dot_min_group`); without dots it multiplies in float32.
+  For float32 pools `precision` is the least accuracy of its products:
+  - None or "high" (default): split precision, "3xTF32": each float32 operand is split into a
+    TF32 high part and a TF32 residual and three tensor-core passes sum the significant
+    partial products, so each product is within 3 * 2**-22 (~12 float32 rounding units) of
+    exact: float32 results (rollout log-probs that match the learner's) at tensor-core speed.
+  - "highest": exact IEEE float32 (CUDA-core multiply-adds; the opt-out to bit-for-bit float32
+    products).
+  - "default": one TF32 pass (2**-11 relative per product), the fastest.
+  Where the GPU kernel multiplies without dots (small GQA groups of a float32 pool, by
+  default g <= 4), its products are exact whatever `precision` says.
+
   Args:
     q: `[num_seqs, num_q_heads, head_dim]` queries.
     k_pages: `[num_kv_heads, total_pages, page_size, head_dim]` key pool.
@@ -153,6 +209,8 @@ def paged_attention(
     page_indices: int32 `[num_seqs, pages_per_seq]` page ids of each sequence in order;
       entries past a sequence's last used page are never used but must be valid page ids.
     sm_scale: logit multiplier, default `head_dim ** -0.5`.
+    precision: None, a `jax.lax.Precision` or its name ("default", "high", "highest"): the
+      least accuracy of the GPU kernel's float32 products (above).
     impl: `"auto"` (`pallas_tpu` on TPU, `pallas_gpu` on GPU, `reference` elsewhere, from the
       platform of q's devices, or of the default backend while tracing), `"reference"`,
       `"pallas_tpu"` or `"pallas_gpu"`.
@@ -164,15 +222,20 @@ def paged_attention(
     `[num_seqs, num_q_heads, head_dim]` attention output in q's dtype.
 
   Raises:
-    ValueError: unknown `impl`, inconsistent shapes or dtypes, `interpret` without a kernel,
-      or block sizes the chosen kernel cannot use.
+    ValueError: unknown `impl` or `precision`, inconsistent shapes or dtypes, `interpret`
+      without a kernel, or block sizes the chosen kernel cannot use.
   """
   if impl not in IMPLS:
     raise ValueError(f"Unknown paged_attention impl {impl!r}; expected one of {IMPLS}.")
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes)}.")
   _check_inputs(q, k_pages, v_pages, lengths, page_indices)
+  precision = _check_precision(precision)
+  auto = impl == "auto"
   impl = resolve_impl("paged_attention", impl, interpret, q)
+  threshold = block_sizes and block_sizes.reference_below_tokens
+  if auto and not interpret and threshold and page_indices.shape[1] * k_pages.shape[2] < threshold:
+    impl = "reference"
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   n, h, d = q.shape
@@ -187,5 +250,6 @@ def paged_attention(
     impl=impl,
     sm_scale=float(sm_scale),
     block_sizes=block_sizes,
+    precision=precision,
     interpret=interpret,
   )

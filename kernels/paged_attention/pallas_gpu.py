@@ -8,12 +8,47 @@ the sequence's last token. Each part writes its normalised output, running max a
 denominator; a few jnp ops merge the parts (split-K, "flash decoding") so that short batches
 still fill the GPU.
 
-Shapes: n sequences, h query heads, k kv heads, g = h // k, b query heads per program (g
-padded to a power of two >= 16, the smallest Triton `dot`), r = ceil(g / b) head blocks per kv
-head, d head dim, p pages in the pool, s tokens per page, m pages per sequence, c pages per
-compute block, t = c * s tokens per block, x parts (splits) of the page axis.
+A decode step reads every cached key and value once and does one multiply-add with each for
+each of the g query heads, so it is bound by memory unless the products are slow. Two ways
+to take them, chosen per call (`BlockSizes.dot_min_group`):
+- "dot": tensor-core `tl.dot` of the program's query rows with the block's keys, then of the
+  softmax weights with its values. Triton's dot needs >= 16 rows, so g < 16 heads are padded
+  with zero rows. Only the g heads of one kv head (of one sequence) share the key tile, so the
+  rows cannot be filled from other kv heads or sequences: a dot over several would compute a
+  block-diagonal product, whose off-diagonal blocks are the same waste as padding. The padding
+  costs tensor-core cycles only, and those are idle: 16 rows make 16 flops per byte of 16-bit
+  cache against about 300 that an H100's tensor cores can do per byte of HBM bandwidth.
+- "sum": broadcast multiply and sum in float32 on CUDA cores, `b = next_pow2(g)` rows, nothing
+  padded to 16: g exact float32 multiply-adds per cached number. For a float32 cache with
+  g <= 4 that is at most one instruction per byte read (an H100 SM reads about 15 bytes per
+  clock at full bandwidth and issues 128 float32 operations), fewer than the 5 per number
+  (1.25 per byte) that splitting keys and values into tensor-core parts costs (below), and
+  exact. A 16-bit cache would also need a conversion per number while the tensor cores are
+  idle, so 16-bit caches use "dot" whatever g is.
+
+Float32 operands of "dot" are taken at `precision` (from the public function):
+- HIGH (the default): "3xTF32". Each operand x is split into hi = x rounded to TF32 (10
+  mantissa bits, round to nearest with ties away, as `cvt.rna.tf32`) and lo = (x - hi) rounded
+  likewise, so |x - hi - lo| <= 2**-22 |x|. Three TF32 tensor-core dots sum lo*hi + hi*lo
+  (first, being small) and hi*hi in float32; the left-out lo*lo and the split residuals bound
+  each product's error by 3 * 2**-22 of its size, about 12 float32 rounding units. TF32 tensor
+  cores multiply values that are already TF32 exactly, so the kernel computes the same numbers
+  in interpret mode on a CPU (where the dots run in float32) as on the GPU, up to the order and
+  rounding of the float32 accumulation (tensor cores need not round to nearest). Triton's own
+  `inputPrecision = tf32x3` splits the same way, but a CPU cannot run it (XLA:CPU rejects the
+  TF32 algorithms), so the split is written out here.
+- DEFAULT: hi*hi only, one TF32 pass (2**-11 relative per product).
+- HIGHEST: one IEEE float32 dot (CUDA-core multiply-adds, the slowest way).
+16-bit pools are multiplied in their dtype (exact products, float32 accumulation): q and the
+softmax weights are rounded to it first.
+
+Shapes: n sequences, h query heads, k kv heads, g = h // k, b query rows per program, r =
+ceil(g / b) head blocks per kv head, d head dim, p pages in the pool, s tokens per page, m pages
+per sequence, c pages per compute block, t = c * s tokens per block, x parts (splits) of the
+page axis.
 """
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -30,15 +65,28 @@ _TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerPa
 
 _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16.
 _MAX_HEADS_PER_PROGRAM = 64
+# Tokens per compute block. "dot" with a 16-bit cache: 128 (32 KiB of keys at head_dim 128,
+# the block measured in docs/BENCHMARKS.md). With a float32 cache each key is twice the bytes
+# and 3xTF32 keeps two more copies of the tile (hi and lo), hence half. "sum" holds a
+# [b, t, d] float32 product, kept to `_SUM_BLOCK_ELEMENTS` (64 per thread at 4 warps). Not
+# measured: `BlockSizes.pages_per_compute_block` overrides.
 _TARGET_BLOCK_TOKENS = 128
+_TARGET_BLOCK_TOKENS_F32 = 64
+_SUM_BLOCK_ELEMENTS = 8192
 _TARGET_PROGRAMS = 256  # about two waves on a 132-SM H100.
-# A part covers at most this many compute blocks (1024 tokens at the default block), so that in
+# A part covers at most this many tokens (8 compute blocks of the default dot block), so that in
 # a ragged batch the longest sequences are split over several programs instead of leaving one
 # program working long after the others are done; parts past a sequence's length exit at once.
-_MAX_BLOCKS_PER_SPLIT = 8
-# Triton runs float32 dots in TF32 at the default precision (about 1e-3 relative error); decode
-# attention is bound by memory, so full float32 costs little. A no-op for bfloat16 pools.
-_PRECISION = jax.lax.Precision.HIGHEST
+_MAX_TOKENS_PER_SPLIT = 1024
+_IEEE = jax.lax.Precision.HIGHEST  # Triton `inputPrecision = ieee` for float32 operands
+# Triton `inputPrecision = tf32`; on a CPU (interpret mode) a float32 dot, exact on TF32 values.
+_TF32 = jax.lax.Precision.DEFAULT
+# TF32 parts per float32 operand of a dot, by precision; 0: the operands as they are.
+_TF32_PARTS = {
+  jax.lax.Precision.DEFAULT: 1,
+  jax.lax.Precision.HIGH: 2,
+  jax.lax.Precision.HIGHEST: 0,
+}
 
 
 def _is_pow2(x: int) -> bool:
@@ -50,21 +98,30 @@ def _next_pow2(x: int) -> int:
 
 
 def resolve_block_sizes(
-  block_sizes: BlockSizes | None, *, num_programs: int, page_size: int, pages_per_seq: int
+  block_sizes: BlockSizes | None,
+  *,
+  num_programs: int,
+  page_size: int,
+  pages_per_seq: int,
+  target_tokens: int = _TARGET_BLOCK_TOKENS,
+  min_tokens: int = _MIN_DOT,
 ) -> BlockSizes:
-  """Fills the None fields from the shapes; `num_programs` counts (sequence, head block)."""
+  """Fills the None tiling fields from the shapes; `num_programs` counts (sequence, head
+  block); a default compute block has about `target_tokens` and at least `min_tokens` tokens
+  (16 for the dots) or one page."""
   bs = block_sizes or BlockSizes()
   c = bs.pages_per_compute_block
   if c is None:
-    c = min(_next_pow2(pages_per_seq), max(1, _TARGET_BLOCK_TOKENS // page_size))
-    c = max(c, pl.cdiv(_MIN_DOT, page_size))
+    c = min(_next_pow2(pages_per_seq), max(1, target_tokens // page_size))
+    c = max(c, pl.cdiv(min_tokens, page_size))
   x = bs.num_splits
   if x is None:
     num_blocks = pl.cdiv(pages_per_seq, c)
     x = max(1, min(num_blocks, pl.cdiv(_TARGET_PROGRAMS, num_programs)))
-    x = max(x, pl.cdiv(num_blocks, _MAX_BLOCKS_PER_SPLIT))
+    x = max(x, pl.cdiv(num_blocks, max(1, _MAX_TOKENS_PER_SPLIT // (c * page_size))))
     x = pl.cdiv(num_blocks, pl.cdiv(num_blocks, x))  # no part without blocks
-  return BlockSizes(
+  return dataclasses.replace(
+    bs,
     pages_per_compute_block=c,
     num_splits=x,
     num_warps=bs.num_warps or 4,
@@ -72,7 +129,17 @@ def resolve_block_sizes(
   )
 
 
-def _check_shapes(*, page_size: int, head_dim: int, pages_per_block: int) -> None:
+def default_dot_min_group(dtype, precision: jax.lax.Precision) -> int:
+  """The smallest g multiplied by tensor-core dots when `BlockSizes.dot_min_group` is None."""
+  if jnp.dtype(dtype).itemsize < 4:
+    return 1
+  # Float32: at g <= 4 "sum" does at most 2 * 4 multiply-adds per 8 bytes of key and value,
+  # splitting them for tensor cores about 10 instructions; at HIGHEST "sum" does the exact
+  # multiply-adds of g rows where a padded IEEE dot does those of 16.
+  return 16 if precision == jax.lax.Precision.HIGHEST else 5
+
+
+def _check_shapes(*, page_size: int, head_dim: int, pages_per_block: int, dot: bool) -> None:
   for name, value in (
     ("page_size", page_size),
     ("head_dim", head_dim),
@@ -83,18 +150,52 @@ def _check_shapes(*, page_size: int, head_dim: int, pages_per_block: int) -> Non
         f"impl='pallas_gpu' needs {name} to be a power of two (Triton block shapes), got "
         f"{value}; use impl='reference' for this shape."
       )
-  if head_dim < _MIN_DOT or pages_per_block * page_size < _MIN_DOT:
+  if dot and (head_dim < _MIN_DOT or pages_per_block * page_size < _MIN_DOT):
     raise ValueError(
-      f"impl='pallas_gpu' needs head_dim >= {_MIN_DOT} and pages_per_compute_block * page_size "
-      f">= {_MIN_DOT} (Triton dot), got head_dim={head_dim}, pages_per_compute_block="
-      f"{pages_per_block}, page_size={page_size}."
+      f"impl='pallas_gpu' with tensor-core dots needs head_dim >= {_MIN_DOT} and "
+      f"pages_per_compute_block * page_size >= {_MIN_DOT} (Triton dot), got head_dim="
+      f"{head_dim}, pages_per_compute_block={pages_per_block}, page_size={page_size}; or raise "
+      "BlockSizes.dot_min_group above the GQA group size to multiply without dots."
     )
+
+
+def _round_to_tf32(x_f32):
+  """The nearest TF32 value (ties away from zero), as float32 with the low 13 bits clear."""
+  bits = jax.lax.bitcast_convert_type(x_f32, jnp.int32)
+  bits = (bits + 0x1000) & -0x2000
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _tf32_parts(x, parts: int) -> tuple[jax.Array, ...]:
+  """`x` as the sum of `parts` TF32 values (hi, then lo), or as itself for parts=0."""
+  if parts == 0:
+    return (x,)
+  hi = _round_to_tf32(x)
+  return (hi,) if parts == 1 else (hi, _round_to_tf32(x - hi))
+
+
+def _dot(a_parts, b_parts, contract, parts: int):
+  """a @ b in float32 from `_tf32_parts` of both: hi*hi, plus lo*hi + hi*lo for 2 parts."""
+
+  def dot(a, b):
+    return jax.lax.dot_general(
+      a,
+      b,
+      (contract, ((), ())),
+      precision=_IEEE if parts == 0 else _TF32,
+      preferred_element_type=jnp.float32,
+    )
+
+  out = dot(a_parts[0], b_parts[0])
+  if parts == 2:
+    out = (dot(a_parts[1], b_parts[0]) + dot(a_parts[0], b_parts[1])) + out
+  return out
 
 
 def _kernel(
   length_ref,  # int32[1]
   page_indices_ref,  # int32[x * blocks_per_split * c]: this sequence's page ids, padded
-  q_ref,  # [b, d]
+  q_ref,  # [b, d]: the pool's dtype ("dot") or float32 ("sum")
   k_pages_ref,  # [p, s, d] of this program's kv head
   v_pages_ref,  # [p, s, d]
   o_ref,  # f32[b, d]: this part's normalised output
@@ -104,6 +205,8 @@ def _kernel(
   sm_scale: float,
   pages_per_block: int,
   blocks_per_split: int,
+  dot: bool,
+  parts: int,
 ):
   c = pages_per_block
   _, s, d = k_pages_ref.shape
@@ -114,6 +217,7 @@ def _kernel(
   end = jnp.minimum(first + blocks_per_split, jax.lax.div(length + t - 1, t))
   q_bd = q_ref[...]
   b = q_bd.shape[0]
+  q_parts = _tf32_parts(q_bd, parts)  # split once, used by every block
 
   def body(i, carry):
     o_bd, max_b, denom_b = carry
@@ -126,26 +230,22 @@ def _kernel(
     k_td = k_pages_ref[pages_c].reshape(t, d)
     v_td = v_pages_ref[pages_c].reshape(t, d)
     valid_t = i * t + jax.lax.broadcasted_iota(jnp.int32, (t,), 0) < length
+    v_td = jnp.where(valid_t[:, None], v_td, jnp.zeros_like(v_td))
 
-    logits_bt = jax.lax.dot_general(
-      q_bd,
-      k_td,
-      (((1,), (1,)), ((), ())),
-      precision=_PRECISION,
-      preferred_element_type=jnp.float32,
-    )
+    if dot:
+      logits_bt = _dot(q_parts, _tf32_parts(k_td, parts), ((1,), (1,)), parts)
+    else:
+      k_td = k_td.astype(jnp.float32)
+      logits_bt = jnp.sum(q_bd[:, None, :] * k_td[None, :, :], axis=2)
     logits_bt = jnp.where(valid_t[None, :], logits_bt * sm_scale, -jnp.inf)
     new_max_b = jnp.maximum(max_b, jnp.max(logits_bt, axis=1))
     rescale_b = jnp.exp(max_b - new_max_b)  # every visited block has a token: finite max
     probs_bt = jnp.exp(logits_bt - new_max_b[:, None])
-    v_td = jnp.where(valid_t[:, None], v_td, jnp.zeros_like(v_td))
-    pv_bd = jax.lax.dot_general(
-      probs_bt.astype(v_td.dtype),
-      v_td,
-      (((1,), (0,)), ((), ())),
-      precision=_PRECISION,
-      preferred_element_type=jnp.float32,
-    )
+    if dot:
+      probs_bt_in = probs_bt if parts else probs_bt.astype(v_td.dtype)
+      pv_bd = _dot(_tf32_parts(probs_bt_in, parts), _tf32_parts(v_td, parts), ((1,), (0,)), parts)
+    else:
+      pv_bd = jnp.sum(probs_bt[:, :, None] * v_td.astype(jnp.float32)[None, :, :], axis=1)
     o_bd = o_bd * rescale_b[:, None] + pv_bd
     denom_b = denom_b * rescale_b + jnp.sum(probs_bt, axis=1)
     return o_bd, new_max_b, denom_b
@@ -181,36 +281,61 @@ def paged_attention(
   *,
   sm_scale: float,
   block_sizes: BlockSizes | None = None,
+  precision: jax.lax.Precision = jax.lax.Precision.HIGH,
   interpret: Any = False,
 ) -> jax.Array:
   """Paged decode attention on GPU; arguments as in `jaxrl.kernels.paged_attention`.
 
-  `lengths_n` must already be clipped to `[0, m * s]` (the public function does it). q is
-  cast to the pools' dtype for the matmuls (which accumulate in float32). `interpret` goes to
-  `pl.pallas_call` as is.
+  `lengths_n` must already be clipped to `[0, m * s]` (the public function does it).
+  `precision` applies to float32 pools multiplied by dots (module docstring). `interpret` goes
+  to `pl.pallas_call` as is.
   """
   n, h, d = q_nhd.shape
   k, _, s, _ = k_pages_kpsd.shape
   m = page_indices_nm.shape[1]
   g = h // k
-  b = min(max(_MIN_DOT, _next_pow2(g)), _MAX_HEADS_PER_PROGRAM)
+  pool_dtype = jnp.dtype(k_pages_kpsd.dtype)
+  wide = pool_dtype.itemsize >= 4
+  dot_min_group = (block_sizes and block_sizes.dot_min_group) or default_dot_min_group(
+    pool_dtype, precision
+  )
+  dot = g >= dot_min_group
+  parts = _TF32_PARTS[precision] if dot and pool_dtype == jnp.float32 else 0
+  if dot:
+    b = min(max(_MIN_DOT, _next_pow2(g)), _MAX_HEADS_PER_PROGRAM)
+    target = _TARGET_BLOCK_TOKENS_F32 if wide else _TARGET_BLOCK_TOKENS
+  else:
+    b = min(_next_pow2(g), _MAX_HEADS_PER_PROGRAM)
+    target = max(1, _SUM_BLOCK_ELEMENTS // (b * d))
   r = pl.cdiv(g, b)
-  bs = resolve_block_sizes(block_sizes, num_programs=n * k * r, page_size=s, pages_per_seq=m)
+  bs = resolve_block_sizes(
+    block_sizes,
+    num_programs=n * k * r,
+    page_size=s,
+    pages_per_seq=m,
+    target_tokens=target,
+    min_tokens=_MIN_DOT if dot else 1,
+  )
   c, x = bs.pages_per_compute_block, bs.num_splits
-  _check_shapes(page_size=s, head_dim=d, pages_per_block=c)
+  _check_shapes(page_size=s, head_dim=d, pages_per_block=c, dot=dot)
   blocks_per_split = pl.cdiv(pl.cdiv(m, c), x)
   m_padded = x * blocks_per_split * c
   # Padded entries name page 0, which exists; they lie past every length, so are never read.
   page_indices_nm = jnp.pad(page_indices_nm, ((0, 0), (0, m_padded - m)))
   # [n, k * r, b, d]: query heads of one kv head, padded with zero heads up to r * b.
-  q_nkgd = q_nhd.reshape(n, k, g, d).astype(k_pages_kpsd.dtype)
+  q_nkgd = q_nhd.reshape(n, k, g, d).astype(pool_dtype if dot else jnp.float32)
   q_njbd = jnp.pad(q_nkgd, ((0, 0), (0, 0), (0, r * b - g), (0, 0))).reshape(n, k * r, b, d)
 
   def kv_head(j):
     return jax.lax.div(j, r)
 
   kernel = functools.partial(
-    _kernel, sm_scale=sm_scale, pages_per_block=c, blocks_per_split=blocks_per_split
+    _kernel,
+    sm_scale=sm_scale,
+    pages_per_block=c,
+    blocks_per_split=blocks_per_split,
+    dot=dot,
+    parts=parts,
   )
   pages_spec = pl.BlockSpec((None, *k_pages_kpsd.shape[1:]), lambda i, j, y: (kv_head(j), 0, 0, 0))
   f32 = jnp.float32

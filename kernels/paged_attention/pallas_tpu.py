@@ -31,7 +31,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 def resolve_block_sizes(block_sizes: BlockSizes | None, *, page_size: int, pages_per_seq: int):
   """Fills the fields this kernel uses and rejects those it does not."""
   bs = block_sizes or BlockSizes()
-  for name in ("num_splits", "num_warps", "num_stages"):
+  for name in ("num_splits", "num_warps", "num_stages", "dot_min_group"):
     value = getattr(bs, name)
     if value is not None and not (name == "num_splits" and value == 1):
       raise ValueError(
