@@ -1,0 +1,132 @@
+"""Environments by name: the shipped ones, and a user's class named `package.module:ClassName`.
+
+`EnvConfig(name, kwargs, limits)` says which environment a run uses; `env_factory(cfg)` checks
+the name and the constructor's arguments once (an error names the environment and what to
+change) and returns a function that makes a fresh environment per trajectory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxrl.envs.base import EnvError, Environment
+from jaxrl.envs.episode import EpisodeLimits
+from jaxrl.envs.guess_number import GuessNumberEnv
+from jaxrl.envs.python_tool import PythonToolEnv
+
+ENVIRONMENTS: dict[str, type[Environment]] = {
+  "guess_number": GuessNumberEnv,
+  "python_tool": PythonToolEnv,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+  """Which environment a multi-turn run uses.
+
+  Attributes:
+    name: a key of ENVIRONMENTS, or "package.module:ClassName" for a class of your own (a
+      subclass of `jaxrl.envs.Environment`); "" for single-turn tasks (no environment).
+    kwargs: keyword arguments of the environment's constructor.
+    limits: bounds on each episode.
+  """
+
+  name: str = ""
+  kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  limits: EpisodeLimits = EpisodeLimits()
+
+  def __post_init__(self):
+    if self.name:
+      env_factory(self.name, self.kwargs)
+
+
+def environment_class(name: str) -> type[Environment]:
+  """The class `name` stands for: a key of ENVIRONMENTS, or "package.module:ClassName".
+
+  Raises:
+    EnvError: an unknown name, a module that does not import, a class that is not there or is
+      not an `Environment`; the message says what to change.
+  """
+  if not isinstance(name, str) or not name:
+    raise EnvError(f"environment name must be a non-empty str, got {name!r}")
+  if ":" not in name:
+    if name in ENVIRONMENTS:
+      return ENVIRONMENTS[name]
+    raise EnvError(
+      f"unknown environment {name!r}: the shipped environments are {sorted(ENVIRONMENTS)}; "
+      "name a class of your own as 'package.module:ClassName'."
+    )
+  module_name, _, class_name = name.partition(":")
+  if not module_name or not class_name or ":" in class_name:
+    raise EnvError(f"environment {name!r} is not of the form 'package.module:ClassName'.")
+  try:
+    module = importlib.import_module(module_name)
+  except ModuleNotFoundError as e:
+    if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+      raise EnvError(
+        f"environment {name!r}: no module named {e.name!r} (is its package installed, or on "
+        "PYTHONPATH?)."
+      ) from e
+    raise EnvError(f"environment {name!r}: importing {module_name!r} failed: {e}") from e
+  except Exception as e:
+    raise EnvError(
+      f"environment {name!r}: importing {module_name!r} raised {type(e).__name__}: {e}"
+    ) from e
+  cls = module
+  for part in class_name.split("."):
+    if not hasattr(cls, part):
+      found = sorted(
+        k
+        for k, v in vars(module).items()
+        if inspect.isclass(v) and issubclass(v, Environment) and v.__module__ == module.__name__
+      )
+      raise EnvError(
+        f"environment {name!r}: module {module_name!r} has no {class_name!r}; the environments "
+        f"it defines are {found}."
+      )
+    cls = getattr(cls, part)
+  if not inspect.isclass(cls):
+    raise EnvError(
+      f"environment {name!r} is a {type(cls).__name__}, not a class: name a subclass of "
+      "jaxrl.envs.Environment that defines reset(record) and step(action)."
+    )
+  if not issubclass(cls, Environment):
+    raise EnvError(
+      f"environment {name!r}: class {cls.__qualname__} is not a subclass of "
+      "jaxrl.envs.Environment; subclass it and define reset(record) and step(action)."
+    )
+  if inspect.isabstract(cls):
+    missing = sorted(cls.__abstractmethods__)
+    raise EnvError(f"environment {name!r} does not define {missing}.")
+  return cls
+
+
+def env_factory(name: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[], Environment]:
+  """A function that makes a fresh environment `name` with `kwargs`, checked now.
+
+  Raises:
+    EnvError: the name does not resolve (see `environment_class`), or the constructor does not
+      take these arguments.
+  """
+  cls = environment_class(name)
+  kwargs = dict(kwargs or {})
+  try:
+    inspect.signature(cls).bind(**kwargs)
+  except TypeError as e:
+    params = [p for p in inspect.signature(cls).parameters if p not in ("args", "kwargs")]
+    raise EnvError(
+      f"environment {name!r} does not take the arguments {sorted(kwargs)} ({e}); its "
+      f"constructor takes {params}."
+    ) from None
+
+  def make() -> Environment:
+    try:
+      return cls(**kwargs)
+    except Exception as e:
+      raise EnvError(f"environment {name!r} with {kwargs}: {type(e).__name__}: {e}") from e
+
+  return make
