@@ -24,8 +24,10 @@ What runs where: rollout and learner share the host's accelerator(s) (placement 
 Adam's second moment, the first moment in bf16 (`train.optimizer.mu_dtype`), and computes in bf16
 with rematerialised blocks; rollout generates from bf16 copies
 (`rollout.param_dtype`); log-probs are computed in chunks of `train.logprob_chunk` positions so
-no [tokens, vocab] fp32 logits exist whole. The policy is written in Hub layout to
-`<workdir>/hf/step_<N>` every `checkpoint.hf_every` steps and to `<workdir>/hf/final`.
+no [tokens, vocab] fp32 logits exist whole; sequences are packed into rows as long as the
+longest one (`train.pack_length`), so the learner compiles its update once. The policy is
+written in Hub layout to `<workdir>/hf/step_<N>` every `checkpoint.hf_every` steps and to
+`<workdir>/hf/final`.
 """
 
 import os

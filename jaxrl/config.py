@@ -156,13 +156,23 @@ class TrainConfig:
     steps: RL steps (each: generate, score, update, publish weights).
     advantage: "grpo" or "drgrpo".
     updates_per_step: optimizer updates each step's batch is split into (PPO mini-batches).
-    micro_batch_size: sequences per gradient-accumulation chunk.
+    micro_batch_size: sequences per gradient-accumulation chunk; with packing, packed rows
+      per micro-batch (a step's batch still splits into updates of whole micro-batches, so a
+      packed update never runs more micro-batches than a padded one).
     loss: the policy loss.
     optimizer: optimizer and schedule.
     moe: MoE models: routing replay, expert placement per micro-batch, expert-parallel layer.
-    precompile: compile the update for every batch length the run can meet (prompt + response
-      lengths, rounded up to multiples of 8) before it starts, so that no step stalls on a
-      compilation when a longer response first comes along.
+    precompile: compile the update for every batch shape the run can meet before it starts,
+      so that no step stalls on a compilation: packed, the one shape of its rows; padded, every
+      batch length (prompt + response lengths, rounded up to multiples of 8).
+    pack_length: sequence packing (`jaxrl.train.packing`): positions per packed row (a
+      sequence of n tokens takes n - 1). Each micro-batch is `micro_batch_size` rows of this
+      many positions holding as many whole sequences as fit, so the update has one shape for
+      the whole run and compiles once, and the loss is the padded batch's. -1 (the default):
+      room for the longest sequence the run can meet (the longest of the task's first 1024
+      prompts plus `rollout.sampling.max_new_tokens`, capped by `model.max_seq_len`); a batch
+      with a longer sequence packs into longer rows, logged as a new shape. 0: no packing,
+      micro-batches of sequences padded to the batch's length (a compilation per length).
     logprob_chunk: sequence positions whose full-vocabulary logits exist at once when the
       learner computes log-probs and entropies (forward and backward); the memory of a
       `[micro_batch, logprob_chunk, vocab]` fp32 block, instead of the whole sequence's.
@@ -177,9 +187,15 @@ class TrainConfig:
   moe: MoEConfig = MoEConfig()
   precompile: bool = False
   logprob_chunk: int = 128
+  pack_length: int = -1
 
   def __post_init__(self):
     _check_at_least("train", self, 0, "steps")
+    if self.pack_length < -1:
+      raise ConfigError(
+        f"config.train.pack_length must be -1 (rows as long as the run's longest sequence), 0 "
+        f"(no packing) or the positions of a packed row, got {self.pack_length}."
+      )
     _check_at_least("train", self, 1, "updates_per_step", "micro_batch_size", "logprob_chunk")
     _check_choice("config.train.advantage", self.advantage, ADVANTAGE_MODES)
 

@@ -133,6 +133,8 @@ def _learner_plan(path: str, case: str, micro_batch: int) -> dict:
 
   overrides = {**WORKLOAD, **OPTIONS_OFF[case], "pretrained.path": path}
   overrides["train.micro_batch_size"] = micro_batch
+  # Packed rows as the step's job sizes them: 136-token prompt + 256 tokens - 1, rounded to 8.
+  overrides["train.pack_length"] = 392
   cfg = load_config(os.path.join(_REPO, "configs", "grpo_hf.py"), "qwen3-0.6b", overrides)
   model = Model(model_config(cfg, make_tokenizer(cfg)))
   mesh = make_mesh(jax.devices()[:1], {"fsdp": -1})

@@ -80,6 +80,7 @@ BAD_VALUES = [
   ("train.micro_batch_size", 5, "config.train.micro_batch_size=5: a step's 128 sequences"),
   ("train.updates_per_step", 3, "config.train.updates_per_step=3 updates"),
   ("train.logprob_chunk", 0, "config.train.logprob_chunk must be >= 1, got 0."),
+  ("train.pack_length", -2, "config.train.pack_length must be -1 (rows as long as the run's"),
   ("train.advantage", "ppo", "config.train.advantage='ppo': use one of ('grpo', 'drgrpo')."),
   ("warmup.steps", -1, "config.warmup.steps must be >= 0, got -1."),
   ("warmup.batch_size", 0, "config.warmup.batch_size must be >= 1, got 0."),

@@ -1,8 +1,10 @@
 """KV caches and the attention that reads them: none (training), dense slots, or pages.
 
 Every path writes the new keys/values first and then attends, with visibility decided by
-positions alone (key position <= query position). Stale cache contents beyond a row's current
-position are therefore never read, and a ragged batch needs no extra mask.
+positions (key position <= query position). Stale cache contents beyond a row's current
+position are therefore never read, and a ragged batch needs no extra mask. Without a cache
+(training), rows may be packed with several sequences: segment ids then also restrict a query
+to the keys of its own sequence (`jaxrl.train.packing`).
 
 Glossary: b batch, t query positions, s key slots, k kv heads, g query heads per kv head,
 e head dim, p pages, z page size (slots per page), n pages per sequence.
@@ -49,9 +51,20 @@ def init_cache(cfg, batch: int, max_len: int) -> tuple[LayerCache, ...]:
   )
 
 
-def dot_attention(q_bthe, keys_bske, values_bske, q_pos_bt, key_pos_bs):
+def dot_attention(
+  q_bthe,
+  keys_bske,
+  values_bske,
+  q_pos_bt,
+  key_pos_bs,
+  q_segment_ids_bt=None,
+  key_segment_ids_bs=None,
+):
   """Grouped-query softmax attention (fp32 softmax); a key is visible iff its position <= the
-  query's."""
+  query's and, when segment ids are given (packed rows), it has the query's segment id and that
+  id is not negative (padding). A query that sees no key outputs zeros.
+
+  The rule of `jaxrl.kernels.flash_attention`, so the kernel computes the same attention."""
   b, t, h, e = q_bthe.shape
   k = keys_bske.shape[2]
   dt = q_bthe.dtype
@@ -59,16 +72,32 @@ def dot_attention(q_bthe, keys_bske, values_bske, q_pos_bt, key_pos_bs):
   scores = jnp.einsum("btkge,bske->bkgts", q_btkge, keys_bske.astype(dt)).astype(jnp.float32)
   scores = scores * (e**-0.5)
   visible_bts = key_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
+  if q_segment_ids_bt is not None:
+    key_segment_b1s = key_segment_ids_bs[:, None, :]
+    visible_bts &= (key_segment_b1s == q_segment_ids_bt[:, :, None]) & (key_segment_b1s >= 0)
   scores = jnp.where(visible_bts[:, None, None], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)
   out_btkge = jnp.einsum("bkgts,bske->btkge", probs, values_bske.astype(dt))
+  if q_segment_ids_bt is not None:  # padding queries see nothing: zeros, not a uniform mean
+    out_btkge = jnp.where(visible_bts.any(-1)[:, :, None, None, None], out_btkge, 0)
   return out_btkge.reshape(b, t, h, e)
 
 
-def attend(q_bthe, k_btke, v_btke, positions_bt, cache):
-  """Writes this call's keys/values into `cache` (if any) and attends; returns (out, cache)."""
+def attend(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None):
+  """Writes this call's keys/values into `cache` (if any) and attends; returns (out, cache).
+
+  `segment_ids_bt` (no cache only): packed rows, where a token attends to the earlier (or
+  equal) positions of its own segment; `positions_bt` then restart at 0 in every segment."""
   if cache is None:
-    return dot_attention(q_bthe, k_btke, v_btke, positions_bt, positions_bt), None
+    out = dot_attention(
+      q_bthe, k_btke, v_btke, positions_bt, positions_bt, segment_ids_bt, segment_ids_bt
+    )
+    return out, None
+  if segment_ids_bt is not None:
+    raise ValueError(
+      "segment_ids_bt (packed rows) are for the forward pass without a KV cache (training); "
+      "a cached forward attends by positions alone: pass segment_ids_bt=None."
+    )
   if isinstance(cache, LayerCache):
     return _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache)
   return _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache)

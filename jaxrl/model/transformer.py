@@ -86,7 +86,7 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(e, cfg.norm_eps, pd)
       self.k_norm = RMSNorm(e, cfg.norm_eps, pd)
 
-  def __call__(self, x_btd, positions_bt, cache):
+  def __call__(self, x_btd, positions_bt, cache, segment_ids_bt=None):
     cfg = self.cfg
     dt = x_btd.dtype
     q = jnp.einsum("btd,dhe->bthe", x_btd, self.wq_dhe.get_value().astype(dt))
@@ -100,7 +100,7 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions_bt, cfg), rope(k, positions_bt, cfg)
 
-    out_bthe, cache = attend(q, k, v, positions_bt, cache)
+    out_bthe, cache = attend(q, k, v, positions_bt, cache, segment_ids_bt)
     return jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt)), cache
 
 
@@ -130,9 +130,11 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.mlp = MoEMLP(cfg, rngs=rngs) if cfg.is_moe else MLP(cfg, rngs=rngs)
 
-  def __call__(self, x_btd, positions_bt, cache, moe: MoEInputs | None, layer: int):
+  def __call__(
+    self, x_btd, positions_bt, cache, moe: MoEInputs | None, layer: int, segment_ids_bt=None
+  ):
     """Returns (output, cache, expert ids_btk chosen by an MoE MLP or None)."""
-    attn_out, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache)
+    attn_out, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, segment_ids_bt)
     x_btd = x_btd + attn_out
     mlp_out, expert_ids_btk = self.mlp(self.mlp_norm(x_btd), moe, layer)
     return x_btd + mlp_out, cache, expert_ids_btk
@@ -163,6 +165,7 @@ class Transformer(nnx.Module):
     return_routing: bool = False,
     moe: MoEInputs | None = None,
     return_hidden: bool = False,
+    segment_ids_bt: jax.Array | None = None,
   ):
     """Runs the model.
 
@@ -178,6 +181,10 @@ class Transformer(nnx.Module):
       return_hidden: return the final hidden states `[b, t, d]` (after the final norm, in the
         compute dtype) instead of the logits, for callers that apply the LM head in chunks
         (`lm_head`, `vocab_mask`) so that `[b, t, vocab]` fp32 logits never exist whole.
+      segment_ids_bt: packed rows (training, no cache): int id of the sequence each token
+        belongs to (0, 1, ... in a row; -1 for padding, which attends to nothing); a token
+        attends only to earlier-or-equal positions of its own segment, and `positions_bt`
+        restart at 0 in each segment (`jaxrl.train.packing`). None: each row is one sequence.
 
     Returns:
       (logits_btv in fp32, or hidden_btd with `return_hidden`; updated cache or None), plus,
@@ -196,10 +203,12 @@ class Transformer(nnx.Module):
       if cfg.remat and cache is None:
         # Training: keep only each block's input for the backward pass and recompute the rest,
         # trading one more forward for activation memory that no longer grows with depth.
-        run = nnx.remat(lambda blk, x, pos, i=i: blk(x, pos, None, moe, i))
-        x_btd, layer_cache, expert_ids_btk = run(block, x_btd, positions_bt)
+        run = nnx.remat(lambda blk, x, pos, seg, i=i: blk(x, pos, None, moe, i, seg))
+        x_btd, layer_cache, expert_ids_btk = run(block, x_btd, positions_bt, segment_ids_bt)
       else:
-        x_btd, layer_cache, expert_ids_btk = block(x_btd, positions_bt, layer_cache, moe, i)
+        x_btd, layer_cache, expert_ids_btk = block(
+          x_btd, positions_bt, layer_cache, moe, i, segment_ids_bt
+        )
       new_cache.append(layer_cache)
       routing.append(expert_ids_btk)
     x_btd = self.final_norm(x_btd)

@@ -41,6 +41,7 @@ from jaxrl.rollout.paged import PagedEngine
 from jaxrl.scheduler.local import worker_tokens_per_s
 from jaxrl.sharding import STAGE_RULES, make_mesh, split_devices
 from jaxrl.train.learner import Learner
+from jaxrl.train.packing import auto_pack_length
 from jaxrl.train.sft import SupervisedTrainer
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,17 @@ def build_controller(
   task = make_task(cfg.task)
   chat = template_kwargs(cfg)
   train_records = task.records("train", None, cfg.seed)
+  # Prompt lengths from a large sample of the task's prompts (a longer one, should it come,
+  # gets a training shape of its own then).
+  sample = None
+  if cfg.train.precompile or cfg.train.pack_length < 0:
+    sample = [len(encode_prompt(tokenizer, r, chat)) for r in train_records[:1024]]
+  if cfg.train.pack_length < 0:
+    pack_length = auto_pack_length(
+      model.config.max_seq_len, cfg.rollout.sampling.max_new_tokens, max(sample)
+    )
+    log.info("config.train.pack_length=-1: packed rows of %d positions.", pack_length)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pack_length=pack_length))
   prompts = train_records[:64]
   prompt_len = max(len(encode_prompt(tokenizer, r, chat)) for r in prompts)
   if placement is None:
@@ -119,11 +131,11 @@ def build_controller(
     learner = make_learner(cfg, model, placement.train_mesh)
   train = cfg.train
   if train.precompile:
-    # Prompt lengths from a large sample of the task's prompts (a longer one, should it come,
-    # compiles then), responses up to the sampling limit, sequences up to the model's.
-    sample = [len(encode_prompt(tokenizer, r, chat)) for r in train_records[:1024]]
+    # Responses up to the sampling limit, sequences up to the model's.
     longest = min(max(sample), cfg.model.max_seq_len - cfg.rollout.sampling.max_new_tokens)
     lengths = batch_lengths(min(sample), longest, cfg.rollout.sampling.max_new_tokens)
+    if train.pack_length:  # packed rows hold any sequence up to the longest: one shape
+      lengths = [longest + cfg.rollout.sampling.max_new_tokens]
     learner.precompile(cfg.rollout.prompts_per_step * cfg.rollout.group_size, lengths)
   # Generation ends at any of the model's end ids (config.json's EOS can differ from the
   # tokenizer's, and a chat model ends its turn with yet another).
@@ -249,6 +261,11 @@ def make_learner(cfg: ExperimentConfig, model: Model, mesh) -> Learner:
       seed=cfg.seed,
       moe=train.moe,
       logprob_chunk=train.logprob_chunk,
+      # -1 (auto) is resolved from the task's prompts by `build_controller`; built without it,
+      # rows as long as the model's longest sequence.
+      pack_length=train.pack_length
+      if train.pack_length >= 0
+      else auto_pack_length(model.config.max_seq_len, cfg.rollout.sampling.max_new_tokens, None),
       params=initial_params(cfg, model, mesh),
     )
   except ValueError as e:

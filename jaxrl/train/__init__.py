@@ -1,9 +1,10 @@
 """The learner: token log-probs, advantages, policy losses, optimizer and the update step."""
 
 from jaxrl.train.advantages import ADVANTAGE_MODES, group_advantages, zero_variance_groups
-from jaxrl.train.learner import Learner, TrainBatch, apply_if_finite
+from jaxrl.train.learner import Learner, TrainBatch
 from jaxrl.train.losses import LossConfig, kl_k3, policy_loss, token_logprobs
-from jaxrl.train.optimizer import OptimizerConfig, make_optimizer, make_schedule
+from jaxrl.train.optimizer import OptimizerConfig, apply_if_finite, make_optimizer, make_schedule
+from jaxrl.train.packing import MicroBatch, PackLayout, pack_batch, pack_layout
 from jaxrl.train.routing import MoEConfig
 from jaxrl.train.sft import SupervisedTrainer
 
@@ -11,8 +12,10 @@ __all__ = [
   "ADVANTAGE_MODES",
   "Learner",
   "LossConfig",
+  "MicroBatch",
   "MoEConfig",
   "OptimizerConfig",
+  "PackLayout",
   "SupervisedTrainer",
   "TrainBatch",
   "apply_if_finite",
@@ -20,6 +23,8 @@ __all__ = [
   "kl_k3",
   "make_optimizer",
   "make_schedule",
+  "pack_batch",
+  "pack_layout",
   "policy_loss",
   "token_logprobs",
   "zero_variance_groups",

@@ -1,31 +1,56 @@
 """The learner: token log-probs and policy-gradient updates on the training mesh.
 
 One `update` = one RL step's batch, split into `updates_per_step` optimizer updates (PPO
-mini-batches), each accumulated over micro-batches inside one jitted `lax.scan`. Losses are
-normalised by the mini-batch's token/sequence counts, so accumulation gives exactly the loss of
-the whole mini-batch. A non-finite loss or gradient skips the update (parameters and optimizer
-state stay as they were) and is reported in the metrics.
+mini-batches), each accumulated over micro-batches. Losses are normalised by the mini-batch's
+token/sequence counts, so accumulation gives exactly the loss of the whole mini-batch. A
+non-finite loss or gradient skips the update (parameters and optimizer state stay as they were)
+and is reported in the metrics.
 
-Glossary: m micro-batches, b sequences, t target positions.
+Two layouts of the micro-batches:
+- packed (`pack_length` > 0): the sequences are packed into rows of `pack_length` positions
+  (`jaxrl.train.packing`), `micro_batch_size` rows per micro-batch, so every micro-batch of the
+  run has one shape. The host loops over however many micro-batches a batch packs into, each a
+  call of one jitted micro-step (forward, backward, gradients added into a donated
+  accumulator), then one jitted step applies the summed gradient (`apply_if_finite`). A run
+  compiles these once, whatever its response lengths.
+- padded (`pack_length` 0): rows of `micro_batch_size` sequences padded to the batch's length,
+  all micro-batches in one jitted `lax.scan`: one compilation per batch length.
+
+Glossary: m micro-batches, b sequences (or packed rows), t target positions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
 from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train.losses import LossConfig, chunked_token_logprobs, policy_loss
-from jaxrl.train.optimizer import make_optimizer
+from jaxrl.train.optimizer import (
+  apply_if_finite,
+  make_optimizer,
+  optimizer_shardings,
+  training_compiler_options,
+)
+from jaxrl.train.packing import (
+  MicroBatch,
+  PackLayout,
+  pack_batch,
+  pack_layout,
+  row_length,
+  sequence_lengths,
+)
 from jaxrl.train.routing import MoEConfig, fill_padding, plan_micro_batches
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -70,11 +95,21 @@ class Learner:
     seed: int = 0,
     moe: MoEConfig | None = None,
     logprob_chunk: int = 128,
+    pack_length: int = 0,
   ):
     """Builds the learner; `logprob_chunk` positions of the LM head are applied at a time
-    (`chunked_token_logprobs`), so full-vocabulary fp32 logits never exist for a whole batch."""
+    (`chunked_token_logprobs`), so full-vocabulary fp32 logits never exist for a whole batch.
+    `pack_length` > 0 packs the sequences into micro-batches of `micro_batch_size` rows of that
+    many positions (one training shape for the run); 0 pads each micro-batch of
+    `micro_batch_size` sequences to the batch's length."""
+    if pack_length < 0:
+      raise ValueError(
+        f"pack_length must be 0 (padded batches) or the positions of a packed row, got "
+        f"{pack_length}."
+      )
     self.model = model
     self.logprob_chunk = logprob_chunk
+    self.pack_length = pack_length
     self.mesh = mesh
     moe = moe or MoEConfig()
     self.moe_cfg = moe
@@ -99,6 +134,7 @@ class Learner:
     self._micro_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(None, batch_axes)
     )
+    self._row_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_axes))
     self.optimizer = make_optimizer(optimizer)
     if params is None:
       params = jax.jit(model.init, out_shardings=self.param_shardings)(seed)
@@ -108,17 +144,30 @@ class Learner:
     # Left to XLA, the first update's outputs were laid out unlike its inputs, so every batch
     # shape compiled twice (and the moments started replicated on every device).
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    self._replicated = replicated
     self.opt_shardings = optimizer_shardings(self.optimizer, self.params, self.param_shardings)
     self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
     # No reference copy unless the KL term needs one.
     self.ref_params = jax.tree.map(jnp.copy, self.params) if loss.kl_weight > 0 else None
+    state_out = (self.param_shardings, self.opt_shardings, replicated)
+    options = training_compiler_options(mesh)
     self._update = jax.jit(
-      self._update_impl,
-      donate_argnums=(0, 1),
-      out_shardings=(self.param_shardings, self.opt_shardings, replicated),
-      compiler_options=training_compiler_options(mesh),
+      self._update_impl, donate_argnums=(0, 1), out_shardings=state_out, compiler_options=options
+    )
+    # Packed: the micro-step adds into the (gradient, metric) sums it is handed (donated); the
+    # apply step turns the sums into an update.
+    self._micro_step = jax.jit(
+      self._micro_step_impl,
+      donate_argnums=(2,),
+      out_shardings=(self.param_shardings, replicated),
+      compiler_options=options,
+    )
+    self._apply = jax.jit(
+      self._apply_impl, donate_argnums=(0, 1), out_shardings=state_out, compiler_options=options
     )
     self._logprobs = jax.jit(self._logprobs_impl)
+    self._packed_logprobs = jax.jit(self._packed_logprobs_impl)
+    self._warned_lengths: set[int] = set()
 
   def publish_to(self, store, version: int) -> None:
     """Hands `store` (a `WeightStore`, or anything with its `publish`) a host copy of the
@@ -152,17 +201,39 @@ class Learner:
     return self._logprobs(params, jnp.asarray(tokens_bt), routes_btlk)
 
   def _logprobs_impl(self, params, tokens_bt, routes_btlk=None, placement=None):
-    return self._token_stats(params, tokens_bt, routes_btlk, placement)[0]
+    return self._token_stats(params, tokens_bt[:, :-1], tokens_bt[:, 1:], routes_btlk, placement)[0]
 
-  def _token_stats(self, params, tokens_bt, routes_btlk=None, placement=None):
-    """(log-probs, entropies) `[b, t]` of tokens 1..t+1 at the rollout temperature."""
+  def _packed_logprobs_impl(self, params, micro: MicroBatch):
+    return self._token_stats(
+      params,
+      micro.inputs_bt,
+      micro.targets_bt,
+      micro.routes_btlk,
+      None,
+      micro.positions_bt,
+      micro.segment_ids_bt,
+    )[0]
+
+  def _token_stats(
+    self,
+    params,
+    inputs_bt,
+    targets_bt,
+    routes_btlk=None,
+    placement=None,
+    positions_bt=None,
+    segment_ids_bt=None,
+  ):
+    """(log-probs, entropies) `[b, t]` of the targets at the rollout temperature."""
     cfg = self.model.config
     moe = MoEInputs(self.expert_parallel, routes_btlk, placement) if cfg.is_moe else None
-    hidden_btd, _ = self.model.apply(params, tokens_bt[:, :-1], moe=moe, return_hidden=True)
+    hidden_btd, _ = self.model.apply(
+      params, inputs_bt, positions_bt, moe=moe, return_hidden=True, segment_ids_bt=segment_ids_bt
+    )
     return chunked_token_logprobs(
       hidden_btd,
       self.model.lm_head(params),
-      tokens_bt[:, 1:],
+      targets_bt,
       self.temperature,
       vocab_limit=cfg.vocab_limit,
       chunk=self.logprob_chunk,
@@ -196,36 +267,22 @@ class Learner:
     if self.loss_cfg.proximal == "recompute":  # decoupled PPO: the policy before this step
       proximal_bt = self.proximal_logprobs(batch)
     routes_btlk = self._replayed_routes(batch)
+    run = self._packed_update if self.pack_length else self._padded_update
     all_metrics, placement_metrics = [], []
     for u in range(self.updates_per_step):
       rows = slice(u * per_update, (u + 1) * per_update)
-      arrays = [
-        batch.tokens_bt[rows],
-        batch.mask_bt[rows],
-        proximal_bt[rows],
-        behaviour_bt[rows],
-        batch.advantages_b[rows],
-      ]
-      if routes_btlk is not None:
-        arrays.append(routes_btlk[rows])
-      micro = [
-        jax.device_put(x.reshape(-1, self.micro_batch_size, *x.shape[1:]), self._micro_sharding)
-        for x in arrays
-      ]
-      routes_m = micro[5] if routes_btlk is not None else None
-      placement_m = None
-      if routes_btlk is not None and self.expert_parallel is not None:
-        placement_m, planned = plan_micro_batches(
-          arrays[5].reshape(-1, self.micro_batch_size, *arrays[5].shape[1:]),
-          self.model.config.num_experts,
-          self.mesh.shape["expert"],
-          self.moe_cfg,
-        )
-        placement_metrics.append(planned)
-      self.params, self.opt_state, metrics = self._update(
-        self.params, self.opt_state, self.ref_params, *micro[:5], routes_m, placement_m
+      part = dataclasses.replace(
+        batch,
+        tokens_bt=batch.tokens_bt[rows],
+        mask_bt=batch.mask_bt[rows],
+        old_logp_bt=proximal_bt[rows],
+        advantages_b=batch.advantages_b[rows],
+        routes_btlk=None if routes_btlk is None else routes_btlk[rows],
       )
+      metrics, planned = run(part, behaviour_bt[rows])
       all_metrics.append(metrics)
+      if planned is not None:
+        placement_metrics.append(planned)
     out = jax.tree.map(lambda *xs: sum(xs) / len(xs), *all_metrics)
     if placement_metrics:
       out |= {k: float(np.mean([m[k] for m in placement_metrics])) for k in placement_metrics[0]}
@@ -233,22 +290,140 @@ class Learner:
     ess = out["behaviour_weight_mean"] ** 2 / jnp.maximum(out["behaviour_weight_sq_mean"], 1e-30)
     return out | {"skipped": sum(m["skipped"] for m in all_metrics), "behaviour_ess": ess}
 
+  def _plan(self, routes_mbtlk: np.ndarray | None):
+    """Expert placements per micro-batch (expert-parallel routing replay), or (None, None)."""
+    if routes_mbtlk is None or self.expert_parallel is None:
+      return None, None
+    return plan_micro_batches(
+      routes_mbtlk, self.model.config.num_experts, self.mesh.shape["expert"], self.moe_cfg
+    )
+
+  def _padded_update(self, part: TrainBatch, behaviour_bt: np.ndarray):
+    """One optimizer update over padded micro-batches (`part.old_logp_bt`: the ratio's
+    denominators); returns (metrics, placement metrics or None)."""
+    arrays = [part.tokens_bt, part.mask_bt, part.old_logp_bt, behaviour_bt, part.advantages_b]
+    if part.routes_btlk is not None:
+      arrays.append(part.routes_btlk)
+    stacked = [x.reshape(-1, self.micro_batch_size, *x.shape[1:]) for x in arrays]
+    micro = [jax.device_put(x, self._micro_sharding) for x in stacked]
+    routes_m = micro[5] if part.routes_btlk is not None else None
+    placement_m, planned = self._plan(stacked[5] if part.routes_btlk is not None else None)
+    self.params, self.opt_state, metrics = self._update(
+      self.params, self.opt_state, self.ref_params, *micro[:5], routes_m, placement_m
+    )
+    return metrics, planned
+
+  def _pack(self, batch: TrainBatch, behaviour_bt: np.ndarray) -> tuple[PackLayout, MicroBatch]:
+    """The batch packed into micro-batches of `micro_batch_size` rows (routes filled)."""
+    longest = int(sequence_lengths(batch.mask_bt).max(initial=0))
+    length = row_length(longest, self.pack_length)
+    if length != self.pack_length and length not in self._warned_lengths:
+      self._warned_lengths.add(length)
+      log.warning(
+        "A sequence needs %d positions, more than train.pack_length=%d: its batch packs into "
+        "rows of %d, a training shape of its own (compiled now). Raise train.pack_length to at "
+        "least %d to keep one shape.",
+        longest, self.pack_length, length, longest,
+      )  # fmt: skip
+    layout = pack_layout(batch.mask_bt, length, self.micro_batch_size)
+    packed = pack_batch(
+      layout,
+      batch.tokens_bt,
+      batch.mask_bt,
+      batch.old_logp_bt,
+      behaviour_bt,
+      batch.advantages_b,
+      batch.routes_btlk,
+    )
+    if packed.routes_btlk is not None:
+      routes = packed.routes_btlk.reshape(-1, *packed.routes_btlk.shape[2:])
+      routes = fill_padding(routes, self.model.config.num_experts)
+      packed = packed._replace(routes_btlk=routes.reshape(packed.routes_btlk.shape))
+    return layout, packed
+
+  def _packed_update(self, part: TrainBatch, behaviour_bt: np.ndarray):
+    """One optimizer update over packed micro-batches: a jitted micro-step per micro-batch,
+    then the jitted apply step; returns (metrics, placement metrics or None)."""
+    layout, packed = self._pack(part, behaviour_bt)
+    placement_m, planned = self._plan(packed.routes_btlk)
+    # Whole mini-batch counts (host numbers), as the padded path normalises by.
+    num_tokens = np.float32(np.sum(part.mask_bt))
+    num_seqs = np.float32(part.size)
+    acc = self._zero_sums(self.params)
+    for i, micro in enumerate(self._put_micro_batches(packed)):
+      placement = None if placement_m is None else jax.tree.map(lambda x, i=i: x[i], placement_m)
+      acc = self._micro_step(
+        self.params, self.ref_params, acc, micro, num_tokens, num_seqs, placement
+      )
+    self.params, self.opt_state, metrics = self._apply(self.params, self.opt_state, acc)
+    return metrics, planned
+
+  def _put_micro_batches(self, packed: MicroBatch) -> list[MicroBatch]:
+    """Each packed micro-batch `[b, t]` on the training mesh, rows split over data and fsdp;
+    one transfer for all of them."""
+    count = packed.inputs_bt.shape[0]
+    micro = [jax.tree.map(lambda x, i=i: x[i], packed) for i in range(count)]
+    return jax.device_put(micro, self._row_sharding)
+
+  @functools.cached_property
+  def _zero_sums(self):
+    """Jitted: zero (gradients, metric sums) for the micro-steps to add into."""
+    micro = self._abstract_micro(self.pack_length)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    loss, metrics = jax.eval_shape(
+      self._micro_loss, self.params, self.ref_params, micro, scalar, scalar, None
+    )
+    keys = sorted({*metrics, "loss"})
+
+    def zeros(params):
+      return jax.tree.map(jnp.zeros_like, params), {k: jnp.zeros((), loss.dtype) for k in keys}
+
+    return jax.jit(zeros, out_shardings=(self.param_shardings, self._replicated))
+
+  def _abstract_micro(self, length: int) -> MicroBatch:
+    """A packed micro-batch of `length` positions as shapes (for tracing and planning)."""
+    cfg = self.model.config
+    shape = (self.micro_batch_size, length)
+    sds = lambda dtype, *s: jax.ShapeDtypeStruct(s, dtype, sharding=self._row_sharding)  # noqa: E731
+    routes = None
+    if cfg.is_moe and self.moe_cfg.routing_replay:
+      routes = sds(jnp.int32, *shape, cfg.num_layers, cfg.experts_per_token)
+    ints, floats = sds(jnp.int32, *shape), sds(jnp.float32, *shape)
+    return MicroBatch(ints, ints, floats, floats, floats, floats, ints, ints, routes)
+
   def update_memory(self, batch_size: int, length: int) -> dict[str, float]:
     """XLA's buffer plan for one optimizer update over `batch_size` sequences of `length`
     tokens (dense models, no routing replay), compiled but not run: GiB of its arguments
     (parameters, optimizer state, batch), outputs, and temporaries (gradients, activations,
-    logits chunks). A lower bound on what the update needs beside the process's other memory."""
-    m = batch_size // self.micro_batch_size
-    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=self._micro_sharding)  # noqa: E731
-    per_token = (m, self.micro_batch_size, length - 1)
-    tokens = jax.ShapeDtypeStruct((m, self.micro_batch_size, length), jnp.int32,
-                                  sharding=self._micro_sharding)  # fmt: skip
-    compiled = self._update.lower(
-      self.params, self.opt_state, self.ref_params, tokens, shape(*per_token), shape(*per_token),
-      shape(*per_token), shape(m, self.micro_batch_size), None, None,
-    ).compile()  # fmt: skip
-    analysis = compiled.memory_analysis()
+    logits chunks). A lower bound on what the update needs beside the process's other memory.
+
+    Packed: the plan of whichever of its two programs needs more, the micro-step over
+    `micro_batch_size` rows (of `pack_length` positions, or longer where `length` needs) or
+    the step that applies the gradients; `batch_size` does not matter there."""
     gib = 2.0**30
+    if self.pack_length:
+      micro = self._abstract_micro(row_length(length - 1, self.pack_length))
+      as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+      sums = jax.tree.map(as_abstract, jax.eval_shape(self._zero_sums, self.params))
+      scalar = jax.ShapeDtypeStruct((), jnp.float32)
+      plans = [
+        self._micro_step.lower(
+          self.params, self.ref_params, sums, micro, scalar, scalar, None
+        ).compile().memory_analysis(),
+        self._apply.lower(self.params, self.opt_state, sums).compile().memory_analysis(),
+      ]  # fmt: skip
+      analysis = max(plans, key=lambda a: a.argument_size_in_bytes + a.temp_size_in_bytes)
+    else:
+      m = batch_size // self.micro_batch_size
+      shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=self._micro_sharding)  # noqa: E731
+      per_token = (m, self.micro_batch_size, length - 1)
+      tokens = jax.ShapeDtypeStruct((m, self.micro_batch_size, length), jnp.int32,
+                                    sharding=self._micro_sharding)  # fmt: skip
+      compiled = self._update.lower(
+        self.params, self.opt_state, self.ref_params, tokens, shape(*per_token),
+        shape(*per_token), shape(*per_token), shape(m, self.micro_batch_size), None, None,
+      ).compile()  # fmt: skip
+      analysis = compiled.memory_analysis()
     return {
       "arguments_gib": analysis.argument_size_in_bytes / gib,
       "outputs_gib": analysis.output_size_in_bytes / gib,
@@ -257,42 +432,111 @@ class Learner:
 
   def precompile(self, batch_size: int, lengths: Sequence[int]) -> int:
     """Compiles `update` (and the proximal log-probs it may need) for batches of `batch_size`
-    sequences of each of these token lengths, by running it on copies of the state with an
-    all-padding batch (nothing trained). Returns the number of lengths."""
+    sequences of each of these token lengths, so that no step stalls on a compilation; nothing
+    is trained. Returns the number of training shapes compiled: packed, one (plus one per
+    longer row length that a length past `pack_length` needs), padded, one per length."""
+    if self.pack_length:
+      # Packed: one update per row length, on a batch whose every advantage is NaN, so the
+      # apply step skips it and the state stays as it was (no copy of it needed).
+      shapes = sorted({self.pack_length, *(row_length(n - 1, self.pack_length) for n in lengths)})
+      for rows in shapes:
+        blank = self._blank_batch(batch_size, rows + 1)
+        # One sequence per optimizer update, which needs rows of `rows` positions.
+        first = slice(None, None, max(batch_size // self.updates_per_step, 1))
+        blank.mask_bt[first, : rows if rows > self.pack_length else 1] = 1.0
+        blank.advantages_b[:] = np.nan
+        jax.block_until_ready(self.update(blank))
+      return len(shapes)
     params, opt_state = self.params, self.opt_state
-    cfg = self.model.config
     for length in lengths:
-      routes = None
-      if cfg.is_moe and self.moe_cfg.routing_replay:
-        routes = np.full((batch_size, length - 1, cfg.num_layers, cfg.experts_per_token), -1)
-      blank = TrainBatch(
-        tokens_bt=np.zeros((batch_size, length), np.int32),
-        mask_bt=np.zeros((batch_size, length - 1), np.float32),
-        old_logp_bt=np.zeros((batch_size, length - 1), np.float32),
-        advantages_b=np.zeros((batch_size,), np.float32),
-        routes_btlk=routes,
-      )
       # `update` donates the state it is given: hand it copies.
       self.params, self.opt_state = jax.tree.map(jnp.copy, (params, opt_state))
-      jax.block_until_ready(self.update(blank))
+      jax.block_until_ready(self.update(self._blank_batch(batch_size, length)))
     self.params, self.opt_state = params, opt_state
     return len(lengths)
+
+  def _blank_batch(self, batch_size: int, length: int) -> TrainBatch:
+    """`batch_size` sequences of `length` tokens, none trained on (all padding)."""
+    cfg = self.model.config
+    routes = None
+    if cfg.is_moe and self.moe_cfg.routing_replay:
+      routes = np.full((batch_size, length - 1, cfg.num_layers, cfg.experts_per_token), -1)
+    return TrainBatch(
+      tokens_bt=np.zeros((batch_size, length), np.int32),
+      mask_bt=np.zeros((batch_size, length - 1), np.float32),
+      old_logp_bt=np.zeros((batch_size, length - 1), np.float32),
+      advantages_b=np.zeros((batch_size,), np.float32),
+      routes_btlk=routes,
+    )
 
   def proximal_logprobs(self, batch: TrainBatch) -> np.ndarray:
     """The current weights' log-probs of the batch's targets (0 off the mask), computed one
     micro-batch at a time: the proximal policy of decoupled PPO."""
     routes_btlk = self._replayed_routes(batch)
+    if self.pack_length:
+      packable = dataclasses.replace(batch, routes_btlk=routes_btlk)
+      layout, packed = self._pack(packable, batch.old_logp_bt)
+      chunks = [
+        self._packed_logprobs(self.params, micro) for micro in self._put_micro_batches(packed)
+      ]  # all dispatched before any is read
+      packed_logp = np.stack([np.asarray(c) for c in chunks]) if chunks else np.zeros(layout.shape)
+      return layout.scatter(packed_logp.astype(np.float32)) * (batch.mask_bt > 0)
     chunks = [
-      np.asarray(
-        self.logprobs(
-          self.params,
-          batch.tokens_bt[i : i + self.micro_batch_size],
-          None if routes_btlk is None else routes_btlk[i : i + self.micro_batch_size],
-        )
+      self.logprobs(
+        self.params,
+        batch.tokens_bt[i : i + self.micro_batch_size],
+        None if routes_btlk is None else routes_btlk[i : i + self.micro_batch_size],
       )
       for i in range(0, batch.size, self.micro_batch_size)
     ]
-    return np.concatenate(chunks) * (batch.mask_bt > 0)
+    return np.concatenate([np.asarray(c) for c in chunks]) * (batch.mask_bt > 0)
+
+  def _micro_loss(self, params, ref_params, micro: MicroBatch, num_tokens, num_seqs, placement):
+    """(loss, metrics) of one micro-batch, padded or packed, each normalised by the whole
+    mini-batch's counts so that their sums over the micro-batches are the mini-batch's."""
+    stats = functools.partial(
+      self._token_stats,
+      inputs_bt=micro.inputs_bt,
+      targets_bt=micro.targets_bt,
+      routes_btlk=micro.routes_btlk,
+      placement=placement,
+      positions_bt=micro.positions_bt,
+      segment_ids_bt=micro.segment_ids_bt,
+    )
+    logp_bt, entropy_bt = stats(params)
+    ref_logp_bt = None if ref_params is None else jax.lax.stop_gradient(stats(ref_params)[0])
+    loss, metrics = policy_loss(
+      logp_bt,
+      micro.old_logp_bt,
+      micro.advantages,
+      micro.mask_bt,
+      self.loss_cfg,
+      num_tokens=num_tokens,
+      num_seqs=num_seqs,
+      ref_logp_bt=ref_logp_bt,
+      behaviour_logp_bt=micro.behaviour_logp_bt,
+      segment_ids_bt=micro.segment_ids_bt,
+    )
+    # Mean entropy of the policy over the trained tokens: a collapse shows here first.
+    entropy_sum = jnp.sum(jax.lax.stop_gradient(entropy_bt) * micro.mask_bt)
+    return loss, metrics | {"entropy": entropy_sum / jnp.maximum(num_tokens, 1)}
+
+  def _micro_step_impl(self, params, ref_params, sums, micro, num_tokens, num_seqs, placement):
+    grad_sums, metric_sums = sums
+    (loss, metrics), grads = jax.value_and_grad(self._micro_loss, has_aux=True)(
+      params, ref_params, micro, num_tokens, num_seqs, placement
+    )
+    metrics = metrics | {"loss": loss}
+    return (
+      jax.tree.map(jnp.add, grad_sums, grads),
+      {k: metric_sums[k] + metrics[k] for k in metric_sums},
+    )
+
+  def _apply_impl(self, params, opt_state, sums):
+    grads, metrics = sums
+    metrics = dict(metrics)
+    loss = metrics.pop("loss")
+    return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)
 
   def _update_impl(
     self,
@@ -310,34 +554,15 @@ class Learner:
     num_tokens = jnp.sum(mask_mbt).astype(jnp.float32)
     num_seqs = jnp.float32(mask_mbt.shape[0] * mask_mbt.shape[1])
 
-    def micro_loss(
-      p, tokens_bt, mask_bt, old_logp_bt, behaviour_logp_bt, advantages_b, routes, placement
-    ):
-      logp_bt, entropy_bt = self._token_stats(p, tokens_bt, routes, placement)
-      ref_logp_bt = (
-        None
-        if ref_params is None
-        else jax.lax.stop_gradient(self._logprobs_impl(ref_params, tokens_bt, routes, placement))
+    def accumulate(grads, xs):
+      tokens_bt, mask_bt, old_bt, behaviour_bt, advantages_b, routes, placement = xs
+      micro = MicroBatch(
+        tokens_bt[:, :-1], tokens_bt[:, 1:], mask_bt, old_bt, behaviour_bt, advantages_b,
+        routes_btlk=routes,
+      )  # fmt: skip
+      (loss, metrics), g = jax.value_and_grad(self._micro_loss, has_aux=True)(
+        params, ref_params, micro, num_tokens, num_seqs, placement
       )
-      loss, metrics = policy_loss(
-        logp_bt,
-        old_logp_bt,
-        advantages_b,
-        mask_bt,
-        self.loss_cfg,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        ref_logp_bt=ref_logp_bt,
-        behaviour_logp_bt=behaviour_logp_bt,
-      )
-      # Mean entropy of the policy over the trained tokens: a collapse shows here first.
-      entropy = jnp.sum(jax.lax.stop_gradient(entropy_bt) * mask_bt) / jnp.maximum(num_tokens, 1)
-      return loss, metrics | {"entropy": entropy}
-
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def accumulate(grads, micro):
-      (loss, metrics), g = grad_fn(params, *micro)
       return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
     # Per-micro-batch losses and metrics are whole-batch-normalised, so their sums are the
@@ -351,70 +576,3 @@ class Learner:
     loss = jnp.sum(losses_m)
     metrics = jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics_m)
     return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)
-
-
-_CPU_MEMORY_FIRST = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-
-
-def training_compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str] | None:
-  """XLA options for a training step compiled for `mesh`'s devices.
-
-  On CPU, XLA's default scheduler orders operations for concurrency, not memory: it runs every
-  layer's rematerialisation ahead of the backward pass (XLA:CPU drops the optimization barrier
-  that `jax.checkpoint` relies on) and every Adam leaf's intermediate ahead of the updates, so
-  they are all live at once. Its memory-first scheduler planned a Qwen3-0.6B update (16 x 391
-  tokens, micro-batches of 1) in 4.3 GiB of temporaries instead of 6.2 (`Learner.update_memory`).
-  Accelerator backends schedule for memory already: None there, and None where this XLA does
-  not know the option.
-  """
-  if mesh.devices.flat[0].platform != "cpu" or not _cpu_knows_memory_first():
-    return None
-  return dict(_CPU_MEMORY_FIRST)
-
-
-@functools.cache
-def _cpu_knows_memory_first() -> bool:
-  try:
-    jax.jit(lambda x: x + 1, compiler_options=_CPU_MEMORY_FIRST).lower(0).compile()
-  except Exception:  # noqa: BLE001  (XLA raises its own error types for an unknown option)
-    return False
-  return True
-
-
-def optimizer_shardings(optimizer: optax.GradientTransformation, params, param_shardings):
-  """Shardings for `optimizer`'s state over `params`: each parameter-shaped part (Adam's
-  moments) like its parameter, the rest (step counts) replicated on the parameters' mesh."""
-  mesh = jax.tree.leaves(param_shardings)[0].mesh
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return optax.tree_map_params(
-    optimizer,
-    lambda _, sharding: sharding,
-    jax.eval_shape(optimizer.init, params),
-    param_shardings,
-    transform_non_params=lambda _: replicated,
-  )
-
-
-def apply_if_finite(
-  optimizer: optax.GradientTransformation, params, opt_state, grads, loss, metrics: dict
-):
-  """Applies the update unless loss or gradient is NaN/inf; returns (params, opt_state, metrics).
-
-  A `lax.cond`, not a `where` over the new and old state: with the state donated, XLA keeps the
-  old optimizer state alive beside the new one for a `where` (a copy of every Adam moment, 4.4
-  GiB at 0.6B parameters, live through the whole update); the branches update it in place.
-  """
-  grad_norm = optax.global_norm(grads)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-  def step(params, opt_state, grads):
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_opt_state
-
-  def keep(params, opt_state, grads):
-    del grads
-    return params, opt_state
-
-  new_params, new_opt_state = jax.lax.cond(finite, step, keep, params, opt_state, grads)
-  metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
-  return new_params, new_opt_state, metrics

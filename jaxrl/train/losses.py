@@ -5,10 +5,13 @@ Shape suffixes: b = sequences in the (micro-)batch, t = tokens, v = vocabulary.
 Every loss and metric here is a SUM over the micro-batch divided by a count over the WHOLE batch
 (`num_tokens`, `num_seqs`), so summing a quantity over the micro-batches of a batch (gradient
 accumulation, or data-parallel shards followed by a psum) gives exactly that quantity for the
-whole batch.
+whole batch. A sequence is a row of the micro-batch, or with segment ids a segment of a packed
+row (`jaxrl.train.packing`): the per-sequence sums (GRPO's sequence mean, GSPO's ratio, sequence
+behaviour weights) are then taken per segment, and the loss is the same.
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -187,20 +190,52 @@ def kl_k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
   return jnp.exp(log_ratio) - log_ratio - 1.0
 
 
+class _Sequences(NamedTuple):
+  """Where the sequences of a micro-batch are: one per row (`keys_bt` None), or segments of
+  packed rows, `keys_bt` numbering each (row, segment id) pair, `count` numbers in all."""
+
+  keys_bt: jax.Array | None
+  count: int
+
+  @classmethod
+  def of(cls, shape: tuple[int, int], segment_ids_bt: jax.Array | None) -> "_Sequences":
+    if segment_ids_bt is None:
+      return cls(None, shape[0])
+    b, t = shape
+    # At most t segments per row (each holds >= 1 position): ids 0..t-1, and -1 for padding.
+    keys_bt = jnp.arange(b)[:, None] * (t + 1) + segment_ids_bt.astype(jnp.int32) + 1
+    return cls(keys_bt, b * (t + 1))
+
+  def sum(self, x_bt: jax.Array) -> jax.Array:
+    """Per-sequence sums of `x_bt`, `[sequences, 1]`."""
+    if self.keys_bt is None:
+      return x_bt.sum(axis=1, keepdims=True)
+    if x_bt.dtype == jnp.bool_:
+      x_bt = x_bt.astype(jnp.int32)
+    return jax.ops.segment_sum(x_bt.ravel(), self.keys_bt.ravel(), self.count)[:, None]
+
+  def spread(self, x_s1: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """Each position gets its sequence's value of `x_s1` (`[sequences, 1]`)."""
+    if self.keys_bt is None:
+      return jnp.broadcast_to(x_s1, shape)
+    return x_s1[:, 0][self.keys_bt]
+
+
 def _aggregate(
   value_bt: jax.Array,
   mask_bt: jax.Array,
   aggregation: str,
   num_tokens: jax.Array | float,
   num_seqs: jax.Array | float,
+  seqs: _Sequences,
 ) -> jax.Array:
   """Sums `value_bt` over masked tokens, normalised by whole-batch counts (see module doc)."""
   value_bt = jnp.where(mask_bt, value_bt, 0.0)
   if aggregation == "token-mean":
     return value_bt.sum() / jnp.maximum(num_tokens, 1.0)
   # seq-mean-token-mean: a sequence with no masked tokens has sum 0 and so contributes 0.
-  seq_len_b = jnp.maximum(mask_bt.sum(axis=1), 1)
-  return (value_bt.sum(axis=1) / seq_len_b).sum() / jnp.maximum(num_seqs, 1.0)
+  seq_len_s1 = jnp.maximum(seqs.sum(mask_bt), 1)
+  return (seqs.sum(value_bt) / seq_len_s1).sum() / jnp.maximum(num_seqs, 1.0)
 
 
 def policy_loss(
@@ -214,6 +249,7 @@ def policy_loss(
   num_seqs: jax.Array | float,
   ref_logp_bt: jax.Array | None = None,
   behaviour_logp_bt: jax.Array | None = None,
+  segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO clipped surrogate loss (plus an optional k3 KL penalty) of one micro-batch.
 
@@ -233,7 +269,8 @@ def policy_loss(
     logp_bt: `[B, T]` log-probs of the sampled tokens under the policy being trained.
     old_logp_bt: `[B, T]` log-probs the ratio is taken against (no gradient): the behaviour
       policy's, or with `cfg.proximal="recompute"` the proximal policy's.
-    advantages_b: `[B]` one advantage per sequence (no gradient).
+    advantages_b: `[B]` one advantage per sequence (no gradient); with `segment_ids_bt`,
+      `[B, T]`: each position its sequence's advantage.
     mask_bt: `[B, T]` bool (or 0/1): the tokens that count (completion tokens, not padding or
       prompt). Values at unmasked positions are ignored, even if inf or NaN.
     cfg: clip range, aggregation and KL weight.
@@ -243,6 +280,8 @@ def policy_loss(
       `cfg.kl_weight > 0`.
     behaviour_logp_bt: `[B, T]` log-probs of the policy that sampled the tokens (the rollout
       engine's); required if `cfg.behaviour_correction != "none"`.
+    segment_ids_bt: packed rows: int `[B, T]`, the sequence of each position within its row
+      (0, 1, ...; -1 for padding, which must be off the mask). None: each row is one sequence.
 
   Returns:
     `(loss, metrics)`. Every metric is, like the loss, a micro-batch sum over a whole-batch count,
@@ -279,33 +318,42 @@ def policy_loss(
     shapes["behaviour_logp_bt"] = behaviour_logp_bt.shape
   if len(set(shapes.values())) != 1 or len(logp_bt.shape) != 2:
     raise ValueError(f"Expected equal [B, T] shapes, got {shapes}.")
-  if advantages_b.shape != logp_bt.shape[:1]:
+  if segment_ids_bt is None and advantages_b.shape != logp_bt.shape[:1]:
     raise ValueError(
       f"advantages_b must be [B]={logp_bt.shape[:1]} (one per sequence), got {advantages_b.shape}."
     )
+  if segment_ids_bt is not None and (
+    advantages_b.shape != logp_bt.shape or segment_ids_bt.shape != logp_bt.shape
+  ):
+    raise ValueError(
+      f"Packed rows: advantages_b and segment_ids_bt must be [B, T]={logp_bt.shape} (one per "
+      f"position), got {advantages_b.shape} and {segment_ids_bt.shape}."
+    )
 
+  seqs = _Sequences.of(logp_bt.shape, segment_ids_bt)
   mask_bt = jnp.asarray(mask_bt) != 0
   logp_bt = logp_bt.astype(jnp.float32)
   old_logp_bt = jax.lax.stop_gradient(old_logp_bt.astype(jnp.float32))
-  adv_b1 = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))[:, None]
+  adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
+  adv_bt = adv if segment_ids_bt is not None else adv[:, None]  # [B, T] or [B, 1]
   inv_tokens = 1.0 / jnp.maximum(num_tokens, 1.0)
 
   # Zero the log-ratio where masked, before exp, so that padding garbage cannot overflow to inf
   # and turn the masked sum (or its gradient) into NaN.
   log_ratio_bt = jnp.where(mask_bt, logp_bt - old_logp_bt, 0.0)
   if cfg.ratio_level == "sequence":  # GSPO: exp of the mean token log-ratio, per sequence
-    seq_len_b1 = jnp.maximum(mask_bt.sum(axis=1, keepdims=True), 1)
-    log_ratio_bt = jnp.broadcast_to(
-      log_ratio_bt.sum(axis=1, keepdims=True) / seq_len_b1, mask_bt.shape
-    )
+    seq_len_s1 = jnp.maximum(seqs.sum(mask_bt), 1)
+    log_ratio_bt = seqs.spread(seqs.sum(log_ratio_bt) / seq_len_s1, mask_bt.shape)
   ratio_bt = jnp.exp(log_ratio_bt)
   clipped_ratio_bt = jnp.clip(ratio_bt, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-  weight_bt, adjusted_bt = behaviour_weights(old_logp_bt, behaviour_logp_bt, mask_bt, cfg)
-  pg_loss_bt = -weight_bt * jnp.minimum(ratio_bt * adv_b1, clipped_ratio_bt * adv_b1)
-  is_clipped_bt = ((adv_b1 > 0) & (ratio_bt > 1.0 + cfg.clip_high)) | (
-    (adv_b1 < 0) & (ratio_bt < 1.0 - cfg.clip_low)
+  weight_bt, adjusted_bt = behaviour_weights(
+    old_logp_bt, behaviour_logp_bt, mask_bt, cfg, segment_ids_bt
   )
-  pg_loss = _aggregate(pg_loss_bt, mask_bt, cfg.aggregation, num_tokens, num_seqs)
+  pg_loss_bt = -weight_bt * jnp.minimum(ratio_bt * adv_bt, clipped_ratio_bt * adv_bt)
+  is_clipped_bt = ((adv_bt > 0) & (ratio_bt > 1.0 + cfg.clip_high)) | (
+    (adv_bt < 0) & (ratio_bt < 1.0 - cfg.clip_low)
+  )
+  pg_loss = _aggregate(pg_loss_bt, mask_bt, cfg.aggregation, num_tokens, num_seqs, seqs)
 
   if ref_logp_bt is None:
     kl_tok = jnp.zeros((), jnp.float32)
@@ -314,7 +362,9 @@ def policy_loss(
     ref_logp_bt = jax.lax.stop_gradient(ref_logp_bt.astype(jnp.float32))
     kl_bt = kl_k3(jnp.where(mask_bt, logp_bt, 0.0), jnp.where(mask_bt, ref_logp_bt, 0.0))
     kl_tok = jnp.where(mask_bt, kl_bt, 0.0).sum() * inv_tokens
-    kl_penalty = cfg.kl_weight * _aggregate(kl_bt, mask_bt, cfg.aggregation, num_tokens, num_seqs)
+    kl_penalty = cfg.kl_weight * _aggregate(
+      kl_bt, mask_bt, cfg.aggregation, num_tokens, num_seqs, seqs
+    )
 
   metrics = {
     "pg_loss": pg_loss,
@@ -334,12 +384,14 @@ def behaviour_weights(
   behaviour_logp_bt: jax.Array | None,
   mask_bt: jax.Array,
   cfg: LossConfig,
+  segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Importance weights `pi_prox / pi_behaviour` as `cfg` applies them, and where they were
   truncated or masked. No gradient flows through them.
 
   `"truncate"`: `min(w, cap)`; `"mask"`: `w` inside `[1 / cap, cap]`, else 0. At sequence level
-  `w` is the product of the sequence's token weights, applied to all its tokens.
+  `w` is the product of the sequence's token weights (a row's, or with `segment_ids_bt` a
+  packed segment's), applied to all its tokens.
   """
   ones = jnp.ones(mask_bt.shape, jnp.float32)
   if cfg.behaviour_correction == "none" or behaviour_logp_bt is None:
@@ -347,7 +399,8 @@ def behaviour_weights(
   behaviour_logp_bt = jax.lax.stop_gradient(behaviour_logp_bt.astype(jnp.float32))
   log_w_bt = jnp.where(mask_bt, jax.lax.stop_gradient(prox_logp_bt) - behaviour_logp_bt, 0.0)
   if cfg.behaviour_level == "sequence":
-    log_w_bt = jnp.broadcast_to(log_w_bt.sum(axis=1, keepdims=True), mask_bt.shape)
+    seqs = _Sequences.of(mask_bt.shape, segment_ids_bt)
+    log_w_bt = seqs.spread(seqs.sum(log_w_bt), mask_bt.shape)
   log_cap = jnp.log(jnp.float32(cfg.behaviour_cap))
   if cfg.behaviour_correction == "truncate":
     adjusted_bt = log_w_bt > log_cap

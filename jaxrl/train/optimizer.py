@@ -1,7 +1,11 @@
-"""AdamW with global-norm gradient clipping and a warmup-then-decay learning-rate schedule."""
+"""AdamW with global-norm gradient clipping and a warmup-then-decay learning-rate schedule; the
+step that applies it unless the gradient is not finite, its state's layout, and XLA's options for
+a training step."""
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -112,3 +116,70 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
   if cfg.max_grad_norm <= 0:
     return adamw
   return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+
+
+_CPU_MEMORY_FIRST = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+def training_compiler_options(mesh: jax.sharding.Mesh) -> dict[str, str] | None:
+  """XLA options for a training step compiled for `mesh`'s devices.
+
+  On CPU, XLA's default scheduler orders operations for concurrency, not memory: it runs every
+  layer's rematerialisation ahead of the backward pass (XLA:CPU drops the optimization barrier
+  that `jax.checkpoint` relies on) and every Adam leaf's intermediate ahead of the updates, so
+  they are all live at once. Its memory-first scheduler planned a Qwen3-0.6B update (16 x 391
+  tokens, micro-batches of 1) in 4.3 GiB of temporaries instead of 6.2 (`Learner.update_memory`).
+  Accelerator backends schedule for memory already: None there, and None where this XLA does
+  not know the option.
+  """
+  if mesh.devices.flat[0].platform != "cpu" or not _cpu_knows_memory_first():
+    return None
+  return dict(_CPU_MEMORY_FIRST)
+
+
+@functools.cache
+def _cpu_knows_memory_first() -> bool:
+  try:
+    jax.jit(lambda x: x + 1, compiler_options=_CPU_MEMORY_FIRST).lower(0).compile()
+  except Exception:  # noqa: BLE001  (XLA raises its own error types for an unknown option)
+    return False
+  return True
+
+
+def optimizer_shardings(optimizer: optax.GradientTransformation, params, param_shardings):
+  """Shardings for `optimizer`'s state over `params`: each parameter-shaped part (Adam's
+  moments) like its parameter, the rest (step counts) replicated on the parameters' mesh."""
+  mesh = jax.tree.leaves(param_shardings)[0].mesh
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return optax.tree_map_params(
+    optimizer,
+    lambda _, sharding: sharding,
+    jax.eval_shape(optimizer.init, params),
+    param_shardings,
+    transform_non_params=lambda _: replicated,
+  )
+
+
+def apply_if_finite(
+  optimizer: optax.GradientTransformation, params, opt_state, grads, loss, metrics: dict
+):
+  """Applies the update unless loss or gradient is NaN/inf; returns (params, opt_state, metrics).
+
+  A `lax.cond`, not a `where` over the new and old state: with the state donated, XLA keeps the
+  old optimizer state alive beside the new one for a `where` (a copy of every Adam moment, 4.4
+  GiB at 0.6B parameters, live through the whole update); the branches update it in place.
+  """
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+  def step(params, opt_state, grads):
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_opt_state
+
+  def keep(params, opt_state, grads):
+    del grads
+    return params, opt_state
+
+  new_params, new_opt_state = jax.lax.cond(finite, step, keep, params, opt_state, grads)
+  metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
+  return new_params, new_opt_state, metrics

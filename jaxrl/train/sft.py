@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl.train.learner import (
-  Learner,
+from jaxrl.train.learner import Learner
+from jaxrl.train.losses import chunked_token_logprobs
+from jaxrl.train.optimizer import (
   apply_if_finite,
   optimizer_shardings,
   training_compiler_options,
 )
-from jaxrl.train.losses import chunked_token_logprobs
 
 
 class SupervisedTrainer:

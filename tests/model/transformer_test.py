@@ -108,3 +108,36 @@ def test_config_errors(bad, match):
 def test_unknown_preset():
   with pytest.raises(ValueError, match="known presets"):
     get_preset("gpt5")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "remat"])
+def test_packed_row_logits_equal_each_sequence_run_alone(name):
+  """Segment ids keep packed sequences apart: each token attends only to its own segment's
+  earlier positions, which restart at 0, so its logits are the ones its sequence gives alone."""
+  cfg = dataclasses.replace(VARIANTS["tiny"], remat=True) if name == "remat" else VARIANTS[name]
+  model = Model(cfg)
+  params = _random_params(model, np.random.randint(1 << 16))
+  rng = np.random.default_rng()
+  lengths = [5, 9, 1, 4]
+  seqs = [rng.integers(0, cfg.vocab_size, n) for n in lengths]
+  padding = 3
+  tokens = np.concatenate([*seqs, rng.integers(0, cfg.vocab_size, padding)])
+  positions = np.concatenate([np.arange(n) for n in [*lengths, padding]])
+  segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)] + [[-1] * padding])
+  # Two rows: the packed one, and the same sequences in another order.
+  order = np.concatenate([np.arange(sum(lengths[:2]), sum(lengths)), np.arange(sum(lengths[:2]))])
+  order = np.concatenate([order, np.arange(sum(lengths), tokens.size)])
+  rows = lambda x: jnp.asarray(np.stack([x, x[order]]), jnp.int32)  # noqa: E731
+  packed, _ = jax.jit(model.apply)(
+    params, rows(tokens), rows(positions), segment_ids_bt=rows(segments)
+  )
+  scale = terms = None
+  for i, seq in enumerate(seqs):
+    alone, _ = jax.jit(model.apply)(params, jnp.asarray(seq[None], jnp.int32))
+    scale = np.abs(np.asarray(alone)).max()
+    terms = tolerance.model_terms(cfg)
+    where = segments == i
+    tolerance.assert_close(packed[0][where], alone[0], n=terms, scale=scale, err_msg=f"seq {i}")
+    tolerance.assert_close(packed[1][where[order]], alone[0], n=terms, scale=scale)
+  with pytest.raises(ValueError, match="without a KV cache"):
+    model.apply(params, rows(tokens), None, model.init_cache(2, 32), segment_ids_bt=rows(segments))

@@ -13,7 +13,7 @@ from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch
 MODEL = Model(get_preset("tiny"))
 
 
-def make_learner(micro, kl_weight=0.0, updates=1, params=None, eps=1e-8, loss=None):
+def make_learner(micro, kl_weight=0.0, updates=1, params=None, eps=1e-8, loss=None, pack=0):
   mesh = make_mesh(jax.devices()[4:], {"fsdp": 2, "tensor": 2})
   return Learner(
     MODEL,
@@ -25,6 +25,7 @@ def make_learner(micro, kl_weight=0.0, updates=1, params=None, eps=1e-8, loss=No
     micro_batch_size=micro,
     temperature=1.0,
     params=params,
+    pack_length=pack,
   )
 
 
@@ -67,11 +68,12 @@ def test_micro_batching_does_not_change_the_update():
   assert all(changed)
 
 
-def test_non_finite_loss_skips_the_update():
+@pytest.mark.parametrize("pack", [0, 24], ids=["padded", "packed"])
+def test_non_finite_loss_skips_the_update(pack):
   rng = np.random.default_rng()
   batch = random_batch(rng)
   batch.advantages_b[3] = np.nan
-  learner = make_learner(8)
+  learner = make_learner(8, pack=pack)
   before = jax.tree.map(np.asarray, learner.params)
   metrics = jax.device_get(learner.update(batch))
   assert metrics["skipped"] == 1 and not np.isfinite(metrics["loss"])

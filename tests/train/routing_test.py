@@ -17,7 +17,7 @@ MODEL = Model(get_preset("tiny-moe", num_layers=2))
 REPLAY = MoEConfig(routing_replay=True, placement="least_loaded", redundant_slots=1)
 
 
-def learner(axes, params, moe=REPLAY, micro=8):
+def learner(axes, params, moe=REPLAY, micro=8, pack=0):
   mesh = make_mesh(jax.devices()[4:], axes)
   return Learner(
     MODEL,
@@ -30,6 +30,7 @@ def learner(axes, params, moe=REPLAY, micro=8):
     temperature=1.0,
     params=params,
     moe=moe,
+    pack_length=pack,
   )
 
 
@@ -73,10 +74,13 @@ def test_replayed_routes_reproduce_the_rollout_log_probs(rollout):
   tolerance.assert_close(logp[mask], batch.old_logp_bt[mask], n=terms)
 
 
-def test_expert_parallel_learner_with_placements_matches_the_reference_learner(rollout):
+@pytest.mark.parametrize("pack", [0, 24], ids=["padded", "packed"])
+def test_expert_parallel_learner_with_placements_matches_the_reference_learner(rollout, pack):
+  """Also packed: the expert-parallel learner plans a placement per packed micro-batch from the
+  routes packing carried along, and still trains as the padded reference learner."""
   params, _, batch = rollout
   with jax.default_matmul_precision("highest"):
-    ep = learner({"fsdp": 2, "expert": 2}, params)
+    ep = learner({"fsdp": 2, "expert": 2}, params, pack=pack)
     ref = learner({"fsdp": 4}, params, moe=MoEConfig(routing_replay=True))
     assert ep.expert_parallel is not None and ref.expert_parallel is None
     logp_bt = ref.logprobs(ref.params, batch.tokens_bt, ref._replayed_routes(batch))
