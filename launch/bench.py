@@ -7,6 +7,7 @@
   python launch/bench.py calibrate [--json]
   python launch/bench.py paged_attention [--json]
   python launch/bench.py flash_attention [--json]
+  python launch/bench.py grpo_step [--json] [--presets bench-tiny]
   python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py async [--json]
   python launch/bench.py balance [--json]
@@ -34,6 +35,7 @@ import numpy as np  # noqa: E402
 from bench_async import bench_async  # noqa: E402  (launch/ is on sys.path)
 from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
+from bench_grpo import bench_grpo_step  # noqa: E402
 from bench_memory import bench_memory  # noqa: E402
 
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
@@ -524,6 +526,7 @@ BENCHMARKS = {
   "calibrate": bench_calibrate,
   "decode_floor": bench_decode_floor,
   "flash_attention": bench_flash_attention,
+  "grpo_step": bench_grpo_step,
   "logprob_mismatch": bench_logprob_mismatch,
   "memory": bench_memory,
   "paged_attention": bench_paged_attention,

@@ -1,0 +1,136 @@
+"""`python launch/bench.py grpo_step`: a GRPO run's steps on a long-tail workload, and what
+compiles after the first one.
+
+Each step generates `prompts x group` responses with the paged engine (response lengths forced
+to a lognormal long tail: EOS ignored, `max_new_tokens` drawn per request), scores them with a
+random reward, and trains one step on them with the learner: the two stages the RL loop runs,
+with the loop's own batch builder and advantages. A JAX monitoring listener counts every
+backend compilation and which stage it happened in.
+
+Reported: compilations after the first step (target 0) per stage, the learner's compiled
+training shapes, median seconds per stage, and the same run with packing off (the padded
+learner compiles whenever a batch's length passes a new bucket).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jaxrl.model import Model, get_preset
+from jaxrl.rl.experience import build_batch
+from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
+from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
+from jaxrl.train import Learner, LossConfig, OptimizerConfig, group_advantages
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class _CompileCounter:
+  """Counts backend compilations, attributed to the stage set with `stage(name)`."""
+
+  def __init__(self):
+    self.current = "other"
+    self.counts: dict[str, int] = {}
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, name: str, _secs: float, **_kwargs) -> None:
+    if name == _COMPILE_EVENT:
+      self.counts[self.current] = self.counts.get(self.current, 0) + 1
+
+  @contextlib.contextmanager
+  def stage(self, name: str):
+    previous, self.current = self.current, name
+    try:
+      yield
+    finally:
+      self.current = previous
+
+  def snapshot(self) -> dict[str, int]:
+    return dict(self.counts)
+
+
+def _run(preset, steps, prompts, group, median, cap, prompt_len, pack_length, counter, seed):
+  cfg = get_preset(preset)
+  model = Model(cfg)
+  params = model.init(seed)
+  devices = jax.devices()
+  rollout_mesh = make_mesh(devices[:1], {})
+  train_mesh = make_mesh(devices[:1], {})
+  rows = prompts * group
+  page_size = 16
+  engine = PagedEngine(
+    model, rollout_mesh, ROLLOUT_RULES, eos_id=2, pad_id=0,
+    config=PagedConfig(
+      page_size=page_size, num_pages=rows * -(-(prompt_len + cap) // page_size),
+      max_running=rows,
+    ),
+  )  # fmt: skip
+  learner = Learner(
+    model, train_mesh, TRAIN_RULES, loss=LossConfig(), optimizer=OptimizerConfig(),
+    updates_per_step=1, micro_batch_size=min(rows, 4), temperature=1.0, params=params,
+    pack_length=pack_length,
+  )  # fmt: skip
+  rng = np.random.default_rng(seed)
+  times = {"rollout": [], "train": []}
+  after_first = None
+  for step in range(steps):
+    engine.update_weights(learner.params, step)
+    base = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(prompts)]
+    lengths = np.clip(np.round(rng.lognormal(np.log(median), 1.0, rows)), 1, cap).astype(int)
+    sampling = [
+      SamplingParams(temperature=1.0, max_new_tokens=int(n), ignore_eos=True) for n in lengths
+    ]
+    start = time.perf_counter()
+    with counter.stage("rollout"):
+      completions = engine.generate([p for p in base for _ in range(group)], sampling, seed=step)
+    times["rollout"].append(time.perf_counter() - start)
+    rewards = rng.random(rows).astype(np.float32)
+    batch = build_batch(completions, group_advantages(rewards, group), pad_id=0)
+    start = time.perf_counter()
+    with counter.stage("train"):
+      jax.block_until_ready(learner.update(batch))
+    times["train"].append(time.perf_counter() - start)
+    if step == 0:
+      after_first = counter.snapshot()
+  final = counter.snapshot()
+  return {
+    "compiles_after_first_step": sum(final.values()) - sum(after_first.values()),
+    **{
+      f"{stage}_compiles_after_first_step": final.get(stage, 0) - after_first.get(stage, 0)
+      for stage in ("rollout", "train")
+    },
+    # Packed: the micro-step's shapes; padded: the scanned update's (one per batch length).
+    "train_shapes_compiled": learner._micro_step._cache_size() + learner._update._cache_size(),
+    "rollout_shapes_compiled": engine.compiled_shapes(),
+    **{f"median_{stage}_s": statistics.median(t[1:]) for stage, t in times.items()},
+    "longest_response": int(cap),
+  }
+
+
+def bench_grpo_step(
+  presets=("bench-tiny",),
+  steps: int = 20,
+  prompts: int = 4,
+  group: int = 4,
+  median: int = 48,
+  cap: int = 384,
+  prompt_len: int = 32,
+  seed: int = 0,
+) -> dict:
+  """`steps` GRPO steps of `prompts x group` long-tailed responses per preset, packed (the
+  default) and padded; one device for each stage."""
+  counter = _CompileCounter()
+  out = {}
+  for preset in presets:
+    for name, pack_length in (("packed", -1), ("padded", 0)):
+      # -1: rows as long as the longest sequence the run can meet, as the job resolves it.
+      pack = prompt_len + cap if pack_length < 0 else 0
+      out[f"{preset}/{name}"] = _run(
+        preset, steps, prompts, group, median, cap, prompt_len, pack, counter, seed
+      )
+  return out
