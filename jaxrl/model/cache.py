@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.kernels.flash_attention import flash_attention
 from jaxrl.kernels.paged_attention import paged_attention
 
 
@@ -83,12 +84,20 @@ def dot_attention(
   return out_btkge.reshape(b, t, h, e)
 
 
-def attend(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None):
+def attend(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None, flash=False):
   """Writes this call's keys/values into `cache` (if any) and attends; returns (out, cache).
 
   `segment_ids_bt` (no cache only): packed rows, where a token attends to the earlier (or
-  equal) positions of its own segment; `positions_bt` then restart at 0 in every segment."""
+  equal) positions of its own segment; `positions_bt` then restart at 0 in every segment.
+  `flash` (no cache only): `flash_attention` instead of `dot_attention`, the same rule."""
   if cache is None:
+    if flash:
+      out = flash_attention(
+        q_bthe, k_btke, v_btke,
+        q_segment_ids=segment_ids_bt, kv_segment_ids=segment_ids_bt,
+        q_positions=positions_bt, kv_positions=positions_bt,
+      )  # fmt: skip
+      return out, None
     out = dot_attention(
       q_bthe, k_btke, v_btke, positions_bt, positions_bt, segment_ids_bt, segment_ids_bt
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 DTYPES = ("float32", "bfloat16")
+ATTENTIONS = ("dense", "flash")
 ROPE_SCALINGS = ("", "llama3")
 
 
@@ -45,6 +46,11 @@ class ModelConfig:
       sampling and log-probs. 0: every row is a token.
     remat: recompute each block's activations in the backward pass instead of storing them
       (training memory grows with one block, not with depth, for one more forward pass).
+    attention: the attention of forward passes without a KV cache (training, log-probs):
+      "dense" materialises `[t, t]` scores per head; "flash" runs
+      `jaxrl.kernels.flash_attention` (blockwise, memory linear in t; the Pallas kernel on a
+      GPU or TPU, the jnp reference on CPU), same result to rounding. Cached passes (rollout)
+      are unaffected.
   """
 
   vocab_size: int = 64
@@ -73,6 +79,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   vocab_limit: int = 0
   remat: bool = False
+  attention: str = "dense"
 
   def __post_init__(self):
     for name in (
@@ -118,6 +125,8 @@ class ModelConfig:
         f"model.vocab_limit must be in [0, vocab_size={self.vocab_size}] (0 = all rows), "
         f"got {self.vocab_limit}."
       )
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"model.attention must be one of {ATTENTIONS}, got {self.attention!r}.")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")

@@ -100,7 +100,8 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions_bt, cfg), rope(k, positions_bt, cfg)
 
-    out_bthe, cache = attend(q, k, v, positions_bt, cache, segment_ids_bt)
+    flash = cfg.attention == "flash"
+    out_bthe, cache = attend(q, k, v, positions_bt, cache, segment_ids_bt, flash=flash)
     return jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt)), cache
 
 

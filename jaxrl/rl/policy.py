@@ -66,7 +66,7 @@ def make_tokenizer(cfg: ExperimentConfig) -> Tokenizer:
 
 def model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
   """The learner's model: `config.model`, or the checkpoint's shapes with `config.model`'s
-  dtypes, remat and length limit; ids past the tokenizer's vocabulary masked out."""
+  dtypes, remat, attention and length limit; ids past the tokenizer's vocabulary masked out."""
   source = pretrained_dir(cfg)
   if source is None:
     model = cfg.model
@@ -88,6 +88,7 @@ def model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
       dtype=cfg.model.dtype,
       param_dtype=cfg.model.param_dtype,
       remat=cfg.model.remat,
+      attention=cfg.model.attention,
       max_seq_len=min(model.max_seq_len, cfg.model.max_seq_len),
     )
     if tokenizer.vocab_size > model.vocab_size:

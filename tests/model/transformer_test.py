@@ -141,3 +141,40 @@ def test_packed_row_logits_equal_each_sequence_run_alone(name):
     tolerance.assert_close(packed[1][where[order]], alone[0], n=terms, scale=scale)
   with pytest.raises(ValueError, match="without a KV cache"):
     model.apply(params, rows(tokens), None, model.init_cache(2, 32), segment_ids_bt=rows(segments))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flash_attention_gives_the_dense_logits_and_gradients(packed):
+  """`model.attention="flash"` runs the blockwise kernel where training has no cache: the same
+  logits and parameter gradients as dense attention, plain rows and packed rows alike."""
+  dense_model = Model(dataclasses.replace(VARIANTS["tiny"], max_seq_len=96))
+  flash_model = Model(dataclasses.replace(dense_model.config, attention="flash"))
+  params = _random_params(dense_model, np.random.randint(1 << 16))
+  rng = np.random.default_rng()
+  cfg = dense_model.config
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 80)), jnp.int32)
+  positions = segments = None
+  if packed:
+    lengths = [30, 17, 25, 8]  # and 80 - 80: no padding in row 0; row 1 pads its tail
+    positions = np.concatenate([np.arange(n) for n in lengths])
+    segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])
+    positions = jnp.asarray(np.stack([positions, positions]), jnp.int32)
+    segments = jnp.asarray(np.stack([segments, np.where(segments == 3, -1, segments)]), jnp.int32)
+
+  def loss(model, p):
+    logits, _ = model.apply(p, tokens, positions, segment_ids_bt=segments)
+    return jnp.sum(jnp.tanh(logits[..., :8])), logits
+
+  (_, want), grads_want = jax.jit(jax.value_and_grad(lambda p: loss(dense_model, p), has_aux=True))(
+    params
+  )
+  (_, got), grads_got = jax.jit(jax.value_and_grad(lambda p: loss(flash_model, p), has_aux=True))(
+    params
+  )
+  terms = tolerance.model_terms(cfg)
+  tolerance.assert_close(got, want, n=terms, scale=float(np.abs(np.asarray(want)).max()))
+  for g, w in zip(jax.tree.leaves(grads_got), jax.tree.leaves(grads_want), strict=True):
+    scale = float(np.abs(np.asarray(w)).max()) + 1e-30
+    tolerance.assert_close(g, w, n=terms * 8, scale=scale)
+  with pytest.raises(ValueError, match="model.attention"):
+    ModelConfig(attention="paged")
