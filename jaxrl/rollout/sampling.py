@@ -80,7 +80,13 @@ def filter_logits(
   k_b = jnp.where(top_k_b > 0, jnp.minimum(top_k_b, c), c)
   kth_b1 = jnp.take_along_axis(candidates_bc, (k_b - 1)[:, None], axis=-1)
   in_top_k = candidates_bc >= kth_b1
-  probs_bc = jax.nn.softmax(jnp.where(in_top_k, candidates_bc, -jnp.inf), axis=-1)
+  # The nucleus normalises over the whole top-k set of the row, not only over the candidates:
+  # ties at the k-th value may run past the `width` candidates, and each of them takes mass.
+  # A tied run is kept or dropped whole (the threshold below), decided by its first member,
+  # which lies among the candidates since k <= width.
+  top_k_logits_bv = jnp.where(logits_bv >= kth_b1, logits_bv, -jnp.inf)
+  log_norm_b1 = jax.nn.logsumexp(top_k_logits_bv, axis=-1, keepdims=True)
+  probs_bc = jnp.where(in_top_k, jnp.exp(candidates_bc - log_norm_b1), 0.0)
   mass_before = jnp.cumsum(probs_bc, axis=-1) - probs_bc
   keep_bc = in_top_k & (mass_before < top_p_b[:, None])
   # The smallest logit still kept is the threshold for the unsorted row.

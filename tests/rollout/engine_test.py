@@ -166,15 +166,21 @@ def test_sampler_logprobs_equal_float64_for_greedy_and_sampled_rows(width):
 
 
 def test_top_k_candidates_filter_like_the_whole_sorted_row():
-  """lax.top_k's candidates keep exactly what sorting the vocabulary keeps, ties included."""
-  rng = np.random.default_rng()
-  logits = jnp.asarray(rng.integers(-20, 20, size=(8, 300)) / 4, jnp.float32)  # many ties
+  """lax.top_k's candidates keep exactly what sorting the vocabulary keeps, ties included, and
+  ties at the k-th value that run past the candidates (they take nucleus mass too)."""
   top_k = jnp.array([1, 5, 17, 64, 0, 2, 33, 64], jnp.int32)
-  top_p = jnp.array([1.0, 0.5, 0.9, 0.95, 1.0, 0.3, 1.0, 1.0], jnp.float32)
-  full = filter_logits(logits, top_k, top_p, width=SORT_ALL)
-  candidates = filter_logits(logits, top_k, top_p, width=TOP_K_CANDIDATES)
-  np.testing.assert_array_equal(np.isfinite(full), np.isfinite(candidates))
-  assert np.isfinite(np.asarray(full)[4]).all()  # a row without top-k and top-p keeps all
+  top_p = jnp.array([1.0, 0.5, 0.9, 0.95, 1.0, 0.3, 1.0, 0.8], jnp.float32)
+  tied_past_candidates = 0
+  for seed in range(16):
+    rng = np.random.default_rng(seed)
+    logits = np.asarray(rng.integers(-20, 20, size=(8, 300)) / 4, np.float32)  # many ties
+    ordered = np.sort(logits[3])[::-1]
+    tied_past_candidates += int(ordered[TOP_K_CANDIDATES] == ordered[TOP_K_CANDIDATES - 1])
+    full = filter_logits(jnp.asarray(logits), top_k, top_p, width=SORT_ALL)
+    candidates = filter_logits(jnp.asarray(logits), top_k, top_p, width=TOP_K_CANDIDATES)
+    np.testing.assert_array_equal(np.isfinite(full), np.isfinite(candidates), err_msg=f"{seed=}")
+    assert np.isfinite(np.asarray(full)[4]).all()  # a row without top-k and top-p keeps all
+  assert tied_past_candidates > 0  # the case that needs the whole row's top-k mass was met
 
 
 def test_rollout_logprobs_match_learner(setup):
