@@ -11,14 +11,19 @@ Each case runs in a fresh process (peak resident memory, `ru_maxrss`, is per pro
 - `load`: loading alone, the peak resident memory it adds against the checkpoint's size on disk
   (target: at most 1.5x);
 - `grpo_step`: the step with the recipe's memory options on (fp32 master weights and Adam
-  second moment, bf16 first moment, chunked log-probs, remat, bf16 rollout weights, rollout
-  weights and KV pool freed during the update), micro-batches of 1 sequence:
+  second moment, bf16 first moment and gradient sum, chunked log-probs, remat, bf16 rollout
+  weights, rollout weights and KV pool freed during the update), micro-batches of 1 sequence:
   `peak_rss_gib` (target: at most 12) and the wall time split by stage (`time_rollout`,
   `time_train`, ...; the step compiles its shapes, so the times include compilation);
 - `learner_plan_<option>_micro<m>`: XLA's buffer plan of that step's optimizer update (compiled,
   not run: a step on this CPU takes many minutes) with each memory option off in turn, at
   micro-batches of 1 and 4 sequences: GiB of arguments (parameters, Adam state) and
   temporaries (gradients, activations, logits).
+
+On an accelerator, `python launch/bench_memory.py write DIR` then
+`python launch/bench_memory.py recipe_steps:N DIR ['{"key": value}']` run N steps of the recipe
+as shipped (bf16) from that checkpoint, with any more config overrides given as JSON, and print
+each step's time split and the device's peak memory.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ OPTIONS_OFF = {
   "logprob_chunk_off": {"train.logprob_chunk": 1 << 20},  # one chunk: whole-sequence logits
   "remat_off": {"model.remat": False},
   "mu_bf16_off": {"train.optimizer.mu_dtype": "float32"},  # Adam's first moment in fp32
+  "grad_bf16_off": {"train.optimizer.grad_accum_dtype": "float32"},  # gradient sum in fp32
 }
 
 WORKLOAD = {
@@ -119,6 +125,42 @@ def _step(path: str) -> dict:
   return {"peak_rss_gib": round(_rss_gib(), 2), "build_and_load_s": round(build_s, 1), **times}
 
 
+def _recipe_steps(path: str, steps: int, extra: dict) -> None:
+  """The recipe as shipped (bf16 compute, its lengths and batch) on the default backend, meant
+  for an accelerator: `steps` GRPO steps on the sample math data with the byte tokenizer,
+  printing each step's time split and the device's peak memory as a JSON line when it ends
+  (compilation is in step 1). `extra`: more config overrides."""
+  import jax
+
+  from jaxrl.config import load_config
+  from jaxrl.rl import job
+
+  overrides = {
+    "pretrained.path": path,
+    "tokenizer": "byte",
+    "train.steps": steps,
+    "eval.every": 0,
+    "checkpoint.every": 0,
+    "checkpoint.hf_every": 0,
+    **extra,
+  }
+  cfg = load_config(os.path.join(_REPO, "configs", "grpo_hf.py"), "qwen3-0.6b", overrides)
+  with tempfile.TemporaryDirectory() as workdir:
+    start = time.perf_counter()
+    controller = job.build_controller(cfg, workdir, show_progress=False)
+    print(json.dumps({"build_and_load_s": round(time.perf_counter() - start, 1)}), flush=True)
+    controller.publish()
+    for step in range(1, steps + 1):
+      start = time.perf_counter()
+      metrics = controller.step()
+      stats = jax.devices()[0].memory_stats() or {}
+      line = {k: round(float(v), 3) for k, v in metrics.items() if k.startswith("time_")}
+      line |= {"step": step, "wall_s": round(time.perf_counter() - start, 2)}
+      line["peak_device_gib"] = round(stats.get("peak_bytes_in_use", 0) / 2**30, 2)
+      line["response_length"] = round(metrics["response_length"], 1)
+      print(json.dumps(line), flush=True)
+
+
 def _learner_plan(path: str, case: str, micro_batch: int) -> dict:
   """XLA's buffer plan of the step's optimizer update (`Learner.update_memory`), compiled but
   not run, with the memory option `case` turned off."""
@@ -167,8 +209,11 @@ def _child(case: str, path: str) -> dict:
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main(case: str, path: str) -> None:
+def main(case: str, path: str, extra: str = "{}") -> None:
   sys.path.insert(0, _REPO)
+  if case.startswith("recipe_steps"):  # prints its own lines, one per step
+    _recipe_steps(path, int(case.split(":")[1]), json.loads(extra))
+    return
   if case == "write":
     result = _write_checkpoint(path)
   elif case == "load":
@@ -182,5 +227,6 @@ def main(case: str, path: str) -> None:
 
 
 if __name__ == "__main__":
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if not sys.argv[1].startswith("recipe_steps"):  # the recipe's steps run on the accelerator
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   main(*sys.argv[1:])

@@ -77,6 +77,13 @@ class TrainBatch:
     return self.tokens_bt.shape[0]
 
 
+def _add_gradient(sum_, grad):
+  """`sum_ + grad`, added in the wider of the two dtypes and stored in `sum_`'s (bf16 sums of
+  `grad_accum_dtype` round once per micro-batch, not the gradient before adding)."""
+  wide = jnp.promote_types(sum_.dtype, grad.dtype)
+  return (sum_.astype(wide) + grad.astype(wide)).astype(sum_.dtype)
+
+
 class Learner:
   """Owns the trained parameters, the optimizer state and the jitted update."""
 
@@ -136,6 +143,7 @@ class Learner:
     )
     self._row_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_axes))
     self.optimizer = make_optimizer(optimizer)
+    self._grad_accum_dtype = jnp.dtype(optimizer.grad_accum_dtype)
     if params is None:
       params = jax.jit(model.init, out_shardings=self.param_shardings)(seed)
     self.params = jax.device_put(params, self.param_shardings)
@@ -376,9 +384,16 @@ class Learner:
     keys = sorted({*metrics, "loss"})
 
     def zeros(params):
-      return jax.tree.map(jnp.zeros_like, params), {k: jnp.zeros((), loss.dtype) for k in keys}
+      return self._zero_gradients(params), {k: jnp.zeros((), loss.dtype) for k in keys}
 
     return jax.jit(zeros, out_shardings=(self.param_shardings, self._replicated))
+
+  def _zero_gradients(self, params):
+    """Zeros for the gradient sum: like the parameters, or in `grad_accum_dtype` when that is
+    bf16."""
+    if self._grad_accum_dtype == jnp.float32:
+      return jax.tree.map(jnp.zeros_like, params)
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, self._grad_accum_dtype), params)
 
   def _abstract_micro(self, length: int) -> MicroBatch:
     """A packed micro-batch of `length` positions as shapes (for tracing and planning)."""
@@ -528,7 +543,7 @@ class Learner:
     )
     metrics = metrics | {"loss": loss}
     return (
-      jax.tree.map(jnp.add, grad_sums, grads),
+      jax.tree.map(_add_gradient, grad_sums, grads),
       {k: metric_sums[k] + metrics[k] for k in metric_sums},
     )
 
@@ -563,13 +578,13 @@ class Learner:
       (loss, metrics), g = jax.value_and_grad(self._micro_loss, has_aux=True)(
         params, ref_params, micro, num_tokens, num_seqs, placement
       )
-      return jax.tree.map(jnp.add, grads, g), (loss, metrics)
+      return jax.tree.map(_add_gradient, grads, g), (loss, metrics)
 
     # Per-micro-batch losses and metrics are whole-batch-normalised, so their sums are the
     # mini-batch values.
     grads, (losses_m, metrics_m) = jax.lax.scan(
       accumulate,
-      jax.tree.map(jnp.zeros_like, params),
+      self._zero_gradients(params),
       (tokens_mbt, mask_mbt, old_logp_mbt, behaviour_logp_mbt, advantages_mb, routes_mbtlk,
        placement_m),
     )  # fmt: skip

@@ -11,6 +11,7 @@ import optax
 
 SCHEDULES = ("constant", "cosine", "linear")
 MU_DTYPES = ("float32", "bfloat16")
+GRAD_ACCUM_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,12 @@ class OptimizerConfig:
     mu_dtype: dtype of Adam's first moment, "float32" or "bfloat16". bf16 saves 2 bytes per
       parameter (1.1 GiB at 0.6B) at the cost of rounding the momentum to 8 bits of mantissa;
       the second moment, whose square root divides the step, stays fp32.
+    grad_accum_dtype: dtype of the gradient summed over a mini-batch's micro-batches, "float32"
+      or "bfloat16". bf16 saves 2 bytes per parameter of the learner's peak (1.1 GiB at 0.6B):
+      each micro-batch's gradient is computed in fp32 and added to the sum in fp32, and only the
+      running sum is stored rounded to 8 bits of mantissa (a relative error of about 2^-9 per
+      addition, against an update that Adam normalises anyway). The clipping norm and the
+      update see the sum in fp32.
   """
 
   learning_rate: float = 1e-5
@@ -43,6 +50,7 @@ class OptimizerConfig:
   eps: float = 1e-8
   max_grad_norm: float = 1.0
   mu_dtype: str = "float32"
+  grad_accum_dtype: str = "float32"
 
   def __post_init__(self):
     if self.learning_rate < 0:
@@ -68,6 +76,11 @@ class OptimizerConfig:
     if self.mu_dtype not in MU_DTYPES:
       raise ValueError(
         f"OptimizerConfig.mu_dtype must be one of {MU_DTYPES}, got {self.mu_dtype!r}."
+      )
+    if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+      raise ValueError(
+        f"OptimizerConfig.grad_accum_dtype must be one of {GRAD_ACCUM_DTYPES}, got "
+        f"{self.grad_accum_dtype!r}."
       )
 
 
@@ -169,6 +182,8 @@ def apply_if_finite(
   old optimizer state alive beside the new one for a `where` (a copy of every Adam moment, 4.4
   GiB at 0.6B parameters, live through the whole update); the branches update it in place.
   """
+  # Gradients summed in a narrower dtype (`grad_accum_dtype`) are updated from in fp32.
+  grads = jax.tree.map(lambda g, p: g.astype(jnp.promote_types(g.dtype, p.dtype)), grads, params)
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 

@@ -13,14 +13,16 @@ from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch
 MODEL = Model(get_preset("tiny"))
 
 
-def make_learner(micro, kl_weight=0.0, updates=1, params=None, eps=1e-8, loss=None, pack=0):
+def make_learner(
+  micro, kl_weight=0.0, updates=1, params=None, eps=1e-8, loss=None, pack=0, grad_dtype="float32"
+):
   mesh = make_mesh(jax.devices()[4:], {"fsdp": 2, "tensor": 2})
   return Learner(
     MODEL,
     mesh,
     TRAIN_RULES,
     loss=loss or LossConfig(kl_weight=kl_weight),
-    optimizer=OptimizerConfig(learning_rate=1e-3, eps=eps),
+    optimizer=OptimizerConfig(learning_rate=1e-3, eps=eps, grad_accum_dtype=grad_dtype),
     updates_per_step=updates,
     micro_batch_size=micro,
     temperature=1.0,
@@ -66,6 +68,35 @@ def test_micro_batching_does_not_change_the_update():
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(params), strict=True)
   ]
   assert all(changed)
+
+
+@pytest.mark.parametrize("pack", [0, 24], ids=["padded", "packed"])
+def test_gradients_summed_in_bf16_update_like_fp32(pack):
+  """`grad_accum_dtype="bfloat16"`: the sum over 4 micro-batches is stored in bf16, and the
+  update it gives is the fp32 sum's to bf16's rounding (8 bits of mantissa per addition)."""
+  rng = np.random.default_rng(7)
+  batch = random_batch(rng)
+  params = MODEL.init(3)
+  wide = make_learner(4, params=params, eps=1.0, pack=pack)
+  narrow = make_learner(4, params=params, eps=1.0, pack=pack, grad_dtype="bfloat16")
+  sums = jax.eval_shape(narrow._zero_gradients, params)
+  assert {x.dtype for x in jax.tree.leaves(sums)} == {np.dtype(jax.numpy.bfloat16)}
+  mw, mn = jax.device_get(wide.update(batch)), jax.device_get(narrow.update(batch))
+  assert mn["skipped"] == 0 and mw["loss"] == mn["loss"]  # the forward is untouched
+  assert float(mn["grad_norm"]) == pytest.approx(float(mw["grad_norm"]), rel=2**-6)
+  for w, n, p in zip(
+    *(jax.tree.leaves(x) for x in (wide.params, narrow.params, params)), strict=True
+  ):
+    step_w, step_n = np.asarray(w) - np.asarray(p), np.asarray(n) - np.asarray(p)
+    assert np.dtype(n.dtype) == np.float32  # the master weights stay fp32
+    # eps=1 makes the step ~ lr * gradient: bf16's relative rounding, on the step's own scale.
+    np.testing.assert_allclose(step_n, step_w, rtol=0, atol=2**-6 * np.abs(step_w).max() + 1e-12)
+  # ... and the rounding did happen: the option reaches the path that sums the gradients.
+  differs = [
+    np.any(np.asarray(w) != np.asarray(n))
+    for w, n in zip(*(jax.tree.leaves(x) for x in (wide.params, narrow.params)), strict=True)
+  ]
+  assert any(differs)
 
 
 @pytest.mark.parametrize("pack", [0, 24], ids=["padded", "packed"])

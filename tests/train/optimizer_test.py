@@ -138,6 +138,7 @@ def test_small_gradients_are_not_clipped():
     ({"b2": -0.5}, "b2"),
     ({"eps": 0.0}, "eps"),
     ({"mu_dtype": "float16"}, "mu_dtype"),
+    ({"grad_accum_dtype": "int8"}, "grad_accum_dtype"),
   ],
 )
 def test_optimizer_config_validation(kwargs, field):
