@@ -9,7 +9,7 @@ Invariant: a running request has keys/values cached for all its tokens but the l
 decode step feeds that last token, caches it, and samples the following one. Prefill therefore
 only fills the cache (in chunks); it never samples.
 
-One device call runs a window of up to `decode_steps` decode steps (a scan on the device). Each
+One device call runs a window of `decode_steps` decode steps (a scan on the device). Each
 row's decode state (next token, position, budget, token index, live flag) and sampling
 parameters stay on the device (`decode_loop`): a window starts from the state the last one left,
 so the host dispatches window N+1 before it reads window N back, and builds the next page table
@@ -183,30 +183,34 @@ class PagedEngine:
     self,
     stop_widths: Sequence[int] = (1,),
     filter_widths: Sequence[int] = (NO_FILTER, TOP_K_CANDIDATES, SORT_ALL),
+    max_tokens: int | None = None,
   ) -> int:
     """Compiles every decode window and prefill call this engine can make, by running each
     shape once on padding rows (position -1: they read and write no cache), so that none
     compiles mid-run. `stop_widths`: the stop-id list widths to cover (1: the end token only);
-    `filter_widths`: the sampler variants to cover (`sampling.filter_width`).
+    `filter_widths`: the sampler variants to cover (`sampling.filter_width`); `max_tokens`:
+    the longest sequence (prompt and response) the run will give it, which bounds the page
+    tables and prefill chunks to cover (default: the model's `max_seq_len`, where a model of
+    40k positions would cover page tables a 1k-token run never builds).
     Needs weights. Returns the number of shapes run."""
     if self.params is None:
       raise ValueError("PagedEngine.precompile needs weights first: call update_weights.")
     cfg, mc = self.cfg, self.model.config
+    max_tokens = min(max_tokens or mc.max_seq_len, mc.max_seq_len)
     row_counts = sorted({self._rows(n) for n in range(1, cfg.max_running + 1)})
-    max_pages = pages_for(mc.max_seq_len, cfg.page_size)
+    max_pages = pages_for(max_tokens, cfg.page_size)
     widths = sorted({bucket(p, 1) for p in range(1, max_pages + 1)})
-    windows = sorted({min(cfg.decode_steps, bucket(w, 1)) for w in range(1, cfg.decode_steps + 1)})
-    chunks = sorted({bucket(c) for c in range(1, cfg.prefill_chunk + 1)})
+    # Prefill caches every token but the last: chunks of up to `max_tokens - 1`.
+    longest_chunk = max(1, min(cfg.prefill_chunk, max_tokens - 1))
+    chunks = sorted({bucket(c) for c in range(1, longest_chunk + 1)})
     shapes = 0
     for rows, width in itertools.product(row_counts, widths):
       table = np.zeros((rows, width), np.int32)
-      for window, stops, filters in itertools.product(windows, stop_widths, filter_widths):
+      for stops, filters in itertools.product(stop_widths, filter_widths):
         state, sampling = jax.device_put(
           dead_rows(rows, stops, self.pad_id), self._calls.row_state_shardings
         )
-        *_, self._kv = self._calls.decoder(window, filters)(
-          self.params, self._kv, state, sampling, table
-        )
+        *_, self._kv = self._calls.decoder(filters)(self.params, self._kv, state, sampling, table)
         shapes += 1
       for chunk in chunks:
         tokens = np.full((rows, chunk), self.pad_id, np.int32)
@@ -391,10 +395,13 @@ class PagedEngine:
     )
 
   def _window(self) -> int:
-    """Steps of the next device call: enough for the longest budget left after the window in
-    flight, bucketed, capped; 0 when every running request ends in that window."""
+    """Steps of the next device call: `decode_steps`, or 0 when every running request ends in
+    the window in flight. One window size, so one decode program per (rows, page-table width,
+    sampler filter): windows cut to the longest budget left would compile 4 sizes of each for
+    `decode_steps=8`, to save at most 7 idle steps at the end of a run (rows past their budget
+    write nothing)."""
     longest = max(self._budget(s.record) - s.pending for s in self.running.values())
-    return min(self.cfg.decode_steps, bucket(longest, 1)) if longest > 0 else 0
+    return self.cfg.decode_steps if longest > 0 else 0
 
   def _grow_pages(self, window: int) -> None:
     """Gives every running request pages for the tokens the window in flight and the next one
@@ -496,7 +503,7 @@ class PagedEngine:
     batch = self._batch
     table = self._page_table(batch.rows, len(batch.rows))
     width = filter_width(s.record.sampling for s in self.running.values())
-    output, batch.state, self._kv = self._calls.decoder(window, width)(
+    output, batch.state, self._kv = self._calls.decoder(width)(
       self.params, self._kv, batch.state, batch.sampling, table
     )
     for state in self.running.values():

@@ -43,8 +43,9 @@ class PagedCalls:
     steps_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, row.spec[0]))
     window = WindowOutput(steps_rows, steps_rows, steps_rows if mc.is_moe else None, row)
     self._decode_shardings = (param_shardings, kv, state, sampling, matrix), (window, state, kv)
-    # One jitted decode per (window size, sampler filter width).
-    self.decoders: dict[tuple[int, int], jax.stages.Wrapped] = {}
+    self._steps = config.decode_steps
+    # One jitted decode window per sampler filter width (each compiled per rows and table width).
+    self.decoders: dict[int, jax.stages.Wrapped] = {}
     self.prefill = jax.jit(
       self._prefill_impl,
       donate_argnums=(1,),
@@ -60,19 +61,18 @@ class PagedCalls:
     """Every jitted call made so far (for counting compiled shapes)."""
     return [*self.decoders.values(), self.prefill, self.copy_pages]
 
-  def decoder(self, steps: int, width: int):
-    """The jitted window of `steps` decode steps with the sampler's filter `width`:
+  def decoder(self, width: int):
+    """The jitted window of `decode_steps` decode steps with the sampler's filter `width`:
     (params, kv, DecodeState, RowSampling, page table) -> (WindowOutput, state, kv)."""
-    key = (steps, width)
-    if key not in self.decoders:
+    if width not in self.decoders:
       in_shardings, out_shardings = self._decode_shardings
-      self.decoders[key] = jax.jit(
-        functools.partial(self._decode_impl, steps=steps, width=width),
+      self.decoders[width] = jax.jit(
+        functools.partial(self._decode_impl, steps=self._steps, width=width),
         donate_argnums=(1,),
         in_shardings=in_shardings,
         out_shardings=out_shardings,
       )
-    return self.decoders[key]
+    return self.decoders[width]
 
   def _layers(self, kv, table):
     return tuple(PagedLayerCache(k, v, table) for k, v in kv)
