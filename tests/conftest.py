@@ -1,11 +1,32 @@
-"""Test set-up: 8 simulated CPU devices before any JAX backend starts."""
+"""Test set-up: 8 simulated CPU devices before any JAX backend starts, and one compilation cache
+for the whole test session."""
 
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Shared test helpers (tiny Hugging Face checkpoints and tokenizers): `from helpers import ...`.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# One XLA compilation cache per test session, in a fresh directory: the RL tests build the same
+# tiny learner and engines over and over (a new jit object per controller, and every module's
+# executables are freed when it ends), so each of those programs compiles once per session
+# instead of once per controller. The pytest process that creates the directory (xdist's
+# controller, or the only process with `-n 0`) sets it in the environment before any worker or
+# subprocess starts, so they all share it; it deletes it at the end. A directory given in
+# JAX_COMPILATION_CACHE_DIR is used as it is and kept. A cold cache is what a test run starts
+# with: nothing carries over from one run to the next.
+_OWN_CACHE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  _OWN_CACHE = tempfile.mkdtemp(prefix="jaxrl-tests-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+  # Programs that compile in under 0.2 s are cheaper to compile again than to store.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  # A size bound turns on the cache's file lock, so that no process reads an entry another
+  # process is still writing (pytest-xdist workers share the directory). Nothing is evicted.
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 << 30))
 
 import jax  # noqa: E402
 
@@ -14,6 +35,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE is not None:
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

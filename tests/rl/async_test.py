@@ -25,6 +25,13 @@ from .job_test import tiny_config  # noqa: TID252
 
 
 def async_config(**overrides):
+  """The tiny job in async mode, cut to what these tests need: no warm-up or eval, 4 steps.
+
+  Pages of 32 tokens hold a whole sequence (a prompt of about 12 tokens and up to 16 sampled),
+  so every decode window has a one-page table: each worker compiles one decode program per row
+  count instead of one per (row count, table width). The page layout itself is the paged
+  engine's tests' business; here the workers only have to produce tokens.
+  """
   base = {
     "warmup.steps": 0,
     "eval.every": 0,
@@ -33,6 +40,7 @@ def async_config(**overrides):
     "rollout.sampling.max_new_tokens": 16,
     "rollout.paged.decode_steps": 2,
     "rollout.paged.max_running": 8,
+    "rollout.paged.page_size": 32,
     "train.steps": 4,
   }
   return tiny_config("test", **(base | overrides))
@@ -114,7 +122,13 @@ def test_async_loop_trains_each_group_once_within_the_bound(tmp_path, eta, parti
 
 
 def test_workers_killed_preempted_and_added_at_random_lose_nothing(tmp_path):
-  """Faults at random points of a run: kills without notice, preemption notices, new workers."""
+  """Faults at random points of a run: kills without notice, preemption notices, new workers.
+
+  Four workers of one device each, so each compiles the engine for its own device: the runs
+  are kept to few shapes (at most 4 running requests, rows of 1, 2 or 4) and 8-token responses
+  (4 windows of 2 steps: a fault still finds requests part-way, and re-dispatched ones keep
+  their prefixes, which the ledger checks); runs inject a dozen faults or more.
+  """
   seed = int(np.random.default_rng().integers(1 << 31))
   rng = np.random.default_rng(seed)
   cfg = async_config(
@@ -123,6 +137,8 @@ def test_workers_killed_preempted_and_added_at_random_lose_nothing(tmp_path):
       "loop.rollout_workers": 4,
       "train.steps": 5,
       "placement.mode": "disaggregated",  # 4 + 4 devices, one per worker
+      "rollout.paged.max_running": 4,
+      "rollout.sampling.max_new_tokens": 8,
     }
   )
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)

@@ -26,8 +26,12 @@ def tiny_config(arg="test", **overrides):
 # "fixed" (disaggregated with a hand-set split) runs the path the "moe" variant runs.
 @pytest.mark.parametrize("arg", ["test", "colocated", "moe"])
 def test_three_step_run_completes(tmp_path, arg):
+  """A variant as a job: warm-up, eval at the start and the end, 3 RL steps; its metrics,
+  plots and stage timeline. A demo variant is cut to the test variant's size, with an eval
+  batch as large as a rollout batch (16 sequences), so that eval decodes with the programs
+  rollout compiled instead of compiling its own."""
   overrides = {}
-  if arg != "test":  # a demo variant, cut to the test's size
+  if arg != "test":
     overrides = {
       "warmup.steps": 2,
       "rollout.prompts_per_step": 4,
@@ -35,7 +39,7 @@ def test_three_step_run_completes(tmp_path, arg):
       "train.steps": 3,
       "train.micro_batch_size": 8,
       "eval.every": 3,
-      "eval.num_prompts": 8,
+      "eval.num_prompts": 16,
       "checkpoint.every": 0,
     }
   cfg = tiny_config(arg, **overrides)
