@@ -8,8 +8,10 @@ with the loop's own batch builder and advantages. A JAX monitoring listener coun
 backend compilation and which stage it happened in.
 
 Reported: compilations after the first step (target 0) per stage, the learner's compiled
-training shapes, median seconds per stage, and the same run with packing off (the padded
-learner compiles whenever a batch's length passes a new bucket).
+training shapes, median seconds per stage; `packed` runs as the job does by default (packed
+learner, engine shapes sized for the longest sequence: `PagedConfig.max_tokens`), `padded` as it
+did before (the padded learner compiles whenever a batch's length passes a new bucket, the
+engine whenever a page table or prefill chunk does).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ class _CompileCounter:
     return dict(self.counts)
 
 
-def _run(preset, steps, prompts, group, median, cap, prompt_len, pack_length, counter, seed):
+def _run(
+  preset, steps, prompts, group, median, cap, prompt_len, pack_length, max_tokens, counter, seed
+):
   cfg = get_preset(preset)
   model = Model(cfg)
   params = model.init(seed)
@@ -67,7 +71,7 @@ def _run(preset, steps, prompts, group, median, cap, prompt_len, pack_length, co
     model, rollout_mesh, ROLLOUT_RULES, eos_id=2, pad_id=0,
     config=PagedConfig(
       page_size=page_size, num_pages=rows * -(-(prompt_len + cap) // page_size),
-      max_running=rows,
+      max_running=rows, max_tokens=max_tokens,
     ),
   )  # fmt: skip
   learner = Learner(
@@ -122,15 +126,15 @@ def bench_grpo_step(
   prompt_len: int = 32,
   seed: int = 0,
 ) -> dict:
-  """`steps` GRPO steps of `prompts x group` long-tailed responses per preset, packed (the
-  default) and padded; one device for each stage."""
+  """`steps` GRPO steps of `prompts x group` long-tailed responses per preset, as the job
+  runs them by default (packed learner, engine shapes sized for the longest sequence) and as
+  it ran them before (padded learner, engine shapes bucketed); one device for each stage."""
   counter = _CompileCounter()
   out = {}
+  longest = prompt_len + cap  # what the job resolves -1 (auto) to, for both settings
   for preset in presets:
-    for name, pack_length in (("packed", -1), ("padded", 0)):
-      # -1: rows as long as the longest sequence the run can meet, as the job resolves it.
-      pack = prompt_len + cap if pack_length < 0 else 0
+    for name, pack, max_tokens in (("packed", longest, longest), ("padded", 0, 0)):
       out[f"{preset}/{name}"] = _run(
-        preset, steps, prompts, group, median, cap, prompt_len, pack, counter, seed
+        preset, steps, prompts, group, median, cap, prompt_len, pack, max_tokens, counter, seed
       )
   return out

@@ -32,7 +32,7 @@ from jaxrl.rl.controller import Controller, _step_seed, batch_metrics
 from jaxrl.rl.dispatch import LengthPredictor, WorkerRates
 from jaxrl.rl.experience import build_batch
 from jaxrl.rl.timeline import LEARNER_LANE
-from jaxrl.rl.workers import Assignment, LocalWorker, WorkerEvent, copy_record
+from jaxrl.rl.workers import Assignment, RolloutWorker, WorkerEvent, copy_record
 from jaxrl.rollout.requests import RequestRecord, record_completion
 from jaxrl.scheduler.staleness import admission_cap, choose_batch
 from jaxrl.train.advantages import group_advantages
@@ -129,7 +129,7 @@ class AsyncController(Controller):
     super().__init__(**kwargs)
     self.a = async_settings
     self.events: queue.Queue[WorkerEvent] = queue.Queue()
-    self.workers: dict[str, LocalWorker] = {}
+    self.workers: dict[str, RolloutWorker] = {}
     self.leaving: set[str] = set()  # given notice, not gone yet: nothing new is sent to them
     self.groups: dict[int, Group] = {}
     self.ready: list[int] = []  # finished, untrained groups in the order they finished
@@ -139,7 +139,7 @@ class AsyncController(Controller):
     self.hooks: list[Callable[[AsyncController], None]] = []
     self.on_train: list[Callable[[int, list[Group]], None]] = []
     self.counters = collections.Counter()
-    self.rollout_busy_s = 0.0  # decode time of the workers that have left (local backend)
+    self.rollout_busy_s = 0.0  # decode time of the workers that have left
     self.lengths = LengthPredictor(default=self.s.sampling.max_new_tokens / 2)
     self.rates = WorkerRates(min_work=8, measured=async_settings.measured_rates)
     self.split: dict[str, float] = {}  # worker -> share of the rollout work (`_replan_split`)
@@ -148,21 +148,18 @@ class AsyncController(Controller):
     self._eval_version = -1
     # Set by the builder (`job.build_controller`): the workers `run` starts with, a factory of
     # such a set for later calls of `run` (each call stops its workers on return), and a
-    # factory (name, devices) -> LocalWorker for workers added during a run.
-    self.initial_workers: list[LocalWorker] = []
-    self.fresh_workers: Callable[[], list[LocalWorker]] | None = None
-    self.make_worker: Callable[..., LocalWorker] | None = None
+    # factory (name, devices) -> RolloutWorker for workers added during a run.
+    self.initial_workers: list[RolloutWorker] = []
+    self.fresh_workers: Callable[[], list[RolloutWorker]] | None = None
+    self.make_worker: Callable[..., RolloutWorker] | None = None
 
   # -- workers -----------------------------------------------------------------------------------
 
-  def add_worker(self, worker: LocalWorker) -> None:
+  def add_worker(self, worker: RolloutWorker) -> None:
     """Registers and starts a worker; it provisions itself by pulling the newest weights."""
     if worker.name in self.workers:
       raise ValueError(f"A worker named {worker.name!r} is already running.")
-    worker.events = self.events
-    worker.timeline = self.timeline  # a Ray worker forwards what its actor records
-    if isinstance(worker, LocalWorker):
-      self.timeline.bind_thread(worker.thread_name, worker.lane)
+    worker.attach(self.events, self.timeline)
     self.workers[worker.name] = worker
     worker.set_min_version(self.state.version - self.a.max_staleness)
     worker.start()
@@ -189,7 +186,7 @@ class AsyncController(Controller):
     worker = self.workers.pop(name, None)
     if worker is None:
       return
-    self.rollout_busy_s += getattr(worker, "busy_s", 0.0)
+    self.rollout_busy_s += worker.busy_s
     self.rates.remove(name)
     self._worker_clock.pop(name, None)
     self._replan_split()

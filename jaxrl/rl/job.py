@@ -28,40 +28,23 @@ from jaxrl.rl.placement import Placement, place_stages
 from jaxrl.rl.policy import (
   PolicyExporter,
   initial_params,
+  make_rollout_engine,
   make_tokenizer,
   model_config,
   rollout_model_config,
+  rollout_worker_mesh,
   template_kwargs,
 )
 from jaxrl.rl.timeline import plot_stage_timeline
 from jaxrl.rl.weights import WeightStore
 from jaxrl.rl.workers import LocalWorker
-from jaxrl.rollout.engine import StaticEngine
-from jaxrl.rollout.paged import PagedEngine
 from jaxrl.scheduler.local import worker_tokens_per_s
-from jaxrl.sharding import STAGE_RULES, make_mesh, split_devices
+from jaxrl.sharding import STAGE_RULES, split_devices
 from jaxrl.train.learner import Learner
 from jaxrl.train.packing import auto_pack_length
 from jaxrl.train.sft import SupervisedTrainer
 
 log = logging.getLogger(__name__)
-
-
-# Rollout engines by name: (model, mesh, rules, tokenizer, RolloutConfig) -> engine.
-ENGINES = {
-  "static": lambda model, mesh, rules, tok, rollout: StaticEngine(
-    model, mesh, rules, eos_id=tok.eos_id, pad_id=tok.pad_id
-  ),
-  "paged": lambda model, mesh, rules, tok, rollout: PagedEngine(
-    model, mesh, rules, eos_id=tok.eos_id, pad_id=tok.pad_id, config=rollout.paged
-  ),
-}
-
-
-def _choose(registry: dict, name: str, key: str):
-  if name not in registry:
-    raise ConfigError(f"{key}={name!r}: use one of {sorted(registry)}.")
-  return registry[name]
 
 
 def build_controller(
@@ -82,8 +65,13 @@ def build_controller(
   # Prompt lengths from a large sample of the task's prompts (a longer one, should it come,
   # gets a training shape of its own then).
   sample = None
-  if cfg.train.precompile or cfg.train.pack_length < 0:
+  if cfg.train.precompile or cfg.train.pack_length < 0 or cfg.rollout.paged.max_tokens < 0:
     sample = [len(encode_prompt(tokenizer, r, chat)) for r in train_records[:1024]]
+  if cfg.rollout.paged.max_tokens < 0:
+    # The rollout engine's shapes sized for the longest sequence expected: one per row count.
+    longest = min(max(sample) + cfg.rollout.sampling.max_new_tokens, model.config.max_seq_len)
+    paged = dataclasses.replace(cfg.rollout.paged, max_tokens=longest)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, paged=paged))
   if cfg.train.pack_length < 0:
     pack_length = auto_pack_length(
       model.config.max_seq_len, cfg.rollout.sampling.max_new_tokens, max(sample)
@@ -94,7 +82,6 @@ def build_controller(
   prompt_len = max(len(encode_prompt(tokenizer, r, chat)) for r in prompts)
   if placement is None:
     placement = place_stages(cfg, prompt_len)
-  make_engine = _choose(ENGINES, cfg.rollout.engine, "config.rollout.engine")
   mode = resolve_loop_mode(cfg, placement)
   if cfg.loop.mode == "auto":
     log.info("config.loop.mode='auto': the %s loop.", mode)
@@ -114,12 +101,8 @@ def build_controller(
   eval_only = dataclasses.replace(
     cfg.rollout, paged=dataclasses.replace(cfg.rollout.paged, precompile=False)
   )
-  engine = make_engine(
-    rollout_model,
-    engine_mesh,
-    STAGE_RULES["rollout"],
-    tokenizer,
-    eval_only if asynchronous else cfg.rollout,
+  engine = make_rollout_engine(
+    cfg, rollout_model, engine_mesh, tokenizer, eval_only if asynchronous else cfg.rollout
   )
   ray_backend = asynchronous and cfg.loop.backend == "ray"
   if ray_backend:
@@ -193,14 +176,17 @@ def build_controller(
       "devices; choose a divisor."
     )
   size = len(rollout_devices) // n
+  # Every worker's mesh keeps the rollout mesh's axes but data (`rollout_worker_mesh`).
+  rollout_axes = dict(placement.rollout_mesh.shape)
   if ray_backend:
     made = itertools.count()
 
     def make_ray_worker(name: str, devices=None):
       cores = [worker_cores[next(made) % len(worker_cores)]] if worker_cores else None
       return ray_backend.RayWorker(
-        name, cfg, controller.weights, controller.events, num_devices=size, cores=cores
-      )
+        name, cfg, controller.weights, controller.events, num_devices=size,
+        mesh_axes=rollout_axes, cores=cores,
+      )  # fmt: skip
 
     controller.make_worker = make_ray_worker
     controller.fresh_workers = lambda: [
@@ -208,14 +194,10 @@ def build_controller(
     ]
     controller.initial_workers = controller.fresh_workers()
     return controller
-  rollout_axes = {k: v for k, v in placement.rollout_mesh.shape.items() if k != "data"}
 
   def make_worker(name: str, devices) -> LocalWorker:
-    try:
-      mesh = make_mesh(devices, {**rollout_axes, "data": -1})
-    except ValueError as e:
-      raise ConfigError(f"config.loop.rollout_workers: worker {name}: {e}") from None
-    worker_engine = make_engine(rollout_model, mesh, STAGE_RULES["rollout"], tokenizer, cfg.rollout)
+    mesh = rollout_worker_mesh(devices, rollout_axes)
+    worker_engine = make_rollout_engine(cfg, rollout_model, mesh, tokenizer)
     return LocalWorker(
       name, worker_engine, controller.weights, controller.events,
       partial_rollouts=loop.partial_rollouts,

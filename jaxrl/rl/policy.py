@@ -1,11 +1,13 @@
-"""The policy a job trains: its tokenizer, model config, first weights and Hugging Face export.
+"""The policy a job trains: its tokenizer, model config, first weights, rollout engines and
+Hugging Face export.
 
 A job starts either from `config.model` (a preset, randomly initialised, with the project's
 char/byte tokenizers) or from a Hugging Face checkpoint (`config.pretrained.path`): then the
 shapes come from its config.json, the tokenizer and chat template from its files, the first
 weights from its safetensors (each parameter read straight into the training mesh's sharding),
 and the trained policy goes back out in the same layout. Every stage (the learner, local and
-Ray rollout workers) builds its model and tokenizer here, so they cannot disagree.
+Ray rollout workers) builds its model, tokenizer and rollout engine here, so they cannot
+disagree.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from jaxrl.model import Model, ModelConfig, Params
 from jaxrl.model.hf import load_pretrained, save_pretrained
 from jaxrl.model.hf_config import config_from_hf
 from jaxrl.model.safetensors_io import CheckpointError
-from jaxrl.sharding import STAGE_RULES
+from jaxrl.rollout import PagedEngine, StaticEngine
+from jaxrl.sharding import STAGE_RULES, make_mesh
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,44 @@ def rollout_model_config(cfg: ExperimentConfig, model: ModelConfig) -> ModelConf
   """The rollout engines' model: the learner's in `config.rollout.param_dtype`, if set."""
   dtype = cfg.rollout.param_dtype  # checked when the config is converted
   return dataclasses.replace(model, param_dtype=dtype) if dtype else model
+
+
+# Rollout engines by `config.rollout.engine`: (model, mesh, tokenizer, RolloutConfig) -> engine.
+ROLLOUT_ENGINES = {
+  "static": lambda model, mesh, tok, rollout: StaticEngine(
+    model, mesh, STAGE_RULES["rollout"], eos_id=tok.eos_id, pad_id=tok.pad_id
+  ),
+  "paged": lambda model, mesh, tok, rollout: PagedEngine(
+    model, mesh, STAGE_RULES["rollout"], eos_id=tok.eos_id, pad_id=tok.pad_id, config=rollout.paged
+  ),
+}
+
+
+def rollout_worker_mesh(devices, rollout_axes: dict[str, int]) -> jax.sharding.Mesh:
+  """A rollout worker's mesh over its `devices`: the rollout mesh's axes (`rollout_axes`, e.g.
+  tensor or expert parallelism) but for `data`, which takes the rest. Local and Ray workers
+  both build theirs here: a worker that dropped the other axes would, for a MoE model, lose
+  its expert parallelism without a word."""
+  shape = {k: v for k, v in rollout_axes.items() if k != "data"}
+  try:
+    return make_mesh(devices, {**shape, "data": -1})
+  except ValueError as e:
+    raise ConfigError(
+      f"config.loop.rollout_workers: a worker of {len(devices)} devices: {e}"
+    ) from None
+
+
+def make_rollout_engine(
+  cfg: ExperimentConfig, model: Model, mesh: jax.sharding.Mesh, tokenizer: Tokenizer, rollout=None
+):
+  """The rollout engine `config.rollout.engine` names, over `mesh` (`rollout`: the
+  `RolloutConfig` to use, default `cfg.rollout`)."""
+  rollout = rollout or cfg.rollout
+  if rollout.engine not in ROLLOUT_ENGINES:
+    raise ConfigError(
+      f"config.rollout.engine={rollout.engine!r}: use one of {sorted(ROLLOUT_ENGINES)}."
+    )
+  return ROLLOUT_ENGINES[rollout.engine](model, mesh, tokenizer, rollout)
 
 
 def initial_params(cfg: ExperimentConfig, model: Model, mesh: jax.sharding.Mesh) -> Params | None:

@@ -88,24 +88,23 @@ class RolloutActor:
   """A rollout worker process: a paged engine on this process's devices, run by `LocalWorker`."""
 
   def __init__(
-    self, name: str, cfg: ExperimentConfig, store_actor, num_devices: int, cores: list | None
+    self,
+    name: str,
+    cfg: ExperimentConfig,
+    store_actor,
+    num_devices: int,
+    mesh_axes: dict[str, int],
+    cores: list | None,
   ):
     _pin(cores)
     from jaxrl.model import Model
-    from jaxrl.rl.policy import make_tokenizer, model_config, rollout_model_config
-    from jaxrl.rollout.paged import PagedEngine
-    from jaxrl.sharding import STAGE_RULES, make_mesh
+    from jaxrl.rl import policy
 
-    tokenizer = make_tokenizer(cfg)
+    tokenizer = policy.make_tokenizer(cfg)
     devices = _local_devices(num_devices, f"Rollout worker {name}")
-    engine = PagedEngine(
-      Model(rollout_model_config(cfg, model_config(cfg, tokenizer))),
-      make_mesh(devices, {"data": -1}),
-      STAGE_RULES["rollout"],
-      eos_id=tokenizer.eos_id,
-      pad_id=tokenizer.pad_id,
-      config=cfg.rollout.paged,
-    )
+    model = Model(policy.rollout_model_config(cfg, policy.model_config(cfg, tokenizer)))
+    mesh = policy.rollout_worker_mesh(devices, mesh_axes)
+    engine = policy.make_rollout_engine(cfg, model, mesh, tokenizer)
     self.events: queue.Queue = queue.Queue()
     self.worker = LocalWorker(
       name,
@@ -121,6 +120,9 @@ class RolloutActor:
 
   def submit(self, assignments: list[Assignment]) -> None:
     self.worker.submit(assignments)
+
+  def mesh_shape(self) -> dict[str, int]:
+    return dict(self.worker.engine.mesh.shape)
 
   def set_min_version(self, version: int) -> None:
     self.worker.set_min_version(version)
@@ -344,13 +346,16 @@ class RayWorker:
     events: queue.Queue | None = None,
     *,
     num_devices: int = 1,
+    mesh_axes: dict[str, int] | None = None,
     cores: list[int] | None = None,
     actor_options: dict[str, Any] | None = None,
     poll_s: float = 0.05,
   ):
-    """`actor_options` go to `RolloutActor.options` (e.g. `resources`, `label_selector` or
-    `accelerator_type` to place the worker on a node with the right accelerators); `cores`
-    pins the actor's process to these CPU cores."""
+    """`mesh_axes`: the rollout mesh's axes, which the worker's mesh keeps but for data
+    (`policy.rollout_worker_mesh`; default: data alone). `actor_options` go to
+    `RolloutActor.options` (e.g. `resources`, `label_selector` or `accelerator_type` to place
+    the worker on a node with the right accelerators); `cores` pins the actor's process to
+    these CPU cores."""
     self.name = name
     self.events = events
     self.timeline: StageTimeline | None = None  # set by the controller that runs the worker
@@ -359,12 +364,22 @@ class RayWorker:
     self.predicted_tokens_per_s = None  # its devices are the remote node's: unknown here
     self.poll_s = poll_s
     options = {"max_concurrency": 4, "num_cpus": 0} | (actor_options or {})
-    self._actor = RolloutActor.options(**options).remote(name, cfg, store.actor, num_devices, cores)
+    self._actor = RolloutActor.options(**options).remote(
+      name, cfg, store.actor, num_devices, mesh_axes or {}, cores
+    )
     self._pump = threading.Thread(target=self._forward, name=f"ray-{name}", daemon=True)
     self._killed = False
 
+  def attach(self, events: queue.Queue, timeline: StageTimeline) -> None:
+    """Where the events and spans its actor sends go (the actor binds its own thread)."""
+    self.events, self.timeline = events, timeline
+
   def start(self) -> None:
     self._pump.start()
+
+  def mesh_shape(self) -> dict[str, int]:
+    """The axes of its engine's mesh, as the actor built it."""
+    return ray.get(self._actor.mesh_shape.remote(), timeout=120)
 
   def _forward(self) -> None:
     """Moves the actor's events into the controller's queue until the actor is gone."""

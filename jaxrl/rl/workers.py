@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Protocol
 
 from jaxrl.rl.timeline import StageTimeline
 from jaxrl.rl.weights import StoreUnreachable, WeightStore
@@ -31,6 +32,36 @@ from jaxrl.rollout.paged import PagedEngine
 from jaxrl.rollout.requests import RequestRecord
 
 log = logging.getLogger(__name__)
+
+
+class RolloutWorker(Protocol):
+  """What the asynchronous controller needs of a rollout worker, whatever runs it (a thread
+  here, `LocalWorker`; a Ray actor, `ray_backend.RayWorker`). Control calls return at once."""
+
+  name: str
+  busy_s: float  # seconds of its decode windows so far
+  predicted_tokens_per_s: float | None  # the scheduler's guess of its rate; None: unknown
+
+  @property
+  def capacity(self) -> int: ...
+
+  @property
+  def alive(self) -> bool: ...
+
+  def attach(self, events: queue.Queue, timeline: StageTimeline) -> None:
+    """Where its events and timeline spans go; called before `start`."""
+
+  def start(self) -> None: ...
+
+  def submit(self, assignments: list[Assignment]) -> None: ...
+
+  def set_min_version(self, version: int) -> None: ...
+
+  def preempt(self) -> None: ...
+
+  def kill(self) -> None: ...
+
+  def join(self, timeout: float | None = None) -> None: ...
 
 
 @dataclasses.dataclass
@@ -113,6 +144,12 @@ class LocalWorker:
     self._thread = threading.Thread(target=self._run, name=f"rollout-{name}", daemon=True)
 
   # -- control (any thread) ----------------------------------------------------------------------
+
+  def attach(self, events: queue.Queue, timeline: StageTimeline) -> None:
+    """Its events go to `events`; its decode windows and its thread's compilations to
+    `timeline`."""
+    self.events, self.timeline = events, timeline
+    timeline.bind_thread(self.thread_name, self.lane)
 
   def start(self) -> None:
     self._thread.start()

@@ -79,6 +79,15 @@ class PagedConfig:
     share_prefix: requests admitted together with the same tokens so far (GRPO's G responses
       to one prompt) are prefilled once and share its full KV pages (reference-counted); each
       gets its own copy of the last, partly filled page, which its decode writes into.
+    max_tokens: the longest sequence (prompt and response) the run expects; > 0 sizes every
+      page table for it and every prefill chunk at `min(prefill_chunk, max_tokens)` (bucketed),
+      so the engine meets one program per row count (and sampler filter) instead of one per
+      (rows, table width, chunk width): a run meets no new shape once it has seen each row
+      count, and `precompile` covers that set alone. A longer sequence still runs, in wider
+      shapes compiled when it comes. The attention of a step reads the whole table's width
+      where no kernel stops at each row's length (the CPU reference path). 0: tables and chunks
+      bucketed to what each call needs. -1 (auto): the RL job sets it from its prompts and
+      `max_new_tokens`; an engine built directly treats it as 0.
   """
 
   page_size: int = 16
@@ -88,11 +97,17 @@ class PagedConfig:
   decode_steps: int = 8
   precompile: bool = False
   share_prefix: bool = True
+  max_tokens: int = -1
 
   def __post_init__(self):
     for name in ("page_size", "num_pages", "max_running", "prefill_chunk", "decode_steps"):
       if getattr(self, name) < 1:
         raise ValueError(f"rollout.paged.{name} must be >= 1, got {getattr(self, name)}.")
+    if self.max_tokens < -1:
+      raise ValueError(
+        f"rollout.paged.max_tokens must be -1 (auto), 0 (bucketed shapes) or the longest "
+        f"sequence to size shapes for, got {self.max_tokens}."
+      )
 
 
 @dataclasses.dataclass
@@ -156,6 +171,14 @@ class PagedEngine:
     # Read-backs that found no window queued behind them: the device waited for the host.
     self.num_host_waits = 0
     self._batch = DeviceBatch(self._calls.row_state_shardings, pad_id)
+    # The smallest page table and prefill chunk of any call (`PagedConfig.max_tokens`).
+    sized_for = min(config.max_tokens, model.config.max_seq_len)
+    self._min_table_width = (
+      bucket(pages_for(sized_for, config.page_size), 1) if sized_for > 0 else 1
+    )
+    self._min_chunk = (
+      bucket(min(config.prefill_chunk, max(sized_for - 1, 1))) if sized_for > 0 else 1
+    )
 
   # -- requests ----------------------------------------------------------------------------------
 
@@ -190,19 +213,21 @@ class PagedEngine:
     compiles mid-run. `stop_widths`: the stop-id list widths to cover (1: the end token only);
     `filter_widths`: the sampler variants to cover (`sampling.filter_width`); `max_tokens`:
     the longest sequence (prompt and response) the run will give it, which bounds the page
-    tables and prefill chunks to cover (default: the model's `max_seq_len`, where a model of
-    40k positions would cover page tables a 1k-token run never builds).
+    tables and prefill chunks to cover (default: `PagedConfig.max_tokens` when set, else the
+    model's `max_seq_len`, where a model of 40k positions would cover tables a 1k-token run
+    never builds).
     Needs weights. Returns the number of shapes run."""
     if self.params is None:
       raise ValueError("PagedEngine.precompile needs weights first: call update_weights.")
     cfg, mc = self.cfg, self.model.config
-    max_tokens = min(max_tokens or mc.max_seq_len, mc.max_seq_len)
+    max_tokens = max_tokens or (cfg.max_tokens if cfg.max_tokens > 0 else mc.max_seq_len)
+    max_tokens = min(max_tokens, mc.max_seq_len)
     row_counts = sorted({self._rows(n) for n in range(1, cfg.max_running + 1)})
     max_pages = pages_for(max_tokens, cfg.page_size)
-    widths = sorted({bucket(p, 1) for p in range(1, max_pages + 1)})
+    widths = sorted({self._table_width(p) for p in range(1, max_pages + 1)})
     # Prefill caches every token but the last: chunks of up to `max_tokens - 1`.
     longest_chunk = max(1, min(cfg.prefill_chunk, max_tokens - 1))
-    chunks = sorted({bucket(c) for c in range(1, longest_chunk + 1)})
+    chunks = sorted({self._chunk_width(c) for c in range(1, longest_chunk + 1)})
     shapes = 0
     for rows, width in itertools.product(row_counts, widths):
       table = np.zeros((rows, width), np.int32)
@@ -467,8 +492,14 @@ class PagedEngine:
     stop_width = bucket(max(len(x.stop_ids) for _, x in new), 1)
     self._batch.place(sorted(keep, key=lambda s: s.admitted), new, rows, stop_width)
 
+  def _table_width(self, pages: int) -> int:
+    return max(bucket(pages, 1), self._min_table_width)
+
+  def _chunk_width(self, tokens: int) -> int:
+    return max(bucket(tokens), self._min_chunk)
+
   def _page_table(self, states: Sequence[_Running | None], rows: int) -> np.ndarray:
-    width = bucket(max(len(s.pages) for s in states if s is not None), 1)
+    width = self._table_width(max(len(s.pages) for s in states if s is not None))
     table = np.zeros((rows, width), np.int32)
     for i, s in enumerate(states):
       if s is not None:
@@ -485,7 +516,7 @@ class PagedEngine:
     chunk = self.cfg.prefill_chunk
     for start in range(0, longest, chunk):
       live = [(s, x) for s, x in zip(states, seqs, strict=True) if start < len(x) - 1]
-      rows, width = self._rows(len(live)), bucket(min(chunk, longest - start))
+      rows, width = self._rows(len(live)), self._chunk_width(min(chunk, longest - start))
       tokens = np.full((rows, width), self.pad_id, np.int32)
       positions = np.full((rows, width), -1, np.int32)
       for i, (_, x) in enumerate(live):

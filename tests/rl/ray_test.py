@@ -23,6 +23,7 @@ from jaxrl.sharding import make_mesh  # noqa: E402
 from jaxrl.train.learner import TrainBatch  # noqa: E402
 
 from .async_test import Ledger, async_config  # noqa: E402, TID252
+from .job_test import tiny_config  # noqa: E402, TID252
 
 pytestmark = pytest.mark.xdist_group("ray")
 
@@ -164,3 +165,25 @@ def test_a_learner_actor_with_a_bad_config_says_why_when_built(local_ray):
   cfg = async_config(**{"loop.backend": "ray", "train.micro_batch_size": 8})
   with pytest.raises(ConfigError, match="multiple of the training mesh's data\\*fsdp size 16"):
     RayLearner(cfg, {"fsdp": 16})
+
+
+def test_local_and_ray_workers_build_the_same_engine_mesh(tmp_path, local_ray):
+  """The MoE variant's rollout mesh is data 2 x expert 2: a worker of 4 devices keeps the
+  expert axis whether it is a thread here or a Ray actor (both build it with
+  `policy.rollout_worker_mesh`); a Ray worker used to keep the data axis alone."""
+  overrides = {"loop.mode": "async", "loop.rollout_workers": 1, "warmup.steps": 0}
+  shapes = {}
+  for backend in ("local", "ray"):
+    cfg = tiny_config("moe", **overrides, **{"loop.backend": backend})
+    controller = job.build_controller(cfg, str(tmp_path / backend), show_progress=False)
+    (worker,) = controller.initial_workers
+    try:
+      shapes[backend] = (
+        dict(worker.engine.mesh.shape) if backend == "local" else worker.mesh_shape()
+      )
+    finally:
+      worker.kill()
+      if backend == "ray":
+        controller.learner.kill()
+  assert shapes["local"]["expert"] == 2
+  assert shapes["ray"] == shapes["local"]

@@ -390,3 +390,39 @@ def test_precompiled_engine_compiles_nothing_while_it_generates(mesh, params):
   _, plain_after, plain_tokens = run(precompile=False)
   assert plain_after[1] <= before[1]  # a plain run meets a subset of the shapes
   assert tokens == plain_tokens and len(tokens) == 6  # precompiling wrote nothing
+
+
+def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row_count(
+  mesh, params
+):
+  """`max_tokens`: every page table and prefill chunk is sized for the longest sequence, so
+  the engine compiles one decode and one prefill program per row count, and a precompile
+  covers exactly those; the tokens are those of bucketed shapes. A longer sequence still
+  runs, in a wider table."""
+  rng = np.random.default_rng(5)
+  ps = [list(rng.integers(3, 60, n)) for n in rng.integers(1, 9, 8)]
+  sp = [SamplingParams(max_new_tokens=int(rng.integers(1, 24))) for _ in ps]
+  cfg = dict(page_size=4, num_pages=64, max_running=4, prefill_chunk=8, decode_steps=2)
+  bucketed = engine(mesh, params, max_tokens=0, **cfg)
+  sized = engine(mesh, params, max_tokens=32, **cfg)
+  want, got = bucketed.generate(ps, sp, seed=3), sized.generate(ps, sp, seed=3)
+  for a, b in zip(want, got, strict=True):
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+  row_counts = {sized._rows(n) for n in range(1, 5)}
+  decoded = sized._calls.decoders[NO_FILTER]._cache_size()
+  assert decoded <= len(row_counts) < bucketed._calls.decoders[NO_FILTER]._cache_size()
+  assert sized._calls.prefill._cache_size() <= len(row_counts)
+  # A precompiled engine sized so: one program per row count and filter, one prefill each.
+  fresh = engine(mesh, params, max_tokens=32, **cfg)
+  shapes = fresh.precompile(filter_widths=(NO_FILTER,))
+  assert shapes == 2 * len(row_counts)
+  fresh.generate(ps, sp, seed=3)
+  assert fresh._calls.decoders[NO_FILTER]._cache_size() == len(row_counts)
+  assert fresh._calls.prefill._cache_size() == len(row_counts)
+  # Past max_tokens: a wider table, compiled when met, and the bucketed engine's tokens.
+  long_prompt = [list(rng.integers(3, 60, 30))]
+  sampling = SamplingParams(max_new_tokens=12)
+  np.testing.assert_array_equal(
+    sized.generate(long_prompt, sampling, seed=1)[0].token_ids,
+    bucketed.generate(long_prompt, sampling, seed=1)[0].token_ids,
+  )
