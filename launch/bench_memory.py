@@ -169,7 +169,7 @@ def _learner_plan(path: str, case: str, micro_batch: int) -> dict:
   jax.config.update("jax_num_cpu_devices", 1)
   from jaxrl.config import load_config
   from jaxrl.model import Model
-  from jaxrl.rl import job
+  from jaxrl.rl import stages
   from jaxrl.rl.policy import make_tokenizer, model_config
   from jaxrl.sharding import make_mesh
 
@@ -180,7 +180,7 @@ def _learner_plan(path: str, case: str, micro_batch: int) -> dict:
   cfg = load_config(os.path.join(_REPO, "configs", "grpo_hf.py"), "qwen3-0.6b", overrides)
   model = Model(model_config(cfg, make_tokenizer(cfg)))
   mesh = make_mesh(jax.devices()[:1], {"fsdp": -1})
-  learner = job.make_learner(cfg, model, mesh)
+  learner = stages.make_learner(cfg, model, mesh)
   plan = learner.update_memory(16, 392)  # 16 sequences of prompt (~136) + 256 tokens
   return {k: round(v, 2) for k, v in plan.items()}
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxrl.rl.backends import Backend
 from jaxrl.rl.controller import Controller, _step_seed, batch_metrics
 from jaxrl.rl.dispatch import LengthPredictor, WorkerRates
 from jaxrl.rl.experience import build_batch
@@ -125,8 +126,10 @@ class AsyncController(Controller):
   them to inject faults).
   """
 
-  def __init__(self, *, async_settings: AsyncSettings, **kwargs):
-    super().__init__(**kwargs)
+  def __init__(self, *, async_settings: AsyncSettings, backend: Backend, **kwargs):
+    """`backend` makes the rollout workers (`backends.Backend`): one per worker slot when a
+    call of `run` starts, and any added later (`make_worker`)."""
+    super().__init__(backend=backend, **kwargs)
     self.a = async_settings
     self.events: queue.Queue[WorkerEvent] = queue.Queue()
     self.workers: dict[str, RolloutWorker] = {}
@@ -146,14 +149,21 @@ class AsyncController(Controller):
     # worker -> (time of its last event or first assignment, whether it held requests then)
     self._worker_clock: dict[str, tuple[float, bool]] = {}
     self._eval_version = -1
-    # Set by the builder (`job.build_controller`): the workers `run` starts with, a factory of
-    # such a set for later calls of `run` (each call stops its workers on return), and a
-    # factory (name, devices) -> RolloutWorker for workers added during a run.
-    self.initial_workers: list[RolloutWorker] = []
-    self.fresh_workers: Callable[[], list[RolloutWorker]] | None = None
-    self.make_worker: Callable[..., RolloutWorker] | None = None
+    # The workers the next `run` starts with (each call of `run` stops its workers on return;
+    # the next one makes a fresh set).
+    self._worker_slots = backend.worker_slots()
+    self.initial_workers: list[RolloutWorker] = self.fresh_workers()
 
   # -- workers -----------------------------------------------------------------------------------
+
+  def make_worker(self, name: str, devices=None) -> RolloutWorker:
+    """A new worker from the backend, pulling from this controller's store (`devices`: where
+    a local worker runs; a Ray worker's actor finds its own)."""
+    return self.backend.make_worker(name, devices, self.weights)
+
+  def fresh_workers(self) -> list[RolloutWorker]:
+    """One new worker per slot of the backend (`config.loop.rollout_workers`)."""
+    return [self.make_worker(f"w{i}", d) for i, d in enumerate(self._worker_slots)]
 
   def add_worker(self, worker: RolloutWorker) -> None:
     """Registers and starts a worker; it provisions itself by pulling the newest weights."""
@@ -472,7 +482,7 @@ class AsyncController(Controller):
     if self.weights.version < self.state.version:  # a later call of run has published it
       self.publish()
     self._release()
-    if not self.initial_workers and not self.workers and self.fresh_workers is not None:
+    if not self.initial_workers and not self.workers:
       self.initial_workers = self.fresh_workers()
     for worker in self.initial_workers:
       self.add_worker(worker)

@@ -20,6 +20,7 @@ from jaxrl.data.prompts import encode_prompt
 from jaxrl.data.tasks import RewardBatch, Task
 from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.metrics import MetricsWriter
+from jaxrl.rl.backends import Backend
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.experience import build_batch
 from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline
@@ -84,9 +85,12 @@ class Controller:
     checkpointer: Checkpointer | None,
     show_progress: bool = True,
     exporter: PolicyExporter | None = None,
+    backend: Backend | None = None,
   ):
-    """`exporter`, if any, writes the policy in Hugging Face layout when it is due."""
+    """`exporter`, if any, writes the policy in Hugging Face layout when it is due; `backend`
+    made the learner and the store (`backends.Backend`; None: this process's `local`)."""
     self.s = settings
+    self.backend = backend
     self.exporter = exporter
     self.rollout = rollout
     self.learner = learner

@@ -6,7 +6,6 @@ This is the only place that turns config names into objects (task, tokenizer, en
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -21,28 +20,22 @@ from jaxrl.data.tasks import make_task
 from jaxrl.metrics import MetricsWriter, plot_reward_curve
 from jaxrl.model import Model
 from jaxrl.rl.async_controller import AsyncController, AsyncSettings
+from jaxrl.rl.backends import make_backend
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.controller import Controller, ControllerSettings
 from jaxrl.rl.experience import batch_lengths, pad_sequences
 from jaxrl.rl.placement import Placement, place_stages
 from jaxrl.rl.policy import (
   PolicyExporter,
-  initial_params,
   make_rollout_engine,
   make_tokenizer,
   model_config,
   rollout_model_config,
-  rollout_worker_mesh,
   template_kwargs,
 )
+from jaxrl.rl.stages import JobParts
 from jaxrl.rl.timeline import plot_stage_timeline
-from jaxrl.rl.weights import WeightStore
-from jaxrl.rl.workers import LocalWorker
-from jaxrl.scheduler.local import worker_tokens_per_s
-from jaxrl.sharding import STAGE_RULES, split_devices
-from jaxrl.train.learner import Learner
 from jaxrl.train.packing import auto_pack_length
-from jaxrl.train.sft import SupervisedTrainer
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +97,11 @@ def build_controller(
   engine = make_rollout_engine(
     cfg, rollout_model, engine_mesh, tokenizer, eval_only if asynchronous else cfg.rollout
   )
-  ray_backend = asynchronous and cfg.loop.backend == "ray"
-  if ray_backend:
-    ray_backend = _start_ray(cfg.loop.ray_address)
-    learner_cores, worker_cores = _core_split() if cfg.loop.ray_pin_cores else (None, None)
-    # The learner is an actor too, on devices of its own with the training mesh's shape.
-    learner = ray_backend.RayLearner(cfg, dict(placement.train_mesh.shape), cores=learner_cores)
-  else:
-    learner = make_learner(cfg, model, placement.train_mesh)
+  # The synchronous loop runs on this process (`local`); the asynchronous one on the backend
+  # `config.loop.backend` names.
+  parts = JobParts(cfg, placement, rollout_model, tokenizer, prompt_len)
+  backend = make_backend(cfg.loop.backend if asynchronous else "local", parts)
+  learner = backend.make_learner(model)
   train = cfg.train
   if train.precompile:
     # Responses up to the sampling limit, sequences up to the model's.
@@ -146,7 +136,7 @@ def build_controller(
     settings=settings,
     rollout=engine,
     learner=learner,
-    weights=ray_backend.RayWeightStore() if ray_backend else WeightStore(),
+    weights=backend.make_store(),
     task=task,
     tokenizer=tokenizer,
     loader=loader,
@@ -155,11 +145,12 @@ def build_controller(
     checkpointer=Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.max_to_keep),
     show_progress=show_progress,
     exporter=PolicyExporter(cfg, model, workdir) if cfg.pretrained.path else None,
+    backend=backend,
   )
   if not asynchronous:
     return Controller(**kwargs)
   loop = cfg.loop
-  controller = AsyncController(
+  return AsyncController(
     async_settings=AsyncSettings(
       max_staleness=loop.max_staleness,
       partial_rollouts=loop.partial_rollouts,
@@ -168,47 +159,6 @@ def build_controller(
     ),
     **kwargs,
   )
-  n = loop.rollout_workers
-  rollout_devices = list(placement.rollout_mesh.devices.flat)
-  if len(rollout_devices) % n:
-    raise ConfigError(
-      f"config.loop.rollout_workers={n} does not divide the {len(rollout_devices)} rollout "
-      "devices; choose a divisor."
-    )
-  size = len(rollout_devices) // n
-  # Every worker's mesh keeps the rollout mesh's axes but data (`rollout_worker_mesh`).
-  rollout_axes = dict(placement.rollout_mesh.shape)
-  if ray_backend:
-    made = itertools.count()
-
-    def make_ray_worker(name: str, devices=None):
-      cores = [worker_cores[next(made) % len(worker_cores)]] if worker_cores else None
-      return ray_backend.RayWorker(
-        name, cfg, controller.weights, controller.events, num_devices=size,
-        mesh_axes=rollout_axes, cores=cores,
-      )  # fmt: skip
-
-    controller.make_worker = make_ray_worker
-    controller.fresh_workers = lambda: [
-      controller.make_worker(f"w{i}") for i in range(loop.rollout_workers)
-    ]
-    controller.initial_workers = controller.fresh_workers()
-    return controller
-
-  def make_worker(name: str, devices) -> LocalWorker:
-    mesh = rollout_worker_mesh(devices, rollout_axes)
-    worker_engine = make_rollout_engine(cfg, rollout_model, mesh, tokenizer)
-    return LocalWorker(
-      name, worker_engine, controller.weights, controller.events,
-      partial_rollouts=loop.partial_rollouts,
-      predicted_tokens_per_s=worker_tokens_per_s(cfg, dict(mesh.shape), prompt_len),
-    )  # fmt: skip
-
-  controller.make_worker = make_worker
-  groups = split_devices(rollout_devices, [size] * n)
-  controller.fresh_workers = lambda: [make_worker(f"w{i}", g) for i, g in enumerate(groups)]
-  controller.initial_workers = controller.fresh_workers()
-  return controller
 
 
 def resolve_loop_mode(cfg: ExperimentConfig, placement: Placement) -> str:
@@ -227,74 +177,10 @@ def resolve_loop_mode(cfg: ExperimentConfig, placement: Placement) -> str:
   return "async" if on_accelerators and not rollout & train else "sync"
 
 
-def make_learner(cfg: ExperimentConfig, model: Model, mesh) -> Learner:
-  """The learner `cfg.train` describes, on `mesh`, checked against the batch rollout makes."""
-  train = cfg.train
-  try:
-    learner = Learner(
-      model,
-      mesh,
-      STAGE_RULES["train"],
-      loss=train.loss,
-      optimizer=train.optimizer,
-      updates_per_step=train.updates_per_step,
-      micro_batch_size=train.micro_batch_size,
-      temperature=cfg.rollout.sampling.temperature,
-      seed=cfg.seed,
-      moe=train.moe,
-      logprob_chunk=train.logprob_chunk,
-      # -1 (auto) is resolved from the task's prompts by `build_controller`; built without it,
-      # rows as long as the model's longest sequence.
-      pack_length=train.pack_length
-      if train.pack_length >= 0
-      else auto_pack_length(model.config.max_seq_len, cfg.rollout.sampling.max_new_tokens, None),
-      params=initial_params(cfg, model, mesh),
-    )
-  except ValueError as e:
-    raise ConfigError(f"config.train: {e}") from None
-  try:
-    learner.check_batch_size(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-  return learner
-
-
-def _core_split() -> tuple[list[int], list[int]]:
-  """(learner's cores, rollout workers' cores) for `loop.ray_pin_cores`: halves of the cores
-  this process may use."""
-  cores = sorted(os.sched_getaffinity(0))
-  if len(cores) < 2:
-    raise ConfigError(
-      f"config.loop.ray_pin_cores needs at least 2 CPU cores to give the learner and the "
-      f"rollout workers their own; this process may use {len(cores)}. Turn it off."
-    )
-  half = len(cores) // 2
-  return cores[:half], cores[half:]
-
-
-def _start_ray(address: str):
-  """Imports the Ray backend (the optional extra) and joins or starts a Ray cluster."""
-  try:
-    import ray
-
-    from jaxrl.rl import ray_backend
-  except ImportError:
-    raise ConfigError(
-      "config.loop.backend='ray' needs Ray: pip install 'jaxrl[ray]' (or set loop.backend='local')."
-    ) from None
-  if not ray.is_initialized():
-    ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
-  return ray_backend
-
-
 def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = True) -> None:
   """Supervised steps on train (prompt, answer) pairs, so that RL starts with some reward."""
   w = cfg.warmup
-  learner = controller.learner
-  if isinstance(learner, Learner):
-    trainer = SupervisedTrainer(learner, w.learning_rate)
-  else:  # a remote learner (the Ray backend's) runs the warm-up where its parameters live
-    trainer = learner.supervised_trainer(w.learning_rate)
+  trainer = controller.backend.supervised_trainer(controller.learner, w.learning_rate)
   records = controller.task.records("train", None, cfg.seed + 1)
   loader = PromptLoader(records, batch_size=w.batch_size, seed=cfg.seed + 1)
   tok = controller.tokenizer

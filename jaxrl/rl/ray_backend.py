@@ -16,6 +16,7 @@ optional extra `ray`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -25,7 +26,8 @@ from typing import Any
 import jax
 import ray
 
-from jaxrl.config import ExperimentConfig
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.rl.stages import JobParts, rollout_device_groups
 from jaxrl.rl.timeline import LEARNER_LANE, ForwardingTimeline, StageTimeline
 from jaxrl.rl.weights import StoreUnreachable, WeightStore
 from jaxrl.rl.workers import Assignment, LocalWorker
@@ -164,7 +166,7 @@ def _local_devices(count: int, what: str):
 
 @ray.remote
 class LearnerActor:
-  """The learner's process: `job.make_learner` on this process's devices, in the training
+  """The learner's process: `stages.make_learner` on this process's devices, in the training
   mesh's shape. Returns host arrays, so what it sends needs no device on the other side."""
 
   def __init__(self, cfg: ExperimentConfig, mesh_shape: dict[str, int], cores: list | None):
@@ -172,8 +174,8 @@ class LearnerActor:
     import math
 
     from jaxrl.model import Model
-    from jaxrl.rl.job import make_learner
     from jaxrl.rl.policy import make_tokenizer, model_config
+    from jaxrl.rl.stages import make_learner
     from jaxrl.sharding import make_mesh
 
     self._sft = None  # (learning rate, SupervisedTrainer) of the warm-up
@@ -421,3 +423,57 @@ class RayWorker:
 
   def join(self, timeout: float | None = None) -> None:
     self._pump.join(timeout)
+
+
+class RayBackend:
+  """The `ray` backend (`backends.Backend`): the learner, the store and each rollout worker as
+  Ray actors. With `loop.ray_pin_cores` the learner's actor and the workers' get disjoint
+  halves of this machine's cores (one-machine runs)."""
+
+  def __init__(self, parts: JobParts):
+    self.parts = parts
+    pin = parts.cfg.loop.ray_pin_cores
+    self._learner_cores, self._worker_cores = core_split() if pin else (None, None)
+    self._made = itertools.count()
+    groups = rollout_device_groups(parts)
+    self._devices_per_worker = len(groups[0])
+
+  def make_learner(self, model) -> RayLearner:
+    del model  # the actor builds its own from the config
+    shape = dict(self.parts.placement.train_mesh.shape)
+    return RayLearner(self.parts.cfg, shape, cores=self._learner_cores)
+
+  def make_store(self) -> RayWeightStore:
+    return RayWeightStore()
+
+  def supervised_trainer(self, learner: RayLearner, learning_rate: float):
+    return learner.supervised_trainer(learning_rate)  # in the learner's actor
+
+  def worker_slots(self) -> list[None]:
+    return [None] * self.parts.cfg.loop.rollout_workers  # Ray places each worker's actor
+
+  def make_worker(self, name: str, devices, store: RayWeightStore) -> RayWorker:
+    del devices  # its actor takes devices of its own node
+    cores = self._worker_cores
+    core = [cores[next(self._made) % len(cores)]] if cores else None
+    return RayWorker(
+      name,
+      self.parts.cfg,
+      store,
+      num_devices=self._devices_per_worker,
+      mesh_axes=dict(self.parts.placement.rollout_mesh.shape),
+      cores=core,
+    )
+
+
+def core_split() -> tuple[list[int], list[int]]:
+  """(learner's cores, rollout workers' cores) for `loop.ray_pin_cores`: halves of the cores
+  this process may use."""
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < 2:
+    raise ConfigError(
+      f"config.loop.ray_pin_cores needs at least 2 CPU cores to give the learner and the "
+      f"rollout workers their own; this process may use {len(cores)}. Turn it off."
+    )
+  half = len(cores) // 2
+  return cores[:half], cores[half:]

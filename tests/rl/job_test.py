@@ -250,8 +250,10 @@ def test_auto_loop_mode_is_async_only_where_the_stages_have_hardware_of_their_ow
 
 
 def test_pinned_cores_split_in_halves_and_need_two(monkeypatch):
+  from jaxrl.rl.ray_backend import core_split
+
   monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 2, 7, 3})
-  assert job._core_split() == ([2, 3], [5, 7])
+  assert core_split() == ([2, 3], [5, 7])
   monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
   with pytest.raises(ConfigError, match="at least 2 CPU cores"):
-    job._core_split()
+    core_split()

@@ -17,6 +17,7 @@ from jaxrl.rl import job  # noqa: E402
 from jaxrl.rl.checkpoint import Checkpointer  # noqa: E402
 from jaxrl.rl.policy import make_tokenizer, model_config  # noqa: E402
 from jaxrl.rl.ray_backend import RayLearner, RayWeightStore, RayWorker, RemoteStore  # noqa: E402
+from jaxrl.rl.stages import make_learner  # noqa: E402
 from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline  # noqa: E402
 from jaxrl.rl.weights import StoreUnreachable  # noqa: E402
 from jaxrl.sharding import make_mesh  # noqa: E402
@@ -111,7 +112,7 @@ def test_the_learner_actor_trains_as_the_local_learner_and_checkpoints(tmp_path,
   # The job's model (the tokenizer's vocabulary masks the embedding's spare rows), as the
   # actor builds it.
   model = Model(model_config(cfg, make_tokenizer(cfg)))
-  local = job.make_learner(cfg, model, make_mesh(jax.devices()[:2], {"fsdp": 2}))
+  local = make_learner(cfg, model, make_mesh(jax.devices()[:2], {"fsdp": 2}))
   assert _close(remote.params, local.params, 0)  # same seed, same initial weights
   rng = np.random.default_rng(0)
   b, t = cfg.rollout.prompts_per_step * cfg.rollout.group_size, 12

@@ -1,0 +1,111 @@
+"""Backends: what runs a job's learner, weight store and rollout workers.
+
+- `local`: the learner in this process, the store in its memory, each rollout worker a thread
+  of this process on its own slice of the rollout devices (`workers.LocalWorker`).
+- `ray`: the learner, the store and each rollout worker as Ray actors (`ray_backend`, the
+  optional `ray` extra), placed by Ray.
+
+A backend makes the three pieces; the controller drives them through what they share
+(`workers.RolloutWorker`, the learner's `update`/`publish_to`/`params`, the store's
+`publish`/`pull`), never by asking which backend made them. `BACKENDS` maps
+`config.loop.backend` to a backend's maker; the synchronous loop runs on `local`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+
+from jaxrl.config import ConfigError
+from jaxrl.model import Model
+from jaxrl.rl.policy import make_rollout_engine, rollout_worker_mesh
+from jaxrl.rl.stages import JobParts, make_learner, rollout_device_groups
+from jaxrl.rl.weights import WeightStore
+from jaxrl.rl.workers import LocalWorker, RolloutWorker
+from jaxrl.scheduler.local import worker_tokens_per_s
+from jaxrl.train.sft import SupervisedTrainer
+
+
+class Backend(Protocol):
+  """Makes a job's learner, weight store and rollout workers."""
+
+  def make_learner(self, model: Model) -> Any:
+    """The learner on the placement's training mesh."""
+
+  def make_store(self) -> Any:
+    """The versioned weight store the learner publishes to and the workers pull from."""
+
+  def worker_slots(self) -> list[Sequence[jax.Device] | None]:
+    """One entry per rollout worker of `config.loop.rollout_workers`: the devices it runs on
+    (None where the backend finds them itself)."""
+
+  def supervised_trainer(self, learner: Any, learning_rate: float) -> Any:
+    """The warm-up's trainer (`step(tokens_bt, mask_bt) -> metrics`) of `learner`'s weights,
+    run where they live."""
+
+  def make_worker(
+    self, name: str, devices: Sequence[jax.Device] | None, store: Any
+  ) -> RolloutWorker:
+    """A rollout worker named `name` on `devices` (an entry of `worker_slots`, or any devices
+    of the rollout mesh for a worker added later), pulling weights from `store`."""
+
+
+class LocalBackend:
+  """The learner in this process; rollout workers as threads on slices of its devices."""
+
+  def __init__(self, parts: JobParts):
+    self.parts = parts
+
+  def make_learner(self, model: Model):
+    return make_learner(self.parts.cfg, model, self.parts.placement.train_mesh)
+
+  def make_store(self) -> WeightStore:
+    return WeightStore()
+
+  def supervised_trainer(self, learner, learning_rate: float) -> SupervisedTrainer:
+    return SupervisedTrainer(learner, learning_rate)
+
+  def worker_slots(self) -> list[Sequence[jax.Device] | None]:
+    return list(rollout_device_groups(self.parts))
+
+  def make_worker(self, name: str, devices, store) -> LocalWorker:
+    p = self.parts
+    if devices is None:
+      raise ValueError(f"A local rollout worker ({name}) needs the devices it runs on.")
+    mesh = rollout_worker_mesh(devices, dict(p.placement.rollout_mesh.shape))
+    return LocalWorker(
+      name,
+      make_rollout_engine(p.cfg, p.rollout_model, mesh, p.tokenizer),
+      store,
+      None,  # the controller attaches its event queue (`RolloutWorker.attach`)
+      partial_rollouts=p.cfg.loop.partial_rollouts,
+      predicted_tokens_per_s=worker_tokens_per_s(p.cfg, dict(mesh.shape), p.prompt_len),
+    )
+
+
+def _ray(parts: JobParts) -> Backend:
+  """The Ray backend (imported only when asked for: Ray is an optional extra)."""
+  try:
+    import ray
+
+    from jaxrl.rl import ray_backend
+  except ImportError:
+    raise ConfigError(
+      "config.loop.backend='ray' needs Ray: pip install 'jaxrl[ray]' (or set loop.backend='local')."
+    ) from None
+  if not ray.is_initialized():
+    address = parts.cfg.loop.ray_address or None
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+  return ray_backend.RayBackend(parts)
+
+
+BACKENDS: dict[str, Callable[[JobParts], Backend]] = {"local": LocalBackend, "ray": _ray}
+
+
+def make_backend(name: str, parts: JobParts) -> Backend:
+  """The backend `config.loop.backend` names (its config check lists the same names)."""
+  if name not in BACKENDS:
+    raise ConfigError(f"config.loop.backend={name!r}: use one of {sorted(BACKENDS)}.")
+  return BACKENDS[name](parts)

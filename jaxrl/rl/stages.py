@@ -1,0 +1,74 @@
+"""The pieces of a job every backend builds the same way: the learner `config.train` describes,
+the inputs a backend builds from (`JobParts`), and the split of the rollout devices among the
+workers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.model import Model
+from jaxrl.rl.placement import Placement
+from jaxrl.rl.policy import initial_params
+from jaxrl.sharding import STAGE_RULES, split_devices
+from jaxrl.train.learner import Learner
+from jaxrl.train.packing import auto_pack_length
+
+
+@dataclasses.dataclass(frozen=True)
+class JobParts:
+  """What every backend builds its pieces from: the resolved config, where the stages run, the
+  rollout model and tokenizer, and a typical prompt length (for the workers' predicted rate)."""
+
+  cfg: ExperimentConfig
+  placement: Placement
+  rollout_model: Model
+  tokenizer: Any
+  prompt_len: int
+
+
+def rollout_device_groups(parts: JobParts) -> list[list[jax.Device]]:
+  """The rollout devices split evenly among `config.loop.rollout_workers`."""
+  n = parts.cfg.loop.rollout_workers
+  devices = list(parts.placement.rollout_mesh.devices.flat)
+  if len(devices) % n:
+    raise ConfigError(
+      f"config.loop.rollout_workers={n} does not divide the {len(devices)} rollout devices; "
+      "choose a divisor."
+    )
+  return split_devices(devices, [len(devices) // n] * n)
+
+
+def make_learner(cfg: ExperimentConfig, model: Model, mesh) -> Learner:
+  """The learner `cfg.train` describes, on `mesh`, checked against the batch rollout makes."""
+  train = cfg.train
+  try:
+    learner = Learner(
+      model,
+      mesh,
+      STAGE_RULES["train"],
+      loss=train.loss,
+      optimizer=train.optimizer,
+      updates_per_step=train.updates_per_step,
+      micro_batch_size=train.micro_batch_size,
+      temperature=cfg.rollout.sampling.temperature,
+      seed=cfg.seed,
+      moe=train.moe,
+      logprob_chunk=train.logprob_chunk,
+      # -1 (auto) is resolved from the task's prompts by `build_controller`; built without it,
+      # rows as long as the model's longest sequence.
+      pack_length=train.pack_length
+      if train.pack_length >= 0
+      else auto_pack_length(model.config.max_seq_len, cfg.rollout.sampling.max_new_tokens, None),
+      params=initial_params(cfg, model, mesh),
+    )
+  except ValueError as e:
+    raise ConfigError(f"config.train: {e}") from None
+  try:
+    learner.check_batch_size(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return learner
