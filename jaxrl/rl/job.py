@@ -11,6 +11,7 @@ import logging
 import os
 import time
 
+import jax
 import tqdm
 
 from jaxrl.config import ConfigError, ExperimentConfig
@@ -61,9 +62,12 @@ def build_controller(
   if cfg.train.precompile or cfg.train.pack_length < 0 or cfg.rollout.paged.max_tokens < 0:
     sample = [len(encode_prompt(tokenizer, r, chat)) for r in train_records[:1024]]
   if cfg.rollout.paged.max_tokens < 0:
-    # The rollout engine's shapes sized for the longest sequence expected: one per row count.
+    # On accelerators the rollout engine's shapes are sized for the longest sequence expected
+    # (one program per row count; the decode kernels stop at each row's length). On CPU the
+    # reference attention reads the whole table: bucketed shapes there (`PagedConfig`).
     longest = min(max(sample) + cfg.rollout.sampling.max_new_tokens, model.config.max_seq_len)
-    paged = dataclasses.replace(cfg.rollout.paged, max_tokens=longest)
+    sized = jax.default_backend() != "cpu"
+    paged = dataclasses.replace(cfg.rollout.paged, max_tokens=longest if sized else 0)
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, paged=paged))
   if cfg.train.pack_length < 0:
     pack_length = auto_pack_length(

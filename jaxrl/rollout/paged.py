@@ -85,9 +85,11 @@ class PagedConfig:
       (rows, table width, chunk width): a run meets no new shape once it has seen each row
       count, and `precompile` covers that set alone. A longer sequence still runs, in wider
       shapes compiled when it comes. The attention of a step reads the whole table's width
-      where no kernel stops at each row's length (the CPU reference path). 0: tables and chunks
-      bucketed to what each call needs. -1 (auto): the RL job sets it from its prompts and
-      `max_new_tokens`; an engine built directly treats it as 0.
+      where no kernel stops at each row's length (the CPU reference path: a long-tail GRPO
+      run's rollout took 1.26x as long on CPU, docs/BENCHMARKS.md). 0: tables and chunks
+      bucketed to what each call needs. -1 (auto): the RL job sizes them from its prompts and
+      `max_new_tokens` on accelerators, buckets them on CPU; an engine built directly treats
+      it as 0.
   """
 
   page_size: int = 16
