@@ -170,8 +170,9 @@ class Learner:
       out_shardings=(self.param_shardings, replicated),
       compiler_options=options,
     )
+    # The sums are donated too: their buffers hold the update's temporaries.
     self._apply = jax.jit(
-      self._apply_impl, donate_argnums=(0, 1), out_shardings=state_out, compiler_options=options
+      self._apply_impl, donate_argnums=(0, 1, 2), out_shardings=state_out, compiler_options=options
     )
     self._logprobs = jax.jit(self._logprobs_impl)
     self._packed_logprobs = jax.jit(self._packed_logprobs_impl)

@@ -1,0 +1,286 @@
+"""Multi-turn rollouts: the paged engine decodes, environments answer, token in, token out.
+
+A trajectory starts from its environment's first messages (`envs.prompt_ids`) and alternates
+model turns and environment steps. A model turn is one request on the engine whose prompt is
+the whole trajectory so far; when it stops (a stop id or the turn's length limit), its ids,
+log-probs and policy versions are appended to the trajectory as sampled, its text goes to the
+environment's `Episode.step`, and the environment's messages come back as template ids
+(`envs.continuation_ids`) appended unsampled. Nothing is re-tokenised: the learner trains on
+exactly the ids the engine drew (`trajectory_batch`: loss mask 1 on sampled ids only, rollout
+log-probs as the behaviour policy's, per token, across turns and weight versions).
+
+Tool latency stays off the decode loop: environment steps run on an event loop thread (an
+`async def` step there, a plain one in a thread pool, each under `EpisodeLimits.step_timeout_s`)
+while the engine keeps decoding the other trajectories; a trajectory waiting for its environment
+holds no decode row and no KV pages (its next turn is prefilled again, as after a preemption). A
+step that fails or hangs ends that episode only, with the reason recorded; its tokens are kept.
+
+Glossary: b trajectories, t positions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl.data.tokenizer import Tokenizer
+from jaxrl.envs import (
+  EnvError,
+  Environment,
+  Episode,
+  EpisodeLimits,
+  EpisodeSummary,
+  continuation_ids,
+  prompt_ids,
+)
+from jaxrl.rl.experience import batch_length
+from jaxrl.rollout.paged import PagedEngine
+from jaxrl.rollout.requests import RequestRecord
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.train.learner import TrainBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One episode as token ids.
+
+  Attributes:
+    record: the dataset record it started from.
+    token_ids: every id in order: the first prompt, then each model turn and each environment
+      continuation.
+    sampled: per id, 1 if the policy sampled it (a model turn), 0 if not (prompt, environment
+      messages, template glue).
+    logprobs: per id, the log-probability it was sampled with (0 where not sampled).
+    versions: per id, the policy version that sampled it (-1 where not sampled).
+    prompt_len: ids of the first prompt.
+    turns: model turns taken.
+    summary: the episode's end reason, rewards and tool calls (`Episode.summary`).
+  """
+
+  record: dict[str, Any]
+  token_ids: list[int]
+  sampled: list[int]
+  logprobs: list[float]
+  versions: list[int]
+  prompt_len: int
+  turns: int = 0
+  summary: EpisodeSummary | None = None
+
+  @property
+  def reward(self) -> float:
+    return 0.0 if self.summary is None else self.summary.reward
+
+  def append(self, ids: Sequence[int], logprobs=None, versions=None) -> None:
+    """Appends ids: sampled ones with their log-probs and versions, else unsampled."""
+    self.token_ids.extend(int(i) for i in ids)
+    self.sampled.extend([1 if logprobs is not None else 0] * len(ids))
+    self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+    self.versions.extend(versions if versions is not None else [-1] * len(ids))
+
+
+@dataclasses.dataclass
+class MultiTurnResult:
+  """What `MultiTurnRollout.run` made: a trajectory per record that could start, and the
+  records whose environment could not (reset failed), with why."""
+
+  trajectories: list[Trajectory]
+  skipped: list[tuple[dict[str, Any], str]]
+
+
+class MultiTurnRollout:
+  """Runs episodes of an environment on a paged engine.
+
+  Args:
+    engine: the paged engine (its weights set by the caller, `update_weights`, at any time).
+    tokenizer: renders the environment's messages (its chat template, or plain text).
+    make_env: a fresh environment per trajectory (`envs.env_factory(EnvConfig)`).
+    limits: each episode's turns, tool calls and step timeout.
+    max_tokens: ids a trajectory may hold (prompt, turns and continuations); the episode ends
+      with "max_tokens" when the next turn would find no room.
+    template_kwargs: chat template variables (e.g. {"enable_thinking": False}).
+    env_threads: threads for environments' plain (not `async`) methods.
+  """
+
+  def __init__(
+    self,
+    engine: PagedEngine,
+    tokenizer: Tokenizer,
+    make_env: Callable[[], Environment],
+    limits: EpisodeLimits,
+    *,
+    max_tokens: int,
+    template_kwargs: Mapping[str, Any] | None = None,
+    env_threads: int = 8,
+  ):
+    if max_tokens < 2:
+      raise ValueError(f"max_tokens must be >= 2 (a prompt and a sampled id), got {max_tokens}")
+    self.engine = engine
+    self.tokenizer = tokenizer
+    self.make_env = make_env
+    self.limits = limits
+    self.max_tokens = min(max_tokens, engine.model.config.max_seq_len)
+    self.template_kwargs = dict(template_kwargs or {})
+    self.env_threads = env_threads
+    # Hooks called with (trajectory index, Trajectory) after each model turn is appended
+    # (tests use them to change weights mid-episode).
+    self.on_turn: list[Callable[[int, Trajectory], None]] = []
+
+  def run(
+    self, records: Sequence[dict[str, Any]], sampling: SamplingParams, *, seed: int
+  ) -> MultiTurnResult:
+    """Plays one episode per record to its end; `sampling` applies to every model turn (its
+    `max_new_tokens` bounds one turn). Returns when every episode has ended."""
+    loop = asyncio.new_event_loop()
+    executor = concurrent.futures.ThreadPoolExecutor(self.env_threads, "env")
+    thread = threading.Thread(target=loop.run_forever, name="env-loop", daemon=True)
+    thread.start()
+    try:
+      return _Run(self, loop, executor, sampling, seed).play(records)
+    finally:
+      loop.call_soon_threadsafe(loop.stop)
+      thread.join(timeout=30)
+      executor.shutdown(wait=False, cancel_futures=True)
+      loop.close()
+
+
+class _Run:
+  """The state of one `MultiTurnRollout.run`."""
+
+  def __init__(self, rollout: MultiTurnRollout, loop, executor, sampling, seed: int):
+    self.r = rollout
+    self.loop = loop
+    self.executor = executor
+    self.sampling = sampling
+    self.seed = seed
+    self.episodes: list[Episode] = []
+    self.trajectories: list[Trajectory] = []
+    self.waiting: dict[int, concurrent.futures.Future] = {}  # trajectory -> its env step
+    eos = () if sampling.ignore_eos else (rollout.engine.eos_id,)
+    self.stop_ids = {*sampling.stop_token_ids, *eos}  # the ids a turn ends on
+    self.last_stop: dict[int, int | None] = {}  # trajectory -> the stop id its turn ended on
+    self.open = 0
+
+  def _async(self, coroutine) -> concurrent.futures.Future:
+    return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+  def play(self, records: Sequence[dict[str, Any]]) -> MultiTurnResult:
+    r = self.r
+    skipped = []
+    episodes = [Episode(r.make_env(), r.limits, executor=self.executor) for _ in records]
+    resets = [self._async(e.reset(dict(rec))) for e, rec in zip(episodes, records, strict=True)]
+    for episode, record, reset in zip(episodes, records, resets, strict=True):
+      try:
+        messages = reset.result()
+        ids = prompt_ids(r.tokenizer, messages, episode.tools, r.template_kwargs)
+        if len(ids) >= r.max_tokens:
+          raise EnvError(
+            f"its first prompt has {len(ids)} ids, no room for a turn under max_tokens="
+            f"{r.max_tokens}"
+          )
+      except EnvError as e:
+        log.warning("record %r skipped: %s", record.get("id", "?"), e)
+        skipped.append((record, str(e)))
+        episode.close()
+        continue
+      trajectory = Trajectory(dict(record), [], [], [], [], prompt_len=len(ids))
+      trajectory.append(ids)
+      self.episodes.append(episode)
+      self.trajectories.append(trajectory)
+      self.open += 1
+      self._next_turn(len(self.trajectories) - 1)
+    while self.open:
+      if not r.engine.has_work and not self.waiting:
+        raise RuntimeError(f"{self.open} episodes neither decoding nor waiting: a bug")
+      finished = r.engine.step() if r.engine.has_work else []
+      for record in finished:
+        self._turn_done(int(record.request_id.split(".")[1]), record)
+      if not r.engine.has_work and self.waiting:
+        # Nothing to decode: wait for an environment (each step has its own timeout).
+        concurrent.futures.wait(list(self.waiting.values()), return_when="FIRST_COMPLETED")
+      for index in [i for i, f in self.waiting.items() if f.done()]:
+        self._env_done(index, self.waiting.pop(index).result())
+    return MultiTurnResult(self.trajectories, skipped)
+
+  def _next_turn(self, index: int) -> None:
+    trajectory = self.trajectories[index]
+    room = self.r.max_tokens - len(trajectory.token_ids)
+    sampling = dataclasses.replace(
+      self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, room)
+    )
+    request = RequestRecord(
+      request_id=f"traj.{index}.{trajectory.turns}",
+      prompt_ids=list(trajectory.token_ids),
+      sampling=sampling,
+      seed=(self.seed * 1_000_003 + index * 1009 + trajectory.turns) % (2**31 - 1),
+    )
+    self.r.engine.submit(request)
+
+  def _turn_done(self, index: int, record: RequestRecord) -> None:
+    trajectory = self.trajectories[index]
+    trajectory.append(record.token_ids, list(record.logprobs), list(record.versions))
+    trajectory.turns += 1
+    for hook in self.r.on_turn:
+      hook(index, trajectory)
+    ids = record.token_ids
+    ended_on_stop = bool(ids) and ids[-1] in self.stop_ids
+    text = self.r.tokenizer.decode(ids[:-1] if ended_on_stop else ids)
+    if len(trajectory.token_ids) >= self.r.max_tokens:
+      self._finish(index, "max_tokens")
+      return
+    self.last_stop[index] = ids[-1] if ended_on_stop else None
+    self.waiting[index] = self._async(self.episodes[index].step(text))
+
+  def _env_done(self, index: int, step) -> None:
+    episode, trajectory = self.episodes[index], self.trajectories[index]
+    if step.done:
+      self._finish(index, None)
+      return
+    ids = continuation_ids(
+      self.r.tokenizer,
+      step.messages,
+      stop_id=self.last_stop[index],
+      tools=episode.tools,
+      template_kwargs=self.r.template_kwargs,
+    )
+    if len(trajectory.token_ids) + len(ids) >= self.r.max_tokens:
+      # No room for the environment's answer and a turn after it: the answer is not appended
+      # (nothing would be trained on it) and the trajectory stays within `max_tokens`.
+      self._finish(index, "max_tokens")
+      return
+    trajectory.append(ids)
+    self._next_turn(index)
+
+  def _finish(self, index: int, reason: str | None) -> None:
+    episode = self.episodes[index]
+    if reason is not None:
+      episode.end(reason)
+    self.trajectories[index].summary = episode.summary()
+    self.open -= 1
+
+
+def trajectory_batch(
+  trajectories: Sequence[Trajectory], advantages_b: np.ndarray, pad_id: int
+) -> TrainBatch:
+  """The learner's batch: each row a trajectory's ids, the loss mask on the targets the policy
+  sampled (every other id is context), rollout log-probs as the behaviour policy's."""
+  length = batch_length(max(len(t.token_ids) for t in trajectories))
+  b = len(trajectories)
+  tokens_bt = np.full((b, length), pad_id, np.int32)
+  mask_bt = np.zeros((b, length - 1), np.float32)
+  old_logp_bt = np.zeros((b, length - 1), np.float32)
+  for i, t in enumerate(trajectories):
+    n = len(t.token_ids)
+    tokens_bt[i, :n] = t.token_ids
+    # Target position j predicts id j + 1.
+    mask_bt[i, : n - 1] = t.sampled[1:]
+    old_logp_bt[i, : n - 1] = t.logprobs[1:]
+  return TrainBatch(tokens_bt, mask_bt, old_logp_bt, np.asarray(advantages_b, np.float32))

@@ -1,0 +1,156 @@
+"""Multi-turn rollouts on the paged engine: token in, token out, across turns and a weight update;
+failing environments end their own episode only."""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.data.tokenizer import CharTokenizer
+from jaxrl.envs import EpisodeLimits, GuessNumberEnv, continuation_ids, prompt_ids
+from jaxrl.envs import guess_number as game
+from jaxrl.model import Model, get_preset
+from jaxrl.rl.multi_turn import MultiTurnRollout, trajectory_batch
+from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
+from jaxrl.sharding import ROLLOUT_RULES, make_mesh
+
+TOKENIZER = CharTokenizer()
+# Rows past the char vocabulary are masked out of sampling, so every sampled id decodes.
+MODEL = Model(get_preset("tiny", vocab_limit=TOKENIZER.vocab_size, max_seq_len=256))
+
+
+@pytest.fixture(scope="module")
+def engine():
+  mesh = make_mesh(jax.devices()[:2], {"data": 2})
+  config = PagedConfig(page_size=8, num_pages=160, max_running=8, decode_steps=4)
+  e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=TOKENIZER.eos_id, pad_id=0, config=config)
+  e.update_weights(MODEL.init(0), 0)
+  return e
+
+
+def records(n, seed=0):
+  return game.records("train", n, seed, max_low=20, widths=(7,))  # 3 guesses suffice
+
+
+def test_the_learner_gets_exactly_the_ids_the_engine_sampled_across_turns_and_versions(engine):
+  rollout = MultiTurnRollout(
+    engine,
+    TOKENIZER,
+    lambda: GuessNumberEnv(max_guesses=4),
+    EpisodeLimits(max_turns=4, step_timeout_s=30),
+    max_tokens=240,
+  )
+  turns = {}  # request id -> the engine's finished record
+  step = engine.step
+
+  def recording_step():
+    finished = step()
+    turns.update((r.request_id, r) for r in finished)
+    return finished
+
+  engine.step = recording_step
+  new_weights = MODEL.init(1)
+
+  def update_after_first_turn(index, trajectory):
+    if engine.version == 0:
+      engine.update_weights(new_weights, 1)  # mid-episode for the others
+
+  rollout.on_turn.append(update_after_first_turn)
+  recs = records(6)
+  try:
+    result = rollout.run(recs, SamplingParams(temperature=1.0, max_new_tokens=6), seed=3)
+  finally:
+    del engine.step
+    engine.update_weights(MODEL.init(0), 0)
+  assert not result.skipped and len(result.trajectories) == 6
+  versions_seen = set()
+  for i, (t, record) in enumerate(zip(result.trajectories, recs, strict=True)):
+    env = GuessNumberEnv(max_guesses=4)
+    expected = prompt_ids(TOKENIZER, env.reset(record))
+    assert t.token_ids[: t.prompt_len] == expected and t.prompt_len == len(expected)
+    for k in range(t.turns):
+      turn = turns[f"traj.{i}.{k}"]
+      # The engine was given the trajectory so far as it is (never re-tokenised) ...
+      assert turn.prompt_ids == expected
+      expected = expected + turn.token_ids
+      start = len(turn.prompt_ids)
+      span = slice(start, start + len(turn.token_ids))
+      # ... and the trajectory holds its ids as sampled, with their log-probs and versions.
+      assert t.token_ids[span] == turn.token_ids and set(t.sampled[span]) == {1}
+      assert t.logprobs[span] == turn.logprobs and t.versions[span] == turn.versions
+      versions_seen.update(turn.versions)
+      ended_on_stop = turn.token_ids[-1] == TOKENIZER.eos_id
+      text = TOKENIZER.decode(turn.token_ids[:-1] if ended_on_stop else turn.token_ids)
+      answer = env.step(text)
+      if not answer.done:
+        stop = turn.token_ids[-1] if ended_on_stop else None
+        expected = expected + continuation_ids(TOKENIZER, answer.messages, stop_id=stop)
+    assert t.token_ids == expected  # nothing else in between
+    assert sum(t.sampled) == sum(len(turns[f"traj.{i}.{k}"].token_ids) for k in range(t.turns))
+    assert t.summary.turns == t.turns and t.summary.end_reason in ("solved", "out_of_guesses")
+  assert versions_seen == {0, 1}  # trajectories spanned the weight update
+  assert max(t.turns for t in result.trajectories) > 1
+
+  batch = trajectory_batch(result.trajectories, np.arange(6.0), pad_id=0)
+  for i, t in enumerate(result.trajectories):
+    n = len(t.token_ids)
+    np.testing.assert_array_equal(batch.tokens_bt[i, :n], t.token_ids)
+    # Target j is id j + 1: the loss mask is 1 exactly on sampled ids.
+    np.testing.assert_array_equal(batch.mask_bt[i, : n - 1], t.sampled[1:])
+    assert batch.mask_bt[i, n - 1 :].sum() == 0
+    np.testing.assert_array_equal(batch.old_logp_bt[i, : n - 1], np.float32(t.logprobs[1:]))
+
+
+class _Faulty(GuessNumberEnv):
+  """Hangs on target 3, raises on target 4, else plays the game."""
+
+  def step(self, action):
+    if self._target == 3:
+      time.sleep(5)
+    if self._target == 4:
+      raise RuntimeError("the tool crashed")
+    return super().step(action)
+
+
+def test_a_failing_environment_ends_its_own_episode_and_keeps_its_tokens(engine):
+  rollout = MultiTurnRollout(
+    engine,
+    TOKENIZER,
+    lambda: _Faulty(max_guesses=3),
+    EpisodeLimits(max_turns=3, step_timeout_s=0.5, failure_reward=-1.0),
+    max_tokens=240,
+  )
+  recs = [game._record(0, 6, target) for target in (1, 3, 4, 5)]
+  recs.append({"id": "broken", "low": 0, "high": 6})  # no target: reset fails
+  start = time.perf_counter()
+  result = rollout.run(recs, SamplingParams(temperature=1.0, max_new_tokens=5), seed=0)
+  assert time.perf_counter() - start < 30
+  assert [r["id"] for r, _ in result.skipped] == ["broken"]
+  assert "target" in result.skipped[0][1]
+  by_target = {t.record["target"]: t for t in result.trajectories}
+  assert by_target[3].summary.end_reason == "step_timeout"
+  assert by_target[4].summary.end_reason == "env_error"
+  assert "the tool crashed" in by_target[4].summary.error
+  for target in (3, 4):
+    t = by_target[target]
+    assert t.turns == 1 and sum(t.sampled) > 0 and t.summary.reward == -1.0
+  for target in (1, 5):  # untouched by the others' failures
+    assert by_target[target].summary.end_reason in ("solved", "out_of_guesses")
+
+
+def test_a_trajectory_out_of_tokens_ends_with_max_tokens(engine):
+  rollout = MultiTurnRollout(
+    engine,
+    TOKENIZER,
+    lambda: GuessNumberEnv(max_guesses=6),
+    EpisodeLimits(max_turns=6),
+    max_tokens=48,
+  )
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+  result = rollout.run(records(3, seed=1), sampling, seed=2)
+  for t in result.trajectories:
+    assert len(t.token_ids) <= 48
+    if t.summary.end_reason == "max_tokens":
+      assert t.summary.truncated
+  assert any(t.summary.end_reason == "max_tokens" for t in result.trajectories)
