@@ -11,8 +11,8 @@ named "package.module:ClassName" (`EnvConfig`, `env_factory`). Tools (`Tool`, `T
 are JSON schemas rendered by the chat template, and their calls are parsed from the model's text
 (Hermes/Qwen `<tool_call>` or Llama 3 JSON); a malformed call is answered with an error message.
 
-How the rollout engine will use this (not built yet: the engine and the RL loop still run one
-prompt and one response). Token in, token out: for each trajectory the engine makes an
+How the rollout engine uses this (`jaxrl.rl.multi_turn`; the RL loop does not train on
+environments yet). Token in, token out: for each trajectory the rollout makes an
 environment and an `Episode`, renders `reset`'s messages with `prompt_ids` (the chat template,
 with the environment's `tools`), and decodes the policy's turn. At a stop token it decodes that
 turn's ids to text, awaits `Episode.step` off the decode loop (the request gives up its decode

@@ -14,12 +14,20 @@ ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
 from jaxrl.config import ConfigError  # noqa: E402
 from jaxrl.model import Model  # noqa: E402
 from jaxrl.rl import job  # noqa: E402
+from jaxrl.rl.backends import LocalBackend  # noqa: E402
 from jaxrl.rl.checkpoint import Checkpointer  # noqa: E402
-from jaxrl.rl.policy import make_tokenizer, model_config  # noqa: E402
-from jaxrl.rl.ray_backend import RayLearner, RayWeightStore, RayWorker, RemoteStore  # noqa: E402
-from jaxrl.rl.stages import make_learner  # noqa: E402
+from jaxrl.rl.placement import place_stages  # noqa: E402
+from jaxrl.rl.policy import make_tokenizer, model_config, rollout_model_config  # noqa: E402
+from jaxrl.rl.ray_backend import (  # noqa: E402
+  RayBackend,
+  RayLearner,
+  RayWeightStore,
+  RayWorker,
+  RemoteStore,
+)
+from jaxrl.rl.stages import JobParts, make_learner  # noqa: E402
 from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline  # noqa: E402
-from jaxrl.rl.weights import StoreUnreachable  # noqa: E402
+from jaxrl.rl.weights import StoreUnreachable, WeightStore  # noqa: E402
 from jaxrl.sharding import make_mesh  # noqa: E402
 from jaxrl.train.learner import TrainBatch  # noqa: E402
 
@@ -168,23 +176,21 @@ def test_a_learner_actor_with_a_bad_config_says_why_when_built(local_ray):
     RayLearner(cfg, {"fsdp": 16})
 
 
-def test_local_and_ray_workers_build_the_same_engine_mesh(tmp_path, local_ray):
+def test_local_and_ray_workers_build_the_same_engine_mesh(local_ray):
   """The MoE variant's rollout mesh is data 2 x expert 2: a worker of 4 devices keeps the
-  expert axis whether it is a thread here or a Ray actor (both build it with
-  `policy.rollout_worker_mesh`); a Ray worker used to keep the data axis alone."""
-  overrides = {"loop.mode": "async", "loop.rollout_workers": 1, "warmup.steps": 0}
-  shapes = {}
-  for backend in ("local", "ray"):
-    cfg = tiny_config("moe", **overrides, **{"loop.backend": backend})
-    controller = job.build_controller(cfg, str(tmp_path / backend), show_progress=False)
-    (worker,) = controller.initial_workers
-    try:
-      shapes[backend] = (
-        dict(worker.engine.mesh.shape) if backend == "local" else worker.mesh_shape()
-      )
-    finally:
-      worker.kill()
-      if backend == "ray":
-        controller.learner.kill()
-  assert shapes["local"]["expert"] == 2
-  assert shapes["ray"] == shapes["local"]
+  expert axis whether the local backend makes it (a thread here) or the Ray backend (an actor);
+  both build it with `policy.rollout_worker_mesh`. A Ray worker used to keep the data axis
+  alone. (The backends are made from the job's parts directly: no learner is built.)"""
+  cfg = tiny_config("moe", **{"loop.mode": "async", "loop.rollout_workers": 1})
+  tokenizer = make_tokenizer(cfg)
+  rollout_model = Model(rollout_model_config(cfg, model_config(cfg, tokenizer)))
+  parts = JobParts(cfg, place_stages(cfg, 16), rollout_model, tokenizer, 16)
+  local, remote = LocalBackend(parts), RayBackend(parts)
+  (slot,) = local.worker_slots()
+  thread = local.make_worker("w0", slot, WeightStore())
+  actor = remote.make_worker("w1", None, RayWeightStore())
+  try:
+    assert dict(thread.engine.mesh.shape)["expert"] == 2
+    assert actor.mesh_shape() == dict(thread.engine.mesh.shape)
+  finally:
+    actor.kill()
