@@ -37,6 +37,10 @@ class Backend(Protocol):
   def make_store(self) -> Any:
     """The versioned weight store the learner publishes to and the workers pull from."""
 
+  def attach_learner(self, learner: Any, timeline: Any) -> None:
+    """Where the learner's own timeline spans go (a learner in another process records its
+    updates and compilations there); the controller records a local learner's itself."""
+
   def worker_slots(self) -> list[Sequence[jax.Device] | None]:
     """One entry per rollout worker of `config.loop.rollout_workers`: the devices it runs on
     (None where the backend finds them itself)."""
@@ -63,6 +67,9 @@ class LocalBackend:
 
   def make_store(self) -> WeightStore:
     return WeightStore()
+
+  def attach_learner(self, learner, timeline) -> None:
+    del learner, timeline  # in this process: the controller's spans cover it
 
   def supervised_trainer(self, learner, learning_rate: float) -> SupervisedTrainer:
     return SupervisedTrainer(learner, learning_rate)

@@ -104,8 +104,8 @@ class Controller:
     self.show_progress = show_progress
     self.state = ControllerState()
     self.timeline = StageTimeline()
-    if hasattr(learner, "timeline"):  # a remote learner sends the spans its process records
-      learner.timeline = self.timeline
+    if backend is not None:  # a learner in another process sends the spans it records there
+      backend.attach_learner(learner, self.timeline)
 
   # -- weights -----------------------------------------------------------------------------------
 

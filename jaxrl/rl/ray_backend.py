@@ -446,6 +446,9 @@ class RayBackend:
   def make_store(self) -> RayWeightStore:
     return RayWeightStore()
 
+  def attach_learner(self, learner: RayLearner, timeline: StageTimeline) -> None:
+    learner.timeline = timeline  # the actor's spans come back with its results
+
   def supervised_trainer(self, learner: RayLearner, learning_rate: float):
     return learner.supervised_trainer(learning_rate)  # in the learner's actor
 
