@@ -90,6 +90,24 @@ def test_placements_use_the_configured_devices():
   assert colocated.shares_devices and not p.shares_devices
 
 
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_auto_max_tokens_sizes_engine_shapes_on_accelerators_only(tmp_path, monkeypatch, backend):
+  """`rollout.paged.max_tokens=-1`: on an accelerator the job sizes the engine's shapes for its
+  longest prompt plus `max_new_tokens`; on CPU it leaves them bucketed (0)."""
+  monkeypatch.setattr(job.jax, "default_backend", lambda: backend)
+  cfg = tiny_config("test", **{"eval.every": 0})
+  assert cfg.rollout.paged.max_tokens == -1
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  sized = controller.rollout.cfg.max_tokens
+  if backend == "cpu":
+    assert sized == 0
+  else:
+    records = controller.task.records("train", None, cfg.seed)[:1024]
+    prompts = controller.encode_prompts(records)
+    longest = max(len(p) for p in prompts) + cfg.rollout.sampling.max_new_tokens
+    assert sized == min(longest, cfg.model.max_seq_len)
+
+
 def test_colocated_rollout_engine_is_empty_while_the_learner_trains(tmp_path, monkeypatch):
   overrides = {"rollout.prompts_per_step": 4, "rollout.group_size": 4, "train.micro_batch_size": 8}
   cfg = tiny_config("colocated", **overrides)
