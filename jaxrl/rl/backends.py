@@ -75,7 +75,7 @@ class LocalBackend:
     return SupervisedTrainer(learner, learning_rate)
 
   def worker_slots(self) -> list[Sequence[jax.Device] | None]:
-    return list(rollout_device_groups(self.parts))
+    return rollout_device_groups(self.parts)
 
   def make_worker(self, name: str, devices, store) -> LocalWorker:
     p = self.parts

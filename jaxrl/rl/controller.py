@@ -84,11 +84,11 @@ class Controller:
     writer: MetricsWriter,
     checkpointer: Checkpointer | None,
     show_progress: bool = True,
+    backend: Backend,
     exporter: PolicyExporter | None = None,
-    backend: Backend | None = None,
   ):
-    """`exporter`, if any, writes the policy in Hugging Face layout when it is due; `backend`
-    made the learner and the store (`backends.Backend`; None: this process's `local`)."""
+    """`backend` made the learner and the store (`backends.Backend`); `exporter`, if any,
+    writes the policy in Hugging Face layout when it is due."""
     self.s = settings
     self.backend = backend
     self.exporter = exporter
@@ -104,8 +104,7 @@ class Controller:
     self.show_progress = show_progress
     self.state = ControllerState()
     self.timeline = StageTimeline()
-    if backend is not None:  # a learner in another process sends the spans it records there
-      backend.attach_learner(learner, self.timeline)
+    backend.attach_learner(learner, self.timeline)  # a remote learner sends its spans here
 
   # -- weights -----------------------------------------------------------------------------------
 

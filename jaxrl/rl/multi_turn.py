@@ -164,8 +164,6 @@ class _Run:
     self.episodes: list[Episode] = []
     self.trajectories: list[Trajectory] = []
     self.waiting: dict[int, concurrent.futures.Future] = {}  # trajectory -> its env step
-    eos = () if sampling.ignore_eos else (rollout.engine.eos_id,)
-    self.stop_ids = {*sampling.stop_token_ids, *eos}  # the ids a turn ends on
     self.last_stop: dict[int, int | None] = {}  # trajectory -> the stop id its turn ended on
     self.open = 0
 
@@ -230,13 +228,13 @@ class _Run:
     trajectory.turns += 1
     for hook in self.r.on_turn:
       hook(index, trajectory)
-    ids = record.token_ids
-    ended_on_stop = bool(ids) and ids[-1] in self.stop_ids
-    text = self.r.tokenizer.decode(ids[:-1] if ended_on_stop else ids)
     if len(trajectory.token_ids) >= self.r.max_tokens:
       self._finish(index, "max_tokens")
       return
+    ids = record.token_ids
+    ended_on_stop = record.finish_reason == "stop"  # the engine's stop ids, EOS unless ignored
     self.last_stop[index] = ids[-1] if ended_on_stop else None
+    text = self.r.tokenizer.decode(ids[:-1] if ended_on_stop else ids)
     self.waiting[index] = self._async(self.episodes[index].step(text))
 
   def _env_done(self, index: int, step) -> None:
