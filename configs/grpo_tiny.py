@@ -26,6 +26,10 @@ def get_config(arg: str | None = None):
   config = default_config()
   config.seed = 0
   config.model = model_config("tiny")
+  # bf16 compute, KV cache and rollout weights on a GPU or TPU (fp32 master weights and
+  # optimizer state); fp32 on CPU.
+  config.model.dtype = "auto"
+  config.rollout.param_dtype = "auto"
   # Sort 6 digits: "sort:529130=" -> "012359". Exact match scores 1, anything else 0.
   config.task.name = "digit_sort"
   config.task.sort_length = 6
@@ -72,6 +76,7 @@ def get_config(arg: str | None = None):
     config.placement.mode = "disaggregated"
   elif arg == "moe":
     config.model = model_config("tiny-moe")
+    config.model.dtype = "auto"
     config.placement.mode = "disaggregated"
     config.placement.rollout_mesh.data = 2
     config.placement.rollout_mesh.expert = 2

@@ -20,7 +20,7 @@ import ml_collections
 
 from jaxrl.data.tasks import TaskConfig
 from jaxrl.model.config import DTYPES, ModelConfig, get_preset
-from jaxrl.rollout.paged import PagedConfig
+from jaxrl.rollout.paged_config import PagedConfig
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.train.advantages import ADVANTAGE_MODES
 from jaxrl.train.losses import LossConfig
@@ -118,7 +118,8 @@ class RolloutConfig:
       informative groups.
     dynamic_sampling_rounds: most generation rounds per step; if the step is still short, it
       is filled with uninformative groups (zero advantage) and the metrics say how many.
-    param_dtype: dtype of the rollout engines' weights ("" = `model.param_dtype`): "bfloat16"
+    param_dtype: dtype of the rollout engines' weights ("" = `model.param_dtype`; "auto":
+      bfloat16 on accelerators, "" on CPU, `auto_dtypes`): "bfloat16"
       generates from bf16 copies of a learner's fp32 master weights (half the memory and
       bandwidth per decode step); rollout log-probs then differ from the learner's by bf16
       rounding, which `train.loss.behaviour_correction` can correct.
@@ -401,11 +402,36 @@ def load_config(
   return from_config_dict(cd)
 
 
-def from_config_dict(config: Mapping[str, Any] | ml_collections.ConfigDict) -> ExperimentConfig:
-  """Converts a ConfigDict into `ExperimentConfig`, checking every key and type."""
+def from_config_dict(
+  config: Mapping[str, Any] | ml_collections.ConfigDict, backend: str | None = None
+) -> ExperimentConfig:
+  """Converts a ConfigDict into `ExperimentConfig`, checking every key and type.
+
+  `"auto"` dtypes (`model.dtype`, `rollout.param_dtype`) follow `backend` (default: JAX's
+  default backend; `auto_dtypes`)."""
   if isinstance(config, ml_collections.ConfigDict):
     config = config.to_dict()
+  config = dict(config)
+  auto = auto_dtypes(backend)
+  for section, key in (("model", "dtype"), ("rollout", "param_dtype")):
+    values = config.get(section)
+    if isinstance(values, Mapping) and values.get(key) == "auto":
+      config[section] = {**values, key: auto[f"{section}.{key}"]}
   return _build(ExperimentConfig, config, "config")
+
+
+def auto_dtypes(backend: str | None = None) -> dict[str, str]:
+  """What `"auto"` means on `backend` ("cpu", "gpu", "tpu"; default: JAX's default backend):
+  on accelerators bf16 compute (and KV cache) and bf16 rollout weights (the learner's fp32
+  master weights cast once per sync, not at every use); on CPU, which has no fast bf16
+  matmuls, fp32 compute and rollout weights in `model.param_dtype`."""
+  if backend is None:
+    import jax  # here: reading a config must not start a backend unless "auto" asks
+
+    backend = jax.default_backend()
+  if backend == "cpu":
+    return {"model.dtype": "float32", "rollout.param_dtype": ""}
+  return {"model.dtype": "bfloat16", "rollout.param_dtype": "bfloat16"}
 
 
 def _build(cls, values: Mapping[str, Any], path: str):

@@ -3,6 +3,7 @@
   python launch/bench.py logprob_mismatch [--json]
   python launch/bench.py rollout [--json] [--presets micro,bench-tiny,bench-small]
   python launch/bench.py prefix_sharing [--json] [--presets bench-tiny]
+  python launch/bench.py prefill_packing [--json] [--presets bench-tiny]
   python launch/bench.py plan [--json]
   python launch/bench.py calibrate [--json]
   python launch/bench.py paged_attention [--json]
@@ -37,6 +38,11 @@ from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
 from bench_grpo import bench_grpo_step  # noqa: E402
 from bench_memory import bench_memory  # noqa: E402
+from bench_prefill import (  # noqa: E402
+  bench_prefill_packing,
+  bench_prefix_sharing,
+  timed_generate,
+)
 
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxrl.model import Model, get_preset  # noqa: E402
@@ -203,12 +209,6 @@ def bench_decode_floor(
   return out
 
 
-def _timed_generate(engine, prompts, sampling) -> tuple[float, int]:
-  start = time.perf_counter()
-  outs = engine.generate(prompts, sampling, seed=0)
-  return time.perf_counter() - start, sum(len(c.token_ids) for c in outs)
-
-
 def bench_rollout(
   presets=("micro", "bench-tiny", "bench-small"),
   num_prompts: int = 64,
@@ -270,9 +270,9 @@ def bench_rollout(
         sampling = [
           SamplingParams(temperature=1.0, max_new_tokens=int(n), ignore_eos=True) for n in lengths
         ]
-        _timed_generate(engine, prompts, sampling)  # compile every shape once
+        timed_generate(engine, prompts, sampling)  # compile every shape once
         waits = engine.num_host_waits
-        seconds, tokens = _timed_generate(engine, prompts, sampling)
+        seconds, tokens = timed_generate(engine, prompts, sampling)
         assert tokens == int(lengths.sum()), (name, workload, tokens)
         row[f"{name}_{workload}_tokens_per_s"] = tokens / seconds
         # Device-to-host waits (the device idle until the host answers) per generated token.
@@ -477,49 +477,6 @@ def bench_calibrate(
   }
 
 
-def bench_prefix_sharing(
-  presets=("bench-tiny",),
-  prompt_len: int = 1024,
-  group: int = 8,
-  num_prompts: int = 8,
-  new_tokens: int = 64,
-) -> dict:
-  """GRPO's shape of work: `num_prompts` prompts of `prompt_len` tokens, `group` sampled
-  responses each, on the paged engine with and without `share_prefix` (prompt prefilled once,
-  whole KV pages shared); wall time of the whole generate (prefill included), second run."""
-  mesh = make_mesh(jax.devices()[:1], {})
-  rng = np.random.default_rng(0)
-  out = {}
-  for preset in presets:
-    cfg = get_preset(preset, max_seq_len=prompt_len + new_tokens)
-    model = Model(cfg)
-    params = model.init(0)
-    prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(num_prompts)]
-    prompts = [p for p in prompts for _ in range(group)]
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
-    rows = len(prompts)
-    row = {}
-    for share in (False, True):
-      config = PagedConfig(
-        page_size=16, num_pages=rows * -(-(prompt_len + new_tokens) // 16), max_running=rows,
-        prefill_chunk=512, share_prefix=share,
-      )  # fmt: skip
-      engine = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=config)
-      engine.update_weights(params, 0)
-      _timed_generate(engine, prompts, sampling)  # compile
-      shared_before = engine.num_shared_prefill_tokens
-      seconds, tokens = _timed_generate(engine, prompts, sampling)
-      name = "shared" if share else "unshared"
-      row[f"{name}_seconds"] = seconds
-      row[f"{name}_tokens_per_s"] = tokens / seconds
-      row[f"{name}_prefilled_tokens"] = rows * (prompt_len - 1) - (
-        engine.num_shared_prefill_tokens - shared_before
-      )
-    row["speedup"] = row["unshared_seconds"] / row["shared_seconds"]
-    out[preset] = row
-  return out
-
-
 BENCHMARKS = {
   "async": bench_async,
   "balance": bench_balance,
@@ -531,6 +488,7 @@ BENCHMARKS = {
   "memory": bench_memory,
   "paged_attention": bench_paged_attention,
   "plan": bench_plan,
+  "prefill_packing": bench_prefill_packing,
   "prefix_sharing": bench_prefix_sharing,
   "rollout": bench_rollout,
 }

@@ -142,3 +142,24 @@ def test_defaults_round_trip():
   cfg = from_config_dict(default_config())
   assert cfg == ExperimentConfig()
   assert isinstance(default_config(), ml_collections.ConfigDict)
+
+
+@pytest.mark.parametrize(
+  ("backend", "compute", "rollout"),
+  [("cpu", "float32", ""), ("gpu", "bfloat16", "bfloat16"), ("tpu", "bfloat16", "bfloat16")],
+)
+def test_auto_dtypes_follow_the_backend(backend, compute, rollout):
+  config = default_config()
+  config.model.dtype = "auto"
+  config.rollout.param_dtype = "auto"
+  cfg = from_config_dict(config, backend=backend)
+  assert (cfg.model.dtype, cfg.rollout.param_dtype) == (compute, rollout)
+  assert cfg.model.param_dtype == "float32"  # master weights stay fp32
+  # The shipped demo says "auto", in every variant.
+  module = load(os.path.join(REPO, "configs", "grpo_tiny.py"))
+  for arg in variants(module):
+    shipped = from_config_dict(module.get_config(arg), backend=backend)
+    assert (shipped.model.dtype, shipped.rollout.param_dtype) == (compute, rollout)
+  with pytest.raises(ConfigError, match="config.model.*dtype"):
+    config.model.dtype = "fp8"
+    from_config_dict(config, backend=backend)

@@ -1,7 +1,7 @@
 """Decoder-only transformer (dense and MoE) in Flax NNX, its configs, a pure-function view, and
 Hugging Face checkpoints in and out."""
 
-from jaxrl.model.cache import LayerCache, PagedLayerCache, init_cache
+from jaxrl.model.cache import LayerCache, PackedPrefillCache, PagedLayerCache, init_cache
 from jaxrl.model.config import PRESETS, ModelConfig, get_preset
 from jaxrl.model.functional import Model, Params
 from jaxrl.model.hf import load_pretrained, save_pretrained
@@ -16,6 +16,7 @@ __all__ = [
   "ExpertParallel",
   "LMHead",
   "LayerCache",
+  "PackedPrefillCache",
   "PagedLayerCache",
   "Model",
   "ModelConfig",

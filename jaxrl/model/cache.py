@@ -43,6 +43,23 @@ class PagedLayerCache(NamedTuple):
   page_table_bn: jax.Array
 
 
+class PackedPrefillCache(NamedTuple):
+  """Paged cache of one layer for a packed prefill call: each row holds the tokens of several
+  sequences from position 0 on, told apart by segment ids (the rows of `jaxrl.train.packing`),
+  so a call's attention needs no page table, only the row's own keys; each token's keys go to
+  the page of its own sequence.
+
+  Attributes:
+    k_pages_kpze, v_pages_kpze: as in `PagedLayerCache`.
+    token_pages_bt: the page each token is written to (slot: its position % page size); the
+      number of pages (out of range) for padding, which writes nothing.
+  """
+
+  k_pages_kpze: jax.Array
+  v_pages_kpze: jax.Array
+  token_pages_bt: jax.Array
+
+
 def init_cache(cfg, batch: int, max_len: int) -> tuple[LayerCache, ...]:
   """An empty (zeroed) dense KV cache with `max_len` slots per row."""
   shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
@@ -102,10 +119,17 @@ def attend(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None, fla
       q_bthe, k_btke, v_btke, positions_bt, positions_bt, segment_ids_bt, segment_ids_bt
     )
     return out, None
+  if isinstance(cache, PackedPrefillCache):
+    if segment_ids_bt is None:
+      raise ValueError("A PackedPrefillCache (packed prefill rows) needs segment_ids_bt.")
+    return _attend_packed_prefill(
+      q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, flash
+    )
   if segment_ids_bt is not None:
     raise ValueError(
-      "segment_ids_bt (packed rows) are for the forward pass without a KV cache (training); "
-      "a cached forward attends by positions alone: pass segment_ids_bt=None."
+      "segment_ids_bt (packed rows) are for the forward pass without a KV cache (training) or "
+      "with a PackedPrefillCache; a dense or paged cache attends by positions alone: pass "
+      "segment_ids_bt=None."
     )
   if isinstance(cache, LayerCache):
     return _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache)
@@ -120,6 +144,26 @@ def _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache: LayerCache):
   key_pos_bs = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
   out = dot_attention(q_bthe, keys, values, positions_bt, key_pos_bs)
   return out, LayerCache(keys, values)
+
+
+def _attend_packed_prefill(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, flash):
+  """Every sequence of a packed row starts at position 0 here: its keys are all in the row, so
+  attention reads them from the row (cast to the cache's dtype first, as a chunked prefill
+  reads them back from the pages) and the pages are only written."""
+  num_pages, page_size = cache.k_pages_kpze.shape[1:3]
+  dtype = cache.k_pages_kpze.dtype
+  slot_bt = jnp.maximum(positions_bt, 0) % page_size
+  page_bt = jnp.where(positions_bt >= 0, cache.token_pages_bt, num_pages)
+  keys_btke, values_btke = k_btke.astype(dtype), v_btke.astype(dtype)
+  k_pages = cache.k_pages_kpze.at[:, page_bt, slot_bt].set(
+    jnp.moveaxis(keys_btke, 2, 0), mode="drop"
+  )
+  v_pages = cache.v_pages_kpze.at[:, page_bt, slot_bt].set(
+    jnp.moveaxis(values_btke, 2, 0), mode="drop"
+  )
+  new_cache = PackedPrefillCache(k_pages, v_pages, cache.token_pages_bt)
+  out, _ = attend(q_bthe, keys_btke, values_btke, positions_bt, None, segment_ids_bt, flash)
+  return out, new_cache
 
 
 def _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache):

@@ -39,7 +39,8 @@ class ModelConfig:
     moe_mlp_dim: hidden width of one expert.
     norm_topk_prob: renormalise the top-k router probabilities to sum to one (Qwen3-MoE's
       checkpoints say which); False keeps the raw softmax probabilities as combine weights.
-    dtype: compute dtype; parameters stay in param_dtype and are cast at use.
+    dtype: compute dtype; parameters stay in param_dtype and are cast at use. (An experiment
+      config may say "auto": bf16 on accelerators, fp32 on CPU; `jaxrl.config.auto_dtypes`.)
     param_dtype: storage dtype of parameters.
     vocab_limit: ids the tokenizer can produce; logits of embedding rows at and past it (tables
       padded beyond the vocabulary, e.g. 151,936 rows for Qwen3's 151,669 ids) are masked out of

@@ -67,8 +67,8 @@ class Model:
     With `return_routing`, also the expert ids every token was routed to per layer (MoE), or
     None for a dense model; `moe` selects expert parallelism, routing replay and an expert
     placement; `return_hidden` gives the final hidden states instead of the logits (for
-    `lm_head` applied in chunks); `segment_ids_bt` packs several sequences in a row (training
-    only); see `Transformer.__call__`.
+    `lm_head` applied in chunks); `segment_ids_bt` packs several sequences in a row (training,
+    or a packed prefill); see `Transformer.__call__`.
     """
     state = jax.tree.map(lambda x: x, self._abstract_state)
     nnx.replace_by_pure_dict(state, params)

@@ -174,18 +174,20 @@ class Transformer(nnx.Module):
       tokens_bt: int token ids.
       positions_bt: position of each token (defaults to 0..t-1); with a cache, token i of row b
         is written to slot positions_bt[b, i] and attends to slots <= its position.
-      cache: per-layer KV caches (`LayerCache` from `init_cache`, or `PagedLayerCache`), or
-        None for a plain causal forward. Paged rows mark padding tokens with position -1.
+      cache: per-layer KV caches (`LayerCache` from `init_cache`, `PagedLayerCache`, or
+        `PackedPrefillCache` with `segment_ids_bt`), or None for a plain causal forward. Paged
+        rows mark padding tokens with position -1.
       return_routing: also return the MoE routing trace.
       moe: MoE models: the expert-parallel path, routes to replay and an expert placement
         (`MoEInputs`); None routes with the router through the reference dispatch.
       return_hidden: return the final hidden states `[b, t, d]` (after the final norm, in the
         compute dtype) instead of the logits, for callers that apply the LM head in chunks
         (`lm_head`, `vocab_mask`) so that `[b, t, vocab]` fp32 logits never exist whole.
-      segment_ids_bt: packed rows (training, no cache): int id of the sequence each token
-        belongs to (0, 1, ... in a row; -1 for padding, which attends to nothing); a token
-        attends only to earlier-or-equal positions of its own segment, and `positions_bt`
-        restart at 0 in each segment (`jaxrl.train.packing`). None: each row is one sequence.
+      segment_ids_bt: packed rows (training without a cache, or a packed prefill): int id of
+        the sequence each token belongs to (0, 1, ... in a row; -1 for padding, which attends
+        to nothing); a token attends only to earlier-or-equal positions of its own segment,
+        and `positions_bt` restart at 0 in each segment (`jaxrl.train.packing`). None: each
+        row is one sequence.
 
     Returns:
       (logits_btv in fp32, or hidden_btd with `return_hidden`; updated cache or None), plus,

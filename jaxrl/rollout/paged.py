@@ -7,7 +7,7 @@ pages, keeps its tokens) to resume it later by re-prefilling its prompt plus gen
 
 Invariant: a running request has keys/values cached for all its tokens but the last; the next
 decode step feeds that last token, caches it, and samples the following one. Prefill therefore
-only fills the cache (in chunks); it never samples.
+only fills the cache (packed rows or chunks, `prefill`); it never samples.
 
 One device call runs a window of `decode_steps` decode steps (a scan on the device). Each
 row's decode state (next token, position, budget, token index, live flag) and sampling
@@ -42,9 +42,18 @@ from jaxrl.rollout.decode_loop import (
 )
 from jaxrl.rollout.engine import Completion, bucket, place_params
 from jaxrl.rollout.paged_calls import PagedCalls
+from jaxrl.rollout.paged_config import PagedConfig
+from jaxrl.rollout.prefill import (
+  chunk_rows,
+  chunk_spans,
+  pack_rows,
+  packed_call,
+  record_packed_routing,
+)
 from jaxrl.rollout.requests import (
   PageAllocator,
   RequestRecord,
+  bucketed_page_pairs,
   pages_for,
   record_completion,
   record_prompt_routing,
@@ -57,59 +66,6 @@ from jaxrl.rollout.sampling import (
   filter_width,
 )
 from jaxrl.sharding import tree_shardings
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedConfig:
-  """Settings of the paged engine.
-
-  Attributes:
-    page_size: token slots per KV page.
-    num_pages: the page budget (per layer); bounds the tokens cached at once.
-    max_running: most requests decoded together in one step.
-    prefill_chunk: most prompt tokens of one request prefilled per call.
-    decode_steps: most decode steps per device call (the window). Larger windows pay the
-      host's per-step cost less often; a request that finishes inside a window leaves its row
-      idle until the window ends, and waiting requests are admitted only between windows.
-    precompile: compile every decode and prefill shape the engine can meet when it first gets
-      weights (`PagedEngine.precompile`), so that no compilation stalls generation later; a
-      long-tail workload otherwise meets a new shape now and then, mid-run. It compiles one
-      function per (row bucket, page-table width, window or prefill width): over a hundred for
-      `max_running=128`, a cost that pays off in long runs only.
-    share_prefix: requests admitted together with the same tokens so far (GRPO's G responses
-      to one prompt) are prefilled once and share its full KV pages (reference-counted); each
-      gets its own copy of the last, partly filled page, which its decode writes into.
-    max_tokens: the longest sequence (prompt and response) the run expects; > 0 sizes every
-      page table for it and every prefill chunk at `min(prefill_chunk, max_tokens)` (bucketed),
-      so the engine meets one program per row count (and sampler filter) instead of one per
-      (rows, table width, chunk width): a run meets no new shape once it has seen each row
-      count, and `precompile` covers that set alone. A longer sequence still runs, in wider
-      shapes compiled when it comes. The attention of a step reads the whole table's width
-      where no kernel stops at each row's length (the CPU reference path: a long-tail GRPO
-      run's rollout took 1.26x as long on CPU, docs/BENCHMARKS.md). 0: tables and chunks
-      bucketed to what each call needs. -1 (auto): the RL job sizes them from its prompts and
-      `max_new_tokens` on accelerators, buckets them on CPU; an engine built directly treats
-      it as 0.
-  """
-
-  page_size: int = 16
-  num_pages: int = 256
-  max_running: int = 64
-  prefill_chunk: int = 128
-  decode_steps: int = 8
-  precompile: bool = False
-  share_prefix: bool = True
-  max_tokens: int = -1
-
-  def __post_init__(self):
-    for name in ("page_size", "num_pages", "max_running", "prefill_chunk", "decode_steps"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"rollout.paged.{name} must be >= 1, got {getattr(self, name)}.")
-    if self.max_tokens < -1:
-      raise ValueError(
-        f"rollout.paged.max_tokens must be -1 (auto), 0 (bucketed shapes) or the longest "
-        f"sequence to size shapes for, got {self.max_tokens}."
-      )
 
 
 @dataclasses.dataclass
@@ -230,6 +186,8 @@ class PagedEngine:
     # Prefill caches every token but the last: chunks of up to `max_tokens - 1`.
     longest_chunk = max(1, min(cfg.prefill_chunk, max_tokens - 1))
     chunks = sorted({self._chunk_width(c) for c in range(1, longest_chunk + 1)})
+    # Packed, sequences of up to `prefill_chunk + 1` tokens never meet the chunked call.
+    chunked = not cfg.pack_prefill or max_tokens > cfg.prefill_chunk + 1
     shapes = 0
     for rows, width in itertools.product(row_counts, widths):
       table = np.zeros((rows, width), np.int32)
@@ -239,11 +197,19 @@ class PagedEngine:
         )
         *_, self._kv = self._calls.decoder(filters)(self.params, self._kv, state, sampling, table)
         shapes += 1
-      for chunk in chunks:
+      for chunk in chunks if chunked else ():
         tokens = np.full((rows, chunk), self.pad_id, np.int32)
         positions = np.full((rows, chunk), -1, np.int32)
         self._kv, _ = self._calls.prefill(self.params, self._kv, tokens, positions, table)
         shapes += 1
+    for rows, chunk in itertools.product(row_counts, chunks if cfg.pack_prefill else ()):
+      tokens = np.full((rows, chunk), self.pad_id, np.int32)
+      padding = np.full((rows, chunk), -1, np.int32)  # positions and segment ids
+      pages = np.full((rows, chunk), cfg.num_pages, np.int32)
+      self._kv, _ = self._calls.prefill_packed(
+        self.params, self._kv, tokens, padding, padding, pages
+      )
+      shapes += 1
     jax.block_until_ready(self._kv)
     self._precompiled = True
     return shapes
@@ -407,7 +373,9 @@ class PagedEngine:
     if admitted:
       self._prefill_states([s for s, leader in admitted if leader is None])
       if copies:
-        self._kv = self._calls.copy_pages(self._kv, *_bucketed_pairs(copies, self.cfg.num_pages))
+        self._kv = self._calls.copy_pages(
+          self._kv, *bucketed_page_pairs(copies, self.cfg.num_pages)
+        )
       for state, leader in admitted:
         if leader is not None:
           state.record.prompt_routing = [list(x) for x in leader.record.prompt_routing]
@@ -512,23 +480,37 @@ class PagedEngine:
     return -(-bucket(n, 1) // self._row_multiple) * self._row_multiple
 
   def _prefill_states(self, states: Sequence[_Running]) -> None:
-    """Caches every token but the last of each admitted request, chunk by chunk."""
-    seqs = [s.record.prompt_ids + s.record.token_ids for s in states]
-    longest = max(len(x) for x in seqs) - 1
+    """Caches every token but the last of each admitted request: sequences that fit one
+    `prefill_chunk` packed into shared rows (`pack_prefill`), longer ones chunk by chunk."""
     chunk = self.cfg.prefill_chunk
-    for start in range(0, longest, chunk):
-      live = [(s, x) for s, x in zip(states, seqs, strict=True) if start < len(x) - 1]
-      rows, width = self._rows(len(live)), self._chunk_width(min(chunk, longest - start))
-      tokens = np.full((rows, width), self.pad_id, np.int32)
-      positions = np.full((rows, width), -1, np.int32)
-      for i, (_, x) in enumerate(live):
-        part = x[start : min(start + chunk, len(x) - 1)]
-        tokens[i, : len(part)] = part
-        positions[i, : len(part)] = np.arange(start, start + len(part))
-      table = self._page_table([s for s, _ in live], rows)
+    seqs = [s.record.prompt_ids + s.record.token_ids for s in states]
+    fits = [self.cfg.pack_prefill and 1 < len(x) <= chunk + 1 for x in seqs]
+    packed = [i for i, f in enumerate(fits) if f]
+    if packed:
+      self._prefill_packed([states[i] for i in packed], [seqs[i] for i in packed])
+    rest = [(s, x) for s, x, f in zip(states, seqs, fits, strict=True) if not f]
+    lengths = [len(x) - 1 for _, x in rest]
+    for start, stop, live in chunk_spans(lengths, chunk):
+      shape = self._rows(len(live)), self._chunk_width(stop - start)
+      tokens, positions = chunk_rows([rest[i][1] for i in live], start, stop, shape, self.pad_id)
+      table = self._page_table([rest[i][0] for i in live], len(tokens))
       self._kv, routing_btlk = self._calls.prefill(self.params, self._kv, tokens, positions, table)
       if routing_btlk is not None:
-        record_prompt_routing([s.record for s, _ in live], start, np.asarray(routing_btlk))
+        record_prompt_routing([rest[i][0].record for i in live], start, np.asarray(routing_btlk))
+
+  def _prefill_packed(self, states: Sequence[_Running], seqs: Sequence[list[int]]) -> None:
+    width = self._chunk_width(max(len(x) - 1 for x in seqs))
+    needed = len(pack_rows([len(x) - 1 for x in seqs], width))
+    call = packed_call(
+      seqs, [s.pages for s in states], rows=self._rows(needed), width=width,
+      page_size=self.cfg.page_size, num_pages=self.cfg.num_pages, pad_id=self.pad_id,
+    )  # fmt: skip
+    self._kv, routing_btlk = self._calls.prefill_packed(
+      self.params, self._kv, call.tokens_bt, call.positions_bt, call.segment_ids_bt,
+      call.token_pages_bt,
+    )  # fmt: skip
+    if routing_btlk is not None:
+      record_packed_routing([s.record for s in states], call, np.asarray(routing_btlk))
 
   def _dispatch(self, window: int) -> _InFlight | None:
     """Runs the next window from the state the last one left (nothing read from the device);
@@ -585,13 +567,3 @@ class PagedEngine:
   def _stop_ids(self, record: RequestRecord) -> tuple[int, ...]:
     eos = () if record.sampling.ignore_eos else (self.eos_id,)
     return eos + tuple(record.sampling.stop_token_ids)
-
-
-def _bucketed_pairs(pairs: list[tuple[int, int]], num_pages: int) -> tuple[np.ndarray, ...]:
-  """(sources, targets) of page copies, padded to a power of two with targets out of range."""
-  count = bucket(len(pairs), 1)
-  source = np.zeros((count,), np.int32)
-  target = np.full((count,), num_pages, np.int32)
-  for i, (a, b) in enumerate(pairs):
-    source[i], target[i] = a, b
-  return source, target

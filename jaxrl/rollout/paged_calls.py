@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl.model import ExpertParallel, Model, MoEInputs, PagedLayerCache
+from jaxrl.model import ExpertParallel, Model, MoEInputs, PackedPrefillCache, PagedLayerCache
 from jaxrl.rollout.decode_loop import DecodeState, RowSampling, WindowOutput, decode_window
 from jaxrl.sharding import batch_sharding, logical_to_pspec
 
@@ -52,6 +52,13 @@ class PagedCalls:
       in_shardings=(param_shardings, kv, matrix, matrix, matrix),
       out_shardings=(kv, row if mc.is_moe else None),
     )
+    # Packed rows (`prefill.PackedCall`): tokens, positions, segment ids, token pages.
+    self.prefill_packed = jax.jit(
+      self._prefill_packed_impl,
+      donate_argnums=(1,),
+      in_shardings=(param_shardings, kv, matrix, matrix, matrix, matrix),
+      out_shardings=(kv, row if mc.is_moe else None),
+    )
     self.copy_pages = jax.jit(
       _copy_pages, donate_argnums=(0,), in_shardings=(kv, None, None), out_shardings=kv
     )
@@ -59,7 +66,7 @@ class PagedCalls:
   @property
   def jitted(self) -> list:
     """Every jitted call made so far (for counting compiled shapes)."""
-    return [*self.decoders.values(), self.prefill, self.copy_pages]
+    return [*self.decoders.values(), self.prefill, self.prefill_packed, self.copy_pages]
 
   def decoder(self, width: int):
     """The jitted window of `decode_steps` decode steps with the sampler's filter `width`:
@@ -85,6 +92,18 @@ class PagedCalls:
       self._layers(kv, table_bn),
       return_routing=True,
       moe=self._moe,
+    )
+    return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
+
+  def _prefill_packed_impl(self, params, kv, tokens_bt, positions_bt, segment_ids_bt, pages_bt):
+    _, cache, routing_btlk = self.model.apply(
+      params,
+      tokens_bt,
+      positions_bt,
+      tuple(PackedPrefillCache(k, v, pages_bt) for k, v in kv),
+      return_routing=True,
+      moe=self._moe,
+      segment_ids_bt=segment_ids_bt,
     )
     return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
 

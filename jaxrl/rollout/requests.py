@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.rollout.engine import Completion
+from jaxrl.rollout.engine import Completion, bucket
 from jaxrl.rollout.sampling import SamplingParams
 
 
@@ -109,6 +109,16 @@ class PageAllocator:
 
 def pages_for(num_tokens: int, page_size: int) -> int:
   return -(-num_tokens // page_size)
+
+
+def bucketed_page_pairs(pairs: list[tuple[int, int]], num_pages: int) -> tuple[np.ndarray, ...]:
+  """(sources, targets) of page copies, padded to a power of two with targets out of range."""
+  count = bucket(len(pairs), 1)
+  source = np.zeros((count,), np.int32)
+  target = np.full((count,), num_pages, np.int32)
+  for i, (a, b) in enumerate(pairs):
+    source[i], target[i] = a, b
+  return source, target
 
 
 def record_prompt_routing(records, start: int, routing_btlk: np.ndarray) -> None:

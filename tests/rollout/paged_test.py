@@ -369,26 +369,28 @@ def test_precompiled_engine_compiles_nothing_while_it_generates(mesh, params):
       config=PagedConfig(precompile=precompile, **cfg),
     )  # fmt: skip
     e.update_weights(params, 0)
-    decoders, prefill = e._calls.decoders, e._calls.prefill
-    compiled = {w: d._cache_size() for w, d in decoders.items()}, prefill._cache_size()
+
+    def compiled():
+      calls = e._calls
+      prefills = calls.prefill._cache_size(), calls.prefill_packed._cache_size()
+      return {w: d._cache_size() for w, d in calls.decoders.items()}, prefills
+
+    before = compiled()
     for i, (prompt, sampling) in enumerate(zip(ps, sp, strict=True)):
       e.submit(prompt, sampling, request_id=str(i), seed=i)
     done = {r.request_id: r.token_ids for r in e.stream()}
-    return (
-      compiled,
-      ({w: d._cache_size() for w, d in e._calls.decoders.items()}, e._calls.prefill._cache_size()),
-      done,
-    )
+    return before, compiled(), done
 
   ps = [list(rng.integers(3, 60, n)) for n in rng.integers(1, 9, 6)]
   # Half the requests use top-k: windows with and without the sampler's filter.
   sp = [SamplingParams(max_new_tokens=16 - len(p), top_k=5 * (i % 2)) for i, p in enumerate(ps)]
   before, after, tokens = run(precompile=True)
   assert sorted(before[0]) == [SORT_ALL, NO_FILTER, TOP_K_CANDIDATES]
-  assert all(before[0].values()) and before[1]
+  assert all(before[0].values()) and all(before[1])  # chunked and packed prefills
   assert after == before  # nothing compiled while generating
   _, plain_after, plain_tokens = run(precompile=False)
-  assert plain_after[1] <= before[1]  # a plain run meets a subset of the shapes
+  # A plain run meets a subset of the shapes.
+  assert all(a <= b for a, b in zip(plain_after[1], before[1], strict=True))
   assert tokens == plain_tokens and len(tokens) == 6  # precompiling wrote nothing
 
 
@@ -412,13 +414,16 @@ def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row
   decoded = sized._calls.decoders[NO_FILTER]._cache_size()
   assert decoded <= len(row_counts) < bucketed._calls.decoders[NO_FILTER]._cache_size()
   assert sized._calls.prefill._cache_size() <= len(row_counts)
-  # A precompiled engine sized so: one program per row count and filter, one prefill each.
+  assert sized._calls.prefill_packed._cache_size() <= len(row_counts)
+  # A precompiled engine sized so: one program per row count and filter, and one prefill of
+  # each kind (packed rows; chunks, for sequences longer than `prefill_chunk`) per row count.
   fresh = engine(mesh, params, max_tokens=32, **cfg)
   shapes = fresh.precompile(filter_widths=(NO_FILTER,))
-  assert shapes == 2 * len(row_counts)
+  assert shapes == 3 * len(row_counts)
   fresh.generate(ps, sp, seed=3)
   assert fresh._calls.decoders[NO_FILTER]._cache_size() == len(row_counts)
   assert fresh._calls.prefill._cache_size() == len(row_counts)
+  assert fresh._calls.prefill_packed._cache_size() == len(row_counts)
   # Past max_tokens: a wider table, compiled when met, and the bucketed engine's tokens.
   long_prompt = [list(rng.integers(3, 60, 30))]
   sampling = SamplingParams(max_new_tokens=12)

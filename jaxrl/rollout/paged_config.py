@@ -1,0 +1,63 @@
+"""Settings of the paged engine (`jaxrl.rollout.paged`), apart so that the config tree
+(`jaxrl.config`) reads them without the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedConfig:
+  """Settings of the paged engine.
+
+  Attributes:
+    page_size: token slots per KV page.
+    num_pages: the page budget (per layer); bounds the tokens cached at once.
+    max_running: most requests decoded together in one step.
+    prefill_chunk: most prompt tokens of one request prefilled per call.
+    decode_steps: most decode steps per device call (the window). Larger windows pay the
+      host's per-step cost less often; a request that finishes inside a window leaves its row
+      idle until the window ends, and waiting requests are admitted only between windows.
+    precompile: compile every decode and prefill shape the engine can meet when it first gets
+      weights (`PagedEngine.precompile`), so that no compilation stalls generation later; a
+      long-tail workload otherwise meets a new shape now and then, mid-run. It compiles one
+      function per (row bucket, page-table width, window or prefill width): over a hundred for
+      `max_running=128`, a cost that pays off in long runs only.
+    share_prefix: requests admitted together with the same tokens so far (GRPO's G responses
+      to one prompt) are prefilled once and share its full KV pages (reference-counted); each
+      gets its own copy of the last, partly filled page, which its decode writes into.
+    max_tokens: the longest sequence (prompt and response) the run expects; > 0 sizes every
+      page table for it and every prefill chunk at `min(prefill_chunk, max_tokens)` (bucketed),
+      so the engine meets one program per row count (and sampler filter) instead of one per
+      (rows, table width, chunk width): a run meets no new shape once it has seen each row
+      count, and `precompile` covers that set alone. A longer sequence still runs, in wider
+      shapes compiled when it comes. The attention of a step reads the whole table's width
+      where no kernel stops at each row's length (the CPU reference path: a long-tail GRPO
+      run's rollout took 1.26x as long on CPU, docs/BENCHMARKS.md). 0: tables and chunks
+      bucketed to what each call needs. -1 (auto): the RL job sizes them from its prompts and
+      `max_new_tokens` on accelerators, buckets them on CPU; an engine built directly treats
+      it as 0.
+    pack_prefill: sequences that fit one `prefill_chunk` are prefilled packed, several to a
+      row of up to `prefill_chunk` tokens (`jaxrl.rollout.prefill`), instead of one to a row
+      padded to the longest: ragged prompts cost their own length. Off: one request per row.
+  """
+
+  page_size: int = 16
+  num_pages: int = 256
+  max_running: int = 64
+  prefill_chunk: int = 128
+  decode_steps: int = 8
+  precompile: bool = False
+  share_prefix: bool = True
+  max_tokens: int = -1
+  pack_prefill: bool = True
+
+  def __post_init__(self):
+    for name in ("page_size", "num_pages", "max_running", "prefill_chunk", "decode_steps"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"rollout.paged.{name} must be >= 1, got {getattr(self, name)}.")
+    if self.max_tokens < -1:
+      raise ValueError(
+        f"rollout.paged.max_tokens must be -1 (auto), 0 (bucketed shapes) or the longest "
+        f"sequence to size shapes for, got {self.max_tokens}."
+      )

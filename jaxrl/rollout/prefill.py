@@ -1,0 +1,128 @@
+"""Prefill plans: the arrays of the paged engine's prefill calls for a set of admitted requests.
+
+A request's prefill caches every token but its last (`paged`'s invariant). Two kinds of call:
+
+- packed: rows of `width` tokens, each holding whole sequences of several requests from
+  position 0 on, told apart by segment ids; ragged prompts cost their own length, not the
+  longest one's (a 20-token and a 100-token prompt share a 128-token row). Attention reads the
+  row's own keys, each token's keys go to its own request's pages (`PackedPrefillCache`).
+- chunked: one request per row, `width` positions at a time, attending over the row's page
+  table: for sequences longer than one packed row.
+
+Glossary: b rows, t tokens per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from jaxrl.rollout.requests import record_prompt_routing
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """Sequence `index` of the plan occupies row `row`, tokens `offset : offset + length`."""
+
+  index: int
+  row: int
+  offset: int
+  length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedCall:
+  """One packed prefill call: tokens, positions (-1 padding), segment ids (-1 padding) and the
+  page each token is written to (`num_pages` for padding), [b, t] each; `segments` says where
+  each sequence went."""
+
+  tokens_bt: np.ndarray
+  positions_bt: np.ndarray
+  segment_ids_bt: np.ndarray
+  token_pages_bt: np.ndarray
+  segments: tuple[Segment, ...]
+
+
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+  """Indices of `lengths` (each in 1..width) packed into rows of `width` tokens, first fit in
+  decreasing length order (at most 11/9 of the fewest rows, plus one); longest first in a row."""
+  if any(n < 1 or n > width for n in lengths):
+    raise ValueError(f"pack_rows: every length must be in 1..{width}, got {sorted(lengths)}.")
+  rows: list[list[int]] = []
+  free: list[int] = []
+  for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    row = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
+    if row is None:
+      rows.append([])
+      free.append(width)
+      row = len(rows) - 1
+    rows[row].append(i)
+    free[row] -= lengths[i]
+  return rows
+
+
+def packed_call(
+  seqs: Sequence[Sequence[int]],
+  pages: Sequence[Sequence[int]],
+  *,
+  rows: int,
+  width: int,
+  page_size: int,
+  num_pages: int,
+  pad_id: int,
+) -> PackedCall:
+  """The packed call that caches every token but the last of each of `seqs` (request i's
+  pages: `pages[i]`), in `rows` rows of `width` tokens (at least what `pack_rows` needs)."""
+  lengths = [len(x) - 1 for x in seqs]
+  layout = pack_rows(lengths, width)
+  if len(layout) > rows:
+    raise ValueError(f"packed_call: {len(layout)} rows needed, {rows} given.")
+  tokens = np.full((rows, width), pad_id, np.int32)
+  positions = np.full((rows, width), -1, np.int32)
+  segment_ids = np.full((rows, width), -1, np.int32)
+  token_pages = np.full((rows, width), num_pages, np.int32)
+  segments = []
+  for row, members in enumerate(layout):
+    offset = 0
+    for segment, i in enumerate(members):
+      n = lengths[i]
+      span = slice(offset, offset + n)
+      tokens[row, span] = seqs[i][:n]
+      positions[row, span] = np.arange(n)
+      segment_ids[row, span] = segment
+      token_pages[row, span] = np.asarray(pages[i], np.int32)[np.arange(n) // page_size]
+      segments.append(Segment(i, row, offset, n))
+      offset += n
+  return PackedCall(tokens, positions, segment_ids, token_pages, tuple(segments))
+
+
+def chunk_spans(lengths: Sequence[int], chunk: int) -> Iterator[tuple[int, int, list[int]]]:
+  """(start, stop, indices) of each chunked call: positions start..stop-1 of the sequences
+  (indices into `lengths`, tokens to cache) still running past `start`."""
+  longest = max(lengths, default=0)
+  for start in range(0, longest, chunk):
+    live = [i for i, n in enumerate(lengths) if start < n]
+    yield start, min(start + chunk, longest), live
+
+
+def chunk_rows(
+  seqs: Sequence[Sequence[int]], start: int, stop: int, shape: tuple[int, int], pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """Tokens and positions (-1: padding) of a chunked call of `shape` [b, t]: positions
+  start..stop-1 of each of `seqs` (one to a row; each caches every token but its last)."""
+  tokens = np.full(shape, pad_id, np.int32)
+  positions = np.full(shape, -1, np.int32)
+  for row, x in enumerate(seqs):
+    part = x[start : min(stop, len(x) - 1)]
+    tokens[row, : len(part)] = part
+    positions[row, : len(part)] = np.arange(start, start + len(part))
+  return tokens, positions
+
+
+def record_packed_routing(records, call: PackedCall, routing_btlk: np.ndarray) -> None:
+  """MoE: records each request's prompt routes from a packed call (`records[i]`: sequence i)."""
+  for seg in call.segments:
+    span = routing_btlk[seg.row : seg.row + 1, seg.offset : seg.offset + seg.length]
+    record_prompt_routing([records[seg.index]], 0, span)
