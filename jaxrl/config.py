@@ -177,6 +177,10 @@ class TrainConfig:
     logprob_chunk: sequence positions whose full-vocabulary logits exist at once when the
       learner computes log-probs and entropies (forward and backward); the memory of a
       `[micro_batch, logprob_chunk, vocab]` fp32 block, instead of the whole sequence's.
+    num_processes: processes the learner spans (`loop.backend="ray"` only): a gang of Ray
+      actors, each holding an equal share of the training mesh's devices, joined into one JAX
+      world (`jaxrl/rl/ray_learner.py`), so FSDP and tensor parallelism cross processes and
+      hosts. 1: one process.
   """
 
   steps: int = 100
@@ -189,9 +193,11 @@ class TrainConfig:
   precompile: bool = False
   logprob_chunk: int = 128
   pack_length: int = -1
+  num_processes: int = 1
 
   def __post_init__(self):
     _check_at_least("train", self, 0, "steps")
+    _check_at_least("train", self, 1, "num_processes")
     if self.pack_length < -1:
       raise ConfigError(
         f"config.train.pack_length must be -1 (rows as long as the run's longest sequence), 0 "
@@ -371,6 +377,13 @@ class ExperimentConfig:
         f"(config.rollout.prompts_per_step={self.rollout.prompts_per_step} x group_size="
         f"{self.rollout.group_size}) must split into config.train.updates_per_step={updates} "
         f"updates of whole micro-batches; make updates_per_step x micro_batch_size divide {batch}."
+      )
+    if self.train.num_processes > 1 and (self.loop.backend != "ray" or self.loop.mode == "sync"):
+      raise ConfigError(
+        f"config.train.num_processes={self.train.num_processes}: a learner of several processes "
+        f"runs on the Ray backend, in the async loop; set config.loop.backend='ray' and "
+        f"config.loop.mode='async' (or 'auto'), or train.num_processes=1 "
+        f"(got loop.backend={self.loop.backend!r}, loop.mode={self.loop.mode!r})."
       )
 
 

@@ -82,6 +82,8 @@ BAD_VALUES = [
   ("train.logprob_chunk", 0, "config.train.logprob_chunk must be >= 1, got 0."),
   ("train.pack_length", -2, "config.train.pack_length must be -1 (rows as long as the run's"),
   ("train.advantage", "ppo", "config.train.advantage='ppo': use one of ('grpo', 'drgrpo')."),
+  ("train.num_processes", 0, "config.train.num_processes must be >= 1, got 0."),
+  ("train.num_processes", 2, "config.train.num_processes=2: a learner of several processes"),
   ("warmup.steps", -1, "config.warmup.steps must be >= 0, got -1."),
   ("warmup.batch_size", 0, "config.warmup.batch_size must be >= 1, got 0."),
   ("warmup.learning_rate", -1e-3, "config.warmup.learning_rate must be >= 0, got -0.001."),

@@ -1,12 +1,11 @@
 """The RL loop: placement of stages on meshes, the controller, weight store and checkpoints."""
 
-from jaxrl.rl.controller import Controller, ControllerSettings, ControllerState
+from jaxrl.rl.controller import Controller, ControllerState
 from jaxrl.rl.placement import Placement, make_placement
 from jaxrl.rl.weights import WeightStore
 
 __all__ = [
   "Controller",
-  "ControllerSettings",
   "ControllerState",
   "Placement",
   "WeightStore",

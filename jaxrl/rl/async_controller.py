@@ -41,35 +41,6 @@ from jaxrl.train.advantages import group_advantages
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class AsyncSettings:
-  """How the asynchronous loop runs.
-
-  Attributes:
-    max_staleness: the bound eta: a trained token is at most this many versions older than
-      the weights it is trained on. 0 is synchronous.
-    partial_rollouts: workers switch to new weights at the next decode window, carrying their
-      unfinished requests over (tokens keep their versions); otherwise a worker finishes its
-      running requests before it switches.
-    skew_aware: start the requests of prompts predicted to answer longest first, and send
-      each to the worker with the fewest predicted tokens outstanding (`dispatch.py`);
-      otherwise release order and the fewest requests.
-    measured_rates: split the work by each worker's measured rate (`dispatch.WorkerRates`)
-      instead of the scheduler's prediction for its devices.
-    poll_s: how long the controller waits for a worker event before checking on its workers.
-  """
-
-  max_staleness: int = 1
-  partial_rollouts: bool = True
-  skew_aware: bool = True
-  measured_rates: bool = False
-  poll_s: float = 0.05
-
-  def __post_init__(self):
-    if self.max_staleness < 0:
-      raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
-
-
 @dataclasses.dataclass
 class Group:
   """A prompt's responses as the controller last saw them."""
@@ -126,11 +97,15 @@ class AsyncController(Controller):
   them to inject faults).
   """
 
-  def __init__(self, *, async_settings: AsyncSettings, backend: Backend, **kwargs):
+  POLL_S = 0.05  # how long the loop waits for a worker event before checking on its workers
+
+  def __init__(self, *, backend: Backend, **kwargs):
     """`backend` makes the rollout workers (`backends.Backend`): one per worker slot when a
-    call of `run` starts, and any added later (`make_worker`)."""
+    call of `run` starts, and any added later (`make_worker`). The loop's settings are read
+    from `config.loop` (`max_staleness`, `skew_aware_dispatch`, `measured_rates`; the backend
+    gives the workers `partial_rollouts`)."""
     super().__init__(backend=backend, **kwargs)
-    self.a = async_settings
+    self.loop = self.cfg.loop
     self.events: queue.Queue[WorkerEvent] = queue.Queue()
     self.workers: dict[str, RolloutWorker] = {}
     self.leaving: set[str] = set()  # given notice, not gone yet: nothing new is sent to them
@@ -143,8 +118,8 @@ class AsyncController(Controller):
     self.on_train: list[Callable[[int, list[Group]], None]] = []
     self.counters = collections.Counter()
     self.rollout_busy_s = 0.0  # decode time of the workers that have left
-    self.lengths = LengthPredictor(default=self.s.sampling.max_new_tokens / 2)
-    self.rates = WorkerRates(min_work=8, measured=async_settings.measured_rates)
+    self.lengths = LengthPredictor(default=self.sampling.max_new_tokens / 2)
+    self.rates = WorkerRates(min_work=8, measured=self.loop.measured_rates)
     self.split: dict[str, float] = {}  # worker -> share of the rollout work (`_replan_split`)
     # worker -> (time of its last event or first assignment, whether it held requests then)
     self._worker_clock: dict[str, tuple[float, bool]] = {}
@@ -171,7 +146,7 @@ class AsyncController(Controller):
       raise ValueError(f"A worker named {worker.name!r} is already running.")
     worker.attach(self.events, self.timeline)
     self.workers[worker.name] = worker
-    worker.set_min_version(self.state.version - self.a.max_staleness)
+    worker.set_min_version(self.state.version - self.loop.max_staleness)
     worker.start()
     self.counters["workers_added"] += 1
     self.rates.add(worker.name, worker.predicted_tokens_per_s)
@@ -215,7 +190,7 @@ class AsyncController(Controller):
 
   def _handle_events(self, block: bool) -> None:
     try:
-      event = self.events.get(timeout=self.a.poll_s) if block else self.events.get_nowait()
+      event = self.events.get(timeout=self.POLL_S) if block else self.events.get_nowait()
     except queue.Empty:
       return
     while True:
@@ -305,8 +280,10 @@ class AsyncController(Controller):
 
   def _release(self) -> None:
     """Starts the groups admission control allows: k < (version + eta + 1) x batch."""
-    s = self.s
-    cap = admission_cap(self.state.version, self.a.max_staleness, s.prompts_per_step)
+    g = self.cfg.rollout.group_size
+    cap = admission_cap(
+      self.state.version, self.loop.max_staleness, self.cfg.rollout.prompts_per_step
+    )
     released = []
     while self.next_group < cap:
       for prompt in next(self.loader):
@@ -317,14 +294,16 @@ class AsyncController(Controller):
           RequestRecord(
             request_id=request_id(gid, j),
             prompt_ids=ids,
-            sampling=s.sampling,
-            seed=_step_seed(s.seed, gid * s.group_size + j),
+            sampling=self.sampling,
+            seed=_step_seed(self.cfg.seed, gid * g + j),
           )
-          for j in range(s.group_size)
+          for j in range(g)
         ]
         self.groups[gid] = Group(gid, prompt, self.state.version, records, [False] * len(records))
         released += [r.request_id for r in records]
-    if self.a.skew_aware:  # longest predicted first; stable, so release order breaks ties
+    if (
+      self.loop.skew_aware_dispatch
+    ):  # longest predicted first; stable, so release order breaks ties
       released.sort(key=lambda rid: -self._predicted_left(rid))
     self.pending.extend(released)
 
@@ -340,7 +319,7 @@ class AsyncController(Controller):
     count = collections.Counter(self.assigned.values())
     load = collections.Counter()
     for rid, name in self.assigned.items():
-      load[name] += self._predicted_left(rid) if self.a.skew_aware else 1
+      load[name] += self._predicted_left(rid) if self.loop.skew_aware_dispatch else 1
     live = [w for w in self.workers.values() if w.alive and w.name not in self.leaving]
     rate = {w.name: self.rates.rate(w.name) for w in live}
     batches = collections.defaultdict(list)
@@ -358,7 +337,7 @@ class AsyncController(Controller):
       batches[worker.name].append(Assignment(copy_record(group.records[j]), group.version))
       self.assigned[rid] = worker.name
       count[worker.name] += 1
-      load[worker.name] += self._predicted_left(rid) if self.a.skew_aware else 1
+      load[worker.name] += self._predicted_left(rid) if self.loop.skew_aware_dispatch else 1
     for name, assignments in batches.items():
       self.workers[name].submit(assignments)
 
@@ -370,19 +349,23 @@ class AsyncController(Controller):
     waiting = set(self.ready)
     in_flight = [g.version for gid, g in self.groups.items() if gid not in waiting]
     choice = choose_batch(
-      ready, in_flight, self.state.version, self.a.max_staleness, self.s.prompts_per_step
+      ready,
+      in_flight,
+      self.state.version,
+      self.loop.max_staleness,
+      self.cfg.rollout.prompts_per_step,
     )
     if choice is None:
       return None
     if choice.forced:
       log.warning(
         "Step %d trains although a group left over cannot be trained within max_staleness=%d "
-        "(nothing is in flight to wait for).", self.state.step, self.a.max_staleness,
+        "(nothing is in flight to wait for).", self.state.step, self.loop.max_staleness,
       )  # fmt: skip
     return [self.groups[gid] for gid in choice.groups]
 
   def _train(self, groups: list[Group]) -> dict[str, float]:
-    s, v, eta = self.s, self.state.version, self.a.max_staleness
+    v, eta = self.state.version, self.loop.max_staleness
     for g in groups:
       if v - g.oldest_version() > eta:
         raise RuntimeError(
@@ -391,7 +374,9 @@ class AsyncController(Controller):
         )
     completions = [record_completion(r) for g in groups for r in g.records]
     rewards_b = np.concatenate([g.rewards for g in groups])
-    advantages_b = np.asarray(group_advantages(rewards_b, s.group_size, mode=s.advantage))
+    advantages_b = np.asarray(
+      group_advantages(rewards_b, self.cfg.rollout.group_size, mode=self.cfg.train.advantage)
+    )
     batch = build_batch(completions, advantages_b, self.tokenizer.pad_id)
     t = time.perf_counter()
     with self.timeline.span(LEARNER_LANE, "train"):
@@ -436,7 +421,7 @@ class AsyncController(Controller):
     with self.timeline.span(LEARNER_LANE, "weight-sync"):
       self.learner.publish_to(self.weights, self.state.version)
     for worker in self.workers.values():
-      worker.set_min_version(self.state.version - self.a.max_staleness)
+      worker.set_min_version(self.state.version - self.loop.max_staleness)
 
   def evaluate(self) -> dict[str, float]:
     if self._eval_version != self.state.version:
@@ -472,13 +457,14 @@ class AsyncController(Controller):
 
   # -- the loop ----------------------------------------------------------------------------------
 
-  def run(self) -> dict[str, float]:
-    """Runs until `steps`; returns the first and last eval rewards of this call.
+  def run(self, until: int | None = None) -> dict[str, float]:
+    """Runs until step `until` (default `config.train.steps`); returns the first and last eval
+    rewards of this call.
 
     Workers are stopped on return (and on an exception): their unfinished requests stay in
     the controller's state as the records they last streamed.
     """
-    s = self.s
+    steps = self.cfg.train.steps if until is None else until
     if self.weights.version < self.state.version:  # a later call of run has published it
       self.publish()
     self._release()
@@ -487,17 +473,17 @@ class AsyncController(Controller):
     for worker in self.initial_workers:
       self.add_worker(worker)
     self.initial_workers = []
-    if not self.workers and self.state.step < s.steps:
+    if not self.workers and self.state.step < steps:
       raise RuntimeError(
         "AsyncController.run has no rollout workers; add some with add_worker(make_worker(...))."
       )
     evals = {}
-    if s.eval_every and self.state.step < s.steps:
+    if self.cfg.eval.every and self.state.step < steps:
       evals["eval_reward_start"] = self._eval_and_write()
     bar = self._progress_bar("GRPO async")
     try:
       wait_start = time.perf_counter()
-      while self.state.step < s.steps:
+      while self.state.step < steps:
         for hook in self.hooks:
           hook(self)
         self._handle_events(block=True)
@@ -515,7 +501,7 @@ class AsyncController(Controller):
     finally:
       bar.close()
       self.stop_workers()
-    self.learner.wait_published()  # a later `run` finds the store up to date
+    self.weights.wait_for(self.state.version)  # a later `run` finds the store up to date
     return evals
 
   def stop_workers(self) -> None:

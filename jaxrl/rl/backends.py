@@ -5,9 +5,9 @@
 - `ray`: the learner, the store and each rollout worker as Ray actors (`ray_backend`, the
   optional `ray` extra), placed by Ray.
 
-A backend makes the three pieces; the controller drives them through what they share
-(`workers.RolloutWorker`, the learner's `update`/`publish_to`/`params`, the store's
-`publish`/`pull`), never by asking which backend made them. `BACKENDS` maps
+A backend makes the three pieces; the controller drives them through their protocols
+(`PolicyLearner`, `VersionedStore`, `workers.RolloutWorker`), never by asking which backend
+made them. `BACKENDS` maps
 `config.loop.backend` to a backend's maker; the synchronous loop runs on `local`.
 """
 
@@ -19,25 +19,62 @@ from typing import Any, Protocol
 import jax
 
 from jaxrl.config import ConfigError
-from jaxrl.model import Model
+from jaxrl.model import Model, Params
 from jaxrl.rl.policy import make_rollout_engine, rollout_worker_mesh
 from jaxrl.rl.stages import JobParts, make_learner, rollout_device_groups
 from jaxrl.rl.weights import WeightStore
 from jaxrl.rl.workers import LocalWorker, RolloutWorker
 from jaxrl.scheduler.local import worker_tokens_per_s
+from jaxrl.train.learner import TrainBatch
 from jaxrl.train.sft import SupervisedTrainer
+
+
+class VersionedStore(Protocol):
+  """What the loop and the workers need of the weight store (`weights.WeightStore` here, the
+  store actor's handle `ray_backend.RayWeightStore`); ownership rule: `weights.py`."""
+
+  def publish(self, params: Params, version: int) -> None:
+    """Makes `params` the newest version (versions increase)."""
+
+  def pull(self, have: int) -> tuple[int, Params] | None:
+    """The newest (version, params) if newer than `have`, else None."""
+
+  def wait_for(self, version: int) -> None:
+    """Returns once the store holds `version` or newer."""
+
+  @property
+  def version(self) -> int:
+    """The newest version held; -1 before the first."""
+
+
+class PolicyLearner(Protocol):
+  """What the loop needs of the learner (`train.Learner` here, the learner actor's handle
+  `ray_backend.RayLearner`). `params` and `opt_state` read as arrays the caller may keep and
+  may be assigned (a checkpoint restore)."""
+
+  params: Params
+  opt_state: Any
+
+  def update(self, batch: TrainBatch) -> dict:
+    """The optimizer updates of one step on `batch`; their metrics."""
+
+  def publish_to(self, store: VersionedStore, version: int, *, lend: bool = False) -> None:
+    """Publishes the weights to `store` as `version` (the store's ownership rule)."""
+
+  def precompile(self, batch_size: int, lengths: list[int]) -> int:
+    """Compiles the update for the batch shapes a run will meet; how many it compiled."""
 
 
 class Backend(Protocol):
   """Makes a job's learner, weight store and rollout workers."""
 
-  def make_learner(self, model: Model) -> Any:
+  def make_learner(self, model: Model) -> PolicyLearner:
     """The learner on the placement's training mesh."""
 
-  def make_store(self) -> Any:
+  def make_store(self) -> VersionedStore:
     """The versioned weight store the learner publishes to and the workers pull from."""
 
-  def attach_learner(self, learner: Any, timeline: Any) -> None:
+  def attach_learner(self, learner: PolicyLearner, timeline: Any) -> None:
     """Where the learner's own timeline spans go (a learner in another process records its
     updates and compilations there); the controller records a local learner's itself."""
 
@@ -45,12 +82,12 @@ class Backend(Protocol):
     """One entry per rollout worker of `config.loop.rollout_workers`: the devices it runs on
     (None where the backend finds them itself)."""
 
-  def supervised_trainer(self, learner: Any, learning_rate: float) -> Any:
+  def supervised_trainer(self, learner: PolicyLearner, learning_rate: float) -> Any:
     """The warm-up's trainer (`step(tokens_bt, mask_bt) -> metrics`) of `learner`'s weights,
     run where they live."""
 
   def make_worker(
-    self, name: str, devices: Sequence[jax.Device] | None, store: Any
+    self, name: str, devices: Sequence[jax.Device] | None, store: VersionedStore
   ) -> RolloutWorker:
     """A rollout worker named `name` on `devices` (an entry of `worker_slots`, or any devices
     of the rollout mesh for a worker added later), pulling weights from `store`."""

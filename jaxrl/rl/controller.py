@@ -9,54 +9,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 import tqdm
 
+from jaxrl.config import ExperimentConfig
 from jaxrl.data.prompts import encode_prompt
 from jaxrl.data.tasks import RewardBatch, Task
 from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.metrics import MetricsWriter
-from jaxrl.rl.backends import Backend
+from jaxrl.rl.backends import Backend, PolicyLearner, VersionedStore
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.experience import build_batch
+from jaxrl.rl.policy import PolicyExporter, template_kwargs, training_sampling
 from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline
-from jaxrl.rl.weights import WeightStore
 from jaxrl.rollout.engine import RolloutEngine
-from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.train.advantages import group_advantages
-from jaxrl.train.learner import Learner
-
-if TYPE_CHECKING:
-  from jaxrl.rl.policy import PolicyExporter
 
 log = logging.getLogger(__name__)
 
 ROLLOUT_LANE = "rollout"  # the synchronous loop's rollout engine
-
-
-@dataclasses.dataclass(frozen=True)
-class ControllerSettings:
-  """What the controller needs from the experiment config."""
-
-  steps: int
-  prompts_per_step: int
-  group_size: int
-  sampling: SamplingParams
-  advantage: str
-  eval_every: int
-  eval_sampling: SamplingParams
-  checkpoint_every: int
-  seed: int
-  dynamic_sampling_rounds: int = 0  # 0: off; else DAPO dynamic sampling with this many rounds
-  # Chat-template variables of every prompt, e.g. {"enable_thinking": False}.
-  template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  # Drop the rollout engine's weights and cache during each update (it shares the learner's
-  # devices); the weight sync after the update gives them back.
-  free_rollout_during_train: bool = False
 
 
 @dataclasses.dataclass
@@ -73,10 +47,10 @@ class Controller:
   def __init__(
     self,
     *,
-    settings: ControllerSettings,
+    cfg: ExperimentConfig,
     rollout: RolloutEngine,
-    learner: Learner,
-    weights: WeightStore,
+    learner: PolicyLearner,
+    weights: VersionedStore,
     task: Task,
     tokenizer: Tokenizer,
     loader: Iterator,
@@ -86,10 +60,18 @@ class Controller:
     show_progress: bool = True,
     backend: Backend,
     exporter: PolicyExporter | None = None,
+    free_rollout_during_train: bool = False,
   ):
-    """`backend` made the learner and the store (`backends.Backend`); `exporter`, if any,
-    writes the policy in Hugging Face layout when it is due."""
-    self.s = settings
+    """`cfg`: the run's config (the loop reads its settings there); `backend` made the learner
+    and the store (`backends.Backend`); `exporter`, if any, writes the policy in Hugging Face
+    layout when it is due; `free_rollout_during_train`: drop the rollout engine's weights and
+    cache during each update (it shares the learner's devices; the weight sync after the
+    update gives them back)."""
+    self.cfg = cfg
+    self.sampling = training_sampling(cfg, tokenizer)
+    self.eval_sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
+    self.chat = template_kwargs(cfg)  # chat-template variables of every prompt
+    self.free_rollout_during_train = free_rollout_during_train
     self.backend = backend
     self.exporter = exporter
     self.rollout = rollout
@@ -109,10 +91,12 @@ class Controller:
   # -- weights -----------------------------------------------------------------------------------
 
   def publish(self) -> None:
-    """Hands the learner's current weights to the store and the rollout engine."""
+    """Hands the learner's current weights to the store and the rollout engine. They are lent
+    (`weights.py`'s ownership rule): the engine takes them now, before the next update, and
+    the learner recalls them from the store before it donates them."""
     start = time.time()
-    self.weights.publish(self.learner.params, self.state.version)
-    version, params = self.weights.latest()
+    self.learner.publish_to(self.weights, self.state.version, lend=True)
+    version, params = self.weights.pull(-1)
     self.rollout.update_weights(params, version)
     jax.block_until_ready(self.rollout.params)
     for lane in (LEARNER_LANE, ROLLOUT_LANE):
@@ -149,7 +133,7 @@ class Controller:
   # -- one step ----------------------------------------------------------------------------------
 
   def encode_prompts(self, records: Sequence[dict]) -> list[list[int]]:
-    return [encode_prompt(self.tokenizer, r, self.s.template_kwargs) for r in records]
+    return [encode_prompt(self.tokenizer, r, self.chat) for r in records]
 
   def score(self, records: Sequence[dict], completions) -> RewardBatch:
     """The task's rewards of the completions' text (the math task checks them in worker
@@ -170,19 +154,20 @@ class Controller:
     batches generated (up to `dynamic_sampling_rounds` rounds); a step still short after the
     last round is filled with dropped groups, which carry zero advantage.
     """
-    s, step = self.s, self.state.step
-    g = s.group_size
+    cfg, step = self.cfg, self.state.step
+    g, wanted = cfg.rollout.group_size, cfg.rollout.prompts_per_step
+    rounds = cfg.rollout.dynamic_sampling_rounds if cfg.rollout.dynamic_sampling else 0
     kept, dropped = [], []
     times = {"time_rollout": 0.0, "time_reward": 0.0, "reward_timeouts": 0}
-    for round_ in range(max(1, s.dynamic_sampling_rounds)):
+    for round_ in range(max(1, rounds)):
       records = next(self.loader)
       group_records = [r for r in records for _ in range(g)]
       t = time.perf_counter()
       # Round 0 keeps the seed of a step without dynamic sampling.
-      seed = _step_seed(s.seed, step) + round_ * 7919
+      seed = _step_seed(cfg.seed, step) + round_ * 7919
       with self.timeline.span(ROLLOUT_LANE, "decode"):
         completions = self.rollout.generate(
-          self.encode_prompts(group_records), s.sampling, seed=seed
+          self.encode_prompts(group_records), self.sampling, seed=seed
         )
       times["time_rollout"] += time.perf_counter() - t
       t = time.perf_counter()
@@ -193,14 +178,14 @@ class Controller:
       for i in range(len(records)):
         group = (group_records[i * g : (i + 1) * g], completions[i * g : (i + 1) * g])
         rewards = rewards_b[i * g : (i + 1) * g]
-        informative = not s.dynamic_sampling_rounds or rewards.std() > 0
+        informative = not rounds or rewards.std() > 0
         (kept if informative else dropped).append((*group, rewards))
-      if len(kept) >= s.prompts_per_step:
+      if len(kept) >= wanted:
         break
-    filler = max(0, s.prompts_per_step - len(kept))
-    groups = (kept + dropped[:filler])[: s.prompts_per_step]
+    filler = max(0, wanted - len(kept))
+    groups = (kept + dropped[:filler])[:wanted]
     info = {}
-    if s.dynamic_sampling_rounds:
+    if rounds:
       info = {
         "dynamic_rounds": round_ + 1,
         "groups_dropped": len(dropped),
@@ -213,14 +198,14 @@ class Controller:
 
   def step(self) -> dict[str, float]:
     """One synchronous RL step; returns its metrics (host floats)."""
-    s, step = self.s, self.state.step
+    g, step = self.cfg.rollout.group_size, self.state.step
     group_records, completions, rewards_b, times = self.generate_groups()
-    records = group_records[:: s.group_size]
-    if s.free_rollout_during_train:
+    records = group_records[::g]
+    if self.free_rollout_during_train:
       self.rollout.release_memory()
 
     t = time.perf_counter()
-    advantages_b = np.asarray(group_advantages(rewards_b, s.group_size, mode=s.advantage))
+    advantages_b = np.asarray(group_advantages(rewards_b, g, mode=self.cfg.train.advantage))
     batch = build_batch(completions, advantages_b, self.tokenizer.pad_id)
     times["time_reward"] += time.perf_counter() - t
 
@@ -257,7 +242,7 @@ class Controller:
     """On the held-out records, one response each: the mean reward (`eval_reward`) and the
     fraction answered correctly (`eval_pass_at_1`: pass@1 when decoding is greedy)."""
     completions = self.rollout.generate(
-      self.encode_prompts(self.eval_records), self.s.eval_sampling, seed=_step_seed(self.s.seed, -1)
+      self.encode_prompts(self.eval_records), self.eval_sampling, seed=_step_seed(self.cfg.seed, -1)
     )
     scored = self.score(self.eval_records, completions)
     return {
@@ -268,22 +253,23 @@ class Controller:
 
   # -- the loop ----------------------------------------------------------------------------------
 
-  def run(self) -> dict[str, float]:
-    """Runs until `steps`; returns the first and last eval rewards of this call."""
-    s = self.s
+  def run(self, until: int | None = None) -> dict[str, float]:
+    """Runs until step `until` (default `config.train.steps`); returns the first and last eval
+    rewards of this call."""
+    steps = self.cfg.train.steps if until is None else until
     self.publish()
     evals = {}
-    if s.eval_every and self.state.step < s.steps:
+    if self.cfg.eval.every and self.state.step < steps:
       evals["eval_reward_start"] = self._eval_and_write()
     bar = self._progress_bar("GRPO")
-    while self.state.step < s.steps:
+    while self.state.step < steps:
       self._after_step(self.step(), bar, evals)
     bar.close()
     return evals
 
   def _progress_bar(self, desc: str) -> tqdm.tqdm:
     return tqdm.tqdm(
-      total=self.s.steps,
+      total=self.cfg.train.steps,
       initial=self.state.step,
       desc=desc,
       unit="step",
@@ -293,16 +279,16 @@ class Controller:
 
   def _after_step(self, metrics: dict[str, float], bar: tqdm.tqdm, evals: dict) -> None:
     """Writes a finished step's metrics, evaluates and checkpoints when due."""
-    s = self.s
+    cfg = self.cfg
     self.writer.write(self.state.step, "train", metrics)
     postfix = {"reward": f"{metrics['reward_mean']:.3f}"}
     bar.update(1)
-    last = self.state.step == s.steps
-    if s.eval_every and (self.state.step % s.eval_every == 0 or last):
+    last = self.state.step == cfg.train.steps
+    if cfg.eval.every and (self.state.step % cfg.eval.every == 0 or last):
       evals["eval_reward_end"] = self._eval_and_write()
       postfix["eval"] = f"{evals['eval_reward_end']:.3f}"
     bar.set_postfix(postfix)
-    if (s.checkpoint_every and self.state.step % s.checkpoint_every == 0) or last:
+    if (cfg.checkpoint.every and self.state.step % cfg.checkpoint.every == 0) or last:
       self.save()
     out_dir = self.exporter and self.exporter.due(self.state.step, last)
     if out_dir:

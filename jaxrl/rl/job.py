@@ -20,10 +20,10 @@ from jaxrl.data.prompts import encode_prompt
 from jaxrl.data.tasks import make_task
 from jaxrl.metrics import MetricsWriter, plot_reward_curve
 from jaxrl.model import Model
-from jaxrl.rl.async_controller import AsyncController, AsyncSettings
+from jaxrl.rl.async_controller import AsyncController
 from jaxrl.rl.backends import make_backend
 from jaxrl.rl.checkpoint import Checkpointer
-from jaxrl.rl.controller import Controller, ControllerSettings
+from jaxrl.rl.controller import Controller
 from jaxrl.rl.experience import batch_lengths, pad_sequences
 from jaxrl.rl.placement import Placement, place_stages
 from jaxrl.rl.policy import (
@@ -88,6 +88,11 @@ def build_controller(
       f"config.loop.mode='async' needs config.rollout.engine='paged' (its requests can be "
       f"stopped and moved), got {cfg.rollout.engine!r}."
     )
+  if not asynchronous and cfg.train.num_processes > 1:
+    raise ConfigError(
+      f"config.train.num_processes={cfg.train.num_processes} needs the async loop, but "
+      f"config.loop.mode='auto' chose sync here; set config.loop.mode='async'."
+    )
   if asynchronous and cfg.rollout.dynamic_sampling:
     raise ConfigError(
       "config.rollout.dynamic_sampling runs with config.loop.mode='sync' only; turn one off."
@@ -114,30 +119,10 @@ def build_controller(
     if train.pack_length:  # packed rows hold any sequence up to the longest: one shape
       lengths = [longest + cfg.rollout.sampling.max_new_tokens]
     learner.precompile(cfg.rollout.prompts_per_step * cfg.rollout.group_size, lengths)
-  # Generation ends at any of the model's end ids (config.json's EOS can differ from the
-  # tokenizer's, and a chat model ends its turn with yet another).
-  stops = tuple(dict.fromkeys((*cfg.rollout.sampling.stop_token_ids, *tokenizer.stop_ids)))
-  sampling = dataclasses.replace(cfg.rollout.sampling, stop_token_ids=stops)
-  settings = ControllerSettings(
-    steps=train.steps,
-    prompts_per_step=cfg.rollout.prompts_per_step,
-    group_size=cfg.rollout.group_size,
-    sampling=sampling,
-    advantage=train.advantage,
-    eval_every=cfg.eval.every,
-    eval_sampling=dataclasses.replace(sampling, temperature=cfg.eval.temperature),
-    checkpoint_every=cfg.checkpoint.every,
-    seed=cfg.seed,
-    dynamic_sampling_rounds=cfg.rollout.dynamic_sampling_rounds
-    if cfg.rollout.dynamic_sampling
-    else 0,
-    template_kwargs=chat,
-    free_rollout_during_train=cfg.rollout.free_during_train and placement.shares_devices,
-  )
   loader = PromptLoader(train_records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
   eval_records = task.records("test", cfg.eval.num_prompts) if cfg.eval.every else []
   kwargs = dict(
-    settings=settings,
+    cfg=cfg,
     rollout=engine,
     learner=learner,
     weights=backend.make_store(),
@@ -152,17 +137,11 @@ def build_controller(
     backend=backend,
   )
   if not asynchronous:
-    return Controller(**kwargs)
-  loop = cfg.loop
-  return AsyncController(
-    async_settings=AsyncSettings(
-      max_staleness=loop.max_staleness,
-      partial_rollouts=loop.partial_rollouts,
-      skew_aware=loop.skew_aware_dispatch,
-      measured_rates=loop.measured_rates,
-    ),
-    **kwargs,
-  )
+    return Controller(
+      **kwargs,
+      free_rollout_during_train=cfg.rollout.free_during_train and placement.shares_devices,
+    )
+  return AsyncController(**kwargs)
 
 
 def resolve_loop_mode(cfg: ExperimentConfig, placement: Placement) -> str:

@@ -27,7 +27,7 @@ from jaxrl.model import Model, ModelConfig, Params
 from jaxrl.model.hf import load_pretrained, save_pretrained
 from jaxrl.model.hf_config import config_from_hf
 from jaxrl.model.safetensors_io import CheckpointError
-from jaxrl.rollout import PagedEngine, StaticEngine
+from jaxrl.rollout import PagedEngine, SamplingParams, StaticEngine
 from jaxrl.sharding import STAGE_RULES, make_mesh
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,13 @@ def export_policy(cfg: ExperimentConfig, model: Model, params: Params, out_dir: 
   save_pretrained(model, params, out_dir, source=pretrained_dir(cfg), dtype=cfg.checkpoint.hf_dtype)
   log.info("policy written in Hugging Face format to %s", out_dir)
   return out_dir
+
+
+def training_sampling(cfg: ExperimentConfig, tokenizer: Tokenizer) -> SamplingParams:
+  """The sampling of every training response: `config.rollout.sampling`, with the tokenizer's
+  stop ids (end of turn, end of text) added to the config's own."""
+  stops = tuple(dict.fromkeys((*cfg.rollout.sampling.stop_token_ids, *tokenizer.stop_ids)))
+  return dataclasses.replace(cfg.rollout.sampling, stop_token_ids=stops)
 
 
 def template_kwargs(cfg: ExperimentConfig) -> dict[str, bool]:

@@ -6,29 +6,27 @@ The controller does not know which backend runs: `RayWorker` answers to the same
 `LocalWorker` (`start`, `submit`, `set_min_version`, `preempt`, `kill`, `alive`, `join`,
 `capacity`) and forwards the actor's events into the controller's queue. Inside the actor the
 loop is `LocalWorker`'s, reading weights through `RemoteStore`, which turns any failure to reach
-the store actor into `StoreUnreachable`. `RayLearner` answers to the `Learner` calls the
-controller makes (`update`, `publish_to`, `params`, `opt_state`) and runs them in a
-`LearnerActor`, which publishes weights to the store actor directly; parameters and optimizer
-state cross as host arrays, and the actor re-shards them onto its mesh. Ray is the
-optional extra `ray`.
+the store actor into `StoreUnreachable`. The learner is one actor or a gang of them
+(`ray_learner`, `train.num_processes`), publishing its shards to the store actor directly. Ray
+is the optional extra `ray`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
 import queue
 import threading
+import time
 from typing import Any
 
-import jax
 import ray
 
 from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.rl.ray_learner import RayLearner, local_devices, pin_cores
 from jaxrl.rl.stages import JobParts, rollout_device_groups
-from jaxrl.rl.timeline import LEARNER_LANE, ForwardingTimeline, StageTimeline
+from jaxrl.rl.timeline import ForwardingTimeline, StageTimeline
 from jaxrl.rl.weights import StoreUnreachable, WeightStore
 from jaxrl.rl.workers import Assignment, LocalWorker
 
@@ -44,6 +42,9 @@ class WeightStoreActor:
 
   def publish(self, params, version: int) -> None:
     self._store.publish(params, version)
+
+  def publish_part(self, version: int, part: int, num_parts: int, shards) -> None:
+    self._store.publish_part(version, part, num_parts, shards)
 
   def pull(self, have: int):
     return self._store.pull(have)
@@ -69,6 +70,19 @@ class RayWeightStore:
   @property
   def version(self) -> int:
     return ray.get(self.actor.version.remote(), timeout=self.timeout_s)
+
+  def wait_for(self, version: int) -> None:
+    """Waits until the store holds `version` or newer (a learner actor publishes in the
+    background); raises TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + self.timeout_s
+    while self.version < version:
+      if time.monotonic() > deadline:
+        raise TimeoutError(
+          f"The weight store actor still holds version {self.version} {self.timeout_s:.0f} s "
+          f"after version {version} was published; the learner actor's publication failed or "
+          "hangs (its error, if any, comes with the learner's next call)."
+        )
+      time.sleep(0.01)
 
 
 class RemoteStore:
@@ -98,12 +112,12 @@ class RolloutActor:
     mesh_axes: dict[str, int],
     cores: list | None,
   ):
-    _pin(cores)
+    pin_cores(cores)
     from jaxrl.model import Model
     from jaxrl.rl import policy
 
     tokenizer = policy.make_tokenizer(cfg)
-    devices = _local_devices(num_devices, f"Rollout worker {name}")
+    devices = local_devices(num_devices, f"Rollout worker {name}")
     model = Model(policy.rollout_model_config(cfg, policy.model_config(cfg, tokenizer)))
     mesh = policy.rollout_worker_mesh(devices, mesh_axes)
     engine = policy.make_rollout_engine(cfg, model, mesh, tokenizer)
@@ -143,198 +157,6 @@ class RolloutActor:
     except queue.Empty:
       pass
     return out, self.worker.timeline.drain(), self.worker.alive
-
-
-def _pin(cores: list[int] | None) -> None:
-  """Runs this process on `cores` only; called before JAX starts, so that the threads XLA
-  creates inherit it. On a CPU machine this gives each stage compute of its own, as separate
-  accelerators would."""
-  if cores:
-    os.sched_setaffinity(0, cores)
-
-
-def _local_devices(count: int, what: str):
-  """This actor process's first `count` devices (on a CPU node, `count` simulated ones)."""
-  # Only takes effect before the process first uses a device; a no-op on accelerator nodes.
-  with contextlib.suppress(RuntimeError):
-    jax.config.update("jax_num_cpu_devices", max(count, 1))
-  devices = jax.devices()
-  if len(devices) < count:
-    raise ValueError(f"{what} needs {count} devices; this Ray actor's process has {len(devices)}.")
-  return devices[:count]
-
-
-@ray.remote
-class LearnerActor:
-  """The learner's process: `stages.make_learner` on this process's devices, in the training
-  mesh's shape. Returns host arrays, so what it sends needs no device on the other side."""
-
-  def __init__(self, cfg: ExperimentConfig, mesh_shape: dict[str, int], cores: list | None):
-    _pin(cores)
-    import math
-
-    from jaxrl.model import Model
-    from jaxrl.rl.policy import make_tokenizer, model_config
-    from jaxrl.rl.stages import make_learner
-    from jaxrl.sharding import make_mesh
-
-    self._sft = None  # (learning rate, SupervisedTrainer) of the warm-up
-    self.timeline = ForwardingTimeline(compile_lane=LEARNER_LANE)  # its compilations
-    # Ray reports an error raised here only as "the actor died"; `ready` raises it instead.
-    self._init_error: Exception | None = None
-    try:
-      devices = _local_devices(math.prod(mesh_shape.values()), "The learner actor")
-      model = Model(model_config(cfg, make_tokenizer(cfg)))
-      self.learner = make_learner(cfg, model, make_mesh(devices, mesh_shape))
-    except Exception as e:
-      self._init_error = e
-
-  def ready(self) -> bool:
-    if self._init_error is not None:
-      raise self._init_error
-    return True
-
-  def cores(self) -> list[int]:
-    """The CPU cores this process may run on."""
-    return sorted(os.sched_getaffinity(0))
-
-  def spans(self) -> list:
-    return self.timeline.drain()
-
-  def update(self, batch) -> tuple[dict, list]:
-    """The update's metrics, and the spans recorded since the last call: one round trip."""
-    return jax.device_get(self.learner.update(batch)), self.timeline.drain()
-
-  def precompile(self, batch_size: int, lengths: list[int]) -> int:
-    return self.learner.precompile(batch_size, lengths)
-
-  def publish_to(self, store_actor, version: int) -> None:
-    """Sends the weights to the store actor directly, not through the controller's process."""
-    with self.timeline.span(LEARNER_LANE, "weight-sync"):
-      ray.get(store_actor.publish.remote(jax.device_get(self.learner.params), version))
-
-  def get(self, name: str):
-    return jax.device_get(getattr(self.learner, name))
-
-  def set_state(self, params=None, opt_state=None) -> None:
-    """Host arrays onto the shardings of the learner's own (a checkpoint restore)."""
-    onto_current = lambda new, current: jax.tree.map(  # noqa: E731
-      lambda x, cur: jax.device_put(x, cur.sharding), new, current
-    )
-    if params is not None:
-      self.learner.params = onto_current(params, self.learner.params)
-    if opt_state is not None:
-      self.learner.opt_state = onto_current(opt_state, self.learner.opt_state)
-
-  def supervised_step(self, learning_rate: float, tokens_bt, mask_bt) -> dict:
-    from jaxrl.train.sft import SupervisedTrainer
-
-    if self._sft is None or self._sft[0] != learning_rate:
-      self._sft = (learning_rate, SupervisedTrainer(self.learner, learning_rate))
-    return jax.device_get(self._sft[1].step(tokens_bt, mask_bt))
-
-
-class RayLearner:
-  """The controller's handle on a `LearnerActor`, with the `Learner` calls the loop makes.
-
-  `params` and `opt_state` read as host arrays and may be assigned (a checkpoint restore)."""
-
-  def __init__(
-    self,
-    cfg: ExperimentConfig,
-    mesh_shape: dict[str, int],
-    *,
-    cores: list[int] | None = None,
-    actor_options: dict[str, Any] | None = None,
-    timeout_s: float = 3600.0,
-  ):
-    """`actor_options` go to `LearnerActor.options` (e.g. `num_gpus`, `resources` or
-    `label_selector` to place the learner on a node with the right accelerators); `cores`
-    pins the actor's process to these CPU cores."""
-    self.timeout_s = timeout_s
-    self.timeline: StageTimeline | None = None  # set by the controller; gets the actor's spans
-    self._publishing = None  # the publication still running in the actor, if any
-    options = {"num_cpus": 0} | (actor_options or {})
-    self._actor = LearnerActor.options(**options).remote(cfg, mesh_shape, cores)
-    # Construction errors (a bad config, too few devices) surface here, not at the first step.
-    self._get(self._actor.ready.remote())
-
-  def _get(self, ref):
-    try:
-      return ray.get(ref, timeout=self.timeout_s)
-    except ray.exceptions.RayTaskError as e:
-      raise e.as_instanceof_cause() from None
-
-  def wait_published(self) -> None:
-    """Waits for the last `publish_to` to reach the store, and raises what it raised."""
-    ref, self._publishing = self._publishing, None
-    if ref is not None:
-      self._get(ref)
-
-  def update(self, batch) -> dict:
-    ref = self._actor.update.remote(batch)  # the actor runs it after the publication
-    self.wait_published()
-    metrics, spans = self._get(ref)
-    if self.timeline is not None:
-      for span in spans:
-        self.timeline.add(*span)
-    return metrics
-
-  def precompile(self, batch_size: int, lengths: list[int]) -> int:
-    count = self._get(self._actor.precompile.remote(batch_size, lengths))
-    self._get(self._actor.spans.remote())  # its compilations came before the run: not stalls
-    return count
-
-  def publish_to(self, store, version: int) -> None:
-    """Publishes the weights as `version`: from the actor straight to a store actor
-    (`RayWeightStore`), otherwise through this process. To a store actor it returns at once:
-    the actor publishes while the controller assembles the next batch (it runs calls in
-    order, so the next update starts after the publication), and records the span itself.
-    Workers that need the version wait for it in the store (`set_min_version`)."""
-    self.wait_published()
-    if isinstance(store, RayWeightStore):
-      self._publishing = self._actor.publish_to.remote(store.actor, version)
-    else:
-      store.publish(self.params, version)
-
-  @property
-  def params(self):
-    self.wait_published()
-    return self._get(self._actor.get.remote("params"))
-
-  @params.setter
-  def params(self, params) -> None:
-    self._get(self._actor.set_state.remote(params=params))
-
-  @property
-  def opt_state(self):
-    self.wait_published()
-    return self._get(self._actor.get.remote("opt_state"))
-
-  @opt_state.setter
-  def opt_state(self, opt_state) -> None:
-    self._get(self._actor.set_state.remote(opt_state=opt_state))
-
-  def supervised_trainer(self, learning_rate: float) -> _RemoteSupervised:
-    """The warm-up's trainer, run in the actor on the learner's parameters."""
-    return _RemoteSupervised(self, learning_rate)
-
-  def cores(self) -> list[int]:
-    """The CPU cores the actor's process may run on."""
-    return self._get(self._actor.cores.remote())
-
-  def kill(self) -> None:
-    ray.kill(self._actor, no_restart=True)
-
-
-class _RemoteSupervised:
-  def __init__(self, learner: RayLearner, learning_rate: float):
-    self.learner = learner
-    self.learning_rate = learning_rate
-
-  def step(self, tokens_bt, mask_bt) -> dict:
-    ref = self.learner._actor.supervised_step.remote(self.learning_rate, tokens_bt, mask_bt)
-    return self.learner._get(ref)
 
 
 class RayWorker:
@@ -440,8 +262,9 @@ class RayBackend:
 
   def make_learner(self, model) -> RayLearner:
     del model  # the actor builds its own from the config
+    cfg = self.parts.cfg
     shape = dict(self.parts.placement.train_mesh.shape)
-    return RayLearner(self.parts.cfg, shape, cores=self._learner_cores)
+    return RayLearner(cfg, shape, num_processes=cfg.train.num_processes, cores=self._learner_cores)
 
   def make_store(self) -> RayWeightStore:
     return RayWeightStore()

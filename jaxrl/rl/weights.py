@@ -5,11 +5,25 @@ parameters of one version labelled with another. Readers pull: a rollout worker 
 anything newer than what it holds when it is between decode windows, and a new or returning
 worker provisions itself the same way. Re-sharding to a reader's layout is the reader's job
 (`RolloutEngine.update_weights` places weights on its own mesh).
+
+Ownership: published weights are read-only. Readers may alias them (an engine whose layout
+matches keeps the same buffers) and never donate them. A publisher hands the store arrays it
+will not donate or mutate -- a copy (`Learner.publish_to`'s default: a host copy, for readers
+that pull while the learner trains) -- or lends its live buffers and recalls them before it
+donates them: the synchronous loop, whose only reader takes the weights before the next
+update, publishes without a copy (`publish_to(..., lend=True)`), and the learner's next update
+calls `recall`, after which the store holds no buffers of that version and a late pull fails
+with a message instead of reading deleted arrays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Sequence
+
+import jax
+import numpy as np
 
 from jaxrl.model import Params
 
@@ -24,23 +38,61 @@ class WeightStore:
   def __init__(self):
     self._lock = threading.Lock()
     self._latest: tuple[int, Params] | None = None
+    self._recalled = False  # the latest version's buffers went back to their owner
+    self._parts: dict[int, dict] = {}  # version -> part -> shards, while incomplete
 
   def publish(self, params: Params, version: int) -> None:
-    """Makes `params` the newest version. The store keeps a reference, not a copy: publish
-    arrays the caller will not donate or mutate (e.g. a host copy)."""
+    """Makes `params` the newest version. The store keeps a reference, not a copy (see the
+    ownership rule above)."""
     with self._lock:
       if self._latest is not None and version <= self._latest[0]:
         raise ValueError(
           f"Version {version} published after version {self._latest[0]}; versions must increase."
         )
       self._latest = (version, params)
+      self._recalled = False
+
+  def publish_part(self, version: int, part: int, num_parts: int, shards) -> None:
+    """Part `part` of `num_parts` of `version`: the shards one process of a learner gang owns
+    (`owned_shards`). The version is assembled and published when its last part arrives;
+    until then readers see the previous one (never a torn version)."""
+    with self._lock:
+      parts = self._parts.setdefault(version, {})
+      if part in parts or not 0 <= part < num_parts:
+        raise ValueError(
+          f"Part {part} of {num_parts} of version {version} sent twice or out of range."
+        )
+      parts[part] = shards
+      if len(parts) < num_parts:
+        return
+      for v in [v for v in self._parts if v <= version]:
+        del self._parts[v]  # this one, and older ones superseded before they were complete
+    self.publish(assemble_shards([parts[i] for i in range(num_parts)]), version)
+
+  def recall(self, version: int) -> None:
+    """The publisher takes back the buffers it lent as `version` (it is about to donate
+    them): the store drops its reference and keeps only the version number."""
+    with self._lock:
+      if self._latest is not None and self._latest[0] == version:
+        self._latest = (version, None)
+        self._recalled = True
 
   def latest(self) -> tuple[int, Params]:
-    """The newest (version, params); raises if nothing was published yet."""
+    """The newest (version, params); raises if nothing was published yet, or if its buffers
+    were recalled."""
     with self._lock:
       if self._latest is None:
         raise RuntimeError("No weights have been published to the store yet.")
+      self._check_not_recalled()
       return self._latest
+
+  def _check_not_recalled(self) -> None:
+    if self._recalled:
+      raise RuntimeError(
+        f"Version {self._latest[0]} was lent to the store and recalled by the learner before "
+        "it updated (its buffers are donated); a reader must take lent weights before the next "
+        "update, or the learner publish a copy (`publish_to(store, version)`)."
+      )
 
   def pull(self, have: int) -> tuple[int, Params] | None:
     """The newest (version, params) if it is newer than version `have`, else None.
@@ -51,9 +103,63 @@ class WeightStore:
     with self._lock:
       if self._latest is None or self._latest[0] <= have:
         return None
+      self._check_not_recalled()
       return self._latest
+
+  def wait_for(self, version: int) -> None:
+    """Returns once the store holds `version` or newer: at once here, where `publish` returns
+    only when it does (a store in another process may be behind its publisher)."""
+    if self.version < version:
+      raise RuntimeError(
+        f"The store holds version {self.version}, not {version}: nothing publishes it in the "
+        "background here; publish it first."
+      )
 
   @property
   def version(self) -> int:
     with self._lock:
       return -1 if self._latest is None else self._latest[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafShards:
+  """The pieces of one parameter a process owns: (index into the global array, values)."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  pieces: list[tuple[tuple[slice, ...], np.ndarray]]
+
+
+def owned_shards(params: Params):
+  """The shards of `params` this process owns, as host arrays: of each piece of an array one
+  replica (`replica_id` 0) is owned, so the processes of a JAX world together own every
+  element once, and none sends (or gathers) more than its share."""
+  return jax.tree.map(
+    lambda x: LeafShards(
+      tuple(x.shape),
+      x.dtype,
+      [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0],
+    ),
+    params,
+  )
+
+
+def assemble_shards(parts: Sequence) -> Params:
+  """Whole host arrays from every process's `owned_shards` (one tree each); raises if the
+  parts do not cover every element exactly once."""
+
+  def leaf(*shards: LeafShards) -> np.ndarray:
+    out = np.empty(shards[0].shape, shards[0].dtype)
+    covered = 0
+    for s in shards:
+      for index, values in s.pieces:
+        out[index] = values
+        covered += values.size
+    if covered != out.size:
+      raise ValueError(
+        f"Shards of a {shards[0].shape} parameter cover {covered} of its {out.size} elements: "
+        "a process sent too few or overlapping pieces."
+      )
+    return out
+
+  return jax.tree.map(leaf, *parts, is_leaf=lambda x: isinstance(x, LeafShards))

@@ -177,15 +177,28 @@ class Learner:
     self._logprobs = jax.jit(self._logprobs_impl)
     self._packed_logprobs = jax.jit(self._packed_logprobs_impl)
     self._warned_lengths: set[int] = set()
+    self._lent = None  # (store, version) the live parameters were lent to (`publish_to`)
 
-  def publish_to(self, store, version: int) -> None:
-    """Hands `store` (a `WeightStore`, or anything with its `publish`) a host copy of the
-    weights as `version`: the update donates the device buffers, so readers need their own."""
-    store.publish(jax.device_get(self.params), version)
+  def publish_to(self, store, version: int, *, lend: bool = False) -> None:
+    """Publishes the weights to `store` (a `WeightStore`) as `version`, under the store's
+    ownership rule: by default a host copy, which the store owns (readers may pull it while
+    the next updates run); `lend=True` the live device buffers, without a copy, for a reader
+    that takes them before the next update (the synchronous loop): `update` recalls them from
+    the store before it donates them."""
+    self.recall_lent()
+    if lend:
+      store.publish(self.params, version)
+      self._lent = (store, version)
+    else:
+      store.publish(jax.device_get(self.params), version)
 
-  def wait_published(self) -> None:
-    """Returns at once: `publish_to` has finished when it returns. (A learner in another
-    process, `RayLearner`, publishes in the background; this waits for it there.)"""
+  def recall_lent(self) -> None:
+    """Takes back buffers lent to a store (`publish_to`); whoever donates the parameters
+    (an update, the warm-up's trainer) calls it first."""
+    if self._lent is not None:
+      store, version = self._lent
+      self._lent = None
+      store.recall(version)
 
   def check_batch_size(self, batch_size: int) -> None:
     """Raises unless a batch of this many sequences splits into updates and micro-batches."""
@@ -270,6 +283,7 @@ class Learner:
     loss or gradient was not finite.
     """
     self.check_batch_size(batch.size)
+    self.recall_lent()  # the update donates the parameters
     per_update = batch.size // self.updates_per_step
     behaviour_bt = batch.old_logp_bt
     proximal_bt = behaviour_bt

@@ -42,6 +42,7 @@ class SupervisedTrainer:
 
   def step(self, tokens_bt: np.ndarray, mask_bt: np.ndarray) -> dict[str, jax.Array]:
     """One update; `mask_bt[:, i]` marks the targets (token i + 1) that are trained on."""
+    self.learner.recall_lent()  # the step donates the parameters
     self.learner.params, self.opt_state, metrics = self._step(
       self.learner.params, self.opt_state, jnp.asarray(tokens_bt), jnp.asarray(mask_bt)
     )

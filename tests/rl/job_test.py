@@ -112,20 +112,31 @@ def test_colocated_rollout_engine_is_empty_while_the_learner_trains(tmp_path, mo
   overrides = {"rollout.prompts_per_step": 4, "rollout.group_size": 4, "train.micro_batch_size": 8}
   cfg = tiny_config("colocated", **overrides)
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
-  assert controller.s.free_rollout_during_train
+  assert controller.free_rollout_during_train
   controller.publish()
+  # The publish lends the learner's live buffers (no copy): the store holds those very arrays.
+  learner, store = controller.learner, controller.weights
+  lent = jax.tree.leaves(store.pull(-1)[1])
+  assert all(a is b for a, b in zip(lent, jax.tree.leaves(learner.params), strict=True))
   seen = []
-  update = controller.learner.update
+  update = learner.update
 
   def update_and_look(batch):
     seen.append((controller.rollout.params, controller.rollout._kv))
-    return update(batch)
+    out = update(batch)
+    # The update recalled them from the store before donating them: no reader gets deleted
+    # arrays, it gets a message.
+    assert all(a.is_deleted() for a in lent)
+    with pytest.raises(RuntimeError, match="recalled by the learner before it updated"):
+      store.pull(-1)
+    return out
 
-  monkeypatch.setattr(controller.learner, "update", update_and_look)
+  monkeypatch.setattr(learner, "update", update_and_look)
   controller.step()
   assert seen == [(None, None)]  # dropped during the update
   assert controller.rollout.params is not None and controller.rollout._kv is not None
   assert controller.rollout.version == controller.state.version == 1
+  assert store.pull(0)[0] == 1  # lent again after the update
 
 
 def test_planned_placement_takes_split_and_meshes_from_the_planner():

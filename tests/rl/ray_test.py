@@ -20,11 +20,11 @@ from jaxrl.rl.placement import place_stages  # noqa: E402
 from jaxrl.rl.policy import make_tokenizer, model_config, rollout_model_config  # noqa: E402
 from jaxrl.rl.ray_backend import (  # noqa: E402
   RayBackend,
-  RayLearner,
   RayWeightStore,
   RayWorker,
   RemoteStore,
 )
+from jaxrl.rl.ray_learner import RayLearner  # noqa: E402
 from jaxrl.rl.stages import JobParts, make_learner  # noqa: E402
 from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline  # noqa: E402
 from jaxrl.rl.weights import StoreUnreachable, WeightStore  # noqa: E402
@@ -112,11 +112,16 @@ def _close(a, b, atol):
   return all(np.allclose(np.asarray(x), np.asarray(y), atol=atol) for x, y in leaves)
 
 
-def test_the_learner_actor_trains_as_the_local_learner_and_checkpoints(tmp_path, local_ray):
+def test_a_learner_gang_of_two_processes_trains_as_the_local_learner_and_checkpoints(
+  tmp_path, local_ray
+):
+  """Two Ray actors, one CPU device each, joined into one JAX world: the training mesh (fsdp
+  2) spans the processes, and the gang trains, publishes and restores as one local learner on
+  two devices does."""
   cfg = async_config(**{"loop.backend": "ray", "train.micro_batch_size": 8})
-  core = max(os.sched_getaffinity(0))
-  remote = RayLearner(cfg, {"fsdp": 2}, cores=[core])
-  assert remote.cores() == [core]  # pinned (`loop.ray_pin_cores`)
+  cores = sorted(os.sched_getaffinity(0))[-2:]  # the last two (`loop.ray_pin_cores`'s way)
+  remote = RayLearner(cfg, {"fsdp": 2}, num_processes=2, cores=cores)
+  assert remote.cores() == cores  # pinned
   # The job's model (the tokenizer's vocabulary masks the embedding's spare rows), as the
   # actor builds it.
   model = Model(model_config(cfg, make_tokenizer(cfg)))
@@ -137,13 +142,15 @@ def test_the_learner_actor_trains_as_the_local_learner_and_checkpoints(tmp_path,
   assert _close(remote.params, local.params, 1e-5)
   assert _close(remote.opt_state, local.opt_state, 1e-5)
 
-  # It publishes to the store actor directly, in the background: the call returns at once, and
-  # the actor runs the next update only after the publication, which it records in its lane.
+  # Each process publishes its own shards to the store actor directly, in the background: the
+  # call returns at once, the version appears whole once both parts are in, and the actors run
+  # the next update only after the publication, which rank 0 records in its lane.
   store = RayWeightStore()
   remote.timeline = StageTimeline(record_compiles=False)
   before = remote.params
   remote.publish_to(store, 3)
   remote.update(batch)
+  store.wait_for(3)
   version, published = store.pull(-1)
   assert version == 3 and _close(published, before, 0)
   assert not _close(published, remote.params, 0)

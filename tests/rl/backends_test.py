@@ -1,0 +1,83 @@
+"""Every backend's learner, store and rollout worker implement the loop's protocols whole."""
+
+import inspect
+
+import numpy as np
+import pytest
+
+from jaxrl.rl.backends import PolicyLearner, VersionedStore
+from jaxrl.rl.weights import LeafShards, WeightStore
+from jaxrl.rl.workers import LocalWorker, RolloutWorker
+from jaxrl.train.learner import Learner
+
+ray_backend = pytest.importorskip("jaxrl.rl.ray_backend")
+
+
+def members(protocol) -> set[str]:
+  """The protocol's methods, properties and attributes (what the loop may touch)."""
+  names = {n for n, _ in inspect.getmembers(protocol) if not n.startswith("_")}
+  return names | set(getattr(protocol, "__annotations__", {}))
+
+
+def defines(cls, name: str) -> bool:
+  """`cls` has `name` as a method or property, or assigns `self.name` in its constructor."""
+  source = inspect.getsource(cls)
+  return hasattr(cls, name) or f"self.{name} =" in source or f"self.{name}:" in source
+
+
+@pytest.mark.parametrize(
+  ("protocol", "classes"),
+  [
+    (PolicyLearner, [Learner, ray_backend.RayLearner]),
+    (VersionedStore, [WeightStore, ray_backend.RayWeightStore]),
+    (RolloutWorker, [LocalWorker, ray_backend.RayWorker]),
+  ],
+)
+def test_each_backend_implements_the_whole_protocol(protocol, classes):
+  assert members(protocol)
+  for cls in classes:
+    missing = sorted(n for n in members(protocol) if not defines(cls, n))
+    assert not missing, f"{cls.__name__} lacks {missing} of {protocol.__name__}"
+    for name in members(protocol):
+      ours, theirs = getattr(protocol, name, None), getattr(cls, name, None)
+      if inspect.isfunction(ours) and inspect.isfunction(theirs):
+        wanted = [p.name for p in inspect.signature(ours).parameters.values()]
+        assert [p.name for p in inspect.signature(theirs).parameters.values()] == wanted, (
+          f"{cls.__name__}.{name}"
+        )
+
+
+def test_a_lent_version_is_recalled_and_a_copy_is_not():
+  store = WeightStore()
+  store.publish({"w": 1}, 0)
+  store.recall(0)
+  with pytest.raises(RuntimeError, match="Version 0 was lent"):
+    store.pull(-1)
+  assert store.version == 0
+  store.publish({"w": 2}, 1)
+  store.recall(0)  # an older version: nothing to take back
+  assert store.pull(0) == (1, {"w": 2})
+  store.wait_for(1)
+  with pytest.raises(RuntimeError, match="holds version 1, not 2"):
+    store.wait_for(2)
+
+
+def test_a_version_published_in_parts_appears_whole_and_never_torn():
+  """Two processes of a learner gang each own half of a parameter (`owned_shards`): the
+  store shows the version only when both halves are in, assembled."""
+  whole = np.arange(12.0).reshape(4, 3)
+  halves = [
+    {"w": LeafShards((4, 3), whole.dtype, [((slice(r * 2, r * 2 + 2), slice(None)), part)])}
+    for r, part in enumerate(np.split(whole, 2))
+  ]
+  store = WeightStore()
+  store.publish({"w": np.zeros((4, 3))}, 0)
+  store.publish_part(1, 1, 2, halves[1])
+  assert store.version == 0  # half a version is not a version
+  with pytest.raises(ValueError, match="sent twice"):
+    store.publish_part(1, 1, 2, halves[1])
+  store.publish_part(1, 0, 2, halves[0])
+  version, params = store.pull(0)
+  assert version == 1 and np.array_equal(params["w"], whole)
+  with pytest.raises(ValueError, match="cover 6 of its 12 elements"):
+    store.publish_part(2, 0, 1, halves[0])
