@@ -177,7 +177,7 @@ class TrainConfig:
     logprob_chunk: sequence positions whose full-vocabulary logits exist at once when the
       learner computes log-probs and entropies (forward and backward); the memory of a
       `[micro_batch, logprob_chunk, vocab]` fp32 block, instead of the whole sequence's.
-    num_processes: processes the learner spans (`loop.backend="ray"` only): a gang of Ray
+    num_processes: processes the learner spans (`loop.backend="ray"`): a gang of Ray
       actors, each holding an equal share of the training mesh's devices, joined into one JAX
       world (`jaxrl/rl/ray_learner.py`), so FSDP and tensor parallelism cross processes and
       hosts. 1: one process.
@@ -304,9 +304,11 @@ class LoopConfig:
     measured_rates: async only: split the rollout work by each worker's measured decode rate
       rather than the scheduler's prediction for its devices (for workers that share a machine
       with other work); off by default, since on this 2-core machine it lowered throughput.
-    backend: async only: "local" (workers are threads of this process, each on a slice of the
-      rollout devices) or "ray" (each worker a Ray actor with its own process and devices, the
-      weight store an actor; needs the `ray` extra).
+    backend: what runs the learner, the weight store and (async) the rollout workers: "local"
+      (this process; workers are threads, each on a slice of the rollout devices) or "ray"
+      (the learner one or `train.num_processes` Ray actors, each worker an actor with its own
+      process and devices, the weight store an actor; needs the `ray` extra). The sync loop's
+      rollout engine runs in this process with either.
     ray_address: the Ray cluster to join ("" starts a local one).
     ray_pin_cores: ray only: pin the learner's actor to the first half of this machine's CPU
       cores and the rollout workers' actors to the rest (one core each, shared round-robin
@@ -378,12 +380,11 @@ class ExperimentConfig:
         f"{self.rollout.group_size}) must split into config.train.updates_per_step={updates} "
         f"updates of whole micro-batches; make updates_per_step x micro_batch_size divide {batch}."
       )
-    if self.train.num_processes > 1 and (self.loop.backend != "ray" or self.loop.mode == "sync"):
+    if self.train.num_processes > 1 and self.loop.backend != "ray":
       raise ConfigError(
         f"config.train.num_processes={self.train.num_processes}: a learner of several processes "
-        f"runs on the Ray backend, in the async loop; set config.loop.backend='ray' and "
-        f"config.loop.mode='async' (or 'auto'), or train.num_processes=1 "
-        f"(got loop.backend={self.loop.backend!r}, loop.mode={self.loop.mode!r})."
+        f"runs on the Ray backend; set config.loop.backend='ray' (got "
+        f"{self.loop.backend!r}), or train.num_processes=1."
       )
 
 

@@ -67,3 +67,32 @@ def test_main_job_runs_on_one_device_as_shipped(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   assert "colocated on it" in result.stderr
   assert json.loads(result.stdout[result.stdout.index("{") :])["steps"] == 2
+
+
+# `slow` (about 3 minutes on 2 cores: two runs with a supervised warm-up long enough that the
+# RL steps see rewards, so their losses are not all zero). Run with `pytest -m slow`.
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+def test_a_learner_of_two_processes_trains_as_one_process_does(tmp_path):
+  """`--config.train.num_processes=2`: the learner is two Ray actors joined into one JAX world
+  over the same training mesh; the run's per-step losses are the one-process run's."""
+  pytest.importorskip("ray", reason="the `ray` extra is not installed")
+  losses = {}
+  for n in (1, 2):
+    workdir = tmp_path / f"p{n}"
+    result = run_train(
+      workdir,
+      "--config=configs/grpo_tiny.py:test",
+      "--config.loop.mode=sync",
+      "--config.loop.backend=ray",
+      f"--config.train.num_processes={n}",
+      "--config.warmup.steps=60",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(workdir / "metrics.jsonl") as f:
+      records = [json.loads(line) for line in f]
+    losses[n] = [(r["kind"], r["step"], r["loss"]) for r in records if "loss" in r]
+    assert any(r.get("reward_mean", 0) > 0 for r in records)  # the RL losses are not all 0
+  assert [k[:2] for k in losses[1]] == [k[:2] for k in losses[2]]
+  for (_, step, one), (_, _, two) in zip(losses[1], losses[2], strict=True):
+    assert abs(one - two) <= 1e-4, (step, one, two)

@@ -96,6 +96,7 @@ class Controller:
     the learner recalls them from the store before it donates them."""
     start = time.time()
     self.learner.publish_to(self.weights, self.state.version, lend=True)
+    self.weights.wait_for(self.state.version)  # a learner in other processes publishes there
     version, params = self.weights.pull(-1)
     self.rollout.update_weights(params, version)
     jax.block_until_ready(self.rollout.params)

@@ -88,11 +88,6 @@ def build_controller(
       f"config.loop.mode='async' needs config.rollout.engine='paged' (its requests can be "
       f"stopped and moved), got {cfg.rollout.engine!r}."
     )
-  if not asynchronous and cfg.train.num_processes > 1:
-    raise ConfigError(
-      f"config.train.num_processes={cfg.train.num_processes} needs the async loop, but "
-      f"config.loop.mode='auto' chose sync here; set config.loop.mode='async'."
-    )
   if asynchronous and cfg.rollout.dynamic_sampling:
     raise ConfigError(
       "config.rollout.dynamic_sampling runs with config.loop.mode='sync' only; turn one off."
@@ -106,10 +101,10 @@ def build_controller(
   engine = make_rollout_engine(
     cfg, rollout_model, engine_mesh, tokenizer, eval_only if asynchronous else cfg.rollout
   )
-  # The synchronous loop runs on this process (`local`); the asynchronous one on the backend
-  # `config.loop.backend` names.
+  # The learner and the store come from `config.loop.backend` (the sync loop's rollout engine
+  # is this process's; the async loop's workers come from the backend too).
   parts = JobParts(cfg, placement, rollout_model, tokenizer, prompt_len)
-  backend = make_backend(cfg.loop.backend if asynchronous else "local", parts)
+  backend = make_backend(cfg.loop.backend, parts)
   learner = backend.make_learner(model)
   train = cfg.train
   if train.precompile:

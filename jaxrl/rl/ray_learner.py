@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import ray
 
-from jaxrl.config import ExperimentConfig
+from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.rl.timeline import LEARNER_LANE, ForwardingTimeline, StageTimeline
 from jaxrl.rl.weights import owned_shards
 
@@ -96,12 +96,7 @@ class LearnerActor:
     from jaxrl.sharding import make_mesh
 
     total = math.prod(self.mesh_shape.values())
-    if total % self.num_processes:
-      raise ValueError(
-        f"The training mesh {self.mesh_shape} has {total} devices, which "
-        f"train.num_processes={self.num_processes} processes cannot hold equally."
-      )
-    per_process = total // self.num_processes
+    per_process = total // self.num_processes  # `RayLearner` checked that it divides
     if self.num_processes > 1:
       # CPU nodes: this process's share of simulated devices, and collectives between
       # processes over gloo (on accelerator nodes neither applies).
@@ -185,6 +180,13 @@ class RayLearner:
     `num_gpus`, `resources` or `label_selector` to place the processes on nodes with the right
     accelerators); `cores` pins each process to these CPU cores; `join_timeout_s` bounds the
     wait for every rank to join the JAX world."""
+    total = math.prod(mesh_shape.values())
+    if total % num_processes:
+      raise ConfigError(
+        f"config.train.num_processes={num_processes}: the training mesh {mesh_shape} has "
+        f"{total} devices, which {num_processes} processes cannot hold equally; use a "
+        f"divisor of {total}."
+      )
     self.timeout_s = timeout_s
     self.timeline: StageTimeline | None = None  # set by the controller; gets rank 0's spans
     self._publishing: list = []  # the publication still running in the actors, if any

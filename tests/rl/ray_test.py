@@ -115,17 +115,18 @@ def _close(a, b, atol):
 def test_a_learner_gang_of_two_processes_trains_as_the_local_learner_and_checkpoints(
   tmp_path, local_ray
 ):
-  """Two Ray actors, one CPU device each, joined into one JAX world: the training mesh (fsdp
-  2) spans the processes, and the gang trains, publishes and restores as one local learner on
-  two devices does."""
+  """Two Ray actors of four CPU devices each, joined into one JAX world: the training mesh
+  (fsdp 4 x tensor 2) spans the processes, and the gang trains (five updates, to 1e-5),
+  publishes, restores and warms up as one local learner on that 8-device mesh does."""
   cfg = async_config(**{"loop.backend": "ray", "train.micro_batch_size": 8})
   cores = sorted(os.sched_getaffinity(0))[-2:]  # the last two (`loop.ray_pin_cores`'s way)
-  remote = RayLearner(cfg, {"fsdp": 2}, num_processes=2, cores=cores)
+  shape = {"fsdp": 4, "tensor": 2}
+  remote = RayLearner(cfg, shape, num_processes=2, cores=cores)
   assert remote.cores() == cores  # pinned
   # The job's model (the tokenizer's vocabulary masks the embedding's spare rows), as the
   # actor builds it.
   model = Model(model_config(cfg, make_tokenizer(cfg)))
-  local = make_learner(cfg, model, make_mesh(jax.devices()[:2], {"fsdp": 2}))
+  local = make_learner(cfg, model, make_mesh(jax.devices()[:8], shape))
   assert _close(remote.params, local.params, 0)  # same seed, same initial weights
   rng = np.random.default_rng(0)
   b, t = cfg.rollout.prompts_per_step * cfg.rollout.group_size, 12
@@ -136,9 +137,10 @@ def test_a_learner_gang_of_two_processes_trains_as_the_local_learner_and_checkpo
     old_logp_bt=np.log(rng.uniform(0.05, 0.9, (b, t - 1))).astype(np.float32) * mask,
     advantages_b=rng.normal(size=b).astype(np.float32),
   )
-  remote_metrics, local_metrics = remote.update(batch), jax.device_get(local.update(batch))
-  assert remote_metrics.keys() == local_metrics.keys()
-  assert _close(remote_metrics, local_metrics, 1e-5)
+  for _ in range(5):  # five updates: the losses and the state stay the local learner's
+    remote_metrics, local_metrics = remote.update(batch), jax.device_get(local.update(batch))
+    assert remote_metrics.keys() == local_metrics.keys()
+    assert _close(remote_metrics, local_metrics, 1e-5)
   assert _close(remote.params, local.params, 1e-5)
   assert _close(remote.opt_state, local.opt_state, 1e-5)
 
@@ -181,6 +183,8 @@ def test_a_learner_actor_with_a_bad_config_says_why_when_built(local_ray):
   cfg = async_config(**{"loop.backend": "ray", "train.micro_batch_size": 8})
   with pytest.raises(ConfigError, match="multiple of the training mesh's data\\*fsdp size 16"):
     RayLearner(cfg, {"fsdp": 16})
+  with pytest.raises(ConfigError, match="num_processes=3: the training mesh .* has 4 devices"):
+    RayLearner(cfg, {"fsdp": 4}, num_processes=3)  # before any actor starts
 
 
 def test_local_and_ray_workers_build_the_same_engine_mesh(local_ray):
