@@ -310,6 +310,11 @@ class LoopConfig:
       process and devices, the weight store an actor; needs the `ray` extra). The sync loop's
       rollout engine runs in this process with either.
     ray_address: the Ray cluster to join ("" starts a local one).
+    ray_cluster: a cluster spec (`configs/clusters/NAME.py`, or `PATH:ARG`) describing the Ray
+      cluster's pools: the job plans the stages for it and starts the learner's processes and
+      the planned rollout instances on the nodes of the pools the plan chose, with its meshes
+      (each node of pool P carries the Ray resource `jaxrl-pool-P`, one unit per accelerator;
+      `jaxrl/rl/ray_cluster.py`). "" places the actors wherever Ray finds room.
     ray_pin_cores: ray only: pin the learner's actor to the first half of this machine's CPU
       cores and the rollout workers' actors to the rest (one core each, shared round-robin
       when there are more workers than cores), so that on a CPU machine the stages compute on
@@ -328,6 +333,7 @@ class LoopConfig:
   measured_rates: bool = False
   backend: str = "local"
   ray_address: str = ""
+  ray_cluster: str = ""
   ray_pin_cores: bool = False
   rollout_workers: int = 2
 

@@ -134,7 +134,7 @@ def _ray(parts: JobParts) -> Backend:
   try:
     import ray
 
-    from jaxrl.rl import ray_backend
+    from jaxrl.rl import ray_backend, ray_cluster
   except ImportError:
     raise ConfigError(
       "config.loop.backend='ray' needs Ray: pip install 'jaxrl[ray]' (or set loop.backend='local')."
@@ -142,7 +142,10 @@ def _ray(parts: JobParts) -> Backend:
   if not ray.is_initialized():
     address = parts.cfg.loop.ray_address or None
     ray.init(address=address, include_dashboard=False, log_to_driver=False)
-  return ray_backend.RayBackend(parts)
+  placement = None
+  if parts.cfg.loop.ray_cluster:
+    placement = ray_cluster.placement_for_job(parts.cfg, parts.prompt_len, ray.nodes())
+  return ray_backend.RayBackend(parts, placement)
 
 
 BACKENDS: dict[str, Callable[[JobParts], Backend]] = {"local": LocalBackend, "ray": _ray}

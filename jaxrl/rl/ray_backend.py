@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.rl.ray_cluster import ProcessSlot, RayPlacement
 from jaxrl.rl.ray_learner import RayLearner, local_devices, pin_cores
 from jaxrl.rl.stages import JobParts, rollout_device_groups
 from jaxrl.rl.timeline import ForwardingTimeline, StageTimeline
@@ -140,6 +141,9 @@ class RolloutActor:
   def mesh_shape(self) -> dict[str, int]:
     return dict(self.worker.engine.mesh.shape)
 
+  def node_id(self) -> str:
+    return ray.get_runtime_context().get_node_id()
+
   def set_min_version(self, version: int) -> None:
     self.worker.set_min_version(version)
 
@@ -205,6 +209,10 @@ class RayWorker:
     """The axes of its engine's mesh, as the actor built it."""
     return ray.get(self._actor.mesh_shape.remote(), timeout=120)
 
+  def node_id(self) -> str:
+    """The Ray node its actor runs on."""
+    return ray.get(self._actor.node_id.remote(), timeout=120)
+
   def _forward(self) -> None:
     """Moves the actor's events into the controller's queue until the actor is gone."""
     while not self._killed:
@@ -250,10 +258,13 @@ class RayWorker:
 class RayBackend:
   """The `ray` backend (`backends.Backend`): the learner, the store and each rollout worker as
   Ray actors. With `loop.ray_pin_cores` the learner's actor and the workers' get disjoint
-  halves of this machine's cores (one-machine runs)."""
+  halves of this machine's cores (one-machine runs). With a `placement` (a plan for the Ray
+  cluster, `ray_cluster.plan_placement`) the learner's processes and one worker per planned
+  rollout instance go to the nodes of the pools the plan chose, with its meshes."""
 
-  def __init__(self, parts: JobParts):
+  def __init__(self, parts: JobParts, placement: RayPlacement | None = None):
     self.parts = parts
+    self.placement = placement
     pin = parts.cfg.loop.ray_pin_cores
     self._learner_cores, self._worker_cores = core_split() if pin else (None, None)
     self._made = itertools.count()
@@ -263,6 +274,14 @@ class RayBackend:
   def make_learner(self, model) -> RayLearner:
     del model  # the actor builds its own from the config
     cfg = self.parts.cfg
+    if self.placement is not None:
+      slots = self.placement.learner
+      return RayLearner(
+        cfg,
+        self.placement.train_mesh,
+        num_processes=len(slots),
+        rank_options=[s.actor_options for s in slots],
+      )
     shape = dict(self.parts.placement.train_mesh.shape)
     return RayLearner(cfg, shape, num_processes=cfg.train.num_processes, cores=self._learner_cores)
 
@@ -275,11 +294,24 @@ class RayBackend:
   def supervised_trainer(self, learner: RayLearner, learning_rate: float):
     return learner.supervised_trainer(learning_rate)  # in the learner's actor
 
-  def worker_slots(self) -> list[None]:
-    return [None] * self.parts.cfg.loop.rollout_workers  # Ray places each worker's actor
+  def worker_slots(self) -> list[ProcessSlot | None]:
+    """The plan's rollout instances, or `loop.rollout_workers` slots that Ray places."""
+    if self.placement is not None:
+      return list(self.placement.rollout)
+    return [None] * self.parts.cfg.loop.rollout_workers
 
-  def make_worker(self, name: str, devices, store: RayWeightStore) -> RayWorker:
-    del devices  # its actor takes devices of its own node
+  def make_worker(self, name: str, slot, store: RayWeightStore) -> RayWorker:
+    """A worker in `slot` (a planned instance), or, without one, anywhere Ray finds room
+    (its actor takes devices of its own node)."""
+    if isinstance(slot, ProcessSlot):
+      return RayWorker(
+        name,
+        self.parts.cfg,
+        store,
+        num_devices=slot.devices,
+        mesh_axes=slot.mesh,
+        actor_options=slot.actor_options,
+      )
     cores = self._worker_cores
     core = [cores[next(self._made) % len(cores)]] if cores else None
     return RayWorker(

@@ -121,6 +121,10 @@ class LearnerActor:
     """The CPU cores this process may run on."""
     return sorted(os.sched_getaffinity(0))
 
+  def node_id(self) -> str:
+    """The Ray node this process runs on."""
+    return ray.get_runtime_context().get_node_id()
+
   def spans(self) -> list:
     return self.timeline.drain()
 
@@ -172,14 +176,18 @@ class RayLearner:
     num_processes: int = 1,
     cores: list[int] | None = None,
     actor_options: dict[str, Any] | None = None,
+    rank_options: list[dict[str, Any]] | None = None,
+    coordinator: str | None = None,
     timeout_s: float = 3600.0,
     join_timeout_s: int = 300,
   ):
     """`num_processes`: the gang's size (`train.num_processes`), each process holding an equal
     share of the mesh's devices. `actor_options` go to `LearnerActor.options` (e.g.
     `num_gpus`, `resources` or `label_selector` to place the processes on nodes with the right
-    accelerators); `cores` pins each process to these CPU cores; `join_timeout_s` bounds the
-    wait for every rank to join the JAX world."""
+    accelerators), `rank_options` per process (a plan's placement, `ray_cluster`, over
+    `actor_options`); `cores` pins each process to these CPU cores; `coordinator`: host:port
+    of the gang's JAX coordinator, reachable from every learner node (default: rank 0's node,
+    a free port); `join_timeout_s` bounds the wait for every rank to join the JAX world."""
     total = math.prod(mesh_shape.values())
     if total % num_processes:
       raise ConfigError(
@@ -190,17 +198,31 @@ class RayLearner:
     self.timeout_s = timeout_s
     self.timeline: StageTimeline | None = None  # set by the controller; gets rank 0's spans
     self._publishing: list = []  # the publication still running in the actors, if any
-    options = {"num_cpus": 0} | (actor_options or {})
+    if rank_options is not None and len(rank_options) != num_processes:
+      raise ValueError(f"{len(rank_options)} rank_options for {num_processes} processes.")
+    options = [
+      {"num_cpus": 0} | (actor_options or {}) | (rank_options[r] if rank_options else {})
+      for r in range(num_processes)
+    ]
     self._actors = [
-      LearnerActor.options(**options).remote(cfg, mesh_shape, cores, rank, num_processes)
+      LearnerActor.options(**options[rank]).remote(cfg, mesh_shape, cores, rank, num_processes)
       for rank in range(num_processes)
     ]
     # Construction errors (a bad config, too few devices) surface here, not at the first step.
     try:
-      coordinator = None
-      if num_processes > 1:
+      if num_processes > 1 and coordinator is None:
         coordinator = self._get(self._actors[0].coordinator_address.remote())
       self._all(lambda a: a.build.remote(coordinator, join_timeout_s))
+    except ray.exceptions.RayActorError as e:
+      self.kill()
+      # JAX ends a process that cannot reach the coordinator (or whose peer died) when the
+      # join times out: Ray then only knows that the actor died.
+      raise RuntimeError(
+        f"A learner process died while the {num_processes} processes joined one JAX world at "
+        f"coordinator {coordinator} (join timeout {join_timeout_s} s): the coordinator was "
+        f"unreachable from a learner node, or a process failed to start. Check that every "
+        f"learner node reaches {coordinator}. Ray: {e}"
+      ) from None
     except BaseException:
       self.kill()
       raise
@@ -284,6 +306,10 @@ class RayLearner:
   def cores(self) -> list[int]:
     """The CPU cores rank 0's process may run on."""
     return self._get(self._actors[0].cores.remote())
+
+  def node_ids(self) -> list[str]:
+    """The Ray node each rank runs on."""
+    return [self._get(a.node_id.remote()) for a in self._actors]
 
   def kill(self) -> None:
     for actor in self._actors:

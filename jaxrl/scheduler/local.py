@@ -80,11 +80,15 @@ def experiment_workload(cfg: ExperimentConfig, prompt_len: int) -> Workload:
 
 
 def plan_for_experiment(
-  cfg: ExperimentConfig, prompt_len: int, devices: Sequence[jax.Device] | None = None
+  cfg: ExperimentConfig,
+  prompt_len: int,
+  devices: Sequence[jax.Device] | None = None,
+  cluster: Cluster | None = None,
 ) -> Plan:
-  """The planner's disaggregated split of this process's devices for `cfg`'s model and step."""
-  devices = list(jax.devices() if devices is None else devices)
-  cluster = local_cluster(devices)
+  """The planner's disaggregated split of this process's devices (or of `cluster`, a Ray
+  cluster's spec) for `cfg`'s model and step."""
+  if cluster is None:
+    cluster = local_cluster(list(jax.devices() if devices is None else devices))
   workload = experiment_workload(cfg, prompt_len)
   return plan(build_problem(cluster, cfg.model, workload, model_name="experiment"))
 

@@ -185,6 +185,12 @@ def test_a_learner_actor_with_a_bad_config_says_why_when_built(local_ray):
     RayLearner(cfg, {"fsdp": 16})
   with pytest.raises(ConfigError, match="num_processes=3: the training mesh .* has 4 devices"):
     RayLearner(cfg, {"fsdp": 4}, num_processes=3)  # before any actor starts
+  # A coordinator no learner can reach: a clear error once the join times out, not a hang.
+  start = time.monotonic()
+  with pytest.raises(RuntimeError, match="coordinator 10.255.255.1:1234 .* unreachable"):
+    RayLearner(cfg, {"fsdp": 2}, num_processes=2, coordinator="10.255.255.1:1234",
+               join_timeout_s=5)  # fmt: skip
+  assert time.monotonic() - start < 120
 
 
 def test_local_and_ray_workers_build_the_same_engine_mesh(local_ray):

@@ -1,0 +1,116 @@
+"""A plan run on a Ray cluster: pools found from the nodes' resources, clear errors for a spec
+the cluster does not hold, and, on a two-node rig of two fake accelerator types, the learner's
+processes and the rollout instances started on the nodes of the pools the plan chose."""
+
+import dataclasses
+import os
+
+import pytest
+
+from jaxrl.config import ConfigError
+from jaxrl.rl.ray_cluster import (
+  PoolNodes,
+  check_cluster,
+  placement_for_job,
+  plan_placement,
+  pool_resource,
+  ray_pools,
+)
+from jaxrl.scheduler.cluster import load_cluster
+from jaxrl.scheduler.plan import Plan, RolloutStage, TrainStage
+
+from .async_test import async_config  # noqa: TID252
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RIG = os.path.join(REPO, "configs", "clusters", "ray_rig.py")
+AXES = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+
+
+def node(alive=True, **resources):
+  return {"Alive": alive, "Resources": resources}
+
+
+def rig_plan(train_devices=1, train_mesh=None) -> Plan:
+  """Training on the fast pool, two one-device rollout instances on the cheap one."""
+  return Plan(
+    cluster="ray-rig", model="tiny", mode="async", max_staleness=1, samples_per_step=16,
+    train=TrainStage({"fast": train_devices}, "H100", train_devices,
+                     train_mesh or dict(AXES), 0.1, 0.1),
+    rollout=(RolloutStage("cheap", "L4", 2, dict(AXES), 8, 100.0, 0.01, 0.1),),
+    cycle_seconds=1.0, throughput_samples_per_s=16.0, cost_per_hour=1.0,
+    stage_seconds={}, bottleneck="train", devices_used={"fast": 1, "cheap": 2},
+  )  # fmt: skip
+
+
+def test_pools_come_from_the_nodes_resources_and_a_missing_pool_is_named():
+  nodes = [
+    node(**{pool_resource("fast"): 1.0, "CPU": 1.0}),
+    node(**{pool_resource("cheap"): 4.0, "GPU": 4.0}),
+    node(alive=False, **{pool_resource("cheap"): 4.0}),
+  ]
+  pools = ray_pools(nodes)
+  assert pools == {"fast": PoolNodes((1,), None), "cheap": PoolNodes((4,), "GPU")}
+  cluster = load_cluster(RIG)
+  check_cluster(cluster, pools)  # the rig's spec: one node of each
+  with pytest.raises(ConfigError, match="pool 'cheap' wants 1 node.*has 0.*jaxrl-pool-cheap"):
+    check_cluster(cluster, {"fast": pools["fast"]})
+  # GPU nodes: a process also asks Ray for its GPUs, so it gets devices of its own.
+  placed = plan_placement(rig_plan(), 1, pools)
+  assert placed.learner[0].actor_options == {"num_cpus": 0, "resources": {"jaxrl-pool-fast": 1}}
+  assert [s.actor_options.get("num_gpus") for s in placed.rollout] == [1, 1]
+  with pytest.raises(ConfigError, match="num_processes=3: the plan trains on 4 devices"):
+    plan_placement(rig_plan(train_devices=4, train_mesh={**AXES, "fsdp": 4}), 3, pools)
+
+
+@pytest.fixture(scope="module")
+def rig():
+  """Two raylets on this machine: one node of the `fast` pool (1 fake H100), one of the
+  `cheap` pool (4 fake L4); each actor process takes simulated CPU devices."""
+  ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
+  from ray.cluster_utils import Cluster
+
+  cluster = Cluster(
+    initialize_head=True,
+    head_node_args={"num_cpus": 1, "resources": {pool_resource("fast"): 1}},
+  )
+  cheap = cluster.add_node(num_cpus=1, resources={pool_resource("cheap"): 4})
+  ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+  yield ray, {"fast": cluster.head_node.node_id, "cheap": cheap.node_id}
+  ray.shutdown()
+  cluster.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.xdist_group("ray")
+def test_stages_start_on_the_nodes_of_the_pools_the_plan_chose(rig):
+  ray, node_of = rig
+  from jaxrl.rl.ray_backend import RayWeightStore, RayWorker
+  from jaxrl.rl.ray_learner import RayLearner
+
+  cfg = async_config(**{"loop.backend": "ray", "loop.ray_cluster": RIG})
+  # The job's own path: the spec checked against the rig, planned, placed.
+  placed = placement_for_job(cfg, 16, ray.nodes())
+  plan = placed.plan
+  assert [s.pool for s in placed.learner] == list(plan.train.pools)
+  assert sorted(s.pool for s in placed.rollout) == sorted(
+    r.pool for r in plan.rollout for _ in range(r.instances)
+  )
+  # A plan that uses both pools: the learner on the fast node, the workers on the cheap one.
+  placed = plan_placement(rig_plan(), 1, ray_pools(ray.nodes()))
+  learner = RayLearner(
+    cfg, placed.train_mesh, rank_options=[s.actor_options for s in placed.learner]
+  )
+  store = RayWeightStore()
+  workers = [
+    RayWorker(f"w{i}", cfg, store, num_devices=s.devices, mesh_axes=s.mesh,
+              actor_options=s.actor_options)
+    for i, s in enumerate(placed.rollout)
+  ]  # fmt: skip
+  try:
+    assert learner.node_ids() == [node_of["fast"]]
+    assert [w.node_id() for w in workers] == [node_of["cheap"]] * 2
+    assert dataclasses.asdict(placed.rollout[0])["mesh"] == {**AXES}
+  finally:
+    learner.kill()
+    for w in workers:
+      w.kill()
