@@ -315,6 +315,9 @@ class LoopConfig:
       the planned rollout instances on the nodes of the pools the plan chose, with its meshes
       (each node of pool P carries the Ray resource `jaxrl-pool-P`, one unit per accelerator;
       `jaxrl/rl/ray_cluster.py`). "" places the actors wherever Ray finds room.
+    learner_restarts: times a run goes on after a learner process is lost (a node gone, a
+      process killed): a new learner (and workers) from the last checkpoint, the groups it
+      held coming back with their tokens; then it stops with the error.
     ray_pin_cores: ray only: pin the learner's actor to the first half of this machine's CPU
       cores and the rollout workers' actors to the rest (one core each, shared round-robin
       when there are more workers than cores), so that on a CPU machine the stages compute on
@@ -334,6 +337,7 @@ class LoopConfig:
   backend: str = "local"
   ray_address: str = ""
   ray_cluster: str = ""
+  learner_restarts: int = 3
   ray_pin_cores: bool = False
   rollout_workers: int = 2
 
@@ -346,6 +350,7 @@ class LoopConfig:
       raise ConfigError(f"config.loop.max_staleness must be >= 0, got {self.max_staleness}.")
     if self.rollout_workers < 1:
       raise ConfigError(f"config.loop.rollout_workers must be >= 1, got {self.rollout_workers}.")
+    _check_at_least("loop", self, 0, "learner_restarts")
 
 
 LOOP_MODES = ("sync", "async", "auto")

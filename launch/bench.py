@@ -13,6 +13,7 @@
   python launch/bench.py async [--json]
   python launch/bench.py balance [--json]
   python launch/bench.py memory [--json]
+  python launch/bench.py weight_transfer [--json] [--presets bench-small,qwen3-0.6b]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
@@ -477,6 +478,13 @@ def bench_calibrate(
   }
 
 
+def bench_weight_transfer(**kwargs) -> dict:
+  """`bench_transfer.bench_weight_transfer`, imported when asked for (Ray is an extra)."""
+  from bench_transfer import bench_weight_transfer as run
+
+  return run(**kwargs)
+
+
 BENCHMARKS = {
   "async": bench_async,
   "balance": bench_balance,
@@ -491,6 +499,7 @@ BENCHMARKS = {
   "prefill_packing": bench_prefill_packing,
   "prefix_sharing": bench_prefix_sharing,
   "rollout": bench_rollout,
+  "weight_transfer": bench_weight_transfer,
 }
 
 

@@ -29,6 +29,11 @@ from jaxrl.train.learner import TrainBatch
 from jaxrl.train.sft import SupervisedTrainer
 
 
+class LearnerLost(RuntimeError):
+  """A process of the learner is gone; the run goes on from the last checkpoint with a new
+  learner (`job.run`, `config.loop.learner_restarts`)."""
+
+
 class VersionedStore(Protocol):
   """What the loop and the workers need of the weight store (`weights.WeightStore` here, the
   store actor's handle `ray_backend.RayWeightStore`); ownership rule: `weights.py`."""

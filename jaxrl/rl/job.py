@@ -21,7 +21,7 @@ from jaxrl.data.tasks import make_task
 from jaxrl.metrics import MetricsWriter, plot_reward_curve
 from jaxrl.model import Model
 from jaxrl.rl.async_controller import AsyncController
-from jaxrl.rl.backends import make_backend
+from jaxrl.rl.backends import LearnerLost, make_backend
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.controller import Controller
 from jaxrl.rl.experience import batch_lengths, pad_sequences
@@ -174,6 +174,24 @@ def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = 
       controller.writer.write(i + 1, "warmup", {"loss": metrics["loss"]})
 
 
+def _restart(
+  lost: Controller, cfg: ExperimentConfig, workdir: str, show_progress: bool, why: str
+) -> Controller:
+  """A new controller, learner and workers, from the last checkpoint: its released groups and
+  their tokens come back, and prompts after it are released again, so every group is trained
+  once on the line of weights the run goes on with."""
+  lost.writer.close()
+  lost.checkpointer.close()
+  controller = build_controller(cfg, workdir, show_progress=show_progress)
+  step = controller.checkpointer.latest_step()
+  log.warning(
+    "%s. A new learner goes on from the checkpoint of step %d (step %d was running).",
+    why, step, lost.state.step,
+  )  # fmt: skip
+  controller.restore(step)
+  return controller
+
+
 def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> dict:
   """Runs (or resumes) the job; returns a summary with the eval reward at RL start and end."""
   os.makedirs(workdir, exist_ok=True)
@@ -192,10 +210,25 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
     if cfg.warmup.steps:
       warmup(controller, cfg, show_progress)
     controller.save()  # step 0: the checkpoint RL starts from
-  try:
-    evals = controller.run()
-  finally:
-    controller.task.close()  # the math task's answer-checking processes
+  restarts = 0
+  while True:
+    try:
+      evals = controller.run()
+      break
+    except LearnerLost as e:
+      controller.task.close()  # the math task's answer-checking processes
+      if restarts >= cfg.loop.learner_restarts:
+        raise RuntimeError(
+          f"{e}; the learner was restarted {restarts} times already "
+          f"(config.loop.learner_restarts={cfg.loop.learner_restarts}). Resume with "
+          "--config.resume=True once the cluster is whole."
+        ) from None
+      restarts += 1
+      controller = _restart(controller, cfg, workdir, show_progress, str(e))
+    except BaseException:
+      controller.task.close()
+      raise
+  controller.task.close()
   controller.writer.close()
   controller.checkpointer.close()
   metrics_path = controller.writer.path

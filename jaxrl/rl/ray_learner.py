@@ -27,6 +27,7 @@ import jax
 import ray
 
 from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.rl.backends import LearnerLost
 from jaxrl.rl.timeline import LEARNER_LANE, ForwardingTimeline, StageTimeline
 from jaxrl.rl.weights import owned_shards
 
@@ -104,6 +105,11 @@ class LearnerActor:
         jax.config.update("jax_num_cpu_devices", per_process)
       with contextlib.suppress(RuntimeError, AttributeError):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+      # Programs run in dispatch order on CPU: dispatched asynchronously, two programs could
+      # start their collectives in different orders in two processes and wait on each other
+      # for good (seen: a gang hung in the eager op after an update on a loaded machine).
+      with contextlib.suppress(RuntimeError, AttributeError):
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
       jax.distributed.initialize(
         coordinator, self.num_processes, self.rank, initialization_timeout=timeout_s
       )
@@ -213,8 +219,7 @@ class RayLearner:
       if num_processes > 1 and coordinator is None:
         coordinator = self._get(self._actors[0].coordinator_address.remote())
       self._all(lambda a: a.build.remote(coordinator, join_timeout_s))
-    except ray.exceptions.RayActorError as e:
-      self.kill()
+    except LearnerLost as e:
       # JAX ends a process that cannot reach the coordinator (or whose peer died) when the
       # join times out: Ray then only knows that the actor died.
       raise RuntimeError(
@@ -232,6 +237,11 @@ class RayLearner:
       return ray.get(ref, timeout=self.timeout_s)
     except ray.exceptions.RayTaskError as e:
       raise e.as_instanceof_cause() from None
+    except ray.exceptions.RayActorError as e:
+      # A process of the learner is gone (its node lost, killed, out of memory): the others
+      # cannot go on without it (their collectives wait for it).
+      self.kill()
+      raise LearnerLost(f"A learner process died: {e}") from None
 
   def _wait_all(self, refs: list) -> list:
     """Every rank's result; the first error any rank raised, as soon as it is raised (the

@@ -7,6 +7,7 @@ the loader's prompts in order (nothing skipped); no trained token is older than 
 the controller's copy of a response only ever grows (resumed responses keep their prefix).
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -17,6 +18,7 @@ from jaxrl.data.pipeline import PromptLoader
 from jaxrl.data.tasks import make_task
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
+from jaxrl.rl.backends import LearnerLost
 from jaxrl.rl.timeline import load_segments
 from jaxrl.rl.weights import StoreUnreachable
 
@@ -249,6 +251,55 @@ def test_job_crashes_and_resumes_without_skipping_or_repeating_prompts(tmp_path)
       controller.checkpointer.close()
   ledger.check(controller, cfg)
   assert os.path.isdir(os.path.join(workdir, "checkpoints"))
+
+
+def test_a_lost_learner_goes_on_from_the_last_checkpoint_training_each_group_once(
+  tmp_path, monkeypatch
+):
+  """`job.run`: a learner process lost mid-run (`LearnerLost`, as a Ray learner raises when an
+  actor of its gang dies) gives way to a new controller and learner from the last checkpoint;
+  the groups it trained after that checkpoint are trained again on the new line of weights,
+  each once, and the run ends at its last step."""
+  cfg = async_config(**{"loop.max_staleness": 1, "train.steps": 4, "checkpoint.every": 2})
+  built, ledgers = [], []
+  build = job.build_controller
+
+  def build_and_watch(*args, **kwargs):
+    controller = build(*args, **kwargs)
+    ledgers.append(Ledger(1))
+    ledgers[-1].attach(controller)
+    if not built:  # the first learner dies in its fourth update (step 3, after checkpoint 2)
+      update, calls = controller.learner.update, []
+      dies_at = 4 if cfg.loop.learner_restarts else 1
+
+      def update_then_die(batch):
+        calls.append(1)
+        if len(calls) == dies_at:
+          raise LearnerLost("A learner process died: (test)")
+        return update(batch)
+
+      controller.learner.update = update_then_die
+    built.append(controller)
+    return controller
+
+  monkeypatch.setattr(job, "build_controller", build_and_watch)
+  summary = job.run(cfg, str(tmp_path), show_progress=False)
+  assert len(built) == 2 and summary["steps"] == 4
+  first, second = ledgers
+  per_step = cfg.rollout.prompts_per_step
+  assert max(first.trained.values()) == 2  # steps 0-2 trained, step 3 died
+  # The second went on from checkpoint 2: it trained steps 2 and 3, none of the groups kept
+  # from before the checkpoint, and every released group is trained once or still held.
+  assert sorted(second.trained.values()) == [2] * per_step + [3] * per_step
+  kept, again = {g for g, s in first.trained.items() if s < 2}, set(second.trained)
+  held = set(built[-1].groups)
+  assert not kept & again and not held & (kept | again)
+  assert kept | again | held == set(range(built[-1].next_group))
+  # Too many losses: an error that says how to go on.
+  cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, learner_restarts=0))
+  built.clear()
+  with pytest.raises(RuntimeError, match="restarted 0 times already.*--config.resume=True"):
+    job.run(cfg, str(tmp_path / "again"), show_progress=False)
 
 
 def test_a_crashing_worker_is_replaced_by_the_others(tmp_path):

@@ -101,13 +101,13 @@ def test_decode_windows_give_the_tokens_of_single_steps(mesh, params):
   ]
   small = dict(page_size=4, num_pages=24, max_running=6, prefill_chunk=8)
   outs = {}
-  for steps in (1, 3, 8):
+  for steps in (1, 3):  # 3: windows that end mid-budget and mid-page (8: every other test)
     e = engine(mesh, params, decode_steps=steps, **small)
     outs[steps] = e.generate(ps, sampling, seed=11)
     assert e.allocator.num_free == 24 and not e.has_work
     assert e._calls._steps == steps
-  for one, three, eight in zip(outs[1], outs[3], outs[8], strict=True):
-    for other in (three, eight):
+  for one, three in zip(outs[1], outs[3], strict=True):
+    for other in (three,):
       np.testing.assert_array_equal(one.token_ids, other.token_ids)
       tolerance.assert_close(other.logprobs, one.logprobs, n=TERMS)
       assert one.finish_reason == other.finish_reason
@@ -173,7 +173,8 @@ def test_shared_prompt_pages_give_the_tokens_of_unshared_requests(mesh, params, 
     tolerance.assert_close(b.logprobs, a.logprobs, n=TERMS)
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
+# Single-step windows under preemption are `slow` (the snapshot and window tests cover them).
+@pytest.mark.parametrize("decode_steps", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_out_of_pages_preemption_loses_no_request(mesh, params, decode_steps):
   rng = np.random.default_rng()
   ps = prompts(24, rng, longest=12)
