@@ -80,7 +80,7 @@ def _case(preset: str, processes: int, readers: int, repeats: int) -> dict:
     "train.optimizer.mu_dtype": "bfloat16",
     "rollout.prompts_per_step": 2,
     "rollout.group_size": 2,
-    "train.micro_batch_size": 4,
+    "train.micro_batch_size": 2,
   }
   cfg = load_config("configs/grpo_tiny.py", "test", _with_model(overrides))
   learner = RayLearner(cfg, {"fsdp": processes}, num_processes=processes)
