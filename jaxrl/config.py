@@ -314,7 +314,9 @@ class LoopConfig:
       cluster's pools: the job plans the stages for it and starts the learner's processes and
       the planned rollout instances on the nodes of the pools the plan chose, with its meshes
       (each node of pool P carries the Ray resource `jaxrl-pool-P`, one unit per accelerator;
-      `jaxrl/rl/ray_cluster.py`). "" places the actors wherever Ray finds room.
+      `jaxrl/rl/ray_cluster.py`). "ray": the spec the running cluster's nodes describe (each
+      node also carries `jaxrl-accelerator-<catalog key>`). "" places the actors wherever Ray
+      finds room.
     learner_restarts: times a run goes on after a learner process is lost (a node gone, a
       process killed): a new learner (and workers) from the last checkpoint, the groups it
       held coming back with their tokens; then it stops with the error.

@@ -22,13 +22,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.scheduler.cluster import Cluster, load_cluster
+from jaxrl.scheduler.cluster import Cluster, Pool, load_cluster
 from jaxrl.scheduler.local import plan_for_experiment
 from jaxrl.scheduler.plan import Plan
 
 log = logging.getLogger(__name__)
 
 POOL_RESOURCE = "jaxrl-pool-{}"
+# With `loop.ray_cluster="ray"` the spec is read from the nodes: each also carries its
+# accelerator's catalog key as `jaxrl-accelerator-<key>` (1 unit).
+ACCELERATOR_RESOURCE = "jaxrl-accelerator-{}"
 
 
 def pool_resource(pool: str) -> str:
@@ -43,23 +46,57 @@ class PoolNodes:
 
   units: tuple[int, ...]
   device_resource: str | None  # "GPU", "TPU" or None
+  accelerators: frozenset[str] = frozenset()  # catalog keys its nodes name, if any
 
 
 def ray_pools(nodes: Sequence[Mapping[str, Any]]) -> dict[str, PoolNodes]:
   """The pools the Ray cluster's alive nodes (`ray.nodes()`) carry resources of."""
-  prefix = POOL_RESOURCE.format("")
-  found: dict[str, list[tuple[int, str | None]]] = {}
+  prefix, accel = POOL_RESOURCE.format(""), ACCELERATOR_RESOURCE.format("")
+  found: dict[str, list[tuple[int, str | None, frozenset[str]]]] = {}
   for node in nodes:
     if not node.get("Alive", False):
       continue
     resources = node.get("Resources", {})
     device = next((k for k in ("GPU", "TPU") if resources.get(k, 0) > 0), None)
+    types = frozenset(k[len(accel) :] for k in resources if k.startswith(accel))
     for key, amount in resources.items():
       if key.startswith(prefix):
-        found.setdefault(key[len(prefix) :], []).append((int(amount), device))
+        found.setdefault(key[len(prefix) :], []).append((int(amount), device, types))
   return {
-    pool: PoolNodes(tuple(u for u, _ in entries), entries[0][1]) for pool, entries in found.items()
+    pool: PoolNodes(
+      tuple(u for u, _, _ in entries), entries[0][1], frozenset().union(*(t for *_, t in entries))
+    )
+    for pool, entries in found.items()
   }
+
+
+def cluster_from_ray(pools: Mapping[str, PoolNodes]) -> Cluster:
+  """The cluster spec the Ray cluster's nodes describe (`loop.ray_cluster="ray"`): a pool per
+  `jaxrl-pool-<name>` resource, its accelerator from the nodes' `jaxrl-accelerator-<key>`, its
+  nodes as many as carry it, each with the fewest units any of them has."""
+  specs, problems = [], []
+  for name, nodes in sorted(pools.items()):
+    if len(nodes.accelerators) != 1:
+      problems.append(
+        f"pool {name!r}: its nodes name {sorted(nodes.accelerators) or 'no'} accelerator(s); "
+        f"each must carry exactly one {ACCELERATOR_RESOURCE.format('<catalog key>')!r}"
+      )
+      continue
+    (accelerator,) = nodes.accelerators
+    specs.append(Pool(name, accelerator, nodes=len(nodes.units), devices_per_node=min(nodes.units)))
+  if not specs and not problems:
+    problems.append(f"no node carries a {POOL_RESOURCE.format('<pool>')!r} resource")
+  if problems:
+    raise ConfigError(
+      "config.loop.ray_cluster='ray': the Ray cluster's nodes do not describe its pools: "
+      + "; ".join(problems)
+      + ". Start each node with both, e.g. ray start --address=HEAD:6379 --resources='"
+      + '{"jaxrl-pool-h100": 8, "jaxrl-accelerator-H100": 1}\'.'
+    )
+  try:
+    return Cluster("ray", tuple(specs))
+  except ValueError as e:  # an accelerator the catalog does not know
+    raise ConfigError(f"config.loop.ray_cluster='ray': {e}") from None
 
 
 def check_cluster(cluster: Cluster, pools: Mapping[str, PoolNodes]) -> None:
@@ -158,12 +195,15 @@ def plan_placement(plan: Plan, num_processes: int, pools: Mapping[str, PoolNodes
 def placement_for_job(cfg: ExperimentConfig, prompt_len: int, nodes) -> RayPlacement:
   """`config.loop.ray_cluster`'s spec checked against the Ray cluster's alive `nodes`
   (`ray.nodes()`), planned for the job's step, as Ray placement (logged)."""
-  path, _, arg = cfg.loop.ray_cluster.partition(":")
-  try:
-    cluster = load_cluster(path, arg or None)
-  except (OSError, ValueError) as e:
-    raise ConfigError(f"config.loop.ray_cluster={cfg.loop.ray_cluster!r}: {e}") from None
   pools = ray_pools(nodes)
+  if cfg.loop.ray_cluster == "ray":
+    cluster = cluster_from_ray(pools)
+  else:
+    path, _, arg = cfg.loop.ray_cluster.partition(":")
+    try:
+      cluster = load_cluster(path, arg or None)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"config.loop.ray_cluster={cfg.loop.ray_cluster!r}: {e}") from None
   check_cluster(cluster, pools)
   plan = plan_for_experiment(cfg, prompt_len, cluster=cluster)
   placement = plan_placement(plan, cfg.train.num_processes, pools)

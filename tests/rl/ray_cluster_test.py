@@ -11,6 +11,7 @@ from jaxrl.config import ConfigError
 from jaxrl.rl.ray_cluster import (
   PoolNodes,
   check_cluster,
+  cluster_from_ray,
   placement_for_job,
   plan_placement,
   pool_resource,
@@ -60,6 +61,28 @@ def test_pools_come_from_the_nodes_resources_and_a_missing_pool_is_named():
   assert [s.actor_options.get("num_gpus") for s in placed.rollout] == [1, 1]
   with pytest.raises(ConfigError, match="num_processes=3: the plan trains on 4 devices"):
     plan_placement(rig_plan(train_devices=4, train_mesh={**AXES, "fsdp": 4}), 3, pools)
+
+
+def test_the_spec_can_come_from_the_nodes_own_resources():
+  """`loop.ray_cluster="ray"`: pools and accelerator types read from the nodes."""
+  accel = "jaxrl-accelerator-{}".format
+  nodes = [
+    node(**{pool_resource("train"): 8.0, accel("H100"): 1.0, "GPU": 8.0}),
+    node(**{pool_resource("train"): 8.0, accel("H100"): 1.0, "GPU": 8.0}),
+    node(**{pool_resource("gen"): 4.0, accel("L4"): 1.0, "GPU": 4.0}),
+  ]
+  cluster = cluster_from_ray(ray_pools(nodes))
+  assert {(p.name, p.accelerator, p.nodes, p.devices_per_node) for p in cluster.pools} == {
+    ("train", "H100", 2, 8),
+    ("gen", "L4", 1, 4),
+  }
+  unnamed = [node(**{pool_resource("gen"): 4.0})]
+  with pytest.raises(ConfigError, match="pool 'gen': its nodes name no accelerator"):
+    cluster_from_ray(ray_pools(unnamed))
+  with pytest.raises(ConfigError, match="unknown accelerator 'Z9'"):
+    cluster_from_ray(ray_pools([node(**{pool_resource("x"): 1.0, accel("Z9"): 1.0})]))
+  with pytest.raises(ConfigError, match="no node carries"):
+    cluster_from_ray({})
 
 
 @pytest.fixture(scope="module")
