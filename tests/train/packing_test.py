@@ -196,7 +196,10 @@ def make_learner(model, pack, loss, *, params=None, devices=1, updates=1, micro=
   )
 
 
-@pytest.mark.parametrize("name", ["token-mean", "seq-mean-kl", "gspo"])
+# The model-level check of seq-mean-kl is `slow` (its loss-level check above runs by default).
+@pytest.mark.parametrize(
+  "name", ["token-mean", pytest.param("seq-mean-kl", marks=pytest.mark.slow), "gspo"]
+)
 def test_packed_model_loss_and_gradients_equal_the_padded_ones(name):
   """fp32, through the model: the loss, metrics and gradients of a packed batch (attention
   kept within segments, positions reset) are the padded batch's, to float32 rounding. The MoE
