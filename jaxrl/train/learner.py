@@ -8,11 +8,9 @@ and is reported in the metrics.
 
 Two layouts of the micro-batches:
 - packed (`pack_length` > 0): the sequences are packed into rows of `pack_length` positions
-  (`jaxrl.train.packing`), `micro_batch_size` rows per micro-batch, so every micro-batch of the
-  run has one shape. The host loops over however many micro-batches a batch packs into, each a
-  call of one jitted micro-step (forward, backward, gradients added into a donated
-  accumulator), then one jitted step applies the summed gradient (`apply_if_finite`). A run
-  compiles these once, whatever its response lengths.
+  (`jaxrl.train.packing`), `micro_batch_size` rows per micro-batch: one shape for the run. The
+  host loops over the micro-batches, each a jitted micro-step (forward, backward, gradients
+  added into a donated accumulator), then a jitted step applies the sum (`apply_if_finite`).
 - padded (`pack_length` 0): rows of `micro_batch_size` sequences padded to the batch's length,
   all micro-batches in one jitted `lax.scan`: one compilation per batch length.
 
@@ -180,25 +178,18 @@ class Learner:
     self._lent = None  # (store, version) the live parameters were lent to (`publish_to`)
 
   def publish_to(self, store, version: int, *, lend: bool = False) -> None:
-    """Publishes the weights to `store` (a `WeightStore`) as `version`, under the store's
-    ownership rule: by default a host copy, which the store owns (readers may pull it while
-    the next updates run); `lend=True` the live device buffers, without a copy, for a reader
-    that takes them before the next update (the synchronous loop): `update` recalls them from
-    the store before it donates them."""
+    """Publishes the weights to `store` as `version` (its ownership rule, `rl/weights.py`): a
+    host copy the store owns, or with `lend` the live buffers, for a reader that takes them
+    before the next update or warm-up step, which recalls them first (`recall_lent`)."""
     self.recall_lent()
-    if lend:
-      store.publish(self.params, version)
-      self._lent = (store, version)
-    else:
-      store.publish(jax.device_get(self.params), version)
+    store.publish(self.params if lend else jax.device_get(self.params), version)
+    self._lent = (store, version) if lend else None
 
   def recall_lent(self) -> None:
-    """Takes back buffers lent to a store (`publish_to`); whoever donates the parameters
-    (an update, the warm-up's trainer) calls it first."""
-    if self._lent is not None:
-      store, version = self._lent
-      self._lent = None
-      store.recall(version)
+    """Takes back buffers lent to a store; whoever donates the parameters calls it first."""
+    lent, self._lent = self._lent, None
+    if lent is not None:
+      lent[0].recall(lent[1])
 
   def check_batch_size(self, batch_size: int) -> None:
     """Raises unless a batch of this many sequences splits into updates and micro-batches."""
