@@ -149,6 +149,9 @@ def assemble_shards(parts: Sequence) -> Params:
   parts do not cover every element exactly once."""
 
   def leaf(*shards: LeafShards) -> np.ndarray:
+    pieces = [values for s in shards for _, values in s.pieces]
+    if len(pieces) == 1 and pieces[0].shape == shards[0].shape:
+      return pieces[0]  # one process held it whole: no second copy of the parameter
     out = np.empty(shards[0].shape, shards[0].dtype)
     covered = 0
     for s in shards:

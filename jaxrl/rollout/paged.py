@@ -500,10 +500,11 @@ class PagedEngine:
 
   def _prefill_packed(self, states: Sequence[_Running], seqs: Sequence[list[int]]) -> None:
     width = self._chunk_width(max(len(x) - 1 for x in seqs))
-    needed = len(pack_rows([len(x) - 1 for x in seqs], width))
+    layout = pack_rows([len(x) - 1 for x in seqs], width)  # packed once, sized from it
     call = packed_call(
-      seqs, [s.pages for s in states], rows=self._rows(needed), width=width,
+      seqs, [s.pages for s in states], rows=self._rows(len(layout)), width=width,
       page_size=self.cfg.page_size, num_pages=self.cfg.num_pages, pad_id=self.pad_id,
+      layout=layout,
     )  # fmt: skip
     self._kv, routing_btlk = self._calls.prefill_packed(
       self.params, self._kv, call.tokens_bt, call.positions_bt, call.segment_ids_bt,

@@ -72,11 +72,13 @@ def packed_call(
   page_size: int,
   num_pages: int,
   pad_id: int,
+  layout: list[list[int]] | None = None,
 ) -> PackedCall:
   """The packed call that caches every token but the last of each of `seqs` (request i's
-  pages: `pages[i]`), in `rows` rows of `width` tokens (at least what `pack_rows` needs)."""
+  pages: `pages[i]`), in `rows` rows of `width` tokens (at least what `pack_rows` needs);
+  `layout`: `pack_rows`'s answer for these sequences, if the caller has it already."""
   lengths = [len(x) - 1 for x in seqs]
-  layout = pack_rows(lengths, width)
+  layout = pack_rows(lengths, width) if layout is None else layout
   if len(layout) > rows:
     raise ValueError(f"packed_call: {len(layout)} rows needed, {rows} given.")
   tokens = np.full((rows, width), pad_id, np.int32)
