@@ -77,7 +77,6 @@ def get_config(arg: str | None = None):
   config.rollout.group_size = 8
   config.rollout.sampling.temperature = 1.0
   config.rollout.sampling.max_new_tokens = 1024
-  config.rollout.engine = "paged"
   config.rollout.paged.page_size = 16
   config.rollout.paged.num_pages = 8192  # 131k cached tokens: 14 GiB of bf16 KV for Qwen3-0.6B
   config.rollout.paged.max_running = 128

@@ -43,7 +43,6 @@ def get_config(arg: str | None = None):
   config.rollout.sampling.temperature = 1.0
   config.rollout.sampling.max_new_tokens = 8
   # Every response of a step decodes in one running batch; prompt + response fit one page.
-  config.rollout.engine = "paged"
   config.rollout.paged.page_size = 16
   config.rollout.paged.num_pages = 256
   config.rollout.paged.max_running = 128

@@ -107,8 +107,6 @@ class RolloutConfig:
   """Generation settings.
 
   Attributes:
-    engine: "paged" (continuous batching over a paged KV cache) or "static" (the whole batch
-      prefilled and decoded together; the baseline).
     prompts_per_step: prompts sampled per RL step.
     group_size: responses generated per prompt (G of GRPO).
     sampling: sampling parameters of every training response.
@@ -124,12 +122,11 @@ class RolloutConfig:
       bandwidth per decode step); rollout log-probs then differ from the learner's by bf16
       rounding, which `train.loss.behaviour_correction` can correct.
     free_during_train: in the synchronous loop, when rollout and training share devices
-      (colocated), drop the rollout engine's weights and KV page pool while the learner
+      (colocated), drop the rollout workers' weights and KV page pools while the learner
       trains (the weights are stale by then; both come back at the next weight sync), so the
       learner's step has that memory.
   """
 
-  engine: str = "paged"
   prompts_per_step: int = 16
   group_size: int = 8
   sampling: SamplingParams = SamplingParams()
@@ -289,14 +286,14 @@ class LoopConfig:
 
   Attributes:
     mode: "sync" (generate a step's groups, then train on them), "async" (rollout workers
-      generate continuously while the learner trains; `jaxrl/rl/async_controller.py`), or
-      "auto" (the default): async where it pays, that is where rollout and training compute on
-      hardware of their own (disjoint accelerator meshes, or the `ray` backend with
-      `ray_pin_cores`), sync where they share it (simulated CPU devices of one process share
-      its cores, and there async measured slower: docs/BENCHMARKS.md); sync also when the
-      rollout engine is not "paged" or dynamic sampling is on, which async does not support.
+      generate continuously while the learner trains), or "auto" (the default): async where
+      it pays, that is where rollout and training compute on hardware of their own (disjoint
+      accelerator meshes, or the `ray` backend with `ray_pin_cores`), sync where they share it
+      (simulated CPU devices of one process share its cores, and there async measured slower:
+      docs/BENCHMARKS.md). One controller runs both (`jaxrl/rl/controller.py`): sync is the
+      bound max_staleness = 0.
     max_staleness: async only: a trained token is at most this many policy versions older than
-      the weights it is trained on; 0 makes the async loop synchronous.
+      the weights it is trained on (sync: 0).
     partial_rollouts: async only: workers switch to new weights at the next decode window and
       carry unfinished responses over; otherwise a worker finishes its running responses first.
     skew_aware_dispatch: async only: start the prompts predicted to answer longest first (from
@@ -304,11 +301,10 @@ class LoopConfig:
     measured_rates: async only: split the rollout work by each worker's measured decode rate
       rather than the scheduler's prediction for its devices (for workers that share a machine
       with other work); off by default, since on this 2-core machine it lowered throughput.
-    backend: what runs the learner, the weight store and (async) the rollout workers: "local"
-      (this process; workers are threads, each on a slice of the rollout devices) or "ray"
-      (the learner one or `train.num_processes` Ray actors, each worker an actor with its own
-      process and devices, the weight store an actor; needs the `ray` extra). The sync loop's
-      rollout engine runs in this process with either.
+    backend: what runs the learner, the weight store and the rollout workers: "local" (this
+      process; workers are threads, each on a slice of the rollout devices) or "ray" (the
+      learner one or `train.num_processes` Ray actors, each worker an actor with its own
+      process and devices, the weight store an actor; needs the `ray` extra).
     ray_address: the Ray cluster to join ("" starts a local one).
     ray_cluster: a cluster spec (`configs/clusters/NAME.py`, or `PATH:ARG`) describing the Ray
       cluster's pools: the job plans the stages for it and starts the learner's processes and
@@ -326,9 +322,10 @@ class LoopConfig:
       hardware of their own, as they would on separate accelerators. Each actor then has
       `placement.train_devices` or a worker's share of the rollout devices as simulated CPU
       devices.
-    rollout_workers: async only: the rollout devices are split into this many workers, each
-      with its own engine on its own sub-mesh (`placement.rollout_mesh` shape per worker is
-      `data` = its device count).
+    rollout_workers: the rollout devices are split into this many workers, each with its own
+      engine on its own sub-mesh (the rollout mesh's axes but `data`, which takes the rest).
+      0 (the default): one worker over all of them in sync mode (as one engine), two in async
+      mode where the devices split evenly, else one.
   """
 
   mode: str = "auto"
@@ -341,7 +338,7 @@ class LoopConfig:
   ray_cluster: str = ""
   learner_restarts: int = 3
   ray_pin_cores: bool = False
-  rollout_workers: int = 2
+  rollout_workers: int = 0
 
   def __post_init__(self):
     if self.mode not in LOOP_MODES:
@@ -350,8 +347,11 @@ class LoopConfig:
       raise ConfigError(f"config.loop.backend={self.backend!r}: use one of {LOOP_BACKENDS}.")
     if self.max_staleness < 0:
       raise ConfigError(f"config.loop.max_staleness must be >= 0, got {self.max_staleness}.")
-    if self.rollout_workers < 1:
-      raise ConfigError(f"config.loop.rollout_workers must be >= 1, got {self.rollout_workers}.")
+    if self.rollout_workers < 0:
+      raise ConfigError(
+        f"config.loop.rollout_workers must be >= 0 (0: chosen by the mode), got "
+        f"{self.rollout_workers}."
+      )
     _check_at_least("loop", self, 0, "learner_restarts")
 
 

@@ -13,8 +13,8 @@ Each case runs in a fresh process (peak resident memory, `ru_maxrss`, is per pro
 - `grpo_step`: the step with the recipe's memory options on (fp32 master weights and Adam
   second moment, bf16 first moment and gradient sum, chunked log-probs, remat, bf16 rollout
   weights, rollout weights and KV pool freed during the update), micro-batches of 1 sequence:
-  `peak_rss_gib` (target: at most 12) and the wall time split by stage (`time_rollout`,
-  `time_train`, ...; the step compiles its shapes, so the times include compilation);
+  `peak_rss_gib` (target: at most 12) and the wall time split by stage (`time_wait` for the
+  rollout, `time_train`, ...; the step compiles its shapes, so the times include compilation);
 - `learner_plan_<option>_micro<m>`: XLA's buffer plan of that step's optimizer update (compiled,
   not run: a step on this CPU takes many minutes) with each memory option off in turn, at
   micro-batches of 1 and 4 sequences: GiB of arguments (parameters, Adam state) and
@@ -111,6 +111,7 @@ def _step(path: str) -> dict:
 
   jax.config.update("jax_num_cpu_devices", 1)
   from jaxrl.config import load_config
+  from jaxrl.metrics import read_metrics
   from jaxrl.rl import job
 
   overrides = {**WORKLOAD, "pretrained.path": path}
@@ -119,8 +120,8 @@ def _step(path: str) -> dict:
     start = time.perf_counter()
     controller = job.build_controller(cfg, workdir, show_progress=False)
     build_s = time.perf_counter() - start
-    controller.publish()
-    metrics = controller.step()
+    controller.run(until=1)
+    (metrics,) = [r for r in read_metrics(controller.writer.path) if r["kind"] == "train"]
   times = {k: round(v, 1) for k, v in metrics.items() if k.startswith("time_")}
   return {"peak_rss_gib": round(_rss_gib(), 2), "build_and_load_s": round(build_s, 1), **times}
 
@@ -133,6 +134,7 @@ def _recipe_steps(path: str, steps: int, extra: dict) -> None:
   import jax
 
   from jaxrl.config import load_config
+  from jaxrl.metrics import read_metrics
   from jaxrl.rl import job
 
   overrides = {
@@ -149,16 +151,18 @@ def _recipe_steps(path: str, steps: int, extra: dict) -> None:
     start = time.perf_counter()
     controller = job.build_controller(cfg, workdir, show_progress=False)
     print(json.dumps({"build_and_load_s": round(time.perf_counter() - start, 1)}), flush=True)
-    controller.publish()
-    for step in range(1, steps + 1):
-      start = time.perf_counter()
-      metrics = controller.step()
+
+    def report(c) -> None:  # after each step: its metrics and the device's peak so far
+      metrics = [r for r in read_metrics(c.writer.path) if r["kind"] == "train"][-1]
       stats = jax.devices()[0].memory_stats() or {}
       line = {k: round(float(v), 3) for k, v in metrics.items() if k.startswith("time_")}
-      line |= {"step": step, "wall_s": round(time.perf_counter() - start, 2)}
+      line |= {"step": metrics["step"], "wall_s": round(metrics["time_step"], 2)}
       line["peak_device_gib"] = round(stats.get("peak_bytes_in_use", 0) / 2**30, 2)
       line["response_length"] = round(metrics["response_length"], 1)
       print(json.dumps(line), flush=True)
+
+    controller.on_step.append(report)
+    controller.run(until=steps)
 
 
 def _learner_plan(path: str, case: str, micro_batch: int) -> dict:

@@ -101,7 +101,7 @@ BAD_VALUES = [
   ("placement.rollout_mesh.expert", -2, "config.placement.rollout_mesh.expert must be >= 1"),
   ("placement.rollout_mesh.tensor", -1, "config.placement.rollout_mesh: data and tensor are"),
   ("loop.max_staleness", -1, "config.loop.max_staleness must be >= 0, got -1."),
-  ("loop.rollout_workers", 0, "config.loop.rollout_workers must be >= 1, got 0."),
+  ("loop.rollout_workers", -1, "config.loop.rollout_workers must be >= 0"),
 ]
 
 

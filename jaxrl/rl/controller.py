@@ -1,15 +1,35 @@
-"""The synchronous RL controller: sample -> generate -> reward -> advantages -> update -> publish.
+"""The RL controller: rollout workers generate groups, the learner trains on them, the weight
+store carries each new version back. One loop for every backend and both modes.
 
-Every step runs the stages one after another on their own meshes and times each one, so the
-metrics show where a step's time goes (rollout / reward / train / weight sync).
+Groups (a prompt and its `group_size` responses) are released in loader order under admission
+control: group k may start only once k < (version + max_staleness + 1) x prompts_per_step, and
+a group's *version* is the learner's version when it was released. Workers (`workers.py`) never
+decode a group's requests with weights older than its version, so every token of a sample is at
+least that version. The learner takes finished groups oldest version first (then in the order
+they finished) and waits while skipping an unfinished old group would leave it no step at which
+it could still be trained within the bound (`scheduler/staleness.py`, which the simulator runs
+too), so no trained token is more than `max_staleness` versions older than the weights it is
+trained on. The synchronous loop (`config.loop.mode='sync'`) is the bound 0: a step's groups are
+released, generated and trained, then the next step's, and the learner lends the store its live
+weights (no copy: nothing decodes while it trains; `weights.py`'s ownership rule). With
+`config.rollout.dynamic_sampling` a group whose rewards are all equal is dropped and another
+prompt released in its place, up to (dynamic_sampling_rounds - 1) x prompts_per_step per step;
+past that budget such groups are trained (they carry zero advantage).
+
+The controller keeps the last streamed copy of every request; it is the single source of truth
+for what has been generated. A worker leaving with notice hands its records back; a worker
+that dies without notice has its requests re-dispatched from those copies; a checkpoint stores
+them with the released-but-untrained groups, so a resumed job loses no sample and skips or
+repeats no prompt.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -22,15 +42,19 @@ from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.metrics import MetricsWriter
 from jaxrl.rl.backends import Backend, PolicyLearner, VersionedStore
 from jaxrl.rl.checkpoint import Checkpointer
+from jaxrl.rl.dispatch import LengthPredictor
 from jaxrl.rl.experience import build_batch
+from jaxrl.rl.groups import Group, batch_metrics, parse_request_id, request_id, sampling_seed
 from jaxrl.rl.policy import PolicyExporter, template_kwargs, training_sampling
 from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline
+from jaxrl.rl.worker_pool import WorkerPool
+from jaxrl.rl.workers import Assignment, copy_record
 from jaxrl.rollout.engine import RolloutEngine
+from jaxrl.rollout.requests import RequestRecord, record_completion
+from jaxrl.scheduler.staleness import admission_cap, choose_batch
 from jaxrl.train.advantages import group_advantages
 
 log = logging.getLogger(__name__)
-
-ROLLOUT_LANE = "rollout"  # the synchronous loop's rollout engine
 
 
 @dataclasses.dataclass
@@ -41,8 +65,15 @@ class ControllerState:
   version: int = 0
 
 
-class Controller:
-  """Runs synchronous GRPO steps; the stages come in through the constructor."""
+class Controller(WorkerPool):
+  """The RL loop: rollout on workers (threads or Ray actors), the learner on the calling thread.
+
+  `self.rollout` (an engine on the learner's mesh) serves only evaluation. Workers come from
+  the backend when `run` starts; `add_worker` adds one (before or during `run`),
+  `remove_worker` gives one a preemption notice and `kill_worker` kills one without notice.
+  `hooks` run once per loop iteration, `on_train` after each update, `on_step` once a step's
+  metrics are written (tests and benchmarks use them to inject faults and follow the run).
+  """
 
   def __init__(
     self,
@@ -57,26 +88,27 @@ class Controller:
     eval_records: Sequence[dict],
     writer: MetricsWriter,
     checkpointer: Checkpointer | None,
-    show_progress: bool = True,
     backend: Backend,
+    show_progress: bool = True,
     exporter: PolicyExporter | None = None,
     free_rollout_during_train: bool = False,
   ):
-    """`cfg`: the run's config (the loop reads its settings there); `backend` made the learner
-    and the store (`backends.Backend`); `exporter`, if any, writes the policy in Hugging Face
-    layout when it is due; `free_rollout_during_train`: drop the rollout engine's weights and
-    cache during each update (it shares the learner's devices; the weight sync after the
-    update gives them back)."""
+    """`cfg`: the run's config, its loop mode resolved (`job.resolve_loop_mode`); the loop reads
+    its settings there. `backend` made the learner and the store and makes the rollout workers
+    (`backends.Backend`): one per worker slot when a call of `run` starts. `exporter`, if any,
+    writes the policy in Hugging Face layout when due. `free_rollout_during_train`: the stages
+    share devices, so the workers' engines (and the eval engine after evaluating) drop their
+    weights and KV pages while the learner trains (sync mode only, where nothing decodes then)."""
     self.cfg = cfg
+    self.loop = cfg.loop
     self.sampling = training_sampling(cfg, tokenizer)
     self.eval_sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
     self.chat = template_kwargs(cfg)  # chat-template variables of every prompt
-    self.free_rollout_during_train = free_rollout_during_train
-    self.backend = backend
+    sync = cfg.loop.mode == "sync"
+    self.free_rollout_during_train = free_rollout_during_train and sync
     self.exporter = exporter
     self.rollout = rollout
     self.learner = learner
-    self.weights = weights
     self.task = task
     self.tokenizer = tokenizer
     self.loader = loader
@@ -85,23 +117,247 @@ class Controller:
     self.checkpointer = checkpointer
     self.show_progress = show_progress
     self.state = ControllerState()
-    self.timeline = StageTimeline()
-    backend.attach_learner(learner, self.timeline)  # a remote learner sends its spans here
+    timeline = StageTimeline()
+    backend.attach_learner(learner, timeline)  # a remote learner sends its spans here
+    self.groups: dict[int, Group] = {}
+    self.ready: list[int] = []  # finished, untrained groups in the order they finished
+    self.next_group = 0
+    self.prompts: collections.deque[dict] = collections.deque()  # drawn, not yet released
+    self.replacements = 0  # groups released in place of dropped ones (dynamic sampling)
+    self.dropped_this_step = 0
+    self.hooks: list[Callable[[Controller], None]] = []
+    self.on_train: list[Callable[[int, list[Group]], None]] = []
+    self.on_step: list[Callable[[Controller], None]] = []  # after a step's metrics are written
+    self.lengths = LengthPredictor(default=self.sampling.max_new_tokens / 2)
+    self._eval_version = -1
+    self._reward_s = 0.0  # scoring time since the last step
+    self._reward_timeouts = 0  # reward checks that timed out since the last step
+    super().__init__(
+      backend,
+      weights,
+      timeline,
+      max_staleness=0 if sync else cfg.loop.max_staleness,
+      skew_aware_dispatch=cfg.loop.skew_aware_dispatch,
+      measured_rates=cfg.loop.measured_rates,
+    )
+
+  # -- requests (what `WorkerPool` asks of its controller) ---------------------------------------
+
+  def _assignment(self, rid: str) -> Assignment:
+    gid, j = parse_request_id(rid)
+    group = self.groups[gid]
+    # A copy: the worker's engine appends to its record while the controller keeps its own.
+    return Assignment(copy_record(group.records[j]), group.version)
+
+  def _take_record(self, rid: str, record: RequestRecord, finished: bool) -> None:
+    gid, j = parse_request_id(rid)
+    group = self.groups[gid]
+    group.records[j] = record
+    if finished:
+      group.done[j] = True
+      if group.finished:
+        self.lengths.update(group.prompt["id"], [len(r.token_ids) for r in group.records])
+        self._score(group)
+
+  def _tokens_so_far(self, rid: str) -> int:
+    gid, j = parse_request_id(rid)
+    return len(self.groups[gid].records[j].token_ids)
+
+  def _predicted_left(self, rid: str) -> float:
+    """Tokens the request is predicted still to generate (at least 1)."""
+    gid, j = parse_request_id(rid)
+    group = self.groups[gid]
+    return max(1.0, self.lengths.predict(group.prompt["id"]) - len(group.records[j].token_ids))
+
+  # -- rewards -----------------------------------------------------------------------------------
+
+  def encode_prompts(self, records: Sequence[dict]) -> list[list[int]]:
+    return [encode_prompt(self.tokenizer, r, self.chat) for r in records]
+
+  def score(self, records: Sequence[dict], completions) -> RewardBatch:
+    """The task's rewards of the completions' text (the math task checks them in worker
+    processes; a check that times out scores 0 and is counted in `timeouts`)."""
+    texts = [self.tokenizer.decode(c.token_ids) for c in completions]
+    batch = self.task.submit_rewards(records, texts).result()
+    if batch.timeouts:
+      log.warning(
+        "Step %d: %d of %d reward checks timed out or crashed and scored 0.",
+        self.state.step, batch.timeouts, len(texts),
+      )  # fmt: skip
+    return batch
+
+  def _score(self, group: Group, may_drop: bool = True) -> None:
+    """Scores a finished group; it is ready to train, or (dynamic sampling, rewards all equal,
+    budget left) dropped and another prompt released in its place."""
+    start = time.perf_counter()
+    completions = [record_completion(r) for r in group.records]
+    scored = self.score([group.prompt] * len(completions), completions)
+    self._reward_s += time.perf_counter() - start
+    group.rewards = scored.rewards_b
+    self.counters["reward_timeouts"] += scored.timeouts
+    self._reward_timeouts += scored.timeouts
+    rollout = self.cfg.rollout
+    budget = (rollout.dynamic_sampling_rounds - 1) * rollout.prompts_per_step
+    uninformative = np.ptp(group.rewards) == 0
+    if may_drop and rollout.dynamic_sampling and uninformative and self.dropped_this_step < budget:
+      del self.groups[group.gid]
+      self.dropped_this_step += 1
+      self.replacements += 1
+      self.counters["groups_dropped"] += 1
+      self._release()
+      return
+    self.ready.append(group.gid)
+
+  # -- admission and dispatch --------------------------------------------------------------------
+
+  def _release(self) -> None:
+    """Starts the groups admission control allows: k < (version + eta + 1) x batch, plus one
+    for every group dynamic sampling dropped."""
+    g = self.cfg.rollout.group_size
+    cap = admission_cap(self.state.version, self.max_staleness, self.cfg.rollout.prompts_per_step)
+    cap += self.replacements
+    released = []
+    while self.next_group < cap:
+      if not self.prompts:  # the loader gives a step's prompts at a time
+        self.prompts.extend(next(self.loader))
+      prompt = self.prompts.popleft()
+      gid = self.next_group
+      self.next_group += 1
+      ids = self.encode_prompts([prompt])[0]
+      records = [
+        RequestRecord(
+          request_id=request_id(gid, j),
+          prompt_ids=ids,
+          sampling=self.sampling,
+          seed=sampling_seed(self.cfg.seed, gid * g + j),
+        )
+        for j in range(g)
+      ]
+      self.groups[gid] = Group(gid, prompt, self.state.version, records, [False] * len(records))
+      released += [r.request_id for r in records]
+    if self.loop.skew_aware_dispatch:
+      # Longest predicted first; stable, so release order breaks ties.
+      released.sort(key=lambda rid: -self._predicted_left(rid))
+    self.pending.extend(released)
+
+  # -- training ----------------------------------------------------------------------------------
+
+  def _choose_batch(self) -> list[Group] | None:
+    """The groups of the next step, or None while the learner must wait (`choose_batch`)."""
+    ready = [(gid, self.groups[gid].version) for gid in self.ready]
+    waiting = set(self.ready)
+    in_flight = [g.version for gid, g in self.groups.items() if gid not in waiting]
+    choice = choose_batch(
+      ready, in_flight, self.state.version, self.max_staleness, self.cfg.rollout.prompts_per_step
+    )
+    if choice is None:
+      return None
+    if choice.forced:
+      log.warning(
+        "Step %d trains although a group left over cannot be trained within max_staleness=%d "
+        "(nothing is in flight to wait for).", self.state.step, self.max_staleness,
+      )  # fmt: skip
+    return [self.groups[gid] for gid in choice.groups]
+
+  def _train(self, groups: list[Group]) -> dict[str, float]:
+    v, eta = self.state.version, self.max_staleness
+    for g in groups:
+      if v - g.oldest_version() > eta:
+        raise RuntimeError(
+          f"Group {g.gid} has a token of version {g.oldest_version()} at learner version {v}, "
+          f"beyond max_staleness={eta}; admission control is broken."
+        )
+    completions = [record_completion(r) for g in groups for r in g.records]
+    rewards_b = np.concatenate([g.rewards for g in groups])
+    advantages_b = np.asarray(
+      group_advantages(rewards_b, self.cfg.rollout.group_size, mode=self.cfg.train.advantage)
+    )
+    batch = build_batch(completions, advantages_b, self.tokenizer.pad_id)
+    if self.free_rollout_during_train:
+      for worker in self.workers.values():
+        worker.release_memory()
+    start = time.perf_counter()
+    with self.timeline.span(LEARNER_LANE, "train"):
+      train_metrics = jax.device_get(self.learner.update(batch))
+    time_train = time.perf_counter() - start
+    if train_metrics["skipped"]:
+      log.warning(
+        "Step %d: non-finite loss or gradient (loss=%s, grad_norm=%s) on the batch of "
+        "prompts %s; the update was skipped.",
+        self.state.step, train_metrics["loss"], train_metrics["grad_norm"],
+        [g.prompt["id"] for g in groups],
+      )  # fmt: skip
+    for hook in self.on_train:
+      hook(self.state.step, groups)
+    for g in groups:
+      del self.groups[g.gid]
+    chosen = {g.gid for g in groups}
+    self.ready = [gid for gid in self.ready if gid not in chosen]
+
+    start = time.perf_counter()
+    self.state.version += 1
+    self.state.step += 1
+    self.publish()
+    self._release()
+    time_publish = time.perf_counter() - start
+
+    lags = np.concatenate([v - c.versions for c in completions])
+    sample_lag = np.array([v - int(c.versions.min()) for c in completions])
+    metrics = {
+      **batch_metrics(rewards_b, completions),
+      "version": self.state.version,
+      "off_policy_token_frac": float(np.mean(lags > 0)),
+      "staleness_mean": float(sample_lag.mean()),
+      **{f"staleness_{k}": float(np.mean(sample_lag == k)) for k in range(eta + 1)},
+      "time_train": time_train,
+      "time_weight_sync": time_publish,
+      "workers": len(self.workers),
+      **{k: float(v) for k, v in train_metrics.items()},
+    }
+    if self.cfg.rollout.dynamic_sampling:
+      metrics["groups_dropped"] = self.dropped_this_step
+      metrics["groups_uninformative_in_batch"] = sum(np.ptp(g.rewards) == 0 for g in groups)
+      self.dropped_this_step = 0
+    return metrics
 
   # -- weights -----------------------------------------------------------------------------------
 
   def publish(self) -> None:
-    """Hands the learner's current weights to the store and the rollout engine. They are lent
-    (`weights.py`'s ownership rule): the engine takes them now, before the next update, and
-    the learner recalls them from the store before it donates them."""
-    start = time.time()
-    self.learner.publish_to(self.weights, self.state.version, lend=True)
-    self.weights.wait_for(self.state.version)  # a learner in other processes publishes there
-    version, params = self.weights.pull(-1)
-    self.rollout.update_weights(params, version)
-    jax.block_until_ready(self.rollout.params)
-    for lane in (LEARNER_LANE, ROLLOUT_LANE):
-      self.timeline.add(lane, start, time.time(), "weight-sync")
+    """Publishes the learner's weights and tells the workers the oldest version they may still
+    generate with. Async: a host copy (workers pull while the learner trains). Sync: the live
+    buffers, lent (nothing decodes while the learner trains, and its next update recalls them
+    first). A learner in another process may publish from there in the background (the span
+    here is then the hand-off); a worker that needs the version waits for it."""
+    with self.timeline.span(LEARNER_LANE, "weight-sync"):
+      self.learner.publish_to(self.weights, self.state.version, lend=self.max_staleness == 0)
+    self.set_min_version(self.state.version - self.max_staleness)
+
+  # -- evaluation --------------------------------------------------------------------------------
+
+  def evaluate(self) -> dict[str, float]:
+    """On the held-out records, one response each: the mean reward (`eval_reward`) and the
+    fraction answered correctly (`eval_pass_at_1`: pass@1 when decoding is greedy)."""
+    if self._eval_version != self.state.version:
+      self.rollout.update_weights(self.learner.params, self.state.version)
+      self._eval_version = self.state.version
+    prompts = self.encode_prompts(self.eval_records)
+    seed = sampling_seed(self.cfg.seed, -1)
+    completions = self.rollout.generate(prompts, self.eval_sampling, seed=seed)
+    if self.free_rollout_during_train:
+      self.rollout.release_memory()
+      self._eval_version = -1
+    scored = self.score(self.eval_records, completions)
+    return {
+      "eval_reward": float(scored.rewards_b.mean()),
+      "eval_pass_at_1": float(scored.correct_b.mean()),
+      "eval_response_length": float(np.mean([len(c.token_ids) for c in completions])),
+    }
+
+  def _eval_and_write(self) -> float:
+    """Evaluates, writes the eval record; returns its mean reward."""
+    metrics = self.evaluate()
+    self.writer.write(self.state.step, "eval", metrics)
+    return metrics["eval_reward"]
 
   # -- checkpoints -------------------------------------------------------------------------------
 
@@ -125,163 +381,103 @@ class Controller:
     self.load_controller_state(dict(restored["controller"]))
 
   def controller_state(self) -> dict:
-    """The host-side state a checkpoint keeps (JSON-serialisable)."""
-    return dataclasses.asdict(self.state)
+    """The step and version, plus every released, untrained group with its tokens so far
+    (JSON-serialisable)."""
+    return dataclasses.asdict(self.state) | {
+      "next_group": self.next_group,
+      "prompts": list(self.prompts),
+      "replacements": self.replacements,
+      "dropped_this_step": self.dropped_this_step,
+      "groups": [g.to_dict() for g in self.groups.values()],
+      "ready": list(self.ready),
+      "lengths": self.lengths.state(),
+    }
 
   def load_controller_state(self, state: dict) -> None:
+    self.next_group = state.pop("next_group", 0)
+    self.prompts = collections.deque(state.pop("prompts", []))
+    self.replacements = state.pop("replacements", 0)
+    self.dropped_this_step = state.pop("dropped_this_step", 0)
+    groups = [Group.from_dict(d) for d in state.pop("groups", [])]
+    ready = state.pop("ready", [])
+    self.lengths.load(state.pop("lengths", {}))
     self.state = ControllerState(**state)
-
-  # -- one step ----------------------------------------------------------------------------------
-
-  def encode_prompts(self, records: Sequence[dict]) -> list[list[int]]:
-    return [encode_prompt(self.tokenizer, r, self.chat) for r in records]
-
-  def score(self, records: Sequence[dict], completions) -> RewardBatch:
-    """The task's rewards of the completions' text (the math task checks them in worker
-    processes; a check that times out scores 0 and is counted in `timeouts`)."""
-    texts = [self.tokenizer.decode(c.token_ids) for c in completions]
-    batch = self.task.submit_rewards(records, texts).result()
-    if batch.timeouts:
-      log.warning(
-        "Step %d: %d of %d reward checks timed out or crashed and scored 0.",
-        self.state.step, batch.timeouts, len(texts),
-      )  # fmt: skip
-    return batch
-
-  def generate_groups(self) -> tuple[list[dict], list, np.ndarray, dict[str, float]]:
-    """One step's prompts, completions and rewards (`prompts_per_step` groups).
-
-    With dynamic sampling, groups whose rewards are all equal are dropped and further prompt
-    batches generated (up to `dynamic_sampling_rounds` rounds); a step still short after the
-    last round is filled with dropped groups, which carry zero advantage.
-    """
-    cfg, step = self.cfg, self.state.step
-    g, wanted = cfg.rollout.group_size, cfg.rollout.prompts_per_step
-    rounds = cfg.rollout.dynamic_sampling_rounds if cfg.rollout.dynamic_sampling else 0
-    kept, dropped = [], []
-    times = {"time_rollout": 0.0, "time_reward": 0.0, "reward_timeouts": 0}
-    for round_ in range(max(1, rounds)):
-      records = next(self.loader)
-      group_records = [r for r in records for _ in range(g)]
-      t = time.perf_counter()
-      # Round 0 keeps the seed of a step without dynamic sampling.
-      seed = _step_seed(cfg.seed, step) + round_ * 7919
-      with self.timeline.span(ROLLOUT_LANE, "decode"):
-        completions = self.rollout.generate(
-          self.encode_prompts(group_records), self.sampling, seed=seed
-        )
-      times["time_rollout"] += time.perf_counter() - t
-      t = time.perf_counter()
-      scored = self.score(group_records, completions)
-      rewards_b = scored.rewards_b
-      times["reward_timeouts"] += scored.timeouts
-      times["time_reward"] += time.perf_counter() - t
-      for i in range(len(records)):
-        group = (group_records[i * g : (i + 1) * g], completions[i * g : (i + 1) * g])
-        rewards = rewards_b[i * g : (i + 1) * g]
-        informative = not rounds or rewards.std() > 0
-        (kept if informative else dropped).append((*group, rewards))
-      if len(kept) >= wanted:
-        break
-    filler = max(0, wanted - len(kept))
-    groups = (kept + dropped[:filler])[:wanted]
-    info = {}
-    if rounds:
-      info = {
-        "dynamic_rounds": round_ + 1,
-        "groups_dropped": len(dropped),
-        "groups_uninformative_in_batch": filler,
-      }
-    group_records = [r for recs, _, _ in groups for r in recs]
-    completions = [c for _, comps, _ in groups for c in comps]
-    rewards_b = np.concatenate([rewards for _, _, rewards in groups])
-    return group_records, completions, rewards_b, times | info
-
-  def step(self) -> dict[str, float]:
-    """One synchronous RL step; returns its metrics (host floats)."""
-    g, step = self.cfg.rollout.group_size, self.state.step
-    group_records, completions, rewards_b, times = self.generate_groups()
-    records = group_records[::g]
-    if self.free_rollout_during_train:
-      self.rollout.release_memory()
-
-    t = time.perf_counter()
-    advantages_b = np.asarray(group_advantages(rewards_b, g, mode=self.cfg.train.advantage))
-    batch = build_batch(completions, advantages_b, self.tokenizer.pad_id)
-    times["time_reward"] += time.perf_counter() - t
-
-    t = time.perf_counter()
-    with self.timeline.span(LEARNER_LANE, "train"):
-      train_metrics = jax.device_get(self.learner.update(batch))
-    times["time_train"] = time.perf_counter() - t
-    if train_metrics["skipped"]:
-      log.warning(
-        "Step %d: non-finite loss or gradient (loss=%s, grad_norm=%s) on the batch of "
-        "prompts %s; the update was skipped.",
-        step,
-        train_metrics["loss"],
-        train_metrics["grad_norm"],
-        [r["id"] for r in records],
-      )
-
-    t = time.perf_counter()
-    self.state.version += 1
-    self.publish()
-    times["time_weight_sync"] = time.perf_counter() - t
-    self.state.step += 1
-
-    metrics = {
-      **batch_metrics(rewards_b, completions),
-      "version": self.state.version,
-      **{k: float(v) for k, v in train_metrics.items()},
-      **times,
-    }
-    metrics["time_step"] = sum(v for k, v in times.items() if k.startswith("time_"))
-    return metrics
-
-  def evaluate(self) -> dict[str, float]:
-    """On the held-out records, one response each: the mean reward (`eval_reward`) and the
-    fraction answered correctly (`eval_pass_at_1`: pass@1 when decoding is greedy)."""
-    completions = self.rollout.generate(
-      self.encode_prompts(self.eval_records), self.eval_sampling, seed=_step_seed(self.cfg.seed, -1)
+    self.groups = {g.gid: g for g in groups}
+    self.assigned.clear()
+    self.pending = collections.deque(
+      request_id(g.gid, j) for g in groups for j, done in enumerate(g.done) if not done
     )
-    scored = self.score(self.eval_records, completions)
-    return {
-      "eval_reward": float(scored.rewards_b.mean()),
-      "eval_pass_at_1": float(scored.correct_b.mean()),
-      "eval_response_length": float(np.mean([len(c.token_ids) for c in completions])),
-    }
+    self.ready = []
+    for gid in ready:
+      self._score(self.groups[gid], may_drop=False)  # kept once: not dropped on resume
 
   # -- the loop ----------------------------------------------------------------------------------
 
   def run(self, until: int | None = None) -> dict[str, float]:
     """Runs until step `until` (default `config.train.steps`); returns the first and last eval
-    rewards of this call."""
+    rewards of this call.
+
+    Workers are stopped on return (and on an exception): their unfinished requests stay in
+    the controller's state as the records they last streamed.
+    """
     steps = self.cfg.train.steps if until is None else until
-    self.publish()
+    self.min_version = self.state.version - self.max_staleness
+    if self.weights.version < self.state.version:  # a later call of run has published it
+      self.publish()
+    self._release()
+    if not self.initial_workers and not self.workers:
+      self.initial_workers = self.fresh_workers()
+    for worker in self.initial_workers:
+      self.add_worker(worker)
+    self.initial_workers = []
+    if not self.workers and self.state.step < steps:
+      raise RuntimeError(
+        "Controller.run has no rollout workers; add some with add_worker(make_worker(...))."
+      )
     evals = {}
     if self.cfg.eval.every and self.state.step < steps:
       evals["eval_reward_start"] = self._eval_and_write()
-    bar = self._progress_bar("GRPO")
-    while self.state.step < steps:
-      self._after_step(self.step(), bar, evals)
-    bar.close()
-    return evals
-
-  def _progress_bar(self, desc: str) -> tqdm.tqdm:
-    return tqdm.tqdm(
+    bar = tqdm.tqdm(
       total=self.cfg.train.steps,
       initial=self.state.step,
-      desc=desc,
+      desc=f"GRPO {self.loop.mode}",
       unit="step",
       disable=not self.show_progress,
       dynamic_ncols=True,
     )
+    try:
+      wait_start = time.perf_counter()
+      while self.state.step < steps:
+        for hook in self.hooks:
+          hook(self)
+        self._dispatch()  # what was released since: before waiting for the workers' events
+        self._handle_events(block=True)
+        self._check_workers()
+        self._dispatch()
+        groups = self._choose_batch()
+        if groups is None:
+          continue
+        time_wait = time.perf_counter() - wait_start
+        time_reward, self._reward_s = self._reward_s, 0.0
+        metrics = self._train(groups)
+        metrics["time_wait"] = time_wait
+        metrics["time_reward"] = time_reward
+        metrics["reward_timeouts"], self._reward_timeouts = self._reward_timeouts, 0
+        metrics["time_step"] = time.perf_counter() - wait_start
+        self._after_step(metrics, bar, evals)  # eval and checkpoint: not learner idle time
+        wait_start = time.perf_counter()
+    finally:
+      bar.close()
+      self.stop_workers()
+    self.weights.wait_for(self.state.version)  # a later `run` finds the store up to date
+    return evals
 
   def _after_step(self, metrics: dict[str, float], bar: tqdm.tqdm, evals: dict) -> None:
     """Writes a finished step's metrics, evaluates and checkpoints when due."""
     cfg = self.cfg
     self.writer.write(self.state.step, "train", metrics)
+    for hook in self.on_step:
+      hook(self)
     postfix = {"reward": f"{metrics['reward_mean']:.3f}"}
     bar.update(1)
     last = self.state.step == cfg.train.steps
@@ -294,24 +490,3 @@ class Controller:
     out_dir = self.exporter and self.exporter.due(self.state.step, last)
     if out_dir:
       self.exporter.export(self.learner.params, out_dir)
-
-  def _eval_and_write(self) -> float:
-    """Evaluates, writes the eval record; returns its mean reward."""
-    metrics = self.evaluate()
-    self.writer.write(self.state.step, "eval", metrics)
-    return metrics["eval_reward"]
-
-
-def batch_metrics(rewards_b: np.ndarray, completions) -> dict[str, float]:
-  """Reward and length statistics of a trained batch."""
-  return {
-    "reward_mean": float(rewards_b.mean()),
-    "reward_std": float(rewards_b.std()),
-    "response_length": float(np.mean([len(c.token_ids) for c in completions])),
-    "truncated_frac": float(np.mean([c.finish_reason == "length" for c in completions])),
-  }
-
-
-def _step_seed(seed: int, step: int) -> int:
-  """A sampling seed that depends only on (seed, step), so a resumed run samples the same."""
-  return (seed * 1_000_003 + step + 1) % (2**31 - 1)

@@ -20,7 +20,6 @@ from jaxrl.data.prompts import encode_prompt
 from jaxrl.data.tasks import make_task
 from jaxrl.metrics import MetricsWriter, plot_reward_curve
 from jaxrl.model import Model
-from jaxrl.rl.async_controller import AsyncController
 from jaxrl.rl.backends import LearnerLost, make_backend
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.controller import Controller
@@ -48,8 +47,9 @@ def build_controller(
   show_progress: bool = True,
   placement: Placement | None = None,
 ) -> Controller:
-  """Wires task, tokenizer, meshes, engine, learner, store, writer and checkpointer; in async
-  mode (`config.loop.mode`) also the rollout workers, one per group of rollout devices."""
+  """Wires task, tokenizer, meshes, the eval engine, learner, store, rollout workers, writer and
+  checkpointer; `config.loop.mode` comes out resolved ("auto" decided) in the controller's
+  config."""
   tokenizer = make_tokenizer(cfg)
   model = Model(model_config(cfg, tokenizer))
   rollout_model = Model(rollout_model_config(cfg, model.config))
@@ -82,27 +82,14 @@ def build_controller(
   mode = resolve_loop_mode(cfg, placement)
   if cfg.loop.mode == "auto":
     log.info("config.loop.mode='auto': the %s loop.", mode)
-  asynchronous = mode == "async"
-  if asynchronous and cfg.rollout.engine != "paged":
-    raise ConfigError(
-      f"config.loop.mode='async' needs config.rollout.engine='paged' (its requests can be "
-      f"stopped and moved), got {cfg.rollout.engine!r}."
-    )
-  if asynchronous and cfg.rollout.dynamic_sampling:
-    raise ConfigError(
-      "config.rollout.dynamic_sampling runs with config.loop.mode='sync' only; turn one off."
-    )
-  # In async mode this engine, on the learner's mesh, serves evaluation only: it meets a few
-  # shapes, so compiling all of them up front would not pay.
-  engine_mesh = placement.train_mesh if asynchronous else placement.rollout_mesh
+  cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, mode=mode))
+  # This engine, on the learner's mesh, serves evaluation only: it meets a few shapes, so
+  # compiling all of them up front would not pay.
   eval_only = dataclasses.replace(
     cfg.rollout, paged=dataclasses.replace(cfg.rollout.paged, precompile=False)
   )
-  engine = make_rollout_engine(
-    cfg, rollout_model, engine_mesh, tokenizer, eval_only if asynchronous else cfg.rollout
-  )
-  # The learner and the store come from `config.loop.backend` (the sync loop's rollout engine
-  # is this process's; the async loop's workers come from the backend too).
+  engine = make_rollout_engine(cfg, rollout_model, placement.train_mesh, tokenizer, eval_only)
+  # The learner, the store and the rollout workers come from `config.loop.backend`.
   parts = JobParts(cfg, placement, rollout_model, tokenizer, prompt_len)
   backend = make_backend(cfg.loop.backend, parts)
   learner = backend.make_learner(model)
@@ -131,12 +118,9 @@ def build_controller(
     exporter=PolicyExporter(cfg, model, workdir) if cfg.pretrained.path else None,
     backend=backend,
   )
-  if not asynchronous:
-    return Controller(
-      **kwargs,
-      free_rollout_during_train=cfg.rollout.free_during_train and placement.shares_devices,
-    )
-  return AsyncController(**kwargs)
+  return Controller(
+    **kwargs, free_rollout_during_train=cfg.rollout.free_during_train and placement.shares_devices
+  )
 
 
 def resolve_loop_mode(cfg: ExperimentConfig, placement: Placement) -> str:
@@ -145,8 +129,6 @@ def resolve_loop_mode(cfg: ExperimentConfig, placement: Placement) -> str:
   loop = cfg.loop
   if loop.mode != "auto":
     return loop.mode
-  if cfg.rollout.engine != "paged" or cfg.rollout.dynamic_sampling:
-    return "sync"
   if loop.backend == "ray" and loop.ray_pin_cores:
     return "async"
   rollout = set(placement.rollout_mesh.devices.flat)
@@ -234,8 +216,7 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
   metrics_path = controller.writer.path
   plot_reward_curve(metrics_path, os.path.join(workdir, "reward_curve.png"))
   controller.timeline.save(os.path.join(workdir, "timeline.json"))
-  mode = "async" if isinstance(controller, AsyncController) else "sync"
-  loop = f"{mode}, {cfg.placement.mode}"
+  loop = f"{controller.loop.mode}, {cfg.placement.mode}"
   plot_stage_timeline(
     controller.timeline.segments(), os.path.join(workdir, "stage_timeline.png"), loop
   )

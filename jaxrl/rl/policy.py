@@ -27,7 +27,7 @@ from jaxrl.model import Model, ModelConfig, Params
 from jaxrl.model.hf import load_pretrained, save_pretrained
 from jaxrl.model.hf_config import config_from_hf
 from jaxrl.model.safetensors_io import CheckpointError
-from jaxrl.rollout import PagedEngine, SamplingParams, StaticEngine
+from jaxrl.rollout import PagedEngine, SamplingParams
 from jaxrl.sharding import STAGE_RULES, make_mesh
 
 log = logging.getLogger(__name__)
@@ -110,17 +110,6 @@ def rollout_model_config(cfg: ExperimentConfig, model: ModelConfig) -> ModelConf
   return dataclasses.replace(model, param_dtype=dtype) if dtype else model
 
 
-# Rollout engines by `config.rollout.engine`: (model, mesh, tokenizer, RolloutConfig) -> engine.
-ROLLOUT_ENGINES = {
-  "static": lambda model, mesh, tok, rollout: StaticEngine(
-    model, mesh, STAGE_RULES["rollout"], eos_id=tok.eos_id, pad_id=tok.pad_id
-  ),
-  "paged": lambda model, mesh, tok, rollout: PagedEngine(
-    model, mesh, STAGE_RULES["rollout"], eos_id=tok.eos_id, pad_id=tok.pad_id, config=rollout.paged
-  ),
-}
-
-
 def rollout_worker_mesh(devices, rollout_axes: dict[str, int]) -> jax.sharding.Mesh:
   """A rollout worker's mesh over its `devices`: the rollout mesh's axes (`rollout_axes`, e.g.
   tensor or expert parallelism) but for `data`, which takes the rest. Local and Ray workers
@@ -138,14 +127,18 @@ def rollout_worker_mesh(devices, rollout_axes: dict[str, int]) -> jax.sharding.M
 def make_rollout_engine(
   cfg: ExperimentConfig, model: Model, mesh: jax.sharding.Mesh, tokenizer: Tokenizer, rollout=None
 ):
-  """The rollout engine `config.rollout.engine` names, over `mesh` (`rollout`: the
-  `RolloutConfig` to use, default `cfg.rollout`)."""
+  """The paged rollout engine over `mesh` (`rollout`: the `RolloutConfig` to use, default
+  `cfg.rollout`). The RL loop streams, moves and preempts requests, which only the paged engine
+  can; the static engine (`rollout.StaticEngine`) is the benchmarks' baseline."""
   rollout = rollout or cfg.rollout
-  if rollout.engine not in ROLLOUT_ENGINES:
-    raise ConfigError(
-      f"config.rollout.engine={rollout.engine!r}: use one of {sorted(ROLLOUT_ENGINES)}."
-    )
-  return ROLLOUT_ENGINES[rollout.engine](model, mesh, tokenizer, rollout)
+  return PagedEngine(
+    model,
+    mesh,
+    STAGE_RULES["rollout"],
+    eos_id=tokenizer.eos_id,
+    pad_id=tokenizer.pad_id,
+    config=rollout.paged,
+  )
 
 
 def initial_params(cfg: ExperimentConfig, model: Model, mesh: jax.sharding.Mesh) -> Params | None:

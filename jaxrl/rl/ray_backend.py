@@ -150,6 +150,9 @@ class RolloutActor:
   def preempt(self) -> None:
     self.worker.preempt()
 
+  def release_memory(self) -> None:
+    self.worker.release_memory()
+
   def drain(self, wait_s: float) -> tuple[list, list, bool]:
     """Events so far (waiting up to `wait_s` for the first), timeline spans so far, and
     whether the worker runs."""
@@ -242,6 +245,12 @@ class RayWorker:
   def preempt(self) -> None:
     self._actor.preempt.remote()
 
+  def release_memory(self, timeout_s: float = 60.0) -> None:
+    try:
+      ray.get(self._actor.release_memory.remote(), timeout=timeout_s)
+    except (ray.exceptions.RayError, TimeoutError) as e:  # a lost worker is found by the loop
+      log.warning("Rollout actor %s did not free its memory: %s", self.name, e)
+
   def kill(self) -> None:
     """Kills the actor process without notice."""
     self._killed = True
@@ -268,8 +277,8 @@ class RayBackend:
     pin = parts.cfg.loop.ray_pin_cores
     self._learner_cores, self._worker_cores = core_split() if pin else (None, None)
     self._made = itertools.count()
-    groups = rollout_device_groups(parts)
-    self._devices_per_worker = len(groups[0])
+    self._device_groups = rollout_device_groups(parts)
+    self._devices_per_worker = len(self._device_groups[0])
 
   def make_learner(self, model) -> RayLearner:
     del model  # the actor builds its own from the config
@@ -295,10 +304,11 @@ class RayBackend:
     return learner.supervised_trainer(learning_rate)  # in the learner's actor
 
   def worker_slots(self) -> list[ProcessSlot | None]:
-    """The plan's rollout instances, or `loop.rollout_workers` slots that Ray places."""
+    """The plan's rollout instances, or one slot per worker (`stages.worker_count`) that Ray
+    places."""
     if self.placement is not None:
       return list(self.placement.rollout)
-    return [None] * self.parts.cfg.loop.rollout_workers
+    return [None] * len(self._device_groups)
 
   def make_worker(self, name: str, slot, store: RayWeightStore) -> RayWorker:
     """A worker in `slot` (a planned instance), or, without one, anywhere Ray finds room

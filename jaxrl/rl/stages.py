@@ -30,10 +30,19 @@ class JobParts:
   prompt_len: int
 
 
+def worker_count(cfg: ExperimentConfig, num_devices: int) -> int:
+  """Rollout workers over `num_devices` rollout devices: `config.loop.rollout_workers`, or for
+  0 one in sync mode (all devices, as one engine) and two in async mode where the devices
+  split evenly (a worker switching weights then leaves the other decoding), else one."""
+  if cfg.loop.rollout_workers:
+    return cfg.loop.rollout_workers
+  return 2 if cfg.loop.mode == "async" and num_devices % 2 == 0 else 1
+
+
 def rollout_device_groups(parts: JobParts) -> list[list[jax.Device]]:
-  """The rollout devices split evenly among `config.loop.rollout_workers`."""
-  n = parts.cfg.loop.rollout_workers
+  """The rollout devices split evenly among the workers (`worker_count`)."""
   devices = list(parts.placement.rollout_mesh.devices.flat)
+  n = worker_count(parts.cfg, len(devices))
   if len(devices) % n:
     raise ConfigError(
       f"config.loop.rollout_workers={n} does not divide the {len(devices)} rollout devices; "

@@ -12,8 +12,10 @@ will not donate or mutate -- a copy (`Learner.publish_to`'s default: a host copy
 that pull while the learner trains) -- or lends its live buffers and recalls them before it
 donates them: the synchronous loop, whose only reader takes the weights before the next
 update, publishes without a copy (`publish_to(..., lend=True)`), and the learner's next update
-calls `recall`, after which the store holds no buffers of that version and a late pull fails
-with a message instead of reading deleted arrays.
+calls `recall`, after which the store holds no buffers of that version: a late pull gets
+nothing (the reader keeps its weights and takes the next version; in the sync loop an idle
+worker is the only late reader, and it needs the next version before it decodes again), and
+`latest` fails with a message instead of reading deleted arrays.
 """
 
 from __future__ import annotations
@@ -95,15 +97,15 @@ class WeightStore:
       )
 
   def pull(self, have: int) -> tuple[int, Params] | None:
-    """The newest (version, params) if it is newer than version `have`, else None.
+    """The newest (version, params) if it is newer than version `have`, else None (also while
+    the newest version's buffers are recalled: there is nothing to read until the next one).
 
     Raises:
       StoreUnreachable: the store cannot be reached (never for this in-process store).
     """
     with self._lock:
-      if self._latest is None or self._latest[0] <= have:
+      if self._latest is None or self._latest[0] <= have or self._recalled:
         return None
-      self._check_not_recalled()
       return self._latest
 
   def wait_for(self, version: int) -> None:

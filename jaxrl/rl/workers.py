@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class RolloutWorker(Protocol):
-  """What the asynchronous controller needs of a rollout worker, whatever runs it (a thread
+  """What the controller needs of a rollout worker, whatever runs it (a thread
   here, `LocalWorker`; a Ray actor, `ray_backend.RayWorker`). Control calls return at once."""
 
   name: str
@@ -58,6 +58,11 @@ class RolloutWorker(Protocol):
   def set_min_version(self, version: int) -> None: ...
 
   def preempt(self) -> None: ...
+
+  def release_memory(self, timeout_s: float = 60.0) -> None:
+    """Drops its engine's weights and KV pages if it holds no request (the learner, on the
+    same devices, is about to train), returning when done; the next weights it pulls bring
+    them back."""
 
   def kill(self) -> None: ...
 
@@ -164,6 +169,14 @@ class LocalWorker:
     """A preemption notice: hand back every request (as records) and leave."""
     self._inbox.put(("preempt", None))
 
+  def release_memory(self, timeout_s: float = 60.0) -> None:
+    """Returns once the worker's thread has dropped its engine's memory (or, holding requests,
+    kept it), so that the learner's step that follows finds the memory free."""
+    done = threading.Event()
+    self._inbox.put(("release", done))
+    if self.alive and not done.wait(timeout_s):
+      log.warning("Rollout worker %s did not free its memory within %.0f s.", self.name, timeout_s)
+
   def kill(self) -> None:
     """Dies without notice: stops at once and says nothing more (a crashed machine)."""
     self._killed.set()
@@ -238,6 +251,10 @@ class LocalWorker:
       elif kind == "preempt":
         self._leave()
         return False
+      elif kind == "release":
+        if not self.engine.has_work and not self._held:
+          self.engine.release_memory()
+        arg.set()
       try:
         item = self._inbox.get_nowait()
       except queue.Empty:
@@ -258,7 +275,10 @@ class LocalWorker:
     if not switch_now:
       return
     try:
-      pulled = self.store.pull(e.version)
+      # After `release_memory` the engine has no weights: it takes the next version, or the
+      # one it had if it was given work without a newer one.
+      needs_any = e.params is None and (e.has_work or self._held)
+      pulled = self.store.pull(-1 if needs_any else e.version)
     except StoreUnreachable as err:
       if not self._unreachable_reported and e.version < self._min_version:
         self._emit("store_unreachable", [], detail=str(err))

@@ -1,6 +1,6 @@
 """The staleness bound of asynchronous RL as pure functions: which groups may start, which train.
 
-The RL loop (`jaxrl.rl.async_controller`) and the simulator (`jaxrl.scheduler.simulator`) both
+The RL loop (`jaxrl.rl.controller`) and the simulator (`jaxrl.scheduler.simulator`) both
 call these, so that the simulator's policy comparisons run the rule the loop runs.
 
 A group (one prompt's G responses) started at learner version u holds tokens of version >= u;

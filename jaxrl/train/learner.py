@@ -258,7 +258,7 @@ class Learner:
     if batch.routes_btlk is None:
       raise ValueError(
         "train.moe.routing_replay needs the rollout's routing trace with the batch; the paged "
-        "engine records it (rollout.engine='paged'), the static engine does not."
+        "engine records it, the static engine does not."
       )
     if batch.routes_btlk.shape[:2] != batch.mask_bt.shape:
       raise ValueError(

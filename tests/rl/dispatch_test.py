@@ -8,8 +8,8 @@ import pytest
 
 from jaxrl.data.tasks import make_task
 from jaxrl.rl import job
-from jaxrl.rl.async_controller import parse_request_id
 from jaxrl.rl.dispatch import LengthPredictor, WorkerRates
+from jaxrl.rl.groups import parse_request_id
 
 from .async_test import async_config  # noqa: TID252
 

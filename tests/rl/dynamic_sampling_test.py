@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling in the synchronous controller: uninformative groups are replaced."""
+"""DAPO dynamic sampling: groups whose rewards are all equal are replaced by other prompts."""
 
 import hashlib
 import os
@@ -8,6 +8,7 @@ import pytest
 
 from jaxrl.config import ConfigError, load_config
 from jaxrl.data.tasks import RewardBatch
+from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,11 +33,12 @@ def _fake_scores(informative):
   return score
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("every", [2, 0])  # every 2nd prompt informative (by id hash), or none
-def test_dynamic_sampling_keeps_only_informative_groups(tmp_path, every):
-  cfg = _config(**{"rollout.dynamic_sampling": True, "rollout.dynamic_sampling_rounds": 3})
+def test_dynamic_sampling_keeps_only_informative_groups(tmp_path, every, mode):
+  overrides = {"rollout.dynamic_sampling": True, "rollout.dynamic_sampling_rounds": 3}
+  cfg = _config(**overrides, **{"loop.mode": mode, "train.steps": 3})
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
-  controller.publish()
   salt = str(np.random.default_rng().integers(1 << 30))
 
   def informative(prompt_id):
@@ -44,22 +46,35 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path, every):
     return bool(every) and digest[0] % every == 0
 
   controller.score = _fake_scores(informative)
-  records, completions, rewards, info = controller.generate_groups()
+  trained = []
+
+  def train(step, groups):
+    trained.append(list(groups))
+    if mode == "sync":  # a step's groups and nothing else: every replacement took one prompt
+      assert sorted(controller.groups) == sorted(group.gid for group in groups)
+
+  controller.on_train.append(train)
+  controller.run()
   g, n = cfg.rollout.group_size, cfg.rollout.prompts_per_step
-  assert len(records) == len(completions) == len(rewards) == n * g
-  stds = rewards.reshape(n, g).std(axis=1)
-  assert (stds == 0).sum() == info["groups_uninformative_in_batch"]
-  for i in range(n):  # a kept group is informative unless it is filler
-    assert (stds[i] > 0) == informative(records[i * g]["id"])
-  assert 1 <= info["dynamic_rounds"] <= 3
-  if not every:  # nothing informative: every round used, the batch is all filler
-    assert info["dynamic_rounds"] == 3 and info["groups_uninformative_in_batch"] == n
-  # Without dynamic sampling the first batch's groups are kept as they are.
-  plain = job.build_controller(_config(), str(tmp_path / "plain"), show_progress=False)
-  plain.publish()
-  plain.score = _fake_scores(lambda _: False)
-  _, _, rewards, info = plain.generate_groups()
-  assert len(rewards) == n * g and "dynamic_rounds" not in info
+  budget = (cfg.rollout.dynamic_sampling_rounds - 1) * n
+  rows = [r for r in read_metrics(controller.writer.path) if r["kind"] == "train"]
+  assert len(rows) == len(trained) == 3
+  for groups, row in zip(trained, rows, strict=True):
+    assert len(groups) == n and all(len(group.rewards) == g for group in groups)
+    filler = [group for group in groups if np.ptp(group.rewards) == 0]
+    assert len(filler) == row["groups_uninformative_in_batch"]
+    for group in groups:  # a trained group is informative unless it is filler
+      assert (np.ptp(group.rewards) > 0) == informative(group.prompt["id"])
+    assert row["groups_dropped"] <= budget
+    if filler and mode == "sync":  # filler only once the step's budget of replacements is
+      # spent (async: a group of the next version may have been kept in an earlier step's)
+      assert row["groups_dropped"] == budget
+  if not every:  # nothing informative: every replacement used, each batch all filler
+    assert [r["groups_uninformative_in_batch"] for r in rows] == [n, n, n]
+  # Every prompt the loader gave is trained, dropped, or still held: none skipped.
+  dropped = controller.counters["groups_dropped"]
+  assert dropped >= sum(r["groups_dropped"] for r in rows)  # and any dropped since the last step
+  assert controller.next_group == 3 * n + dropped + len(controller.groups)
 
 
 def test_bad_dynamic_sampling_rounds():

@@ -57,7 +57,7 @@ def test_three_step_run_completes(tmp_path, arg):
       "loss",
       "kl",
       "clip_frac",
-      "time_rollout",
+      "time_wait",
       "time_reward",
       "time_train",
       "time_weight_sync",
@@ -71,11 +71,14 @@ def test_three_step_run_completes(tmp_path, arg):
   assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
   assert (tmp_path / "stage_timeline.png").stat().st_size > 1000
   spans = load_segments(str(tmp_path / "timeline.json"))
-  # One update per step on the learner's lane; rollout decoded for each step before it.
+  # One update per step on the learner's lane; the worker decoded before each, never during
+  # one (sync).
   train = [(s, e) for lane, s, e, kind in spans if (lane, kind) == ("learner", "train")]
-  decode = [(s, e) for lane, s, e, kind in spans if (lane, kind) == ("rollout", "decode")]
+  decode = [(s, e) for lane, s, e, kind in spans if lane == "worker w0" and kind == "decode"]
   assert len(train) == 3 and len(decode) >= 3
-  assert all(d_end <= t_start for (_, d_end), (t_start, _) in zip(decode, train, strict=False))
+  for t_start, t_end in train:
+    assert any(d_end <= t_start for _, d_end in decode)
+    assert not any(d_start < t_end and t_start < d_end for d_start, d_end in decode)
   assert os.listdir(tmp_path / "tensorboard")
 
 
@@ -109,34 +112,42 @@ def test_auto_max_tokens_sizes_engine_shapes_on_accelerators_only(tmp_path, monk
 
 
 def test_colocated_rollout_engine_is_empty_while_the_learner_trains(tmp_path, monkeypatch):
+  """Sync and colocated: the store is lent the learner's live buffers (no copy), the worker's
+  engine drops its weights and pages during the update, which recalls the lent buffers before
+  donating them, and the engine takes the next version after it."""
   overrides = {"rollout.prompts_per_step": 4, "rollout.group_size": 4, "train.micro_batch_size": 8}
-  cfg = tiny_config("colocated", **overrides)
+  cfg = tiny_config("colocated", **{"eval.every": 0, **overrides})
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
-  assert controller.free_rollout_during_train
-  controller.publish()
-  # The publish lends the learner's live buffers (no copy): the store holds those very arrays.
+  assert controller.free_rollout_during_train and controller.loop.mode == "sync"
+  (worker,) = controller.initial_workers
   learner, store = controller.learner, controller.weights
-  lent = jax.tree.leaves(store.pull(-1)[1])
-  assert all(a is b for a, b in zip(lent, jax.tree.leaves(learner.params), strict=True))
+  lent = []
+
+  def look_at_the_store(c):
+    if not lent:  # published at the start of run: the learner's own arrays
+      lent.extend(jax.tree.leaves(store.latest()[1]))
+      assert all(a is b for a, b in zip(lent, jax.tree.leaves(learner.params), strict=True))
+
   seen = []
   update = learner.update
 
   def update_and_look(batch):
-    seen.append((controller.rollout.params, controller.rollout._kv))
+    seen.append((worker.engine.params, worker.engine._kv))
     out = update(batch)
     # The update recalled them from the store before donating them: no reader gets deleted
-    # arrays, it gets a message.
+    # arrays (a late pull gets nothing; `latest` says why).
     assert all(a.is_deleted() for a in lent)
+    assert store.pull(-1) is None
     with pytest.raises(RuntimeError, match="recalled by the learner before it updated"):
-      store.pull(-1)
+      store.latest()
     return out
 
+  controller.hooks.append(look_at_the_store)
   monkeypatch.setattr(learner, "update", update_and_look)
-  controller.step()
-  assert seen == [(None, None)]  # dropped during the update
-  assert controller.rollout.params is not None and controller.rollout._kv is not None
-  assert controller.rollout.version == controller.state.version == 1
-  assert store.pull(0)[0] == 1  # lent again after the update
+  controller.run(until=2)
+  assert seen == [(None, None)] * 2  # dropped during each update
+  assert worker.engine.version >= 1  # it took version 1 after the first update to decode
+  assert store.pull(0)[0] == 2  # lent again after the last update
 
 
 def test_planned_placement_takes_split_and_meshes_from_the_planner():
@@ -164,17 +175,23 @@ def test_planned_placement_colocates_on_one_device(caplog):
 
 
 def test_published_weights_land_on_the_rollout_mesh(tmp_path):
-  cfg = tiny_config(**{"placement.mode": "disaggregated"})  # 4 + 4 devices
+  cfg = tiny_config(**{"placement.mode": "disaggregated", "eval.every": 0})  # 4 + 4 devices
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
-  controller.publish()
-  rollout_devices = set(controller.rollout.mesh.devices.flat)
+  (worker,) = controller.initial_workers  # sync: one worker over the 4 rollout devices
+  controller.run(until=1)
+  version, params = controller.weights.latest()
+  rollout = worker.engine
+  if rollout.version != version:  # stopped before it pulled the last one: as it would have
+    rollout.update_weights(params, version)
+  rollout_devices = set(rollout.mesh.devices.flat)
   train_devices = set(controller.learner.mesh.devices.flat)
-  for name, array in jax.tree_util.tree_leaves_with_path(controller.rollout.params):
+  assert len(rollout_devices) == 4 and not rollout_devices & train_devices
+  for name, array in jax.tree_util.tree_leaves_with_path(rollout.params):
     assert set(array.sharding.device_set) == rollout_devices, name
   for name, array in jax.tree_util.tree_leaves_with_path(controller.learner.params):
     assert set(array.sharding.device_set) == train_devices, name
   # Rollout layout: no fsdp, weights replicated over `data`; training shards embed over fsdp.
-  emb_rollout = controller.rollout.params["embed_vd"]
+  emb_rollout = rollout.params["embed_vd"]
   emb_train = controller.learner.params["embed_vd"]
   assert {s.data.shape for s in emb_rollout.addressable_shards} == {emb_rollout.shape}
   assert {s.data.shape for s in emb_train.addressable_shards} == {
@@ -229,11 +246,11 @@ def test_batch_that_does_not_split_is_reported(tmp_path):
 def test_nan_loss_is_reported_with_step_and_not_applied(tmp_path, caplog):
   cfg = tiny_config(**{"eval.every": 0})
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
-  controller.publish()
   controller.task.reward = lambda record, response: float("nan")
   before = jax.tree.map(np.asarray, controller.learner.params)
   with caplog.at_level("WARNING"):
-    metrics = controller.step()
+    controller.run(until=1)
+  (metrics,) = [r for r in read_metrics(controller.writer.path) if r["kind"] == "train"]
   assert metrics["skipped"] == cfg.train.updates_per_step
   assert "Step 0: non-finite loss" in caplog.text and "update was skipped" in caplog.text
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(controller.learner.params), strict=True):
@@ -267,8 +284,6 @@ def test_auto_loop_mode_is_async_only_where_the_stages_have_hardware_of_their_ow
   auto = lambda **o: job.resolve_loop_mode(tiny_config(**o), placement)  # noqa: E731
   placement = _placement(gpus[:4], gpus[4:])
   assert auto() == "async"
-  assert auto(**{"rollout.engine": "static"}) == "sync"  # async needs the paged engine
-  assert auto(**{"rollout.dynamic_sampling": True}) == "sync"
   assert auto(**{"loop.mode": "sync"}) == "sync"
   placement = _placement(gpus, gpus)  # colocated
   assert auto() == "sync"
