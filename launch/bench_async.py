@@ -39,7 +39,6 @@ import numpy as np
 from jaxrl.config import load_config
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
-from jaxrl.rl.controller import ROLLOUT_LANE
 from jaxrl.rl.timeline import LEARNER_LANE, compile_stalled_steps, last_steps_window
 from jaxrl.scheduler.timeline import plot_lanes
 
@@ -144,7 +143,7 @@ def _plot_timelines(timelines: dict, path: str) -> None:
     end = windows[mode][1] if windows[mode] else max(e for _, _, e, _ in segs)
     start = end - width if width else 0.0
     panels[f"{mode}: the last {end - start:.2g} s"] = (segs, (start, end))
-  plot_lanes(panels, path, lane_order=[LEARNER_LANE, ROLLOUT_LANE])
+  plot_lanes(panels, path, lane_order=[LEARNER_LANE])
 
 
 def _bench_workload(workload: Workload, modes: dict[str, dict]):
@@ -230,7 +229,7 @@ def _idle_fractions(segments, skip: int) -> tuple[float, float]:
     spans = [(s, e) for ln, s, e, k in segments if ln == lane and k == kind]
     return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans) / (end - start)
 
-  rollout = {ln for ln, *_ in segments if ln == ROLLOUT_LANE or ln.startswith("worker ")}
+  rollout = {ln for ln, *_ in segments if ln.startswith("worker ")}
   return 1 - busy(LEARNER_LANE, "train"), 1 - float(np.mean([busy(ln, "decode") for ln in rollout]))
 
 

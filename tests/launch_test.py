@@ -96,3 +96,18 @@ def test_a_learner_of_two_processes_trains_as_one_process_does(tmp_path):
   assert [k[:2] for k in losses[1]] == [k[:2] for k in losses[2]]
   for (_, step, one), (_, _, two) in zip(losses[1], losses[2], strict=True):
     assert abs(one - two) <= 1e-4, (step, one, two)
+
+
+def test_every_launch_script_imports():
+  """The benchmarks and tools import (a renamed library name breaks them before they run)."""
+  names = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "launch")) if f.endswith(".py"))
+  code = "import sys; sys.path.insert(0, 'launch')\n" + "\n".join(f"import {n}" for n in names)
+  done = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
