@@ -14,6 +14,7 @@
   python launch/bench.py balance [--json]
   python launch/bench.py memory [--json]
   python launch/bench.py weight_transfer [--json] [--presets bench-small,qwen3-0.6b]
+  python launch/bench.py chaos [--json] [--faults 100,10,10] [--steps 30]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
@@ -485,8 +486,16 @@ def bench_weight_transfer(**kwargs) -> dict:
   return run(**kwargs)
 
 
+def bench_chaos(**kwargs) -> dict:
+  """`bench_chaos.bench_chaos`, imported when asked for (Ray is an extra)."""
+  from bench_chaos import bench_chaos as run
+
+  return run(**kwargs)
+
+
 BENCHMARKS = {
   "async": bench_async,
+  "chaos": bench_chaos,
   "balance": bench_balance,
   "calibrate": bench_calibrate,
   "decode_floor": bench_decode_floor,
@@ -510,8 +519,16 @@ def main() -> None:
   parser.add_argument("name", choices=sorted(BENCHMARKS))
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   parser.add_argument("--presets", default=None, help="comma-separated model presets (rollout)")
+  parser.add_argument(
+    "--faults", default=None, help="chaos: rollout kills, learner kills, job crashes (100,10,10)"
+  )
+  parser.add_argument("--steps", type=int, default=None, help="chaos: RL steps of each run")
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
+  if args.faults:
+    kwargs["faults"] = tuple(int(n) for n in args.faults.split(","))
+  if args.steps:
+    kwargs["steps"] = args.steps
   result = BENCHMARKS[args.name](**kwargs)
   if args.json:
     print(json.dumps(result))
