@@ -97,6 +97,11 @@ class Backend(Protocol):
     """A rollout worker named `name` on `devices` (an entry of `worker_slots`, or any devices
     of the rollout mesh for a worker added later), pulling weights from `store`."""
 
+  def replan_rollout(self) -> list | None:
+    """After the cluster changed (nodes joined or were lost): the rollout slots the scheduler's
+    re-planning chose, one per worker the controller should run; None while nothing changed
+    (always, for a backend whose devices are fixed)."""
+
 
 class LocalBackend:
   """The learner in this process; rollout workers as threads on slices of its devices."""
@@ -118,6 +123,9 @@ class LocalBackend:
 
   def worker_slots(self) -> list[Sequence[jax.Device] | None]:
     return rollout_device_groups(self.parts)
+
+  def replan_rollout(self) -> list | None:
+    return None  # this process's devices do not come and go
 
   def make_worker(self, name: str, devices, store) -> LocalWorker:
     p = self.parts

@@ -453,6 +453,7 @@ class Controller(WorkerPool):
         self._dispatch()  # what was released since: before waiting for the workers' events
         self._handle_events(block=True)
         self._check_workers()
+        self.follow_cluster()
         self._dispatch()
         groups = self._choose_batch()
         if groups is None:

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.rl.ray_cluster import ProcessSlot, RayPlacement
+from jaxrl.rl.ray_cluster import ProcessSlot, RayPlacement, replan_placement
 from jaxrl.rl.ray_learner import RayLearner, local_devices, pin_cores
 from jaxrl.rl.stages import JobParts, rollout_device_groups
 from jaxrl.rl.timeline import ForwardingTimeline, StageTimeline
@@ -271,9 +271,12 @@ class RayBackend:
   cluster, `ray_cluster.plan_placement`) the learner's processes and one worker per planned
   rollout instance go to the nodes of the pools the plan chose, with its meshes."""
 
+  CLUSTER_CHECK_S = 2.0  # how often `replan_rollout` reads the Ray cluster's nodes
+
   def __init__(self, parts: JobParts, placement: RayPlacement | None = None):
     self.parts = parts
     self.placement = placement
+    self._next_check = 0.0
     pin = parts.cfg.loop.ray_pin_cores
     self._learner_cores, self._worker_cores = core_split() if pin else (None, None)
     self._made = itertools.count()
@@ -309,6 +312,20 @@ class RayBackend:
     if self.placement is not None:
       return list(self.placement.rollout)
     return [None] * len(self._device_groups)
+
+  def replan_rollout(self) -> list[ProcessSlot] | None:
+    """With a plan for the Ray cluster: when its alive nodes differ from what the plan was made
+    for, the re-planned rollout slots (`ray_cluster.replan_placement`), checked at most every
+    `CLUSTER_CHECK_S`; None otherwise."""
+    now = time.monotonic()
+    if self.placement is None or now < self._next_check:
+      return None
+    self._next_check = now + self.CLUSTER_CHECK_S
+    replanned = replan_placement(self.parts.cfg, self.parts.prompt_len, self.placement, ray.nodes())
+    if replanned is None:
+      return None
+    self.placement = replanned[0]
+    return list(self.placement.rollout)
 
   def make_worker(self, name: str, slot, store: RayWeightStore) -> RayWorker:
     """A worker in `slot` (a planned instance), or, without one, anywhere Ray finds room

@@ -23,8 +23,10 @@ from typing import Any
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.scheduler.cluster import Cluster, Pool, load_cluster
-from jaxrl.scheduler.local import plan_for_experiment
+from jaxrl.scheduler.local import experiment_workload, plan_for_experiment
 from jaxrl.scheduler.plan import Plan
+from jaxrl.scheduler.problem import PlanningError, build_problem
+from jaxrl.scheduler.replan import Decision, decide
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,7 @@ class RayPlacement:
   plan: Plan
   learner: tuple[ProcessSlot, ...]
   rollout: tuple[ProcessSlot, ...]
+  cluster: Cluster | None = None  # the cluster it was planned for
 
   @property
   def train_mesh(self) -> dict[str, int]:
@@ -206,7 +209,9 @@ def placement_for_job(cfg: ExperimentConfig, prompt_len: int, nodes) -> RayPlace
       raise ConfigError(f"config.loop.ray_cluster={cfg.loop.ray_cluster!r}: {e}") from None
   check_cluster(cluster, pools)
   plan = plan_for_experiment(cfg, prompt_len, cluster=cluster)
-  placement = plan_placement(plan, cfg.train.num_processes, pools)
+  placement = dataclasses.replace(
+    plan_placement(plan, cfg.train.num_processes, pools), cluster=cluster
+  )
   log.info(
     "Plan for Ray cluster %s: learner %d process(es) on %s (mesh %s); rollout %s.",
     cluster.name,
@@ -216,3 +221,52 @@ def placement_for_job(cfg: ExperimentConfig, prompt_len: int, nodes) -> RayPlace
     ", ".join(f"{r.instances} x {r.mesh} on {r.pool}" for r in plan.rollout),
   )
   return placement
+
+
+def cluster_now(planned: Cluster, pools: Mapping[str, PoolNodes]) -> Cluster:
+  """`planned` with each pool's node count as the Ray cluster's alive nodes have it now (nodes
+  too small for the pool's node size not counted)."""
+
+  def nodes(p: Pool) -> int:
+    units = pools[p.name].units if p.name in pools else ()
+    return sum(1 for u in units if u >= p.devices_per_node)
+
+  return dataclasses.replace(
+    planned, pools=tuple(dataclasses.replace(p, nodes=nodes(p)) for p in planned.pools)
+  )
+
+
+def replan_placement(
+  cfg: ExperimentConfig, prompt_len: int, current: RayPlacement, nodes
+) -> tuple[RayPlacement, Decision] | None:
+  """After Ray nodes joined or left (`nodes`: `ray.nodes()`): the placement the scheduler's
+  re-planning chooses for the cluster as it is now (`scheduler.replan.decide`: a new plan only
+  if it repays its reconfiguration, else the current one cut down to the nodes still there),
+  with the decision; None while every pool has the nodes it was planned for."""
+  pools = ray_pools(nodes)
+  cluster = cluster_now(current.cluster, pools)
+  if cluster == current.cluster:
+    return None
+  now = ", ".join(f"{p.name}: {p.nodes} node(s)" for p in cluster.pools)
+  try:
+    workload = experiment_workload(cfg, prompt_len)
+    problem = build_problem(cluster, cfg.model, workload, model_name="experiment")
+    decision = decide(problem, current.plan)
+  except PlanningError as e:
+    raise RuntimeError(
+      f"The Ray cluster changed ({now}) and no plan runs on what is left: {e} Start nodes of the "
+      f"lost pools (each with its {POOL_RESOURCE.format('<pool>')!r} resource) and resume the "
+      "run from its last checkpoint with --config.resume=True."
+    ) from None
+  placement = plan_placement(decision.plan, cfg.train.num_processes, pools)
+  log.warning(
+    "Ray cluster changed (%s); re-planned: %s plan, rollout %s (%.0f samples/s kept, %.0f "
+    "possible, %.1f s to reconfigure).",
+    now,
+    "forced" if decision.forced else ("a new" if decision.adopted else "the kept"),
+    ", ".join(f"{r.instances} x {r.mesh} on {r.pool}" for r in decision.plan.rollout),
+    decision.kept_throughput,
+    decision.new_throughput,
+    decision.reconfigure_seconds,
+  )  # fmt: skip
+  return dataclasses.replace(placement, cluster=cluster), decision

@@ -11,6 +11,7 @@ and `_predicted_left`.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import time
@@ -56,6 +57,8 @@ class WorkerPool:
     # worker -> (time of its last event or first assignment, whether it held requests then)
     self._worker_clock: dict[str, tuple[float, bool]] = {}
     self.min_version = -max_staleness  # the oldest weights a worker may still decode with
+    self.slot_of: dict[str, object] = {}  # worker -> the devices or planned slot it runs on
+    self._names = itertools.count(len(backend.worker_slots()))  # for workers added later
     # The workers the next `run` starts with (each call of `run` stops its workers on return;
     # the next one makes a fresh set).
     self.initial_workers: list[RolloutWorker] = self.fresh_workers()
@@ -78,12 +81,33 @@ class WorkerPool:
 
   def make_worker(self, name: str, devices=None) -> RolloutWorker:
     """A new worker from the backend, pulling from this controller's store (`devices`: where
-    a local worker runs; a Ray worker's actor finds its own)."""
+    a local worker runs, or a Ray worker's planned slot; None: where Ray finds room)."""
+    self.slot_of[name] = devices
     return self.backend.make_worker(name, devices, self.weights)
 
   def fresh_workers(self) -> list[RolloutWorker]:
     """One new worker per slot of the backend (`stages.worker_count`)."""
     return [self.make_worker(f"w{i}", d) for i, d in enumerate(self.backend.worker_slots())]
+
+  def follow_cluster(self) -> None:
+    """When the backend re-planned the rollout for a changed cluster (`replan_rollout`), the
+    workers follow the plan: one whose slot is no longer planned leaves with notice (its
+    requests go on elsewhere), and each planned slot no worker holds gets a new one."""
+    slots = self.backend.replan_rollout()
+    if slots is None:
+      return
+    self.counters["cluster_replans"] += 1
+    wanted = collections.Counter(repr(s) for s in slots)
+    for name in list(self.workers):
+      key = repr(self.slot_of.get(name))
+      if wanted[key] > 0:
+        wanted[key] -= 1
+      elif name not in self.leaving:
+        self.remove_worker(name)
+    for slot in slots:
+      if wanted[repr(slot)] > 0:
+        wanted[repr(slot)] -= 1
+        self.add_worker(self.make_worker(f"w{next(self._names)}", slot))
 
   def add_worker(self, worker: RolloutWorker) -> None:
     """Registers and starts a worker; it provisions itself by pulling the newest weights."""
@@ -119,6 +143,7 @@ class WorkerPool:
 
   def _drop_worker(self, name: str, why: str) -> None:
     self.leaving.discard(name)
+    self.slot_of.pop(name, None)
     worker = self.workers.pop(name, None)
     if worker is None:
       return

@@ -180,6 +180,33 @@ def test_workers_killed_preempted_and_added_at_random_lose_nothing(tmp_path):
     assert counters["tokens_kept_on_redispatch"] > 0, (seed, counters)  # prefixes moved
 
 
+def test_workers_follow_a_re_planned_rollout(tmp_path):
+  """The backend re-plans the rollout once mid-run (as the Ray backend does when nodes join or
+  leave): the workers whose slots are gone leave with notice, one joins per new slot, and
+  nothing is lost, repeated or skipped."""
+  cfg = async_config(**{"placement.mode": "disaggregated", "train.steps": 4})  # 4 + 4 devices
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  old = controller.backend.worker_slots()  # two workers of two devices
+  assert [len(s) for s in old] == [2, 2]
+  new = [[d] for s in old for d in s][:3]  # three workers of one device each
+  replanned = []
+
+  def replan_rollout():  # once, after the first step
+    if controller.state.step < 1 or replanned:
+      return None
+    replanned.append(controller.state.step)
+    return new
+
+  controller.backend.replan_rollout = replan_rollout
+  ledger = Ledger(cfg.loop.max_staleness)
+  ledger.attach(controller)
+  controller.run()
+  ledger.check(controller, cfg)
+  counters = controller.counters
+  assert counters["cluster_replans"] == 1, counters
+  assert counters["workers_added"] == 2 + 3 and counters["workers_preempted"] == 2, counters
+
+
 class FlakyStore:
   """The controller's store as one worker sees it: unreachable once `down` is set."""
 

@@ -16,6 +16,7 @@ from jaxrl.rl.ray_cluster import (
   plan_placement,
   pool_resource,
   ray_pools,
+  replan_placement,
 )
 from jaxrl.scheduler.cluster import load_cluster
 from jaxrl.scheduler.plan import Plan, RolloutStage, TrainStage
@@ -137,3 +138,26 @@ def test_stages_start_on_the_nodes_of_the_pools_the_plan_chose(rig):
     learner.kill()
     for w in workers:
       w.kill()
+
+
+def test_a_node_joining_or_leaving_is_re_planned_and_a_pool_lost_is_a_clear_error():
+  """`replan_placement`: nothing while the nodes are as planned; a node joining is re-planned
+  (`scheduler.replan.decide`: the new plan if it repays the switch, else the kept one) for the
+  cluster as it is now; the only rollout pool's node lost leaves no plan: a clear error."""
+  cfg = async_config(**{"loop.backend": "ray", "loop.ray_cluster": RIG})
+  nodes = [
+    node(**{pool_resource("fast"): 1.0}),
+    node(**{pool_resource("cheap"): 4.0}),
+  ]
+  placed = placement_for_job(cfg, 16, nodes)
+  assert {p.name: p.nodes for p in placed.cluster.pools} == {"fast": 1, "cheap": 1}
+  assert replan_placement(cfg, 16, placed, nodes) is None
+  joined = [*nodes, node(**{pool_resource("cheap"): 4.0})]
+  replanned, decision = replan_placement(cfg, 16, placed, joined)
+  assert {p.name: p.nodes for p in replanned.cluster.pools} == {"fast": 1, "cheap": 2}
+  assert replanned.plan is decision.plan and not decision.forced
+  assert len(replanned.rollout) == sum(r.instances for r in decision.plan.rollout) >= 1
+  assert replan_placement(cfg, 16, replanned, joined) is None  # planned for it now
+  lost = [n for n in nodes if pool_resource("fast") in n["Resources"]]
+  with pytest.raises(RuntimeError, match="no plan runs on what is left.*resume=True"):
+    replan_placement(cfg, 16, placed, lost)
