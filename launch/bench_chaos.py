@@ -159,8 +159,12 @@ def run_job(cfg, workdir: str, faults: dict[str, int], rng: np.random.Generator)
     names = [w.name for w in controller.initial_workers]
     slots = dict(zip(names, controller.backend.worker_slots(), strict=True))
 
-    def inject(c, slots=slots):
+    learner_killed = []  # nothing more is injected until the kill surfaces as LearnerLost
+
+    def inject(c, slots=slots, learner_killed=learner_killed):
       """Spreads the faults left over the steps left, at the loop's pace so far."""
+      if learner_killed:
+        return
       pace["iterations"] += 1
       if pace["first_step"] is None:
         pace["first_step"] = c.state.step
@@ -187,6 +191,7 @@ def run_job(cfg, workdir: str, faults: dict[str, int], rng: np.random.Generator)
       elif kind == "learner":
         actors = c.learner._actors  # one process of the gang, killed without a word
         ray.kill(actors[int(rng.integers(len(actors)))], no_restart=True)
+        learner_killed.append(c.state.step)
       left[kind] -= 1
       done[kind] += 1
       if kind == "crash":

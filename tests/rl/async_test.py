@@ -184,7 +184,7 @@ def test_workers_follow_a_re_planned_rollout(tmp_path):
   """The backend re-plans the rollout once mid-run (as the Ray backend does when nodes join or
   leave): the workers whose slots are gone leave with notice, one joins per new slot, and
   nothing is lost, repeated or skipped."""
-  cfg = async_config(**{"placement.mode": "disaggregated", "train.steps": 4})  # 4 + 4 devices
+  cfg = async_config(**{"placement.mode": "disaggregated", "train.steps": 3})  # 4 + 4 devices
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
   old = controller.backend.worker_slots()  # two workers of two devices
   assert [len(s) for s in old] == [2, 2]

@@ -33,8 +33,16 @@ def _fake_scores(informative):
   return score
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("every", [2, 0])  # every 2nd prompt informative (by id hash), or none
+# Every 2nd prompt informative (by id hash) or none, in each mode; two of the four by default.
+@pytest.mark.parametrize(
+  "every,mode",
+  [
+    (2, "sync"),
+    (0, "async"),
+    pytest.param(0, "sync", marks=pytest.mark.slow),
+    pytest.param(2, "async", marks=pytest.mark.slow),
+  ],
+)
 def test_dynamic_sampling_keeps_only_informative_groups(tmp_path, every, mode):
   overrides = {"rollout.dynamic_sampling": True, "rollout.dynamic_sampling_rounds": 3}
   cfg = _config(**overrides, **{"loop.mode": mode, "train.steps": 3})

@@ -99,7 +99,8 @@ def rig():
   )
   cheap = cluster.add_node(num_cpus=1, resources={pool_resource("cheap"): 4})
   ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-  yield ray, {"fast": cluster.head_node.node_id, "cheap": cheap.node_id}
+  yield ray, {"fast": cluster.head_node.node_id, "cheap": cheap.node_id, "cluster": cluster,
+              "cheap_node": cheap}  # fmt: skip
   ray.shutdown()
   cluster.shutdown()
 
@@ -161,3 +162,47 @@ def test_a_node_joining_or_leaving_is_re_planned_and_a_pool_lost_is_a_clear_erro
   lost = [n for n in nodes if pool_resource("fast") in n["Resources"]]
   with pytest.raises(RuntimeError, match="no plan runs on what is left.*resume=True"):
     replan_placement(cfg, 16, placed, lost)
+
+
+@pytest.mark.ray
+@pytest.mark.slow  # a job on the rig with a node added and then lost: about 2 minutes on 2 cores
+@pytest.mark.xdist_group("ray")
+def test_a_rollout_node_lost_mid_run_is_re_planned_and_loses_no_sample(rig, tmp_path):
+  """A second node of the rollout pool joins before the job starts (the job re-plans for it), and
+  the one holding most rollout workers is lost mid-run (its raylet stopped, its worker processes
+  with it). The controller re-plans for the node that is left, starts workers there for the
+  planned slots, and every group is trained once. (The last test of the module: the rig keeps
+  one rollout node, whichever was left.)"""
+  ray, node_of = rig
+  from jaxrl.rl import job
+
+  from .async_test import Ledger  # noqa: TID252
+
+  cluster = node_of["cluster"]
+  extra = cluster.add_node(num_cpus=1, resources={pool_resource("cheap"): 4})
+  cluster.wait_for_nodes()
+  cfg = async_config(**{"loop.backend": "ray", "loop.ray_cluster": RIG, "train.steps": 6})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  ledger = Ledger(cfg.loop.max_staleness)
+  ledger.attach(controller)
+  lost = []
+
+  def lose_a_rollout_node(c):
+    if c.state.step == 2 and not lost:
+      where = {n: w.node_id() for n, w in c.workers.items()}
+      held = list(where.values())
+      victim = max((node_of["cheap_node"], extra), key=lambda x: held.count(x.node_id))
+      lost.append([n for n, node_id in where.items() if node_id == victim.node_id])
+      cluster.remove_node(victim)
+
+  controller.hooks.append(lose_a_rollout_node)
+  try:
+    controller.run()
+  finally:
+    controller.learner.kill()
+  ledger.check(controller, cfg)
+  counters = controller.counters
+  assert counters["cluster_replans"] >= 1, counters
+  # Its workers were lost; their slots got new workers on the node that is left.
+  assert lost[0] and counters["workers_lost"] + counters["workers_crashed"] >= len(lost[0])
+  assert counters["workers_added"] >= len(controller.backend.worker_slots()) + len(lost[0])
