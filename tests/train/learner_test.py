@@ -70,7 +70,15 @@ def test_micro_batching_does_not_change_the_update():
   assert all(changed)
 
 
-@pytest.mark.parametrize("pack", [0, 24], ids=["padded", "packed"])
+# The padded path (packing off) is held equal to the packed one by tests/train/packing_test.py;
+# its variant here is `slow`.
+PACKED_AND_PADDED = [
+  pytest.param(0, id="padded", marks=pytest.mark.slow),
+  pytest.param(24, id="packed"),
+]
+
+
+@pytest.mark.parametrize("pack", PACKED_AND_PADDED)
 def test_gradients_summed_in_bf16_update_like_fp32(pack):
   """`grad_accum_dtype="bfloat16"`: the sum over 4 micro-batches is stored in bf16, and the
   update it gives is the fp32 sum's to bf16's rounding (8 bits of mantissa)."""
@@ -101,7 +109,7 @@ def test_gradients_summed_in_bf16_update_like_fp32(pack):
   assert any(differs)
 
 
-@pytest.mark.parametrize("pack", [0, 24], ids=["padded", "packed"])
+@pytest.mark.parametrize("pack", PACKED_AND_PADDED)
 def test_non_finite_loss_skips_the_update(pack):
   rng = np.random.default_rng()
   batch = random_batch(rng)

@@ -74,7 +74,10 @@ def test_replayed_routes_reproduce_the_rollout_log_probs(rollout):
   tolerance.assert_close(logp[mask], batch.old_logp_bt[mask], n=terms)
 
 
-@pytest.mark.parametrize("pack", [0, 24], ids=["padded", "packed"])
+# Padded (packing off) is `slow`: tests/train/packing_test.py holds the two paths equal.
+@pytest.mark.parametrize(
+  "pack", [pytest.param(0, id="padded", marks=pytest.mark.slow), pytest.param(24, id="packed")]
+)
 def test_expert_parallel_learner_with_placements_matches_the_reference_learner(rollout, pack):
   """Also packed: the expert-parallel learner plans a placement per packed micro-batch from the
   routes packing carried along, and still trains as the padded reference learner."""
