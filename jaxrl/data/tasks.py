@@ -26,6 +26,7 @@ prefix of a larger one.
 """
 
 import dataclasses
+import functools
 import hashlib
 import os
 import threading
@@ -35,7 +36,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from jaxrl.data import gsm8k, math_data, verify
+from jaxrl.data import gsm8k, guess_number, math_data, verify
 from jaxrl.data.countdown import evaluate_countdown
 
 SPLITS = ("train", "test")
@@ -73,6 +74,8 @@ class TaskConfig:
       problem's length is drawn from a long tail (lognormal around `sort_length`, sigma 0.8,
       capped at this), so response lengths are long-tailed too.
     countdown_numbers: countdown: how many numbers are given.
+    guess_max_low: guess_number: the lowest end of a range is drawn from 0..guess_max_low.
+    guess_widths: guess_number: the sizes a range may have (high - low + 1).
     path: gsm8k: the JSONL file to read; math: a `.jsonl`, `.parquet` or `.arrow` file, or a
       directory of them (split into train and test by file name when it has both, e.g.
       `train-00000-of-00002.parquet`, else by hash).
@@ -100,6 +103,8 @@ class TaskConfig:
   sort_length: int = 5
   sort_length_max: int = 0
   countdown_numbers: int = 3
+  guess_max_low: int = 50
+  guess_widths: tuple[int, ...] = (7, 15)
   path: str = ""
   eval_size: int = 128
   reward: str = "exact"
@@ -130,6 +135,11 @@ class TaskConfig:
       raise ValueError(
         f"config.task.sort_length_max={self.sort_length_max}: set it to 0 (fixed length) or "
         f"between sort_length={self.sort_length} and 18."
+      )
+    if self.guess_max_low < 0 or not self.guess_widths or min(self.guess_widths) < 1:
+      raise ValueError(
+        f"config.task.guess_max_low={self.guess_max_low}, guess_widths={self.guess_widths}: "
+        "set guess_max_low >= 0 and one or more widths >= 1."
       )
     if self.eval_size < 1:
       raise ValueError(f"config.task.eval_size={self.eval_size}: set it to 1 or more.")
@@ -414,6 +424,33 @@ class Countdown(Task):
       return 0.0
 
 
+class GuessNumber(Task):
+  """The guessing game's problems (`jaxrl.data.guess_number`): `"guess a number from 12 to 18:"`.
+
+  Played over several turns by the environment `guess_number` (`config.env.name`), which gives
+  the feedback and the rewards. As a single-turn task, a response scores 1 when its last number
+  is the target (a guess in one shot).
+  """
+
+  name = "guess_number"
+
+  @functools.cached_property
+  def _problems(self) -> list[tuple[int, int, int]]:
+    return guess_number.problems(self.cfg.guess_max_low, self.cfg.guess_widths)
+
+  def _space_size(self) -> int:
+    return len(self._problems)
+
+  def _make(self, index: int) -> dict[str, Any]:
+    return guess_number.make_record(*self._problems[index])
+
+  def problem_key(self, record: dict[str, Any]) -> str:
+    return guess_number.problem_key(record["low"], record["high"], record["target"])
+
+  def reward(self, record: dict[str, Any], response: str) -> float:
+    return float(guess_number.last_number(response) == record["target"])
+
+
 class _FileTask(Task):
   """A task over the problems of a dataset: the test split in file order, train shuffled."""
 
@@ -559,6 +596,7 @@ TASKS: dict[str, type[Task]] = {
   "arithmetic": Arithmetic,
   "digit_sort": DigitSort,
   "countdown": Countdown,
+  "guess_number": GuessNumber,
   "gsm8k": Gsm8k,
   "math": Math,
 }

@@ -89,6 +89,13 @@ class Environment(abc.ABC):
   def step(self, action: str) -> Step:
     """Takes the model's turn (decoded text, stop token excluded) and answers it."""
 
+  def scripted_action(self, rng: np.random.Generator) -> str | None:
+    """A turn a scripted policy takes in the current state, or None (the default: there is
+    none). A supervised warm-up of a multi-turn run (`config.warmup`) trains on episodes played
+    with it, rendered token for token as rollout renders them."""
+    del rng
+    return None
+
   def close(self) -> None:  # noqa: B027 -- a lifecycle hook whose default is to hold nothing
     """Releases what the environment holds (files, processes); called once, when it ends.
 

@@ -5,40 +5,27 @@ A small multi-turn task for tests and the CPU demo. Each turn the model answers 
 the episode when the guess is right or the guesses are used up. Reward (in [0, 1], at the end):
 1 when found within `optimal_guesses(low, high)` guesses (what binary search needs in the worst
 case, so the optimal policy always scores 1), `late_reward` when found later, 0 when not found.
-A turn without a number, or out of range, is answered with the range and costs a guess. Every
-text is lowercase letters, digits, spaces and ":", so the char tokenizer can encode it.
+A turn without a number, or out of range, is answered with the range and costs a guess. With
+`say_range` the feedback also names the range still possible ("higher: from 16 to 18"), so a
+policy need read only the last message (what the CPU demo's tiny model can learn). Every text is
+lowercase letters, digits, spaces and ":", so the char tokenizer can encode it.
 
-`records(split, num, seed)` makes the dataset: problems are (low, high, target) with `low` in
-0..max_low and `high - low + 1` in `widths`; a problem is held out ("test") by the stable hash
-of `jaxrl.data.tasks.split_of`, so the two splits never share one. The test split does not
-depend on `seed` and a smaller one is a prefix of a larger one; train records are drawn from
-the train problems with `seed`.
+The problems come from the task `guess_number` (`jaxrl.data.guess_number`); `records(split,
+num, seed)` here draws them with the task's train/test split.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from jaxrl.data.tasks import split_of
+from jaxrl.data.guess_number import last_number, optimal_guesses, problems, prompt_text
+from jaxrl.data.tasks import TaskConfig, make_task
 from jaxrl.envs.base import EnvError, Environment, Step
 
-_NUMBER = re.compile(r"-?\d+")
-_TEST_SEED = 20_240_601  # the test split's order: fixed, so every run evaluates the same records
-
-
-def optimal_guesses(low: int, high: int) -> int:
-  """Guesses binary search needs in the worst case to find a number in [low, high]."""
-  return math.ceil(math.log2(high - low + 2))
-
-
-def prompt_text(low: int, high: int) -> str:
-  """The first user message of a problem."""
-  return f"guess a number from {low} to {high}:"
+__all__ = ["GuessNumberEnv", "optimal_guesses", "problems", "prompt_text", "records"]
 
 
 class GuessNumberEnv(Environment):
@@ -47,16 +34,19 @@ class GuessNumberEnv(Environment):
   Args:
     max_guesses: guesses before the game is lost; at least `optimal_guesses` of any record.
     late_reward: the reward for finding the number after `optimal_guesses` guesses.
+    say_range: the feedback names the range still possible ("higher: from 16 to 18").
   """
 
-  def __init__(self, *, max_guesses: int = 6, late_reward: float = 0.5):
+  def __init__(self, *, max_guesses: int = 6, late_reward: float = 0.5, say_range: bool = False):
     if max_guesses < 1:
       raise ValueError(f"max_guesses must be >= 1, got {max_guesses}")
     if not 0.0 <= late_reward <= 1.0:
       raise ValueError(f"late_reward must be in [0, 1], got {late_reward}")
     self.max_guesses = max_guesses
     self.late_reward = late_reward
+    self.say_range = say_range
     self._low = self._high = self._target = 0
+    self._possible = (0, 0)  # the range the feedback so far leaves
     self._guesses = 0
 
   def reset(self, record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -75,13 +65,13 @@ class GuessNumberEnv(Environment):
         f"more than max_guesses={self.max_guesses}"
       )
     self._low, self._high, self._target = low, high, target
+    self._possible = (low, high)
     self._guesses = 0
     return [{"role": "user", "content": prompt_text(low, high)}]
 
   def step(self, action: str) -> Step:
     self._guesses += 1
-    numbers = _NUMBER.findall(action)
-    guess = int(numbers[-1]) if numbers else None
+    guess = last_number(action)
     info: dict[str, Any] = {"guesses": self._guesses, "guess": guess}
     if guess == self._target:
       found_early = self._guesses <= optimal_guesses(self._low, self._high)
@@ -89,21 +79,25 @@ class GuessNumberEnv(Environment):
       return Step([], reward, True, {**info, "solved": True, "end_reason": "solved"})
     if self._guesses >= self.max_guesses:
       return Step([], 0.0, True, {**info, "solved": False, "end_reason": "out_of_guesses"})
+    low, high = self._possible
     if guess is None or not self._low <= guess <= self._high:
-      feedback = f"answer with a number from {self._low} to {self._high}"
+      low, high = (low, high) if self.say_range else (self._low, self._high)
+      feedback = f"answer with a number from {low} to {high}"
     else:
-      feedback = "higher" if guess < self._target else "lower"
+      higher = guess < self._target
+      feedback = "higher" if higher else "lower"
+      low, high = (max(low, guess + 1), high) if higher else (low, min(high, guess - 1))
+      self._possible = (low, high)
+      if self.say_range:
+        feedback += f": from {low} to {high}"
     return Step([{"role": "user", "content": feedback}], 0.0, False, info)
 
-
-def problems(max_low: int, widths: Sequence[int]) -> list[tuple[int, int, int]]:
-  """Every (low, high, target) of the task, in a fixed order."""
-  return [
-    (low, low + width - 1, target)
-    for low in range(max_low + 1)
-    for width in widths
-    for target in range(low, low + width)
-  ]
+  def scripted_action(self, rng: np.random.Generator) -> str:
+    """A number drawn uniformly from the range the feedback so far leaves: a policy that uses
+    the feedback but does not bisect (about 0.6 reward on widths 7 and 15), for a warm-up
+    that leaves RL something to learn."""
+    low, high = self._possible
+    return str(int(rng.integers(low, high + 1)))
 
 
 def records(
@@ -114,42 +108,10 @@ def records(
   max_low: int = 50,
   widths: Sequence[int] = (7, 15),
 ) -> list[dict[str, Any]]:
-  """`num` records of a split ("train" or "test"); see the module docstring.
-
-  Each is `{"id", "prompt", "messages", "low", "high", "target", "answer"}` ("prompt" is the
-  text for tokenizers without a chat template, "answer" the target as a str).
+  """`num` distinct records of a split ("train" or "test") of the task `guess_number`.
 
   Raises:
-    ValueError: an unknown split, a bad range, or more test records than the split has.
+    ValueError: an unknown split, a bad range, or more records than the split has.
   """
-  if split not in ("train", "test"):
-    raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-  if max_low < 0 or not widths or min(widths) < 1:
-    raise ValueError(f"need max_low >= 0 and widths >= 1, got {max_low}, {widths}")
-  pool = [p for p in problems(max_low, widths) if split_of(_key(*p)) == split]
-  if not pool:
-    raise ValueError(f"guess_number: no {split} problems for max_low={max_low}, widths={widths}")
-  if split == "test":
-    if num > len(pool):
-      raise ValueError(f"guess_number: asked for {num} test records, the split has {len(pool)}")
-    order = np.random.default_rng(_TEST_SEED).permutation(len(pool))[:num]
-  else:
-    order = np.random.default_rng(seed).integers(0, len(pool), num)
-  return [_record(*pool[i]) for i in order]
-
-
-def _key(low: int, high: int, target: int) -> str:
-  return f"guess_number:{low}:{high}:{target}"
-
-
-def _record(low: int, high: int, target: int) -> dict[str, Any]:
-  text = prompt_text(low, high)
-  return {
-    "id": _key(low, high, target),
-    "prompt": text,
-    "messages": [{"role": "user", "content": text}],
-    "low": low,
-    "high": high,
-    "target": target,
-    "answer": str(target),
-  }
+  cfg = TaskConfig(name="guess_number", guess_max_low=max_low, guess_widths=tuple(widths))
+  return make_task(cfg).records(split, num, seed)

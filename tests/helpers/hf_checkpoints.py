@@ -236,6 +236,24 @@ def logits(model, tokens_bt: np.ndarray) -> np.ndarray:
   return out.float().numpy()
 
 
+def router_margin(model, tokens_bt: np.ndarray) -> float:
+  """The smallest gap, over tokens and MoE layers, between the router probability of the last
+  expert chosen and the best one left out (inf for a dense model). Near 0 two float32
+  implementations may route that token differently (they differ by ~1e-7), so a logits comparison would fail on a tie,
+  not on a bug."""
+  if not getattr(model.config, "num_experts_per_tok", 0):
+    return float("inf")
+  k = model.config.num_experts_per_tok
+  with torch.no_grad():
+    out = model(torch.as_tensor(np.asarray(tokens_bt), dtype=torch.long), output_router_logits=True)
+  margin = float("inf")
+  for logits_nx in out.router_logits:
+    probs = torch.softmax(logits_nx.float(), dim=-1)
+    top = torch.topk(probs, k + 1, dim=-1).values
+    margin = min(margin, float((top[:, k - 1] - top[:, k]).min()))
+  return margin
+
+
 def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
   """transformers' greedy continuation of one prompt, exactly `max_new_tokens` long (no stop
   token ends it early)."""

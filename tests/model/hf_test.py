@@ -105,8 +105,18 @@ def _copy(src, tmp_path, name="copy"):
 def test_logits_match_transformers(checkpoints, case):
   arch, tied, overrides = case
   path = checkpoints(arch, tied, **overrides)
-  tokens = _tokens(np.random.default_rng())
-  want = hc.logits(hc.load_model(path), tokens)
+  reference = hc.load_model(path)
+  rng = np.random.default_rng()
+  tokens = _tokens(rng)
+  # A token at a router tie may go to either expert in float32 (seen once in CI's runs): such
+  # draws are redrawn, so the comparison fails on a bug, not on a tie.
+  # (Random tiny MoE checkpoints: the smallest gap of a draw has a median of ~2e-6; fp32
+  # differences move router probabilities by ~1e-7.)
+  for _ in range(50):
+    if hc.router_margin(reference, tokens) > 2e-6:
+      break
+    tokens = _tokens(rng)
+  want = hc.logits(reference, tokens)
   model, params = load_pretrained(path, dtype="float32")
   assert model.config.tie_embeddings == tied and ("lm_head_dv" in params) == (not tied)
   assert _rel_err(_logits(model, params, tokens), want) < 1e-4
