@@ -238,9 +238,9 @@ def logits(model, tokens_bt: np.ndarray) -> np.ndarray:
 
 def router_margin(model, tokens_bt: np.ndarray) -> float:
   """The smallest gap, over tokens and MoE layers, between the router probability of the last
-  expert chosen and the best one left out (inf for a dense model). Near 0 two float32
-  implementations may route that token differently (they differ by ~1e-7), so a logits comparison would fail on a tie,
-  not on a bug."""
+  expert chosen and the best one left out (inf for a dense model). Near 0, two float32
+  implementations (which differ by ~1e-7) may route that token differently, so a logits
+  comparison would fail on a tie, not on a bug."""
   if not getattr(model.config, "num_experts_per_tok", 0):
     return float("inf")
   k = model.config.num_experts_per_tok
