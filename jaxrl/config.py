@@ -8,6 +8,7 @@ in the dataclass a field points to.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import importlib.util
 import os
@@ -19,6 +20,7 @@ from typing import Any
 import ml_collections
 
 from jaxrl.data.tasks import TaskConfig
+from jaxrl.envs.registry import EnvConfig
 from jaxrl.model.config import DTYPES, ModelConfig, get_preset
 from jaxrl.rollout.paged_config import PagedConfig
 from jaxrl.rollout.sampling import SamplingParams
@@ -372,6 +374,7 @@ class ExperimentConfig:
   resume: bool = False
   model: ModelConfig = ModelConfig()
   task: TaskConfig = TaskConfig()
+  env: EnvConfig = EnvConfig()
   placement: PlacementConfig = PlacementConfig()
   rollout: RolloutConfig = RolloutConfig()
   loop: LoopConfig = LoopConfig()
@@ -492,6 +495,10 @@ def _convert(hint, value, path: str):
     if not isinstance(value, list | tuple):
       raise ConfigError(f"{path}: expected a tuple of {item.__name__}, got {value!r}.")
     return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+  if origin is collections.abc.Mapping:
+    if not isinstance(value, Mapping):
+      raise ConfigError(f"{path}: expected a dict, got {type(value).__name__} {value!r}.")
+    return dict(value)
   if origin in (typing.Union, types.UnionType):
     raise ConfigError(f"{path}: union-typed config fields are not supported.")
   ok = {

@@ -11,10 +11,10 @@ named "package.module:ClassName" (`EnvConfig`, `env_factory`). Tools (`Tool`, `T
 are JSON schemas rendered by the chat template, and their calls are parsed from the model's text
 (Hermes/Qwen `<tool_call>` or Llama 3 JSON); a malformed call is answered with an error message.
 
-How the rollout engine uses this (`jaxrl.rl.multi_turn`; the RL loop does not train on
-environments yet). Token in, token out: for each trajectory the rollout makes an
-environment and an `Episode`, renders `reset`'s messages with `prompt_ids` (the chat template,
-with the environment's `tools`), and decodes the policy's turn. At a stop token it decodes that
+How the RL loop uses this (`config.env`; `jaxrl.rl.episodes` in training, `jaxrl.rl.multi_turn`
+in evaluation). Token in, token out: for each trajectory the rollout makes an environment and
+an `Episode`, renders `reset`'s messages with `prompt_ids` (the chat template, with the
+environment's `tools`), and decodes the policy's turn. At a stop token it decodes that
 turn's ids to text, awaits `Episode.step` off the decode loop (the request gives up its decode
 slot while it waits), appends `continuation_ids` of the step's messages to the trajectory's
 token ids, and decodes again, until the step says `done` or the trajectory runs out of tokens
@@ -36,7 +36,7 @@ from jaxrl.envs.base import (
   run_step,
 )
 from jaxrl.envs.episode import Episode, EpisodeLimits, EpisodeSummary, run_episode
-from jaxrl.envs.guess_number import GuessNumberEnv
+from jaxrl.envs.guess_number import DelayedGuessNumberEnv, GuessNumberEnv
 from jaxrl.envs.python_tool import PythonToolEnv
 from jaxrl.envs.registry import ENVIRONMENTS, EnvConfig, env_factory, environment_class
 from jaxrl.envs.render import check_tools_render, continuation_ids, continuation_text, prompt_ids
@@ -56,6 +56,7 @@ from jaxrl.envs.tools import (
 __all__ = [
   "ENVIRONMENTS",
   "TOOL_CALL_FORMATS",
+  "DelayedGuessNumberEnv",
   "EndEpisode",
   "EnvConfig",
   "EnvError",

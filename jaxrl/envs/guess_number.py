@@ -16,6 +16,7 @@ num, seed)` here draws them with the task's train/test split.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,14 @@ from jaxrl.data.guess_number import last_number, optimal_guesses, problems, prom
 from jaxrl.data.tasks import TaskConfig, make_task
 from jaxrl.envs.base import EnvError, Environment, Step
 
-__all__ = ["GuessNumberEnv", "optimal_guesses", "problems", "prompt_text", "records"]
+__all__ = [
+  "DelayedGuessNumberEnv",
+  "GuessNumberEnv",
+  "optimal_guesses",
+  "problems",
+  "prompt_text",
+  "records",
+]
 
 
 class GuessNumberEnv(Environment):
@@ -115,3 +123,30 @@ def records(
   """
   cfg = TaskConfig(name="guess_number", guess_max_low=max_low, guess_widths=tuple(widths))
   return make_task(cfg).records(split, num, seed)
+
+
+class DelayedGuessNumberEnv(GuessNumberEnv):
+  """The guessing game with a simulated tool latency: each step waits (asynchronously, holding
+  no thread) a lognormal time with median `delay_s` and shape `delay_sigma` before it answers,
+  as a remote tool or a slow environment would; the answers are `GuessNumberEnv`'s. The waits
+  are drawn from the record and the guess count, so a run repeats them. For the agent
+  benchmark (`launch/bench.py agent`) and the tests of tool latency.
+  """
+
+  def __init__(self, *, delay_s: float = 0.5, delay_sigma: float = 1.0, **kwargs):
+    super().__init__(**kwargs)
+    if delay_s < 0 or delay_sigma < 0:
+      raise ValueError(f"delay_s and delay_sigma must be >= 0, got {delay_s}, {delay_sigma}")
+    self.delay_s, self.delay_sigma = delay_s, delay_sigma
+    self._key = 0
+
+  def reset(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = super().reset(record)
+    self._key = int(record["low"]) * 1_000_003 + int(record["high"]) * 1009 + int(record["target"])
+    return messages
+
+  async def step(self, action: str) -> Step:  # type: ignore[override]
+    rng = np.random.default_rng([self._key, self._guesses])
+    if self.delay_s:
+      await asyncio.sleep(self.delay_s * float(np.exp(self.delay_sigma * rng.standard_normal())))
+    return super().step(action)

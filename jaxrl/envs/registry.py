@@ -15,33 +15,51 @@ from typing import Any
 
 from jaxrl.envs.base import EnvError, Environment
 from jaxrl.envs.episode import EpisodeLimits
-from jaxrl.envs.guess_number import GuessNumberEnv
+from jaxrl.envs.guess_number import DelayedGuessNumberEnv, GuessNumberEnv
 from jaxrl.envs.python_tool import PythonToolEnv
 
 ENVIRONMENTS: dict[str, type[Environment]] = {
   "guess_number": GuessNumberEnv,
+  "guess_number_delayed": DelayedGuessNumberEnv,
   "python_tool": PythonToolEnv,
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
-  """Which environment a multi-turn run uses.
+  """Which environment a multi-turn run uses (`config.env`).
 
   Attributes:
     name: a key of ENVIRONMENTS, or "package.module:ClassName" for a class of your own (a
-      subclass of `jaxrl.envs.Environment`); "" for single-turn tasks (no environment).
-    kwargs: keyword arguments of the environment's constructor.
-    limits: bounds on each episode.
+      subclass of `jaxrl.envs.Environment`); "" for single-turn tasks (no environment). The
+      records an episode starts from are the task's (`config.task`).
+    kwargs: keyword arguments of the environment's constructor: a dict in the config file;
+      on the command line `--config.env.kwargs.KEY=VALUE` changes a key the file sets.
+    limits: bounds on each episode (turns, tool calls, a step's timeout, the failure reward).
+    max_tokens: ids a trajectory may hold (first prompt, turns, environment messages); the
+      episode ends "max_tokens" when the next turn would find no room. 0: the model's
+      `max_seq_len`. A turn's own limit is `rollout.sampling.max_new_tokens`.
+    threads: threads that run environments' plain (not `async`) methods at once.
   """
 
   name: str = ""
   kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   limits: EpisodeLimits = EpisodeLimits()
+  max_tokens: int = 0
+  threads: int = 16
 
   def __post_init__(self):
+    if self.max_tokens < 0 or self.threads < 1:
+      raise ValueError(
+        f"env.max_tokens={self.max_tokens} (>= 0; 0: the model's max_seq_len) and "
+        f"env.threads={self.threads} (>= 1): one is out of range."
+      )
     if self.name:
       env_factory(self.name, self.kwargs)
+
+  def make_env(self) -> Callable[[], Environment]:
+    """A function that makes a fresh environment per trajectory (`env_factory`)."""
+    return env_factory(self.name, self.kwargs)
 
 
 def environment_class(name: str) -> type[Environment]:

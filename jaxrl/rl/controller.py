@@ -43,6 +43,7 @@ from jaxrl.metrics import MetricsWriter
 from jaxrl.rl.backends import Backend, PolicyLearner, VersionedStore
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.dispatch import LengthPredictor
+from jaxrl.rl.episodes import EnvEvent, EpisodeDriver, episode_metrics, trajectory_max_tokens
 from jaxrl.rl.experience import build_batch
 from jaxrl.rl.groups import Group, batch_metrics, parse_request_id, request_id, sampling_seed
 from jaxrl.rl.policy import PolicyExporter, template_kwargs, training_sampling
@@ -140,6 +141,17 @@ class Controller(WorkerPool):
       skew_aware_dispatch=cfg.loop.skew_aware_dispatch,
       measured_rates=cfg.loop.measured_rates,
     )
+    # Multi-turn runs: each response is an episode of `config.env` (`episodes.py`).
+    self.episodes = None
+    if cfg.env.name:
+      self.episodes = EpisodeDriver(
+        cfg,
+        tokenizer,
+        self.sampling,
+        self.events,
+        max_tokens=trajectory_max_tokens(cfg, rollout.model.config.max_seq_len),
+        template_kwargs=self.chat,
+      )
 
   # -- requests (what `WorkerPool` asks of its controller) ---------------------------------------
 
@@ -153,11 +165,45 @@ class Controller(WorkerPool):
     gid, j = parse_request_id(rid)
     group = self.groups[gid]
     group.records[j] = record
-    if finished:
-      group.done[j] = True
-      if group.finished:
-        self.lengths.update(group.prompt["id"], [len(r.token_ids) for r in group.records])
-        self._score(group)
+    if not finished:
+      return
+    if group.episodes is not None:  # a turn ended: the environment takes it from here
+      if self.episodes.turn_ended(group, j, record):
+        self._response_done(group, j)
+      return
+    self._response_done(group, j)
+
+  def _response_done(self, group: Group, j: int) -> None:
+    group.done[j] = True
+    if group.finished:
+      self.lengths.update(group.prompt["id"], [len(r.token_ids) for r in group.records])
+      self._score(group)
+
+  def _on_event(self, ev) -> None:
+    if isinstance(ev, EnvEvent):  # an environment call ended (`episodes.py`)
+      self._on_env_event(ev)
+    else:
+      super()._on_event(ev)
+
+  def _on_env_event(self, ev: EnvEvent) -> None:
+    group = self.groups.get(ev.gid)
+    if group is None:
+      return  # dropped meanwhile
+    outcome = self.episodes.on_event(ev, group)
+    if outcome.failed is not None:
+      # No trajectory of the group has a turn yet: another prompt goes in its place.
+      log.warning(
+        "Record %r skipped: its environment could not start: %s",
+        group.prompt.get("id", "?"), outcome.failed,
+      )  # fmt: skip
+      del self.groups[group.gid]
+      self.replacements += 1
+      self.counters["groups_env_failed"] += 1
+      self._release()
+      return
+    self.pending.extend(request_id(group.gid, j) for j in outcome.queued)
+    for j in outcome.ended:
+      self._response_done(group, j)
 
   def _tokens_so_far(self, rid: str) -> int:
     gid, j = parse_request_id(rid)
@@ -189,13 +235,16 @@ class Controller(WorkerPool):
   def _score(self, group: Group, may_drop: bool = True) -> None:
     """Scores a finished group; it is ready to train, or (dynamic sampling, rewards all equal,
     budget left) dropped and another prompt released in its place."""
-    start = time.perf_counter()
-    completions = [record_completion(r) for r in group.records]
-    scored = self.score([group.prompt] * len(completions), completions)
-    self._reward_s += time.perf_counter() - start
-    group.rewards = scored.rewards_b
-    self.counters["reward_timeouts"] += scored.timeouts
-    self._reward_timeouts += scored.timeouts
+    if group.episodes is not None:  # the environment's rewards, summed over each episode
+      group.rewards = np.asarray([t.reward for t in group.trajectories], np.float32)
+    else:
+      start = time.perf_counter()
+      completions = [record_completion(r) for r in group.records]
+      scored = self.score([group.prompt] * len(completions), completions)
+      self._reward_s += time.perf_counter() - start
+      group.rewards = scored.rewards_b
+      self.counters["reward_timeouts"] += scored.timeouts
+      self._reward_timeouts += scored.timeouts
     rollout = self.cfg.rollout
     budget = (rollout.dynamic_sampling_rounds - 1) * rollout.prompts_per_step
     uninformative = np.ptp(group.rewards) == 0
@@ -223,7 +272,7 @@ class Controller(WorkerPool):
       prompt = self.prompts.popleft()
       gid = self.next_group
       self.next_group += 1
-      ids = self.encode_prompts([prompt])[0]
+      ids = [] if self.episodes is not None else self.encode_prompts([prompt])[0]
       records = [
         RequestRecord(
           request_id=request_id(gid, j),
@@ -233,8 +282,12 @@ class Controller(WorkerPool):
         )
         for j in range(g)
       ]
-      self.groups[gid] = Group(gid, prompt, self.state.version, records, [False] * len(records))
-      released += [r.request_id for r in records]
+      group = Group(gid, prompt, self.state.version, records, [False] * len(records))
+      self.groups[gid] = group
+      if self.episodes is not None:  # queued once their environments are reset
+        self.episodes.start(group)
+      else:
+        released += [r.request_id for r in records]
     if self.loop.skew_aware_dispatch:
       # Longest predicted first; stable, so release order breaks ties.
       released.sort(key=lambda rid: -self._predicted_left(rid))
@@ -267,12 +320,20 @@ class Controller(WorkerPool):
           f"Group {g.gid} has a token of version {g.oldest_version()} at learner version {v}, "
           f"beyond max_staleness={eta}; admission control is broken."
         )
-    completions = [record_completion(r) for g in groups for r in g.records]
     rewards_b = np.concatenate([g.rewards for g in groups])
     advantages_b = np.asarray(
       group_advantages(rewards_b, self.cfg.rollout.group_size, mode=self.cfg.train.advantage)
     )
-    batch = build_batch(completions, advantages_b, self.tokenizer.pad_id)
+    if self.episodes is not None:  # advantages over whole trajectories
+      trajectories = [t for g in groups for t in g.trajectories]
+      batch = self.episodes.batch(trajectories, advantages_b)
+      versions = [t.sampled_versions for t in trajectories]
+      sample_metrics = episode_metrics(trajectories)
+    else:
+      completions = [record_completion(r) for g in groups for r in g.records]
+      batch = build_batch(completions, advantages_b, self.tokenizer.pad_id)
+      versions = [np.asarray(c.versions) for c in completions]
+      sample_metrics = batch_metrics(rewards_b, completions)
     if self.free_rollout_during_train:
       for worker in self.workers.values():
         worker.release_memory()
@@ -301,10 +362,10 @@ class Controller(WorkerPool):
     self._release()
     time_publish = time.perf_counter() - start
 
-    lags = np.concatenate([v - c.versions for c in completions])
-    sample_lag = np.array([v - int(c.versions.min()) for c in completions])
+    lags = np.concatenate([v - vs for vs in versions])
+    sample_lag = np.array([v - int(vs.min()) for vs in versions if len(vs)])
     metrics = {
-      **batch_metrics(rewards_b, completions),
+      **sample_metrics,
       "version": self.state.version,
       "off_policy_token_frac": float(np.mean(lags > 0)),
       "staleness_mean": float(sample_lag.mean()),
@@ -340,12 +401,17 @@ class Controller(WorkerPool):
     if self._eval_version != self.state.version:
       self.rollout.update_weights(self.learner.params, self.state.version)
       self._eval_version = self.state.version
-    prompts = self.encode_prompts(self.eval_records)
     seed = sampling_seed(self.cfg.seed, -1)
-    completions = self.rollout.generate(prompts, self.eval_sampling, seed=seed)
+    if self.episodes is not None:
+      metrics = self.episodes.evaluate(self.rollout, self.eval_records, self.eval_sampling, seed)
+    else:
+      prompts = self.encode_prompts(self.eval_records)
+      completions = self.rollout.generate(prompts, self.eval_sampling, seed=seed)
     if self.free_rollout_during_train:
       self.rollout.release_memory()
       self._eval_version = -1
+    if self.episodes is not None:
+      return metrics
     scored = self.score(self.eval_records, completions)
     return {
       "eval_reward": float(scored.rewards_b.mean()),
@@ -404,12 +470,22 @@ class Controller(WorkerPool):
     self.state = ControllerState(**state)
     self.groups = {g.gid: g for g in groups}
     self.assigned.clear()
-    self.pending = collections.deque(
-      request_id(g.gid, j) for g in groups for j, done in enumerate(g.done) if not done
-    )
+    self.pending = collections.deque()
+    for g in groups:
+      if g.episodes is not None:  # environments rebuilt by replaying their actions
+        self.pending.extend(request_id(g.gid, j) for j in self.episodes.restore(g))
+      else:
+        self.pending.extend(request_id(g.gid, j) for j, done in enumerate(g.done) if not done)
     self.ready = []
     for gid in ready:
       self._score(self.groups[gid], may_drop=False)  # kept once: not dropped on resume
+
+  def close(self) -> None:
+    """Closes the task (the math task's answer-checking processes) and the environments'
+    threads; the controller cannot run after."""
+    self.task.close()
+    if self.episodes is not None:
+      self.episodes.close()
 
   # -- the loop ----------------------------------------------------------------------------------
 

@@ -1,16 +1,42 @@
 """A GRPO group as the RL loop tracks it: one prompt, its responses' records, their rewards.
 
 The controller keeps the last streamed copy of every request in its group (the single source of
-truth for what has been generated); request ids name the group and the response ("g12.3").
+truth for what has been generated); request ids name the group and the response ("g12.3"). In a
+multi-turn run (`config.env`) each response is an episode (`EpisodeState`): its record is the
+request of its current turn, its trajectory holds every turn so far.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+from typing import Any
 
 import numpy as np
 
+from jaxrl.envs import Episode
+from jaxrl.rl.multi_turn import Trajectory
 from jaxrl.rollout.requests import RequestRecord
+
+
+@dataclasses.dataclass
+class EpisodeState:
+  """One response of a multi-turn group: its phase ("reset", "turn", "env" or "done";
+  `jaxrl.rl.episodes`), its trajectory and its live environment."""
+
+  phase: str = "reset"
+  trajectory: Trajectory | None = None  # from the end of its reset
+  episode: Episode | None = None  # the live environment (not saved)
+  replayed: concurrent.futures.Future | None = None  # a resumed run's replay, until it ends
+
+  def to_dict(self) -> dict[str, Any]:
+    t = self.trajectory
+    return {"phase": self.phase, "trajectory": None if t is None else t.to_dict()}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> EpisodeState:
+    t = d["trajectory"]
+    return cls(d["phase"], None if t is None else Trajectory.from_dict(t))
 
 
 @dataclasses.dataclass
@@ -23,31 +49,46 @@ class Group:
   records: list[RequestRecord]
   done: list[bool]
   rewards: np.ndarray | None = None
+  episodes: list[EpisodeState] | None = None  # multi-turn runs: one per response
 
   @property
   def finished(self) -> bool:
     return all(self.done)
 
+  @property
+  def trajectories(self) -> list[Trajectory]:
+    """Multi-turn: each response's trajectory (once its episode has started)."""
+    return [e.trajectory for e in self.episodes]
+
   def oldest_version(self) -> int:
-    return min((min(r.versions) for r in self.records if r.versions), default=self.version)
+    versions = [min(r.versions) for r in self.records if r.versions]
+    for e in self.episodes or ():
+      if e.trajectory is not None and len(e.trajectory.sampled_versions):
+        versions.append(int(e.trajectory.sampled_versions.min()))
+    return min(versions, default=self.version)
 
   def to_dict(self) -> dict:
-    return {
+    d = {
       "gid": self.gid,
       "prompt": self.prompt,
       "version": self.version,
       "records": [r.to_dict() for r in self.records],
       "done": list(self.done),
     }
+    if self.episodes is not None:
+      d["episodes"] = [e.to_dict() for e in self.episodes]
+    return d
 
   @classmethod
   def from_dict(cls, d: dict) -> Group:
+    episodes = d.get("episodes")
     return cls(
       gid=d["gid"],
       prompt=d["prompt"],
       version=d["version"],
       records=[RequestRecord.from_dict(r) for r in d["records"]],
       done=list(d["done"]),
+      episodes=None if episodes is None else [EpisodeState.from_dict(e) for e in episodes],
     )
 
 

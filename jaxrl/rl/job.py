@@ -12,6 +12,7 @@ import os
 import time
 
 import jax
+import numpy as np
 import tqdm
 
 from jaxrl.config import ConfigError, ExperimentConfig
@@ -23,7 +24,9 @@ from jaxrl.model import Model
 from jaxrl.rl.backends import LearnerLost, make_backend
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.controller import Controller
+from jaxrl.rl.episodes import check_environment, scripted_trajectories, trajectory_max_tokens
 from jaxrl.rl.experience import batch_lengths, pad_sequences
+from jaxrl.rl.multi_turn import trajectory_batch
 from jaxrl.rl.placement import Placement, place_stages
 from jaxrl.rl.policy import (
   PolicyExporter,
@@ -61,18 +64,26 @@ def build_controller(
   sample = None
   if cfg.train.precompile or cfg.train.pack_length < 0 or cfg.rollout.paged.max_tokens < 0:
     sample = [len(encode_prompt(tokenizer, r, chat)) for r in train_records[:1024]]
+  # Multi-turn: a sequence is a whole trajectory, at most `max_tokens` ids (`episodes.py`).
+  max_trajectory = trajectory_max_tokens(cfg, model.config.max_seq_len) if cfg.env.name else 0
+  if cfg.env.name:
+    check_environment(cfg, tokenizer, chat)
   if cfg.rollout.paged.max_tokens < 0:
     # On accelerators the rollout engine's shapes are sized for the longest sequence expected
     # (one program per row count; the decode kernels stop at each row's length). On CPU the
     # reference attention reads the whole table: bucketed shapes there (`PagedConfig`).
-    longest = min(max(sample) + cfg.rollout.sampling.max_new_tokens, model.config.max_seq_len)
+    longest = max_trajectory or max(sample) + cfg.rollout.sampling.max_new_tokens
+    longest = min(longest, model.config.max_seq_len)
     sized = jax.default_backend() != "cpu"
     paged = dataclasses.replace(cfg.rollout.paged, max_tokens=longest if sized else 0)
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, paged=paged))
   if cfg.train.pack_length < 0:
-    pack_length = auto_pack_length(
-      model.config.max_seq_len, cfg.rollout.sampling.max_new_tokens, max(sample)
-    )
+    if max_trajectory:
+      pack_length = auto_pack_length(model.config.max_seq_len, 0, max_trajectory)
+    else:
+      pack_length = auto_pack_length(
+        model.config.max_seq_len, cfg.rollout.sampling.max_new_tokens, max(sample)
+      )
     log.info("config.train.pack_length=-1: packed rows of %d positions.", pack_length)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pack_length=pack_length))
   prompts = train_records[:64]
@@ -99,7 +110,9 @@ def build_controller(
     longest = min(max(sample), cfg.model.max_seq_len - cfg.rollout.sampling.max_new_tokens)
     lengths = batch_lengths(min(sample), longest, cfg.rollout.sampling.max_new_tokens)
     if train.pack_length:  # packed rows hold any sequence up to the longest: one shape
-      lengths = [longest + cfg.rollout.sampling.max_new_tokens]
+      lengths = [max_trajectory or longest + cfg.rollout.sampling.max_new_tokens]
+    elif max_trajectory:
+      lengths = batch_lengths(min(sample), max_trajectory - 1, 1)
     learner.precompile(cfg.rollout.prompts_per_step * cfg.rollout.group_size, lengths)
   loader = PromptLoader(train_records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
   eval_records = task.records("test", cfg.eval.num_prompts) if cfg.eval.every else []
@@ -138,7 +151,8 @@ def resolve_loop_mode(cfg: ExperimentConfig, placement: Placement) -> str:
 
 
 def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = True) -> None:
-  """Supervised steps on train (prompt, answer) pairs, so that RL starts with some reward."""
+  """Supervised steps so that RL starts with some reward: on train (prompt, answer) pairs, or
+  in a multi-turn run on episodes the environment's scripted policy plays."""
   w = cfg.warmup
   trainer = controller.backend.supervised_trainer(controller.learner, w.learning_rate)
   records = controller.task.records("train", None, cfg.seed + 1)
@@ -148,9 +162,24 @@ def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = 
     w.steps, desc="warm-up", unit="step", disable=not show_progress, dynamic_ncols=True
   ):
     batch = next(loader)
-    prompts = controller.encode_prompts(batch)
-    answers = [[*tok.encode(r["answer"]), tok.eos_id] for r in batch]
-    tokens_bt, mask_bt = pad_sequences(prompts, answers, tok.pad_id)
+    if controller.episodes is not None:
+      trajectories = scripted_trajectories(
+        cfg,
+        tok,
+        batch,
+        seed=cfg.seed + i,
+        max_tokens=controller.episodes.max_tokens,
+        template_kwargs=controller.chat,
+      )
+      # One shape for every step: rows as long as a trajectory may be.
+      sft = trajectory_batch(
+        trajectories, np.zeros(len(trajectories)), tok.pad_id, controller.episodes.max_tokens
+      )
+      tokens_bt, mask_bt = sft.tokens_bt, sft.mask_bt
+    else:
+      prompts = controller.encode_prompts(batch)
+      answers = [[*tok.encode(r["answer"]), tok.eos_id] for r in batch]
+      tokens_bt, mask_bt = pad_sequences(prompts, answers, tok.pad_id)
     metrics = trainer.step(tokens_bt, mask_bt)
     if (i + 1) % 50 == 0 or i + 1 == w.steps:
       controller.writer.write(i + 1, "warmup", {"loss": metrics["loss"]})
@@ -198,7 +227,7 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
       evals = controller.run()
       break
     except LearnerLost as e:
-      controller.task.close()  # the math task's answer-checking processes
+      controller.close()  # the math task's answer-checking processes
       if restarts >= cfg.loop.learner_restarts:
         raise RuntimeError(
           f"{e}; the learner was restarted {restarts} times already "
@@ -208,9 +237,9 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
       restarts += 1
       controller = _restart(controller, cfg, workdir, show_progress, str(e))
     except BaseException:
-      controller.task.close()
+      controller.close()
       raise
-  controller.task.close()
+  controller.close()
   controller.writer.close()
   controller.checkpointer.close()
   metrics_path = controller.writer.path

@@ -20,11 +20,9 @@ Glossary: b trajectories, t positions.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +38,7 @@ from jaxrl.envs import (
   continuation_ids,
   prompt_ids,
 )
+from jaxrl.envs.runner import EnvRunner
 from jaxrl.rl.experience import batch_length
 from jaxrl.rollout.paged import PagedEngine
 from jaxrl.rollout.requests import RequestRecord
@@ -63,6 +62,10 @@ class Trajectory:
     versions: per id, the policy version that sampled it (-1 where not sampled).
     prompt_len: ids of the first prompt.
     turns: model turns taken.
+    actions: the text of each turn the environment was given (what a resumed run replays to
+      rebuild the environment).
+    last_stop: the stop id the last turn ended on (None: cut off by a length limit), which the
+      environment's continuation does not repeat.
     summary: the episode's end reason, rewards and tool calls (`Episode.summary`).
   """
 
@@ -73,7 +76,36 @@ class Trajectory:
   versions: list[int]
   prompt_len: int
   turns: int = 0
+  actions: list[str] = dataclasses.field(default_factory=list)
+  last_stop: int | None = None
   summary: EpisodeSummary | None = None
+
+  @classmethod
+  def start(cls, record: dict[str, Any], prompt: Sequence[int]) -> Trajectory:
+    """A trajectory of its first prompt's ids."""
+    trajectory = cls(dict(record), [], [], [], [], prompt_len=len(prompt))
+    trajectory.append(prompt)
+    return trajectory
+
+  @property
+  def sampled_versions(self) -> np.ndarray:
+    """The policy versions of the sampled ids."""
+    return np.asarray([v for v, s in zip(self.versions, self.sampled, strict=True) if s], np.int32)
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-serialisable (checkpoints)."""
+    d = dataclasses.asdict(self)
+    d["summary"] = None if self.summary is None else dataclasses.asdict(self.summary)
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+    d = dict(d)
+    summary = d.pop("summary", None)
+    trajectory = cls(**d)
+    if summary is not None:
+      trajectory.summary = EpisodeSummary(**{**summary, "rewards": tuple(summary["rewards"])})
+    return trajectory
 
   @property
   def reward(self) -> float:
@@ -85,6 +117,71 @@ class Trajectory:
     self.sampled.extend([1 if logprobs is not None else 0] * len(ids))
     self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
     self.versions.extend(versions if versions is not None else [-1] * len(ids))
+
+
+def turn_request(
+  trajectory: Trajectory,
+  request_id: str,
+  sampling: SamplingParams,
+  seed: int,
+  max_tokens: int,
+) -> RequestRecord:
+  """The engine request of the trajectory's next model turn: its prompt is the whole
+  trajectory so far, and the turn may use what `max_tokens` leaves."""
+  room = max_tokens - len(trajectory.token_ids)
+  return RequestRecord(
+    request_id=request_id,
+    prompt_ids=list(trajectory.token_ids),
+    sampling=dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room)),
+    seed=turn_seed(seed, trajectory.turns),
+  )
+
+
+def turn_seed(seed: int, turn: int) -> int:
+  """The sampling seed of a trajectory's turn `turn`, from the trajectory's seed."""
+  return (seed * 1009 + turn) % (2**31 - 1)
+
+
+def end_turn(
+  trajectory: Trajectory, record: RequestRecord, tokenizer: Tokenizer, max_tokens: int
+) -> str | None:
+  """Appends a finished turn's ids as sampled; returns its text for the environment (stop id
+  left out), or None when the trajectory has no room for more (the episode ends "max_tokens")."""
+  trajectory.append(record.token_ids, list(record.logprobs), list(record.versions))
+  trajectory.turns += 1
+  if len(trajectory.token_ids) >= max_tokens:
+    return None
+  ids = record.token_ids
+  ended_on_stop = record.finish_reason == "stop"  # the engine's stop ids, EOS unless ignored
+  trajectory.last_stop = ids[-1] if ended_on_stop else None
+  text = tokenizer.decode(ids[:-1] if ended_on_stop else ids)
+  trajectory.actions.append(text)
+  return text
+
+
+def append_answer(
+  trajectory: Trajectory,
+  messages: Sequence[Mapping[str, Any]],
+  tokenizer: Tokenizer,
+  *,
+  tools: Sequence[Mapping[str, Any]],
+  template_kwargs: Mapping[str, Any],
+  max_tokens: int,
+) -> bool:
+  """Appends the environment's messages as template ids (not sampled); False, appending
+  nothing, when they and a turn after them would not fit `max_tokens` (nothing would be
+  trained on them: the episode ends "max_tokens")."""
+  ids = continuation_ids(
+    tokenizer,
+    messages,
+    stop_id=trajectory.last_stop,
+    tools=tools,
+    template_kwargs=template_kwargs,
+  )
+  if len(trajectory.token_ids) + len(ids) >= max_tokens:
+    return False
+  trajectory.append(ids)
+  return True
 
 
 @dataclasses.dataclass
@@ -139,42 +236,30 @@ class MultiTurnRollout:
   ) -> MultiTurnResult:
     """Plays one episode per record to its end; `sampling` applies to every model turn (its
     `max_new_tokens` bounds one turn). Returns when every episode has ended."""
-    loop = asyncio.new_event_loop()
-    executor = concurrent.futures.ThreadPoolExecutor(self.env_threads, "env")
-    thread = threading.Thread(target=loop.run_forever, name="env-loop", daemon=True)
-    thread.start()
-    try:
-      return _Run(self, loop, executor, sampling, seed).play(records)
-    finally:
-      loop.call_soon_threadsafe(loop.stop)
-      thread.join(timeout=30)
-      executor.shutdown(wait=False, cancel_futures=True)
-      loop.close()
+    with EnvRunner(self.env_threads) as runner:
+      return _Run(self, runner, sampling, seed).play(records)
 
 
 class _Run:
   """The state of one `MultiTurnRollout.run`."""
 
-  def __init__(self, rollout: MultiTurnRollout, loop, executor, sampling, seed: int):
+  def __init__(self, rollout: MultiTurnRollout, runner: EnvRunner, sampling, seed: int):
     self.r = rollout
-    self.loop = loop
-    self.executor = executor
+    self.runner = runner
     self.sampling = sampling
     self.seed = seed
     self.episodes: list[Episode] = []
     self.trajectories: list[Trajectory] = []
     self.waiting: dict[int, concurrent.futures.Future] = {}  # trajectory -> its env step
-    self.last_stop: dict[int, int | None] = {}  # trajectory -> the stop id its turn ended on
     self.open = 0
-
-  def _async(self, coroutine) -> concurrent.futures.Future:
-    return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
   def play(self, records: Sequence[dict[str, Any]]) -> MultiTurnResult:
     r = self.r
     skipped = []
-    episodes = [Episode(r.make_env(), r.limits, executor=self.executor) for _ in records]
-    resets = [self._async(e.reset(dict(rec))) for e, rec in zip(episodes, records, strict=True)]
+    episodes = [Episode(r.make_env(), r.limits, executor=self.runner.executor) for _ in records]
+    resets = [
+      self.runner.submit(e.reset(dict(rec))) for e, rec in zip(episodes, records, strict=True)
+    ]
     for episode, record, reset in zip(episodes, records, resets, strict=True):
       try:
         messages = reset.result()
@@ -189,10 +274,8 @@ class _Run:
         skipped.append((record, str(e)))
         episode.close()
         continue
-      trajectory = Trajectory(dict(record), [], [], [], [], prompt_len=len(ids))
-      trajectory.append(ids)
       self.episodes.append(episode)
-      self.trajectories.append(trajectory)
+      self.trajectories.append(Trajectory.start(record, ids))
       self.open += 1
       self._next_turn(len(self.trajectories) - 1)
     while self.open:
@@ -210,51 +293,31 @@ class _Run:
 
   def _next_turn(self, index: int) -> None:
     trajectory = self.trajectories[index]
-    room = self.r.max_tokens - len(trajectory.token_ids)
-    sampling = dataclasses.replace(
-      self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, room)
-    )
-    request = RequestRecord(
-      request_id=f"traj.{index}.{trajectory.turns}",
-      prompt_ids=list(trajectory.token_ids),
-      sampling=sampling,
-      seed=(self.seed * 1_000_003 + index * 1009 + trajectory.turns) % (2**31 - 1),
-    )
-    self.r.engine.submit(request)
+    seed = (self.seed * 1_000_003 + index) % (2**31 - 1)
+    rid = f"traj.{index}.{trajectory.turns}"
+    self.r.engine.submit(turn_request(trajectory, rid, self.sampling, seed, self.r.max_tokens))
 
   def _turn_done(self, index: int, record: RequestRecord) -> None:
     trajectory = self.trajectories[index]
-    trajectory.append(record.token_ids, list(record.logprobs), list(record.versions))
-    trajectory.turns += 1
+    text = end_turn(trajectory, record, self.r.tokenizer, self.r.max_tokens)
     for hook in self.r.on_turn:
       hook(index, trajectory)
-    if len(trajectory.token_ids) >= self.r.max_tokens:
+    if text is None:
       self._finish(index, "max_tokens")
       return
-    ids = record.token_ids
-    ended_on_stop = record.finish_reason == "stop"  # the engine's stop ids, EOS unless ignored
-    self.last_stop[index] = ids[-1] if ended_on_stop else None
-    text = self.r.tokenizer.decode(ids[:-1] if ended_on_stop else ids)
-    self.waiting[index] = self._async(self.episodes[index].step(text))
+    self.waiting[index] = self.runner.submit(self.episodes[index].step(text))
 
   def _env_done(self, index: int, step) -> None:
     episode, trajectory = self.episodes[index], self.trajectories[index]
     if step.done:
       self._finish(index, None)
       return
-    ids = continuation_ids(
-      self.r.tokenizer,
-      step.messages,
-      stop_id=self.last_stop[index],
-      tools=episode.tools,
-      template_kwargs=self.r.template_kwargs,
-    )
-    if len(trajectory.token_ids) + len(ids) >= self.r.max_tokens:
-      # No room for the environment's answer and a turn after it: the answer is not appended
-      # (nothing would be trained on it) and the trajectory stays within `max_tokens`.
+    kwargs = dict(tools=episode.tools, template_kwargs=self.r.template_kwargs)
+    if not append_answer(
+      trajectory, step.messages, self.r.tokenizer, **kwargs, max_tokens=self.r.max_tokens
+    ):
       self._finish(index, "max_tokens")
       return
-    trajectory.append(ids)
     self._next_turn(index)
 
   def _finish(self, index: int, reason: str | None) -> None:
@@ -266,11 +329,18 @@ class _Run:
 
 
 def trajectory_batch(
-  trajectories: Sequence[Trajectory], advantages_b: np.ndarray, pad_id: int
+  trajectories: Sequence[Trajectory],
+  advantages_b: np.ndarray,
+  pad_id: int,
+  length: int | None = None,
 ) -> TrainBatch:
   """The learner's batch: each row a trajectory's ids, the loss mask on the targets the policy
-  sampled (every other id is context), rollout log-probs as the behaviour policy's."""
-  length = batch_length(max(len(t.token_ids) for t in trajectories))
+  sampled (every other id is context), rollout log-probs as the behaviour policy's. `length`
+  fixes the padded row length (default: `batch_length` of the longest)."""
+  longest = max(len(t.token_ids) for t in trajectories)
+  length = batch_length(longest) if length is None else length
+  if longest > length:
+    raise ValueError(f"A trajectory of {longest} ids does not fit the batch length {length}.")
   b = len(trajectories)
   tokens_bt = np.full((b, length), pad_id, np.int32)
   mask_bt = np.zeros((b, length - 1), np.float32)

@@ -6,6 +6,7 @@ import pytest
 
 from jaxrl.envs import (
   ENVIRONMENTS,
+  DelayedGuessNumberEnv,
   EnvConfig,
   EnvError,
   EpisodeLimits,
@@ -61,7 +62,11 @@ def user_module(tmp_path, monkeypatch):
 
 
 def test_shipped_environments_resolve_by_name():
-  assert {"guess_number": GuessNumberEnv, "python_tool": PythonToolEnv} == ENVIRONMENTS
+  assert {
+    "guess_number": GuessNumberEnv,
+    "guess_number_delayed": DelayedGuessNumberEnv,
+    "python_tool": PythonToolEnv,
+  } == ENVIRONMENTS
   make = env_factory("guess_number", {"max_guesses": 4})
   a, b = make(), make()
   assert isinstance(a, GuessNumberEnv) and a is not b and a.max_guesses == 4

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl.data.guess_number import make_record
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.envs import EpisodeLimits, GuessNumberEnv, continuation_ids, prompt_ids
 from jaxrl.envs import guess_number as game
@@ -121,7 +122,7 @@ def test_a_failing_environment_ends_its_own_episode_and_keeps_its_tokens(engine)
     EpisodeLimits(max_turns=3, step_timeout_s=0.5, failure_reward=-1.0),
     max_tokens=240,
   )
-  recs = [game._record(0, 6, target) for target in (1, 3, 4, 5)]
+  recs = [make_record(0, 6, target) for target in (1, 3, 4, 5)]
   recs.append({"id": "broken", "low": 0, "high": 6})  # no target: reset fails
   start = time.perf_counter()
   result = rollout.run(recs, SamplingParams(temperature=1.0, max_new_tokens=5), seed=0)
