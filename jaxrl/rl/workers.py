@@ -291,8 +291,8 @@ class LocalWorker:
     self._stream(e.drain())
     running = e.abort(list(e.running))  # re-admitted below: caches rebuilt under new weights
     e.update_weights(params, version)
-    waiting = list(e.waiting)
-    e.waiting.clear()
+    # Taken out by a call, not by editing the queue: a gang repeats the calls (`spmd_engine`).
+    waiting = e.abort([r.request_id for r in e.waiting])
     for record in [*running, *waiting]:
       e.submit(record)
     self._record(start, time.time(), "weight-sync")
