@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 class RolloutWorker(Protocol):
   """What the controller needs of a rollout worker, whatever runs it (a thread
-  here, `LocalWorker`; a Ray actor, `ray_backend.RayWorker`). Control calls return at once."""
+  here, `LocalWorker`; Ray actors, `ray_rollout.RayWorker`). Control calls return at once."""
 
   name: str
   busy_s: float  # seconds of its decode windows so far
