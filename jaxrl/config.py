@@ -127,6 +127,12 @@ class RolloutConfig:
       (colocated), drop the rollout workers' weights and KV page pools while the learner
       trains (the weights are stale by then; both come back at the next weight sync), so the
       learner's step has that memory.
+    num_processes: processes each rollout worker (instance) spans (`loop.backend="ray"`): a
+      gang of Ray actors, each holding an equal share of the worker's devices, joined into a
+      JAX world of their own with one engine mesh over all their devices
+      (`jaxrl/rl/ray_rollout.py`), for an instance wider than one process or host. It must
+      divide the worker's devices (the rollout devices over `loop.rollout_workers`, or a
+      planned instance's with `loop.ray_cluster`). 1: one process.
   """
 
   prompts_per_step: int = 16
@@ -137,9 +143,11 @@ class RolloutConfig:
   dynamic_sampling_rounds: int = 4
   param_dtype: str = ""
   free_during_train: bool = True
+  num_processes: int = 1
 
   def __post_init__(self):
     _check_at_least("rollout", self, 1, "prompts_per_step", "dynamic_sampling_rounds")
+    _check_at_least("rollout", self, 1, "num_processes")
     if self.group_size < 2:
       raise ConfigError(
         f"config.rollout.group_size must be >= 2 (advantages compare the responses to one "
@@ -396,12 +404,14 @@ class ExperimentConfig:
         f"{self.rollout.group_size}) must split into config.train.updates_per_step={updates} "
         f"updates of whole micro-batches; make updates_per_step x micro_batch_size divide {batch}."
       )
-    if self.train.num_processes > 1 and self.loop.backend != "ray":
-      raise ConfigError(
-        f"config.train.num_processes={self.train.num_processes}: a learner of several processes "
-        f"runs on the Ray backend; set config.loop.backend='ray' (got "
-        f"{self.loop.backend!r}), or train.num_processes=1."
-      )
+    for stage, what in (("train", "a learner"), ("rollout", "a rollout worker")):
+      processes = getattr(self, stage).num_processes
+      if processes > 1 and self.loop.backend != "ray":
+        raise ConfigError(
+          f"config.{stage}.num_processes={processes}: {what} of several processes runs on "
+          f"the Ray backend; set config.loop.backend='ray' (got {self.loop.backend!r}), or "
+          f"{stage}.num_processes=1."
+        )
 
 
 def default_config() -> ml_collections.ConfigDict:

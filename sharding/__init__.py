@@ -1,5 +1,7 @@
 """Meshes over a stage's devices and logical-axis rules from annotations to mesh layouts.
 
+Host arrays to and from a mesh that spans processes (`to_devices`, `readable`, `host_array`).
+
 Also expert placements (`plan_placement`) that balance MoE token load over the expert axis, and
 the expert-parallel MoE layer that uses them (`moe_expert_parallel`).
 """
@@ -12,6 +14,7 @@ from jaxrl.sharding.expert import (
   moe_expert_parallel,
   placement_arrays,
 )
+from jaxrl.sharding.hosts import host_array, readable, to_devices
 from jaxrl.sharding.mesh import MESH_AXES, make_mesh, split_devices
 from jaxrl.sharding.placement import (
   Placement,
@@ -51,12 +54,15 @@ __all__ = [
   "check_rules",
   "device_loads",
   "home_placement",
+  "host_array",
   "imbalance",
   "logical_to_pspec",
   "make_mesh",
   "moe_expert_parallel",
   "placement_arrays",
   "plan_placement",
+  "readable",
   "split_devices",
+  "to_devices",
   "tree_shardings",
 ]

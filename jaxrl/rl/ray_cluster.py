@@ -130,12 +130,15 @@ def check_cluster(cluster: Cluster, pools: Mapping[str, PoolNodes]) -> None:
 @dataclasses.dataclass(frozen=True)
 class ProcessSlot:
   """Where one actor process runs: Ray actor options (resources of its pool), how many devices
-  it holds, and the mesh axes it builds over them (or its share of them, in a gang)."""
+  it holds, and the mesh axes it builds over them (or its share of them, in a gang). A rollout
+  instance's slot stands for its `processes` processes (`rollout.num_processes`), each placed
+  with these options and holding `devices` devices; the learner has a slot per process."""
 
   pool: str
   devices: int
   actor_options: dict[str, Any]
   mesh: dict[str, int]
+  processes: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +166,13 @@ def _options(pool: str, devices: int, pools: Mapping[str, PoolNodes]) -> dict[st
   return options
 
 
-def plan_placement(plan: Plan, num_processes: int, pools: Mapping[str, PoolNodes]) -> RayPlacement:
+def plan_placement(
+  plan: Plan, num_processes: int, pools: Mapping[str, PoolNodes], rollout_processes: int = 1
+) -> RayPlacement:
   """The learner's `num_processes` processes on the training pools (each with an equal share
   of the plan's training devices, filling pools in the plan's order) and one slot per rollout
-  instance of each rollout stage."""
+  instance of each rollout stage, of `rollout_processes` processes (`rollout.num_processes`)
+  with an equal share of the instance's devices each."""
   train = plan.train
   if train.devices % num_processes:
     raise ConfigError(
@@ -188,10 +194,17 @@ def plan_placement(plan: Plan, num_processes: int, pools: Mapping[str, PoolNodes
   rollout = []
   for stage in plan.rollout:
     size = stage.mesh.get("tensor", 1)
+    if size % rollout_processes:
+      raise ConfigError(
+        f"config.rollout.num_processes={rollout_processes}: the plan's rollout instances on "
+        f"pool {stage.pool!r} have {size} devices (mesh {stage.mesh}), which "
+        f"{rollout_processes} processes cannot hold equally; use a divisor of {size}."
+      )
+    share = size // rollout_processes
+    options = _options(stage.pool, share, pools)
     mesh = {"data": 1, **stage.mesh}
-    rollout += [ProcessSlot(stage.pool, size, _options(stage.pool, size, pools), mesh)] * (
-      stage.instances
-    )
+    slot = ProcessSlot(stage.pool, share, options, mesh, processes=rollout_processes)
+    rollout += [slot] * stage.instances
   return RayPlacement(plan, tuple(learner), tuple(rollout))
 
 
@@ -210,7 +223,8 @@ def placement_for_job(cfg: ExperimentConfig, prompt_len: int, nodes) -> RayPlace
   check_cluster(cluster, pools)
   plan = plan_for_experiment(cfg, prompt_len, cluster=cluster)
   placement = dataclasses.replace(
-    plan_placement(plan, cfg.train.num_processes, pools), cluster=cluster
+    plan_placement(plan, cfg.train.num_processes, pools, cfg.rollout.num_processes),
+    cluster=cluster,
   )
   log.info(
     "Plan for Ray cluster %s: learner %d process(es) on %s (mesh %s); rollout %s.",
@@ -258,7 +272,9 @@ def replan_placement(
       f"lost pools (each with its {POOL_RESOURCE.format('<pool>')!r} resource) and resume the "
       "run from its last checkpoint with --config.resume=True."
     ) from None
-  placement = plan_placement(decision.plan, cfg.train.num_processes, pools)
+  placement = plan_placement(
+    decision.plan, cfg.train.num_processes, pools, cfg.rollout.num_processes
+  )
   log.warning(
     "Ray cluster changed (%s); re-planned: %s plan, rollout %s (%.0f samples/s kept, %.0f "
     "possible, %.1f s to reconfigure).",

@@ -51,6 +51,35 @@ def local_devices(count: int, what: str):
   return devices[:count]
 
 
+def coordinator_address() -> str:
+  """host:port for a gang's JAX coordinator: a free port of this (rank 0's) node."""
+  with socket.socket() as s:
+    s.bind(("", 0))
+    port = s.getsockname()[1]
+  return f"{ray.util.get_node_ip_address()}:{port}"
+
+
+def join_jax_world(
+  coordinator: str, num_processes: int, rank: int, devices_per_process: int, timeout_s: int
+) -> list:
+  """Joins this process to the JAX world of a gang (rank `rank` of `num_processes`, with
+  `devices_per_process` devices each) at `coordinator`; returns every rank's devices, in rank
+  order. JAX ends the process if the others do not join within `timeout_s`."""
+  # CPU nodes: this process's share of simulated devices, and collectives between processes
+  # over gloo (on accelerator nodes neither applies).
+  with contextlib.suppress(RuntimeError):
+    jax.config.update("jax_num_cpu_devices", devices_per_process)
+  with contextlib.suppress(RuntimeError, AttributeError):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # Programs run in dispatch order on CPU: dispatched asynchronously, two programs could start
+  # their collectives in different orders in two processes and wait on each other for good
+  # (seen: a gang hung in the eager op after an update on a loaded machine).
+  with contextlib.suppress(RuntimeError, AttributeError):
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+  jax.distributed.initialize(coordinator, num_processes, rank, initialization_timeout=timeout_s)
+  return jax.devices()
+
+
 def _host_copy(tree):
   """Host arrays of `tree`: straight from the devices in one process; gathered from every
   process's shards in a gang (a collective: every rank calls it)."""
@@ -83,10 +112,7 @@ class LearnerActor:
 
   def coordinator_address(self) -> str:
     """host:port for the gang's JAX coordinator, on this (rank 0's) node."""
-    with socket.socket() as s:
-      s.bind(("", 0))
-      port = s.getsockname()[1]
-    return f"{ray.util.get_node_ip_address()}:{port}"
+    return coordinator_address()
 
   def build(self, coordinator: str | None, timeout_s: int) -> bool:
     """Joins the JAX world at `coordinator` (a gang) and builds the learner; raises what the
@@ -99,21 +125,7 @@ class LearnerActor:
     total = math.prod(self.mesh_shape.values())
     per_process = total // self.num_processes  # `RayLearner` checked that it divides
     if self.num_processes > 1:
-      # CPU nodes: this process's share of simulated devices, and collectives between
-      # processes over gloo (on accelerator nodes neither applies).
-      with contextlib.suppress(RuntimeError):
-        jax.config.update("jax_num_cpu_devices", per_process)
-      with contextlib.suppress(RuntimeError, AttributeError):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-      # Programs run in dispatch order on CPU: dispatched asynchronously, two programs could
-      # start their collectives in different orders in two processes and wait on each other
-      # for good (seen: a gang hung in the eager op after an update on a loaded machine).
-      with contextlib.suppress(RuntimeError, AttributeError):
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
-      jax.distributed.initialize(
-        coordinator, self.num_processes, self.rank, initialization_timeout=timeout_s
-      )
-      devices = jax.devices()  # every rank's, in rank order
+      devices = join_jax_world(coordinator, self.num_processes, self.rank, per_process, timeout_s)
       if len(devices) < total:
         raise ValueError(f"The learner gang has {len(devices)} devices; its mesh needs {total}.")
       devices = devices[:total]

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 class RolloutWorker(Protocol):
   """What the controller needs of a rollout worker, whatever runs it (a thread
-  here, `LocalWorker`; a Ray actor, `ray_backend.RayWorker`). Control calls return at once."""
+  here, `LocalWorker`; Ray actors, `ray_rollout.RayWorker`). Control calls return at once."""
 
   name: str
   busy_s: float  # seconds of its decode windows so far
@@ -291,8 +291,8 @@ class LocalWorker:
     self._stream(e.drain())
     running = e.abort(list(e.running))  # re-admitted below: caches rebuilt under new weights
     e.update_weights(params, version)
-    waiting = list(e.waiting)
-    e.waiting.clear()
+    # Taken out by a call, not by editing the queue: a gang repeats the calls (`spmd_engine`).
+    waiting = e.abort([r.request_id for r in e.waiting])
     for record in [*running, *waiting]:
       e.submit(record)
     self._record(start, time.time(), "weight-sync")

@@ -164,12 +164,16 @@ class DeviceBatch:
   device, None before the first admission). A holder is any object with a `row` attribute,
   which this keeps up to date."""
 
-  def __init__(self, shardings: tuple[DecodeState, RowSampling], pad_id: int):
+  def __init__(
+    self, shardings: tuple[DecodeState, RowSampling], pad_id: int, *, put=jax.device_put
+  ):
+    """`put(tree, shardings)`: host arrays onto the devices (`PagedCalls.put`)."""
     self.rows: list = []
     self.state: DecodeState | None = None
     self.sampling: RowSampling | None = None
     self._shardings = shardings
     self._pad_id = pad_id
+    self._put = put
     # Declared output shardings: the state keeps the layout the decoders expect.
     self._set_rows = jax.jit(set_rows, out_shardings=shardings)
     self._gather_rows = jax.jit(gather_rows, out_shardings=shardings)
@@ -188,7 +192,7 @@ class DeviceBatch:
     stay. A batch whose row count changes is re-laid out first (kept rows to the front, in
     order), all on the device; stop-id rows widen to `stop_width` when it grows."""
     if self.state is None:
-      self.state, self.sampling = jax.device_put(
+      self.state, self.sampling = self._put(
         dead_rows(rows, stop_width, self._pad_id), self._shardings
       )
       self.rows = [None] * rows

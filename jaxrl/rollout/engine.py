@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
 from jaxrl.rollout.sampling import SamplingParams, filter_width, sample_tokens
-from jaxrl.sharding import batch_sharding, tree_shardings
+from jaxrl.sharding import batch_sharding, host_array, readable, to_devices, tree_shardings
 
 
 @dataclasses.dataclass
@@ -75,7 +75,7 @@ def place_params(params: Params, shardings, abstract: Params) -> Params:
   model's `abstract_params()`): a learner's fp32 master weights become bf16 rollout weights,
   cast on the devices after the transfer so no host holds a second copy. (No donation: when
   stages share devices, the placed arrays may be the learner's own.)"""
-  placed = jax.device_put(params, shardings)
+  placed = to_devices(params, shardings)  # across processes: each places its own shards
   dtypes = jax.tree.map(lambda a: a.dtype, abstract)
   if jax.tree.leaves(jax.tree.map(lambda x: x.dtype, placed)) == jax.tree.leaves(dtypes):
     return placed
@@ -122,7 +122,12 @@ class StaticEngine:
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
     # Batch buckets are multiples of this so every data shard gets whole rows.
     self._data_size = int(np.prod([mesh.shape[a] for a in batch_axes]))
-    self._generate = jax.jit(self._generate_impl, static_argnames=("max_new", "width"))
+    # Its outputs, read by the host, are replicated when the mesh spans processes
+    # (`jaxrl.sharding.hosts`); within one process the layout is the compiler's choice.
+    multi = mesh.is_multi_process
+    outputs = {"out_shardings": readable(mesh, self._matrix_sharding)} if multi else {}
+    self._generate = jax.jit(self._generate_impl, static_argnames=("max_new", "width"), **outputs)
+    self._host = (lambda t: jax.tree.map(host_array, t)) if multi else jax.device_get
     self.num_host_waits = 0  # device-to-host waits: one per batch, after its last token
 
   def compiled_shapes(self) -> int:
@@ -186,14 +191,10 @@ class StaticEngine:
       max_new_b[i] = sp.max_new_tokens
       stop_rows[i, : len(stops[i])] = stops[i]
 
-    put = lambda x: jax.device_put(
-      x,
-      self._row_sharding
-      if x.ndim == 1
-      # noqa: E731
-      else self._matrix_sharding,
+    put = lambda x: to_devices(  # noqa: E731
+      x, self._row_sharding if x.ndim == 1 else self._matrix_sharding
     )
-    tokens_bn, logprobs_bn, lengths_b, stopped_b = jax.device_get(
+    tokens_bn, logprobs_bn, lengths_b, stopped_b = self._host(
       self._generate(
         self.params,
         put(prompt_bp),

@@ -128,7 +128,7 @@ class PagedEngine:
     self.num_shared_prefill_tokens = 0  # prompt tokens not prefilled: shared with a leader
     # Read-backs that found no window queued behind them: the device waited for the host.
     self.num_host_waits = 0
-    self._batch = DeviceBatch(self._calls.row_state_shardings, pad_id)
+    self._batch = DeviceBatch(self._calls.row_state_shardings, pad_id, put=self._calls.put)
     # The smallest page table and prefill chunk of any call (`PagedConfig.max_tokens`).
     sized_for = min(config.max_tokens, model.config.max_seq_len)
     self._min_table_width = (
@@ -192,7 +192,7 @@ class PagedEngine:
     for rows, width in itertools.product(row_counts, widths):
       table = np.zeros((rows, width), np.int32)
       for stops, filters in itertools.product(stop_widths, filter_widths):
-        state, sampling = jax.device_put(
+        state, sampling = self._calls.put(
           dead_rows(rows, stops, self.pad_id), self._calls.row_state_shardings
         )
         *_, self._kv = self._calls.decoder(filters)(self.params, self._kv, state, sampling, table)
@@ -496,7 +496,8 @@ class PagedEngine:
       table = self._page_table([rest[i][0] for i in live], len(tokens))
       self._kv, routing_btlk = self._calls.prefill(self.params, self._kv, tokens, positions, table)
       if routing_btlk is not None:
-        record_prompt_routing([rest[i][0].record for i in live], start, np.asarray(routing_btlk))
+        routing_btlk = self._calls.host(routing_btlk)
+        record_prompt_routing([rest[i][0].record for i in live], start, routing_btlk)
 
   def _prefill_packed(self, states: Sequence[_Running], seqs: Sequence[list[int]]) -> None:
     width = self._chunk_width(max(len(x) - 1 for x in seqs))
@@ -511,7 +512,7 @@ class PagedEngine:
       call.token_pages_bt,
     )  # fmt: skip
     if routing_btlk is not None:
-      record_packed_routing([s.record for s in states], call, np.asarray(routing_btlk))
+      record_packed_routing([s.record for s in states], call, self._calls.host(routing_btlk))
 
   def _dispatch(self, window: int) -> _InFlight | None:
     """Runs the next window from the state the last one left (nothing read from the device);
@@ -537,10 +538,9 @@ class PagedEngine:
 
   def _consume(self, window: _InFlight, *, waited: bool) -> None:
     """Appends a window's tokens to its requests; the finished ones leave the engine."""
-    out = window.output
-    tokens_wb, logprobs_wb = np.asarray(out.tokens_wb), np.asarray(out.logprobs_wb)
-    taken_b = np.asarray(out.taken_b)
-    routing_wblk = None if out.routing_wblk is None else np.asarray(out.routing_wblk)
+    out, host = window.output, self._calls.host
+    tokens_wb, logprobs_wb, taken_b = host(out.tokens_wb), host(out.logprobs_wb), host(out.taken_b)
+    routing_wblk = None if out.routing_wblk is None else host(out.routing_wblk)
     self.num_host_waits += waited
     for i, s in enumerate(window.rows):
       if s is None or self.running.get(s.record.request_id) is not s:

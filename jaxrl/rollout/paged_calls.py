@@ -6,6 +6,11 @@ call declares would be an error, or a silent copy), and host arrays go straight 
 jit's own transfer is about 10x cheaper per array than a separate `device_put`, which was
 most of the host time of a small model's decode step.
 
+On a mesh that spans processes (a rollout instance of several processes, each running the same
+calls) host inputs become global arrays first, cut from each process's own copy, and the
+outputs the host reads (tokens, log-probs, routes) come out replicated (`jaxrl.sharding.hosts`);
+on a mesh of one process the calls are the jitted functions themselves.
+
 Glossary: b rows, t tokens per row, n pages per row, k kv heads, p pages, z page size, e head dim.
 """
 
@@ -15,10 +20,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PackedPrefillCache, PagedLayerCache
 from jaxrl.rollout.decode_loop import DecodeState, RowSampling, WindowOutput, decode_window
-from jaxrl.sharding import batch_sharding, logical_to_pspec
+from jaxrl.sharding import batch_sharding, host_array, logical_to_pspec, readable, to_devices
 
 
 class PagedCalls:
@@ -41,24 +47,33 @@ class PagedCalls:
     state, sampling = DecodeState(*[row] * 5), RowSampling(row, row, row, row, matrix)
     self.row_state_shardings = (state, sampling)
     steps_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, row.spec[0]))
-    window = WindowOutput(steps_rows, steps_rows, steps_rows if mc.is_moe else None, row)
+    steps_rows, read_row = readable(mesh, steps_rows), readable(mesh, row)
+    window = WindowOutput(steps_rows, steps_rows, steps_rows if mc.is_moe else None, read_row)
     self._decode_shardings = (param_shardings, kv, state, sampling, matrix), (window, state, kv)
     self._steps = config.decode_steps
+    # Host arrays onto the mesh, and device outputs back (`jaxrl.sharding.hosts`).
+    multi = mesh.is_multi_process
+    self.put = to_devices if multi else jax.device_put
+    self.host = host_array if multi else np.asarray
+    self._wrap = _global_inputs if multi else lambda jitted, in_shardings: jitted
     # One jitted decode window per sampler filter width (each compiled per rows and table width).
     self.decoders: dict[int, jax.stages.Wrapped] = {}
-    self.prefill = jax.jit(
+    self._decoder_calls: dict[int, jax.stages.Wrapped] = {}
+    self._prefill = jax.jit(
       self._prefill_impl,
       donate_argnums=(1,),
       in_shardings=(param_shardings, kv, matrix, matrix, matrix),
-      out_shardings=(kv, row if mc.is_moe else None),
+      out_shardings=(kv, read_row if mc.is_moe else None),
     )
+    self.prefill = self._wrap(self._prefill, (None, None, matrix, matrix, matrix))
     # Packed rows (`prefill.PackedCall`): tokens, positions, segment ids, token pages.
-    self.prefill_packed = jax.jit(
+    self._prefill_packed = jax.jit(
       self._prefill_packed_impl,
       donate_argnums=(1,),
       in_shardings=(param_shardings, kv, matrix, matrix, matrix, matrix),
-      out_shardings=(kv, row if mc.is_moe else None),
+      out_shardings=(kv, read_row if mc.is_moe else None),
     )
+    self.prefill_packed = self._wrap(self._prefill_packed, (None, None, *[matrix] * 4))
     self.copy_pages = jax.jit(
       _copy_pages, donate_argnums=(0,), in_shardings=(kv, None, None), out_shardings=kv
     )
@@ -66,7 +81,7 @@ class PagedCalls:
   @property
   def jitted(self) -> list:
     """Every jitted call made so far (for counting compiled shapes)."""
-    return [*self.decoders.values(), self.prefill, self.prefill_packed, self.copy_pages]
+    return [*self.decoders.values(), self._prefill, self._prefill_packed, self.copy_pages]
 
   def decoder(self, width: int):
     """The jitted window of `decode_steps` decode steps with the sampler's filter `width`:
@@ -79,7 +94,8 @@ class PagedCalls:
         in_shardings=in_shardings,
         out_shardings=out_shardings,
       )
-    return self.decoders[width]
+      self._decoder_calls[width] = self._wrap(self.decoders[width], in_shardings)
+    return self._decoder_calls[width]
 
   def _layers(self, kv, table):
     return tuple(PagedLayerCache(k, v, table) for k, v in kv)
@@ -121,6 +137,22 @@ class PagedCalls:
       return logits_b1v[:, 0], routing_blk, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
 
     return decode_window(step_logits, kv, state, sampling, steps=steps, filter_width=width)
+
+
+def _global_inputs(jitted, in_shardings):
+  """`jitted` for a mesh that spans processes: its host-array arguments (the same on every
+  process) made global arrays of their `in_shardings` first, which jit wants there for every
+  input that is not replicated."""
+
+  def call(*args):
+    return jitted(
+      *(
+        to_devices(a, s) if isinstance(a, np.ndarray) else a
+        for a, s in zip(args, in_shardings, strict=True)
+      )
+    )
+
+  return call
 
 
 def _copy_pages(kv, source_c, target_c):

@@ -11,6 +11,7 @@ from jaxrl.rl.workers import LocalWorker, RolloutWorker
 from jaxrl.train.learner import Learner
 
 ray_backend = pytest.importorskip("jaxrl.rl.ray_backend")
+ray_rollout = pytest.importorskip("jaxrl.rl.ray_rollout")
 
 
 def members(protocol) -> set[str]:
@@ -30,7 +31,7 @@ def defines(cls, name: str) -> bool:
   [
     (PolicyLearner, [Learner, ray_backend.RayLearner]),
     (VersionedStore, [WeightStore, ray_backend.RayWeightStore]),
-    (RolloutWorker, [LocalWorker, ray_backend.RayWorker]),
+    (RolloutWorker, [LocalWorker, ray_rollout.RayWorker]),
   ],
 )
 def test_each_backend_implements_the_whole_protocol(protocol, classes):

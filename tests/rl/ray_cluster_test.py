@@ -63,6 +63,15 @@ def test_pools_come_from_the_nodes_resources_and_a_missing_pool_is_named():
   assert [s.actor_options.get("num_gpus") for s in placed.rollout] == [1, 1]
   with pytest.raises(ConfigError, match="num_processes=3: the plan trains on 4 devices"):
     plan_placement(rig_plan(train_devices=4, train_mesh={**AXES, "fsdp": 4}), 3, pools)
+  # Rollout instances of tensor 2 as gangs of two one-device processes (`rollout.num_processes`).
+  wide = dataclasses.replace(rig_plan(), rollout=(
+    dataclasses.replace(rig_plan().rollout[0], mesh={**AXES, "tensor": 2}),
+  ))  # fmt: skip
+  placed = plan_placement(wide, 1, pools, rollout_processes=2)
+  assert [(s.processes, s.devices, s.mesh["tensor"]) for s in placed.rollout] == [(2, 1, 2)] * 2
+  assert placed.rollout[0].actor_options["resources"] == {"jaxrl-pool-cheap": 1}
+  with pytest.raises(ConfigError, match=r"rollout\.num_processes=3: .* have 2 devices"):
+    plan_placement(wide, 1, pools, rollout_processes=3)
 
 
 def test_the_spec_can_come_from_the_nodes_own_resources():
@@ -110,8 +119,9 @@ def rig():
 @pytest.mark.xdist_group("ray")
 def test_stages_start_on_the_nodes_of_the_pools_the_plan_chose(rig):
   ray, node_of = rig
-  from jaxrl.rl.ray_backend import RayWeightStore, RayWorker
+  from jaxrl.rl.ray_backend import RayWeightStore
   from jaxrl.rl.ray_learner import RayLearner
+  from jaxrl.rl.ray_rollout import RayWorker
 
   cfg = async_config(**{"loop.backend": "ray", "loop.ray_cluster": RIG})
   # The job's own path: the spec checked against the rig, planned, placed.

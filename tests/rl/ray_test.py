@@ -19,13 +19,9 @@ from jaxrl.rl.backends import LearnerLost, LocalBackend  # noqa: E402
 from jaxrl.rl.checkpoint import Checkpointer  # noqa: E402
 from jaxrl.rl.placement import place_stages  # noqa: E402
 from jaxrl.rl.policy import make_tokenizer, model_config, rollout_model_config  # noqa: E402
-from jaxrl.rl.ray_backend import (  # noqa: E402
-  RayBackend,
-  RayWeightStore,
-  RayWorker,
-  RemoteStore,
-)
+from jaxrl.rl.ray_backend import RayBackend, RayWeightStore  # noqa: E402
 from jaxrl.rl.ray_learner import RayLearner  # noqa: E402
+from jaxrl.rl.ray_rollout import RayWorker, RemoteStore  # noqa: E402
 from jaxrl.rl.stages import JobParts, make_learner  # noqa: E402
 from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline  # noqa: E402
 from jaxrl.rl.weights import StoreUnreachable, WeightStore  # noqa: E402
