@@ -15,6 +15,7 @@
   python launch/bench.py memory [--json]
   python launch/bench.py weight_transfer [--json] [--presets bench-small,qwen3-0.6b]
   python launch/bench.py chaos [--json] [--faults 100,10,10] [--steps 30]
+  python launch/bench.py agent [--json] [--steps 6]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
@@ -35,7 +36,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_async import bench_async  # noqa: E402  (launch/ is on sys.path)
+from bench_agent import bench_agent  # noqa: E402  (launch/ is on sys.path)
+from bench_async import bench_async  # noqa: E402
 from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
 from bench_grpo import bench_grpo_step  # noqa: E402
@@ -494,6 +496,7 @@ def bench_chaos(**kwargs) -> dict:
 
 
 BENCHMARKS = {
+  "agent": bench_agent,
   "async": bench_async,
   "chaos": bench_chaos,
   "balance": bench_balance,
@@ -522,7 +525,7 @@ def main() -> None:
   parser.add_argument(
     "--faults", default=None, help="chaos: rollout kills, learner kills, job crashes (100,10,10)"
   )
-  parser.add_argument("--steps", type=int, default=None, help="chaos: RL steps of each run")
+  parser.add_argument("--steps", type=int, default=None, help="chaos, agent: RL steps of each run")
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
   if args.faults:

@@ -6,7 +6,7 @@ the episode when the guess is right or the guesses are used up. Reward (in [0, 1
 1 when found within `optimal_guesses(low, high)` guesses (what binary search needs in the worst
 case, so the optimal policy always scores 1), `late_reward` when found later, 0 when not found.
 A turn without a number, or out of range, is answered with the range and costs a guess. With
-`say_range` the feedback also names the range still possible ("higher: from 16 to 18"), so a
+`say_range` the feedback also names the range still possible ("higher: 16 to 18"), so a
 policy need read only the last message (what the CPU demo's tiny model can learn). Every text is
 lowercase letters, digits, spaces and ":", so the char tokenizer can encode it.
 
@@ -42,7 +42,7 @@ class GuessNumberEnv(Environment):
   Args:
     max_guesses: guesses before the game is lost; at least `optimal_guesses` of any record.
     late_reward: the reward for finding the number after `optimal_guesses` guesses.
-    say_range: the feedback names the range still possible ("higher: from 16 to 18").
+    say_range: the feedback names the range still possible ("higher: 16 to 18").
   """
 
   def __init__(self, *, max_guesses: int = 6, late_reward: float = 0.5, say_range: bool = False):
@@ -97,7 +97,7 @@ class GuessNumberEnv(Environment):
       low, high = (max(low, guess + 1), high) if higher else (low, min(high, guess - 1))
       self._possible = (low, high)
       if self.say_range:
-        feedback += f": from {low} to {high}"
+        feedback += f": {low} to {high}"
     return Step([{"role": "user", "content": feedback}], 0.0, False, info)
 
   def scripted_action(self, rng: np.random.Generator) -> str:

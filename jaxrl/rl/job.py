@@ -91,6 +91,16 @@ def build_controller(
   if placement is None:
     placement = place_stages(cfg, prompt_len)
   mode = resolve_loop_mode(cfg, placement)
+  local_cpu = cfg.loop.backend == "local" and jax.default_backend() == "cpu"
+  if mode == "async" and placement.shares_devices and local_cpu:
+    # Seen: a learner's all-reduce and a worker's program on the same simulated devices each
+    # waited for the other's threads (XLA's CPU rendezvous), and the run stood still.
+    raise ConfigError(
+      "config.loop.mode='async' with rollout and training on the same simulated CPU devices "
+      f"(config.placement.mode={cfg.placement.mode!r}): their concurrent programs can stall "
+      "each other's collectives. Use config.placement.mode='disaggregated' (or 'planned'), or "
+      "config.loop.mode='sync'."
+    )
   if cfg.loop.mode == "auto":
     log.info("config.loop.mode='auto': the %s loop.", mode)
   cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, mode=mode))

@@ -128,8 +128,8 @@ def test_say_range_names_the_range_left_and_the_scripted_policy_draws_from_it():
   record = {"id": "q", "low": 10, "high": 24, "target": 19}
   env = GuessNumberEnv(say_range=True)
   env.reset(record)
-  assert env.step("13").messages == [{"role": "user", "content": "higher: from 14 to 24"}]
-  assert env.step("my guess is 22").messages[0]["content"] == "lower: from 14 to 21"
+  assert env.step("13").messages == [{"role": "user", "content": "higher: 14 to 24"}]
+  assert env.step("my guess is 22").messages[0]["content"] == "lower: 14 to 21"
   assert env.step("99").messages[0]["content"] == "answer with a number from 14 to 21"
   rng = np.random.default_rng(0)
   draws = {int(env.scripted_action(rng)) for _ in range(400)}

@@ -251,3 +251,9 @@ def test_tools_the_template_cannot_show_are_a_clear_error(tmp_path):
   )
   with pytest.raises(ConfigError, match="config.env.name='python_tool'.*chat template"):
     job.build_controller(cfg, str(tmp_path), show_progress=False)
+
+
+def test_async_on_shared_simulated_cpu_devices_is_refused(tmp_path):
+  cfg = agent_config("async", **{"placement.mode": "colocated"})
+  with pytest.raises(ConfigError, match="placement.mode='disaggregated'"):
+    job.build_controller(cfg, str(tmp_path), show_progress=False)
