@@ -404,6 +404,12 @@ class ExperimentConfig:
         f"{self.rollout.group_size}) must split into config.train.updates_per_step={updates} "
         f"updates of whole micro-batches; make updates_per_step x micro_batch_size divide {batch}."
       )
+    if self.env.name and self.train.moe.routing_replay:
+      raise ConfigError(
+        "config.train.moe.routing_replay=True with config.env.name set: multi-turn trajectories "
+        "do not carry their turns' routes yet; set routing_replay=False (and "
+        "train.moe.placement='static')."
+      )
     for stage, what in (("train", "a learner"), ("rollout", "a rollout worker")):
       processes = getattr(self, stage).num_processes
       if processes > 1 and self.loop.backend != "ray":

@@ -129,7 +129,7 @@ class Ledger:
 
 def _discard(controller) -> None:
   """Drops a controller whose run ended in a fault: its files closed, its actors gone."""
-  controller.task.close()
+  controller.close()
   controller.writer.close()
   controller.checkpointer.close()
   for kill in (controller.learner.kill, controller.stop_workers):

@@ -232,6 +232,8 @@ def test_a_failing_environment_ends_its_own_episode_in_the_loop(tmp_path, monkey
     ({"env.name": "no_such_pkg_xyz:Env"}, "no module named 'no_such_pkg_xyz'"),
     ({"env.kwargs": {"guesses": 3}}, "does not take the arguments \\['guesses'\\]"),
     ({"env.max_tokens": -1}, "env.max_tokens=-1"),
+    ({"train.moe.routing_replay": True}, "multi-turn trajectories do not carry"),
+    ({"train.moe.routing_replay": True}, "multi-turn trajectories do not carry"),
   ],
 )
 def test_bad_environment_settings_are_clear_errors(overrides, message):
