@@ -80,6 +80,9 @@ class Environment(abc.ABC):
   """
 
   tools: Sequence[Mapping[str, Any]] = ()
+  # How messages name the environment; "" for `module:Class` (a stand-in for one in a worker
+  # process names the environment and the worker).
+  name_in_messages: str = ""
 
   @abc.abstractmethod
   def reset(self, record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -104,7 +107,9 @@ class Environment(abc.ABC):
 
 
 def env_label(env: Any) -> str:
-  """`module:Class` of an environment instance, for messages."""
+  """How messages name an environment instance: its `name_in_messages`, or `module:Class`."""
+  if isinstance(env, Environment) and env.name_in_messages:
+    return env.name_in_messages
   cls = type(env)
   return f"{cls.__module__}:{cls.__qualname__}"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ from jaxrl.envs.base import EnvError, Environment
 from jaxrl.envs.episode import EpisodeLimits
 from jaxrl.envs.guess_number import DelayedGuessNumberEnv, GuessNumberEnv
 from jaxrl.envs.python_tool import PythonToolEnv
+from jaxrl.envs.remote import EnvWorkers, process_workers
 
 ENVIRONMENTS: dict[str, type[Environment]] = {
   "guess_number": GuessNumberEnv,
@@ -39,7 +41,19 @@ class EnvConfig:
     max_tokens: ids a trajectory may hold (first prompt, turns, environment messages); the
       episode ends "max_tokens" when the next turn would find no room. 0: the model's
       `max_seq_len`. A turn's own limit is `rollout.sampling.max_new_tokens`.
-    threads: threads that run environments' plain (not `async`) methods at once.
+    threads: threads that run environments' plain (not `async`) methods at once (in each
+      worker, when they run in workers).
+    run_in: where environments run: "threads" (this process: the shipped environments spend
+      their time in a sandbox subprocess or a sleep, not holding the GIL), "processes"
+      (`workers` spawned worker processes: an environment that crashes, leaks or computes in
+      Python does not touch the learner or the engine) or "ray" (`workers` Ray actors, e.g. on
+      CPU nodes; Ray starts locally unless `loop.ray_address` names a cluster).
+    workers: worker processes or Ray actors (with run_in "processes" or "ray").
+    worker_memory_mb: memory each worker may allocate beyond what it holds when it starts (its
+      address space is capped: past it an environment's allocation raises MemoryError and its
+      episode ends "env_error"); 0: no cap.
+    worker_resources: Ray resources of each actor (run_in "ray"); "CPU" defaults to 1, e.g.
+      {"CPU": 2, "jaxrl-pool-cpu": 1} to keep environments on nodes started with that resource.
   """
 
   name: str = ""
@@ -47,19 +61,45 @@ class EnvConfig:
   limits: EpisodeLimits = EpisodeLimits()
   max_tokens: int = 0
   threads: int = 16
+  run_in: str = "threads"
+  workers: int = 2
+  worker_memory_mb: int = 0
+  worker_resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    if self.max_tokens < 0 or self.threads < 1:
+    if self.max_tokens < 0 or self.threads < 1 or self.workers < 1 or self.worker_memory_mb < 0:
       raise ValueError(
-        f"env.max_tokens={self.max_tokens} (>= 0; 0: the model's max_seq_len) and "
-        f"env.threads={self.threads} (>= 1): one is out of range."
+        f"env.max_tokens={self.max_tokens} (>= 0; 0: the model's max_seq_len), "
+        f"env.threads={self.threads} (>= 1), env.workers={self.workers} (>= 1) and "
+        f"env.worker_memory_mb={self.worker_memory_mb} (>= 0; 0: no cap): one is out of range."
+      )
+    if self.run_in not in RUN_IN:
+      raise ValueError(f"env.run_in={self.run_in!r}: use one of {list(RUN_IN)}.")
+    if self.worker_memory_mb and not sys.platform.startswith("linux"):
+      raise ValueError(
+        f"env.worker_memory_mb={self.worker_memory_mb}: the cap needs Linux; set it to 0."
       )
     if self.name:
       env_factory(self.name, self.kwargs)
 
   def make_env(self) -> Callable[[], Environment]:
-    """A function that makes a fresh environment per trajectory (`env_factory`)."""
+    """A function that makes a fresh environment per trajectory in this process (`env_factory`)."""
     return env_factory(self.name, self.kwargs)
+
+  def start_workers(self) -> EnvWorkers:
+    """Starts the worker processes that `run_in="processes"` asks for; their `make_env` makes
+    a fresh environment per trajectory in one of them. Close them when the run ends. (The
+    Ray actors of `run_in="ray"` start from `jaxrl.envs.ray_envs.actor_workers`.)"""
+    return process_workers(
+      self.name,
+      self.kwargs,
+      count=self.workers,
+      memory_mb=self.worker_memory_mb,
+      threads=self.threads,
+    )
+
+
+RUN_IN = ("threads", "processes", "ray")
 
 
 def environment_class(name: str) -> type[Environment]:

@@ -142,6 +142,15 @@ class LocalBackend:
     )
 
 
+def init_ray(address: str) -> None:
+  """Connects to the Ray cluster at `address` (`config.loop.ray_address`; "" starts one in this
+  machine), unless this process is connected already."""
+  import ray
+
+  if not ray.is_initialized():
+    ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
+
+
 def _ray(parts: JobParts) -> Backend:
   """The Ray backend (imported only when asked for: Ray is an optional extra)."""
   try:
@@ -152,9 +161,7 @@ def _ray(parts: JobParts) -> Backend:
     raise ConfigError(
       "config.loop.backend='ray' needs Ray: pip install 'jaxrl[ray]' (or set loop.backend='local')."
     ) from None
-  if not ray.is_initialized():
-    address = parts.cfg.loop.ray_address or None
-    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+  init_ray(parts.cfg.loop.ray_address)
   placement = None
   if parts.cfg.loop.ray_cluster:
     placement = ray_cluster.placement_for_job(parts.cfg, parts.prompt_len, ray.nodes())

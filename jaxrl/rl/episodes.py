@@ -39,7 +39,9 @@ import numpy as np
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.envs import EnvError, Episode, check_tools_render, prompt_ids
+from jaxrl.envs.remote import EnvWorkers
 from jaxrl.envs.runner import EnvRunner
+from jaxrl.rl.backends import init_ray
 from jaxrl.rl.groups import EpisodeState, Group
 from jaxrl.rl.multi_turn import (
   MultiTurnRollout,
@@ -101,7 +103,8 @@ class EpisodeDriver:
     template_kwargs: dict[str, Any],
   ):
     self.cfg = cfg
-    self.make_env = cfg.env.make_env()
+    self.env_workers = start_env_workers(cfg)
+    self.make_env = self.env_workers.make_env if self.env_workers else cfg.env.make_env()
     self.limits = cfg.env.limits
     self.tokenizer = tokenizer
     self.sampling = sampling
@@ -112,6 +115,8 @@ class EpisodeDriver:
 
   def close(self) -> None:
     self.runner.close()
+    if self.env_workers is not None:
+      self.env_workers.close()
 
   # -- environment calls -------------------------------------------------------------------------
 
@@ -272,6 +277,34 @@ class EpisodeDriver:
       "eval_truncated_frac": float(np.mean([s.truncated for s in summaries])) if summaries else 0.0,
       "eval_skipped": float(len(result.skipped)),
     }
+
+
+def start_env_workers(cfg: ExperimentConfig) -> EnvWorkers | None:
+  """The environment workers `config.env.run_in` asks for (None: "threads", in this process).
+
+  Raises:
+    ConfigError: "ray" without Ray installed.
+  """
+  env = cfg.env
+  if env.run_in == "threads":
+    return None
+  if env.run_in == "processes":
+    return env.start_workers()
+  try:
+    from jaxrl.envs.ray_envs import actor_workers
+  except ImportError:
+    raise ConfigError(
+      "config.env.run_in='ray' needs Ray: pip install 'jaxrl[ray]' (or set env.run_in='processes')."
+    ) from None
+  init_ray(cfg.loop.ray_address)
+  return actor_workers(
+    env.name,
+    env.kwargs,
+    count=env.workers,
+    memory_mb=env.worker_memory_mb,
+    threads=env.threads,
+    resources=env.worker_resources,
+  )
 
 
 def check_environment(cfg: ExperimentConfig, tokenizer: Tokenizer, template_kwargs) -> None:

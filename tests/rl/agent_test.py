@@ -214,6 +214,7 @@ def test_a_failing_environment_ends_its_own_episode_in_the_loop(tmp_path, monkey
     **{
       "env.name": "flaky_envs:Flaky",
       "env.limits.step_timeout_s": 0.5,
+      "env.run_in": "processes",  # in worker processes, as a crashing tool would want
       "task.guess_max_low": 0,
       "task.guess_widths": [7],
       "train.steps": 2,
