@@ -56,7 +56,6 @@ from jaxrl.rollout.prefill import (
 from jaxrl.rollout.requests import (
   PageAllocator,
   RequestRecord,
-  bucketed_page_pairs,
   check_request,
   pages_for,
   record_completion,
@@ -259,6 +258,11 @@ class PagedEngine:
     check_request(record, limit, self.cfg.page_size, self.cfg.num_pages)
 
   @property
+  def num_prefill_tokens(self) -> int:
+    """Tokens its prefill calls computed (padding left out), re-prefills after preemption in."""
+    return self._calls.num_prefill_tokens
+
+  @property
   def has_work(self) -> bool:
     return bool(self.waiting or self.running or self._inflight or self._finished)
 
@@ -387,19 +391,15 @@ class PagedEngine:
       admitted.append((state, leader, reused))
       leaders.setdefault(tokens, state)
     if admitted:
-      self._copy_pages(copies[False])
+      self._kv = self._calls.copy(self._kv, copies[False])
       fresh = [(s, reused) for s, leader, reused in admitted if leader is None]
       self._prefill_states([s for s, _ in fresh], [reused for _, reused in fresh])
-      self._copy_pages(copies[True])
+      self._kv = self._calls.copy(self._kv, copies[True])
       for state, leader, reused in admitted:
         if leader is not None:
           state.record.prompt_routing = [list(x) for x in leader.record.prompt_routing]
           self.num_shared_prefill_tokens += reused
       self._place([s for s, _, _ in admitted])
-
-  def _copy_pages(self, pairs: list[tuple[int, int]]) -> None:
-    if pairs:
-      self._kv = self._calls.copy_pages(self._kv, *bucketed_page_pairs(pairs, self.cfg.num_pages))
 
   def _budget(self, record: RequestRecord) -> int:
     """Tokens the request may still generate before its length limit (as read back so far)."""
