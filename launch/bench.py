@@ -16,6 +16,7 @@
   python launch/bench.py weight_transfer [--json] [--presets bench-small,qwen3-0.6b]
   python launch/bench.py chaos [--json] [--faults 100,10,10] [--steps 30]
   python launch/bench.py agent [--json] [--steps 6]
+  python launch/bench.py turn_kv [--json] [--steps 2]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
@@ -36,7 +37,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_agent import bench_agent  # noqa: E402  (launch/ is on sys.path)
+from bench_agent import bench_agent, bench_turn_kv  # noqa: E402  (launch/ is on sys.path)
 from bench_async import bench_async  # noqa: E402
 from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
@@ -511,6 +512,7 @@ BENCHMARKS = {
   "prefill_packing": bench_prefill_packing,
   "prefix_sharing": bench_prefix_sharing,
   "rollout": bench_rollout,
+  "turn_kv": bench_turn_kv,
   "weight_transfer": bench_weight_transfer,
 }
 
@@ -525,7 +527,12 @@ def main() -> None:
   parser.add_argument(
     "--faults", default=None, help="chaos: rollout kills, learner kills, job crashes (100,10,10)"
   )
-  parser.add_argument("--steps", type=int, default=None, help="chaos, agent: RL steps of each run")
+  parser.add_argument(
+    "--steps",
+    type=int,
+    default=None,
+    help="chaos, agent: RL steps of each run; turn_kv: timed runs",
+  )
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
   if args.faults:

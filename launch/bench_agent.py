@@ -125,3 +125,69 @@ def bench_agent(steps: int = 6, modes=tuple(MODES)) -> dict:
     for name in modes:
       out[name]["speedup_vs_sync"] = out[name]["samples_per_s"] / out["sync"]["samples_per_s"]
   return out
+
+
+def bench_turn_kv(episodes: int = 32, steps: int = 2) -> dict:
+  """`python launch/bench.py turn_kv`: multi-turn rollouts with each turn's KV pages kept for
+  the next (`rollout.paged.keep_turn_kv`) and without, on the same engine settings and seeds.
+
+  `episodes` games of guess-the-number (`GuessNumberEnv`, six guesses of up to 8 tokens) by the
+  tiny model from a random initialisation, whose guesses are rarely right: most episodes take
+  every turn, and turn k's prompt is the whole game so far. Per setting: `prefill_tokens`, the
+  tokens its prefill calls computed; `kept_tokens`, those kept pages spared; `wall_s`, the
+  rollout's time, the best of `steps` runs after one that compiles; and whether the
+  trajectories (ids and log-probs) were the same with and without.
+  """
+  import jax
+  import numpy as np
+
+  from jaxrl.data.tokenizer import CharTokenizer
+  from jaxrl.envs import EpisodeLimits, GuessNumberEnv
+  from jaxrl.envs import guess_number as game
+  from jaxrl.model import Model, get_preset
+  from jaxrl.rl.multi_turn import MultiTurnRollout
+  from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
+  from jaxrl.sharding import ROLLOUT_RULES, make_mesh
+
+  tokenizer = CharTokenizer()
+  model = Model(get_preset("tiny", vocab_limit=tokenizer.vocab_size, max_seq_len=512))
+  mesh = make_mesh(jax.devices()[:1], {"data": 1})
+  params = model.init(0)
+  records = game.records("train", episodes, 0, max_low=100, widths=(50,))
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+  out, trajectories = {}, {}
+  for keep in (True, False):
+    config = PagedConfig(page_size=16, num_pages=1024, max_running=episodes, keep_turn_kv=keep)
+    engine = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=tokenizer.eos_id, pad_id=0,
+                         config=config)  # fmt: skip
+    engine.update_weights(params, 0)
+    rollout = MultiTurnRollout(
+      engine,
+      tokenizer,
+      lambda: GuessNumberEnv(max_guesses=6),
+      EpisodeLimits(max_turns=6, step_timeout_s=60),
+      max_tokens=500,
+    )
+    walls = []
+    for run in range(steps + 1):
+      prefilled, kept = engine.num_prefill_tokens, engine.num_kept_prefill_tokens
+      start = time.perf_counter()
+      result = rollout.run(records, sampling, seed=run)
+      walls.append(time.perf_counter() - start)
+    trajectories[keep] = result.trajectories
+    turns = [t.turns for t in result.trajectories]
+    out["keep" if keep else "no_keep"] = {
+      "prefill_tokens": engine.num_prefill_tokens - prefilled,
+      "kept_tokens": engine.num_kept_prefill_tokens - kept,
+      "turns_mean": float(np.mean(turns)),
+      "trajectory_tokens_mean": float(np.mean([len(t.token_ids) for t in result.trajectories])),
+      "wall_s": round(min(walls[1:]), 2),
+      "preemptions": engine.num_preemptions,
+    }
+  same = all(
+    a.token_ids == b.token_ids and np.allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    for a, b in zip(trajectories[True], trajectories[False], strict=True)
+  )
+  out["prefill_tokens_ratio"] = out["keep"]["prefill_tokens"] / out["no_keep"]["prefill_tokens"]
+  out["same_trajectories"] = same
+  return out

@@ -175,6 +175,8 @@ class Controller(WorkerPool):
 
   def _response_done(self, group: Group, j: int) -> None:
     group.done[j] = True
+    if group.episodes is not None:  # its episode ended: no next turn reuses its kept pages
+      self._drop_kept(request_id(group.gid, j))
     if group.finished:
       self.lengths.update(group.prompt["id"], [len(r.token_ids) for r in group.records])
       self._score(group)

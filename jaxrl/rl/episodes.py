@@ -10,10 +10,13 @@ A group's turns start once all of its resets succeeded; a group whose reset fail
 whole (the controller releases another prompt in its place). When a turn ends, its ids are
 appended as sampled (`multi_turn.end_turn`) and its text goes to the environment; the answer's
 ids are appended unsampled (`multi_turn.append_answer`) and the next turn is queued. A response
-waiting for its environment holds no decode slot and no KV pages: the workers decode the others
-meanwhile (its next turn is prefilled again, as after a preemption). Environment calls finish on
-the runner's thread and come back to the controller as `EnvEvent`s through the workers' event
-queue, so the controller's state changes on its own thread only.
+waiting for its environment holds no decode slot: the workers decode the others meanwhile. Its
+KV pages stay parked on the worker that ran its turn while memory allows (`turn_request` sets
+`keep_kv`); a next turn that runs there prefills only the environment's answer, one that runs
+elsewhere or finds them evicted is prefilled again, as after a preemption. When the episode
+ends the controller has that worker drop them (`RolloutWorker.drop_kept`). Environment calls
+finish on the runner's thread and come back to the controller as `EnvEvent`s through the
+workers' event queue, so the controller's state changes on its own thread only.
 
 Checkpoints keep each trajectory (ids, loss mask, log-probs, versions, the actions so far) and
 its phase. A resumed run rebuilds each open episode's environment by replaying its actions

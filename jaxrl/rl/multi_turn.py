@@ -12,8 +12,11 @@ log-probs as the behaviour policy's, per token, across turns and weight versions
 Tool latency stays off the decode loop: environment steps run on an event loop thread (an
 `async def` step there, a plain one in a thread pool, each under `EpisodeLimits.step_timeout_s`)
 while the engine keeps decoding the other trajectories; a trajectory waiting for its environment
-holds no decode row and no KV pages (its next turn is prefilled again, as after a preemption). A
-step that fails or hangs ends that episode only, with the reason recorded; its tokens are kept.
+holds no decode row. Its KV pages stay parked in the engine while memory allows
+(`RequestRecord.keep_kv`, `PagedConfig.keep_turn_kv`): every turn of a trajectory is a request
+with the same id, so the next turn prefills only the environment's answer; evicted pages (the
+engine needed them) are prefilled again, as after a preemption. A step that fails or hangs ends
+that episode only, with the reason recorded; its tokens are kept.
 
 Glossary: b trajectories, t positions.
 """
@@ -127,13 +130,16 @@ def turn_request(
   max_tokens: int,
 ) -> RequestRecord:
   """The engine request of the trajectory's next model turn: its prompt is the whole
-  trajectory so far, and the turn may use what `max_tokens` leaves."""
+  trajectory so far, and the turn may use what `max_tokens` leaves. `request_id` is the
+  trajectory's (the same every turn) and the request keeps its KV pages when it ends
+  (`keep_kv`): the episode may go on, and its next turn then reuses them."""
   room = max_tokens - len(trajectory.token_ids)
   return RequestRecord(
     request_id=request_id,
     prompt_ids=list(trajectory.token_ids),
     sampling=dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room)),
     seed=turn_seed(seed, trajectory.turns),
+    keep_kv=True,
   )
 
 
@@ -294,7 +300,7 @@ class _Run:
   def _next_turn(self, index: int) -> None:
     trajectory = self.trajectories[index]
     seed = (self.seed * 1_000_003 + index) % (2**31 - 1)
-    rid = f"traj.{index}.{trajectory.turns}"
+    rid = f"traj.{index}"  # one id for all its turns: the next one finds the kept pages
     self.r.engine.submit(turn_request(trajectory, rid, self.sampling, seed, self.r.max_tokens))
 
   def _turn_done(self, index: int, record: RequestRecord) -> None:
@@ -321,6 +327,7 @@ class _Run:
     self._next_turn(index)
 
   def _finish(self, index: int, reason: str | None) -> None:
+    self.r.engine.drop_kept(f"traj.{index}")  # no next turn will reuse its pages
     episode = self.episodes[index]
     if reason is not None:
       episode.end(reason)

@@ -184,6 +184,9 @@ class RolloutActor:
   def preempt(self) -> None:
     self._control(lambda w: w.preempt())
 
+  def drop_kept(self, request_ids: list[str]) -> None:
+    self._control(lambda w: w.drop_kept(request_ids))
+
   def release_memory(self) -> None:
     if self.worker is not None:  # one not built yet holds nothing
       self.worker.release_memory()
@@ -367,6 +370,9 @@ class RayWorker:
 
   def preempt(self) -> None:
     self._actor.preempt.remote()
+
+  def drop_kept(self, request_ids: list[str]) -> None:
+    self._actor.drop_kept.remote(request_ids)
 
   def release_memory(self, timeout_s: float = 60.0) -> None:
     try:

@@ -134,6 +134,10 @@ class MirroredEngine:
   def release_memory(self) -> None:
     self._call(("release_memory",), self.engine.release_memory)
 
+  def drop_kept(self, request_id: str) -> bool:
+    # Frees pages: every rank's allocator must do the same, or their page tables diverge.
+    return self._call(("drop_kept", request_id), lambda: self.engine.drop_kept(request_id))
+
   def update_weights(self, params, version: int) -> None:
     token = self._weights_token(version)
     self._call(
@@ -174,6 +178,7 @@ class Follower:
       "drain": engine.drain,
       "abort": engine.abort,
       "release_memory": engine.release_memory,
+      "drop_kept": engine.drop_kept,
       "update_weights": self._update_weights,
     }
     self._thread.start()

@@ -50,6 +50,8 @@ class WorkerPool:
     self.leaving: set[str] = set()  # given notice, not gone yet: nothing new is sent to them
     self.pending: collections.deque[str] = collections.deque()  # request ids to dispatch
     self.assigned: dict[str, str] = {}  # request id -> worker
+    # request id -> the worker whose engine may keep its pages for a next turn (`keep_kv`)
+    self.kept_on: dict[str, str] = {}
     self.counters = collections.Counter()
     self.rollout_busy_s = 0.0  # decode time of the workers that have left
     self.rates = WorkerRates(min_work=8, measured=measured_rates)
@@ -214,6 +216,8 @@ class WorkerPool:
         continue  # re-dispatched meanwhile
       if ev.kind in ("finished", "left"):
         del self.assigned[rid]
+      if ev.kind == "finished" and record.keep_kv:
+        self.kept_on[rid] = ev.worker
       if ev.kind == "left":
         self.pending.appendleft(rid)
         self.counters["requests_handed_back"] += 1
@@ -226,6 +230,13 @@ class WorkerPool:
     # rate of tokens, does not grow with the work it is given (which would draw ever more work
     # to whichever worker happened to get more).
     self._observe_rate(ev.worker, 1 if ev.kind == "progress" else 0)
+
+  def _drop_kept(self, rid: str) -> None:
+    """The request will have no next turn: the worker that kept its pages frees them (they
+    would be evicted under pressure anyway, but would crowd out newer turns' until then)."""
+    name = self.kept_on.pop(rid, None)
+    if name in self.workers:
+      self.workers[name].drop_kept([rid])
 
   # -- the rollout split -------------------------------------------------------------------------
 

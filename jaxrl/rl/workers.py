@@ -59,6 +59,10 @@ class RolloutWorker(Protocol):
 
   def preempt(self) -> None: ...
 
+  def drop_kept(self, request_ids: list[str]) -> None:
+    """Frees the KV pages its engine keeps for these requests' next turns (their multi-turn
+    episodes ended: no next turn will come); pages already evicted or reused are no matter."""
+
   def release_memory(self, timeout_s: float = 60.0) -> None:
     """Drops its engine's weights and KV pages if it holds no request (the learner, on the
     same devices, is about to train), returning when done; the next weights it pulls bring
@@ -169,6 +173,9 @@ class LocalWorker:
     """A preemption notice: hand back every request (as records) and leave."""
     self._inbox.put(("preempt", None))
 
+  def drop_kept(self, request_ids: list[str]) -> None:
+    self._inbox.put(("drop_kept", list(request_ids)))
+
   def release_memory(self, timeout_s: float = 60.0) -> None:
     """Returns once the worker's thread has dropped its engine's memory (or, holding requests,
     kept it), so that the learner's step that follows finds the memory free."""
@@ -251,6 +258,9 @@ class LocalWorker:
       elif kind == "preempt":
         self._leave()
         return False
+      elif kind == "drop_kept" and self.engine.params is not None:  # released: nothing kept
+        for rid in arg:
+          self.engine.drop_kept(rid)
       elif kind == "release":
         if not self.engine.has_work and not self._held:
           self.engine.release_memory()

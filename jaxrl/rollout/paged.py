@@ -4,6 +4,8 @@ Requests join and leave a running batch between decode windows. Keys and values 
 fixed-size pages shared by all sequences; a host-side scheduler hands pages out, frees them when a
 request finishes, and, when pages run out, preempts the youngest running request (frees its
 pages, keeps its tokens) to resume it later by re-prefilling its prompt plus generated prefix.
+A finished multi-turn turn (`RequestRecord.keep_kv`) leaves its pages parked (`kv_park`) for
+its next turn, which prefills only the tokens after them; parked pages are evicted first.
 
 Invariant: a running request has keys/values cached for all its tokens but the last; the next
 decode step feeds that last token, caches it, and samples the following one. Prefill therefore
@@ -41,6 +43,7 @@ from jaxrl.rollout.decode_loop import (
   dead_rows,
 )
 from jaxrl.rollout.engine import Completion, bucket, place_params
+from jaxrl.rollout.kv_park import KVPark
 from jaxrl.rollout.paged_calls import PagedCalls
 from jaxrl.rollout.paged_config import PagedConfig
 from jaxrl.rollout.prefill import (
@@ -53,7 +56,7 @@ from jaxrl.rollout.prefill import (
 from jaxrl.rollout.requests import (
   PageAllocator,
   RequestRecord,
-  bucketed_page_pairs,
+  check_request,
   pages_for,
   record_completion,
   record_prompt_routing,
@@ -73,6 +76,7 @@ class _Running:
   record: RequestRecord
   pages: list[int]
   admitted: int  # admission order; the highest is the youngest
+  version: int  # the weights its prefill ran under: only pages of the current ones are parked
   row: int = -1  # its row in the device batch
   pending: int = 0  # steps of the window in flight: at most this many tokens not yet read back
 
@@ -126,6 +130,8 @@ class PagedEngine:
     self._finished: list[RequestRecord] = []  # read back outside `step`'s own read-back
     self.num_windows = 0
     self.num_shared_prefill_tokens = 0  # prompt tokens not prefilled: shared with a leader
+    self.num_kept_prefill_tokens = 0  # prompt tokens not prefilled: parked by the last turn
+    self.park = KVPark(self.allocator)  # `park.num_evicted_pages`: given up under pressure
     # Read-backs that found no window queued behind them: the device waited for the host.
     self.num_host_waits = 0
     self._batch = DeviceBatch(self._calls.row_state_shardings, pad_id, put=self._calls.put)
@@ -141,7 +147,9 @@ class PagedEngine:
   # -- requests ----------------------------------------------------------------------------------
 
   def update_weights(self, params: Params, version: int) -> None:
-    """New weights take effect at the next decode window; later tokens carry `version`."""
+    """New weights take effect at the next decode window; later tokens carry `version`.
+    Parked pages are dropped: keys/values of the old weights must not enter a new turn."""
+    self.park.clear()
     self.params = place_params(params, self.param_shardings, self.model.abstract_params())
     self.version = version
     if self._kv is None:
@@ -157,6 +165,7 @@ class PagedEngine:
         f"PagedEngine.release_memory with {len(self.running)} running and {len(self.waiting)} "
         "waiting requests in the engine; finish them (`stream`) or `abort` them first."
       )
+    self.park.clear()
     self.params = None
     self._kv = None
 
@@ -246,20 +255,12 @@ class PagedEngine:
       raise ValueError(f"Request {rid} is already finished ({record.finish_reason}).")
     if rid in self.running or any(r.request_id == rid for r in self.waiting):
       raise ValueError(f"Request id {rid} is already in this engine.")
-    if not record.prompt_ids:
-      raise ValueError(f"Request {rid} has an empty prompt; give it at least one token.")
-    if len(record.prompt_ids) > limit:
-      raise ValueError(
-        f"Request {rid}: prompt of {len(record.prompt_ids)} tokens exceeds the "
-        f"model's max_seq_len={limit}; shorten the prompt."
-      )
-    longest = min(len(record.prompt_ids) + record.sampling.max_new_tokens, limit)
-    if pages_for(longest, self.cfg.page_size) > self.cfg.num_pages:
-      raise ValueError(
-        f"Request {rid} may reach {longest} tokens = {pages_for(longest, self.cfg.page_size)} "
-        f"pages of {self.cfg.page_size}, more than the page budget of {self.cfg.num_pages}; "
-        "raise rollout.paged.num_pages or lower max_new_tokens."
-      )
+    check_request(record, limit, self.cfg.page_size, self.cfg.num_pages)
+
+  @property
+  def num_prefill_tokens(self) -> int:
+    """Tokens its prefill calls computed (padding left out), re-prefills after preemption in."""
+    return self._calls.num_prefill_tokens
 
   @property
   def has_work(self) -> bool:
@@ -271,10 +272,17 @@ class PagedEngine:
 
   def drain(self) -> list[RequestRecord]:
     """Waits for the window in flight and returns every request that finished and was not
-    returned yet (by `step`); afterwards every running record holds all its tokens."""
+    returned yet (by `step`); afterwards every running record holds all its tokens. Drops
+    parked pages (callers drain before new weights or leaving)."""
     self._read_back()
+    self.park.clear()
     finished, self._finished = self._finished, []
     return finished
+
+  def drop_kept(self, request_id: str) -> bool:
+    """Frees the pages parked for `request_id`'s next turn (its episode ended); False when
+    none were parked (never kept, evicted, or already reused)."""
+    return self.park.drop(request_id)
 
   def abort(self, request_ids: Sequence[str]) -> list[RequestRecord]:
     """Removes requests (running or waiting) and returns their partial records, with the
@@ -348,39 +356,50 @@ class PagedEngine:
   # -- scheduling --------------------------------------------------------------------------------
 
   def _admit(self) -> None:
-    admitted, leaders, copies = [], {}, []
-    z = self.cfg.page_size
+    """Admits waiting requests while rows and pages last. A request reuses the pages of a
+    leader (`share_prefix`: admitted here with the same tokens, prefilled once) or its own
+    parked ones (`kv_park`: its last turn's; only the tokens after them are prefilled): full
+    pages shared, the page its first write falls in copied."""
+    admitted, leaders, z = [], {}, self.cfg.page_size
+    copies = {False: [], True: []}  # parked sources: before the prefill; leaders': after it
     while self.waiting and len(self.running) < self.cfg.max_running:
       record = self.waiting[0]
       tokens = tuple(record.prompt_ids + record.token_ids)
       leader = leaders.get(tokens) if self.cfg.share_prefix else None
-      # Pages wholly below the last token's position hold the same keys for every request with
-      # these tokens; the page that position falls in is written by the first decode step.
-      full = (len(tokens) - 1) // z if leader is not None else 0
-      own = self.allocator.allocate(pages_for(len(tokens), z) - full)
+      kept = self.park.take(record.request_id, tokens)
+      source, reused = [], 0  # pages wholly below position `reused` are the source's
+      if leader is not None:
+        source, reused = leader.pages, len(tokens) - 1
+      elif kept is not None:
+        source, reused = kept.pages, min(len(kept.tokens), len(tokens) - 1)
+      full = reused // z
+      own = self.park.allocate(pages_for(len(tokens), z) - full)
       if own is None:
+        if kept is not None:
+          self.park.park(record.request_id, kept)
         break
       self.waiting.popleft()
-      pages = own
-      if leader is not None:
-        pages = self.allocator.share(leader.pages[:full]) + own
-        if (len(tokens) - 1) % z:  # the leader's partly filled page: copied, not shared
-          copies.append((leader.pages[full], own[0]))
-      state = _Running(record, pages, next(self._admissions))
+      pages = self.allocator.share(source[:full]) + own
+      if reused % z:
+        copies[leader is not None].append((source[full], own[0]))
+      if kept is not None:
+        self.allocator.free(kept.pages)  # after `share`: the pages it reuses stay allocated
+        record.prompt_routing += kept.prompt_routes(record, reused)
+        self.num_kept_prefill_tokens += reused
+      state = _Running(record, pages, next(self._admissions), self.version)
       self.running[record.request_id] = state
-      admitted.append((state, leader))
+      admitted.append((state, leader, reused))
       leaders.setdefault(tokens, state)
     if admitted:
-      self._prefill_states([s for s, leader in admitted if leader is None])
-      if copies:
-        self._kv = self._calls.copy_pages(
-          self._kv, *bucketed_page_pairs(copies, self.cfg.num_pages)
-        )
-      for state, leader in admitted:
+      self._kv = self._calls.copy(self._kv, copies[False])
+      fresh = [(s, reused) for s, leader, reused in admitted if leader is None]
+      self._prefill_states([s for s, _ in fresh], [reused for _, reused in fresh])
+      self._kv = self._calls.copy(self._kv, copies[True])
+      for state, leader, reused in admitted:
         if leader is not None:
           state.record.prompt_routing = [list(x) for x in leader.record.prompt_routing]
-          self.num_shared_prefill_tokens += leader.record.num_tokens - 1
-      self._place([s for s, _ in admitted])
+          self.num_shared_prefill_tokens += reused
+      self._place([s for s, _, _ in admitted])
 
   def _budget(self, record: RequestRecord) -> int:
     """Tokens the request may still generate before its length limit (as read back so far)."""
@@ -410,7 +429,7 @@ class PagedEngine:
       cached = r.num_tokens - 1 + min(state.pending + window, self._budget(r))
       need = pages_for(cached, self.cfg.page_size) - len(state.pages)
       while need > 0:
-        pages = self.allocator.allocate(need)
+        pages = self.park.allocate(need)  # parked pages go first, then the youngest request
         if pages is not None:
           state.pages.extend(pages)
           break
@@ -479,25 +498,34 @@ class PagedEngine:
   def _rows(self, n: int) -> int:
     return -(-bucket(n, 1) // self._row_multiple) * self._row_multiple
 
-  def _prefill_states(self, states: Sequence[_Running]) -> None:
-    """Caches every token but the last of each admitted request: sequences that fit one
-    `prefill_chunk` packed into shared rows (`pack_prefill`), longer ones chunk by chunk."""
+  def _prefill_states(self, states: Sequence[_Running], starts: Sequence[int]) -> None:
+    """Caches every token but the last of each admitted request from position `starts[i]`
+    on (those before are in kept pages): sequences from 0 that fit one `prefill_chunk` packed
+    into shared rows (`pack_prefill`), the others chunk by chunk over their page tables."""
     chunk = self.cfg.prefill_chunk
     seqs = [s.record.prompt_ids + s.record.token_ids for s in states]
-    fits = [self.cfg.pack_prefill and 1 < len(x) <= chunk + 1 for x in seqs]
+    fits = [
+      self.cfg.pack_prefill and not a and 1 < len(x) <= chunk + 1
+      for x, a in zip(seqs, starts, strict=True)
+    ]
     packed = [i for i, f in enumerate(fits) if f]
     if packed:
       self._prefill_packed([states[i] for i in packed], [seqs[i] for i in packed])
-    rest = [(s, x) for s, x, f in zip(states, seqs, fits, strict=True) if not f]
-    lengths = [len(x) - 1 for _, x in rest]
+    rest = [(s, x, a) for s, x, a, f in zip(states, seqs, starts, fits, strict=True) if not f]
+    lengths = [len(x) - 1 - a for _, x, a in rest]
     for start, stop, live in chunk_spans(lengths, chunk):
       shape = self._rows(len(live)), self._chunk_width(stop - start)
-      tokens, positions = chunk_rows([rest[i][1] for i in live], start, stop, shape, self.pad_id)
+      offsets = [rest[i][2] for i in live]
+      seqs_live = [rest[i][1] for i in live]
+      tokens, positions = chunk_rows(seqs_live, start, stop, shape, self.pad_id, offsets)
       table = self._page_table([rest[i][0] for i in live], len(tokens))
       self._kv, routing_btlk = self._calls.prefill(self.params, self._kv, tokens, positions, table)
       if routing_btlk is not None:
         routing_btlk = self._calls.host(routing_btlk)
-        record_prompt_routing([rest[i][0].record for i in live], start, routing_btlk)
+        for row, i in enumerate(live):
+          record_prompt_routing(
+            [rest[i][0].record], offsets[row] + start, routing_btlk[row : row + 1]
+          )
 
   def _prefill_packed(self, states: Sequence[_Running], seqs: Sequence[list[int]]) -> None:
     width = self._chunk_width(max(len(x) - 1 for x in seqs))
@@ -561,7 +589,8 @@ class PagedEngine:
       if r.finish_reason:
         # Its row is dead on the device already (it stopped there too); free it for admission.
         del self.running[r.request_id]
-        self.allocator.free(s.pages)
+        keep = r.keep_kv and self.cfg.keep_turn_kv and s.version == self.version
+        self.allocator.free(self.park.keep(r, s.pages, self.cfg.page_size) if keep else s.pages)
         self._batch.free(s.row)
         self._finished.append(r)
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PackedPrefillCache, PagedLayerCache
 from jaxrl.rollout.decode_loop import DecodeState, RowSampling, WindowOutput, decode_window
+from jaxrl.rollout.requests import bucketed_page_pairs
 from jaxrl.sharding import batch_sharding, host_array, logical_to_pspec, readable, to_devices
 
 
@@ -65,7 +66,7 @@ class PagedCalls:
       in_shardings=(param_shardings, kv, matrix, matrix, matrix),
       out_shardings=(kv, read_row if mc.is_moe else None),
     )
-    self.prefill = self._wrap(self._prefill, (None, None, matrix, matrix, matrix))
+    self.prefill = self._counted(self._wrap(self._prefill, (None, None, matrix, matrix, matrix)))
     # Packed rows (`prefill.PackedCall`): tokens, positions, segment ids, token pages.
     self._prefill_packed = jax.jit(
       self._prefill_packed_impl,
@@ -73,7 +74,11 @@ class PagedCalls:
       in_shardings=(param_shardings, kv, matrix, matrix, matrix, matrix),
       out_shardings=(kv, read_row if mc.is_moe else None),
     )
-    self.prefill_packed = self._wrap(self._prefill_packed, (None, None, *[matrix] * 4))
+    self.prefill_packed = self._counted(
+      self._wrap(self._prefill_packed, (None, None, *[matrix] * 4))
+    )
+    self.num_prefill_tokens = 0  # tokens (positions >= 0) the prefill calls were given
+    self._num_pages = config.num_pages
     self.copy_pages = jax.jit(
       _copy_pages, donate_argnums=(0,), in_shardings=(kv, None, None), out_shardings=kv
     )
@@ -82,6 +87,23 @@ class PagedCalls:
   def jitted(self) -> list:
     """Every jitted call made so far (for counting compiled shapes)."""
     return [*self.decoders.values(), self._prefill, self._prefill_packed, self.copy_pages]
+
+  def _counted(self, call):
+    """`call` (a prefill: positions are its fourth argument, -1 on padding), counting the
+    tokens it computes: what kept and shared pages save shows here."""
+
+    def counted(params, kv, tokens_bt, positions_bt, *rest):
+      self.num_prefill_tokens += int((positions_bt >= 0).sum())
+      return call(params, kv, tokens_bt, positions_bt, *rest)
+
+    return counted
+
+  def copy(self, kv, pairs: list[tuple[int, int]]):
+    """`kv` with the pages of each (source, target) pair copied (one call; `kv` as it is when
+    there are none). Every source is read before any target is written."""
+    if not pairs:
+      return kv
+    return self.copy_pages(kv, *bucketed_page_pairs(pairs, self._num_pages))
 
   def decoder(self, width: int):
     """The jitted window of `decode_steps` decode steps with the sampler's filter `width`:

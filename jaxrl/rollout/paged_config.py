@@ -40,6 +40,13 @@ class PagedConfig:
     pack_prefill: sequences that fit one `prefill_chunk` are prefilled packed, several to a
       row of up to `prefill_chunk` tokens (`jaxrl.rollout.prefill`), instead of one to a row
       padded to the longest: ragged prompts cost their own length. Off: one request per row.
+    keep_turn_kv: a request that asks for it (`RequestRecord.keep_kv`: every multi-turn model
+      turn) leaves its KV pages parked when it finishes (`jaxrl.rollout.kv_park`), and the
+      next request with its id whose tokens extend its tokens (the next turn: the trajectory
+      so far plus the environment's answer) reuses them, prefilling only the new tokens.
+      Parked pages never hold up work: they are evicted, oldest first, before a request waits
+      for pages or is preempted, and dropped when the weights change. Off: every turn is
+      prefilled from its first token.
   """
 
   page_size: int = 16
@@ -51,6 +58,7 @@ class PagedConfig:
   share_prefix: bool = True
   max_tokens: int = -1
   pack_prefill: bool = True
+  keep_turn_kv: bool = True
 
   def __post_init__(self):
     for name in ("page_size", "num_pages", "max_running", "prefill_chunk", "decode_steps"):

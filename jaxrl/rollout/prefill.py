@@ -7,7 +7,8 @@ A request's prefill caches every token but its last (`paged`'s invariant). Two k
   longest one's (a 20-token and a 100-token prompt share a 128-token row). Attention reads the
   row's own keys, each token's keys go to its own request's pages (`PackedPrefillCache`).
 - chunked: one request per row, `width` positions at a time, attending over the row's page
-  table: for sequences longer than one packed row.
+  table: for sequences longer than one packed row, and for those whose first positions are
+  cached already (a multi-turn turn reusing its last turn's pages), which attend to them.
 
 Glossary: b rows, t tokens per row.
 """
@@ -110,16 +111,24 @@ def chunk_spans(lengths: Sequence[int], chunk: int) -> Iterator[tuple[int, int, 
 
 
 def chunk_rows(
-  seqs: Sequence[Sequence[int]], start: int, stop: int, shape: tuple[int, int], pad_id: int
+  seqs: Sequence[Sequence[int]],
+  start: int,
+  stop: int,
+  shape: tuple[int, int],
+  pad_id: int,
+  offsets: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Tokens and positions (-1: padding) of a chunked call of `shape` [b, t]: positions
-  start..stop-1 of each of `seqs` (one to a row; each caches every token but its last)."""
+  offset+start..offset+stop-1 of each of `seqs` (one to a row; each caches every token but its
+  last). `offsets[i]`: the positions of sequence i already cached (kept pages of an earlier
+  turn, `kv_park`), which the chunks skip; default none."""
   tokens = np.full(shape, pad_id, np.int32)
   positions = np.full(shape, -1, np.int32)
   for row, x in enumerate(seqs):
-    part = x[start : min(stop, len(x) - 1)]
+    first = start + (offsets[row] if offsets is not None else 0)
+    part = x[first : min(first + stop - start, len(x) - 1)]
     tokens[row, : len(part)] = part
-    positions[row, : len(part)] = np.arange(start, start + len(part))
+    positions[row, : len(part)] = np.arange(first, first + len(part))
   return tokens, positions
 
 

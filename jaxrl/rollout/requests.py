@@ -36,6 +36,9 @@ class RequestRecord:
       prefill. `prompt_routing + routing` covers exactly the inputs a learner feeds to score
       the response (prompt + response without its last token), ready for routing replay.
     finish_reason: None while unfinished, else "stop" or "length".
+    keep_kv: when it finishes, the engine keeps its KV pages for a later request with the same
+      id whose tokens start with its tokens (the next turn of a multi-turn trajectory, after
+      its environment answered), while memory allows (`PagedConfig.keep_turn_kv`).
   """
 
   request_id: str
@@ -48,6 +51,7 @@ class RequestRecord:
   routing: list[list[list[int]]] = dataclasses.field(default_factory=list)
   prompt_routing: list[list[list[int]]] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None
+  keep_kv: bool = False  # defaulted: records checkpointed before this field load as before
 
   @property
   def num_tokens(self) -> int:
@@ -109,6 +113,26 @@ class PageAllocator:
 
 def pages_for(num_tokens: int, page_size: int) -> int:
   return -(-num_tokens // page_size)
+
+
+def check_request(record: RequestRecord, max_seq_len: int, page_size: int, num_pages: int) -> None:
+  """Raises, saying what to change, if the request could never run: an empty prompt, one
+  longer than the model's `max_seq_len`, or a longest sequence over the page budget."""
+  rid = record.request_id
+  if not record.prompt_ids:
+    raise ValueError(f"Request {rid} has an empty prompt; give it at least one token.")
+  if len(record.prompt_ids) > max_seq_len:
+    raise ValueError(
+      f"Request {rid}: prompt of {len(record.prompt_ids)} tokens exceeds the "
+      f"model's max_seq_len={max_seq_len}; shorten the prompt."
+    )
+  longest = min(len(record.prompt_ids) + record.sampling.max_new_tokens, max_seq_len)
+  if pages_for(longest, page_size) > num_pages:
+    raise ValueError(
+      f"Request {rid} may reach {longest} tokens = {pages_for(longest, page_size)} "
+      f"pages of {page_size}, more than the page budget of {num_pages}; "
+      "raise rollout.paged.num_pages or lower max_new_tokens."
+    )
 
 
 def bucketed_page_pairs(pairs: list[tuple[int, int]], num_pages: int) -> tuple[np.ndarray, ...]:

@@ -42,12 +42,13 @@ def test_the_learner_gets_exactly_the_ids_the_engine_sampled_across_turns_and_ve
     EpisodeLimits(max_turns=4, step_timeout_s=30),
     max_tokens=240,
   )
-  turns = {}  # request id -> the engine's finished record
+  turns = {}  # request id (one per trajectory) -> the engine's finished records, in turn order
   step = engine.step
 
   def recording_step():
     finished = step()
-    turns.update((r.request_id, r) for r in finished)
+    for r in finished:
+      turns.setdefault(r.request_id, []).append(r)
     return finished
 
   engine.step = recording_step
@@ -71,7 +72,7 @@ def test_the_learner_gets_exactly_the_ids_the_engine_sampled_across_turns_and_ve
     expected = prompt_ids(TOKENIZER, env.reset(record))
     assert t.token_ids[: t.prompt_len] == expected and t.prompt_len == len(expected)
     for k in range(t.turns):
-      turn = turns[f"traj.{i}.{k}"]
+      turn = turns[f"traj.{i}"][k]
       # The engine was given the trajectory so far as it is (never re-tokenised) ...
       assert turn.prompt_ids == expected
       expected = expected + turn.token_ids
@@ -88,7 +89,8 @@ def test_the_learner_gets_exactly_the_ids_the_engine_sampled_across_turns_and_ve
         stop = turn.token_ids[-1] if ended_on_stop else None
         expected = expected + continuation_ids(TOKENIZER, answer.messages, stop_id=stop)
     assert t.token_ids == expected  # nothing else in between
-    assert sum(t.sampled) == sum(len(turns[f"traj.{i}.{k}"].token_ids) for k in range(t.turns))
+    assert len(turns[f"traj.{i}"]) == t.turns
+    assert sum(t.sampled) == sum(len(turn.token_ids) for turn in turns[f"traj.{i}"])
     assert t.summary.turns == t.turns and t.summary.end_reason in ("solved", "out_of_guesses")
   assert versions_seen == {0, 1}  # trajectories spanned the weight update
   assert max(t.turns for t in result.trajectories) > 1
@@ -101,6 +103,38 @@ def test_the_learner_gets_exactly_the_ids_the_engine_sampled_across_turns_and_ve
     np.testing.assert_array_equal(batch.mask_bt[i, : n - 1], t.sampled[1:])
     assert batch.mask_bt[i, n - 1 :].sum() == 0
     np.testing.assert_array_equal(batch.old_logp_bt[i, : n - 1], np.float32(t.logprobs[1:]))
+
+
+def test_kept_turn_pages_give_the_same_trajectories_and_prefill_less():
+  mesh = make_mesh(jax.devices()[:2], {"data": 2})
+  params = MODEL.init(5)
+  out = {}
+  for keep in (True, False):
+    config = PagedConfig(
+      page_size=8, num_pages=160, max_running=8, decode_steps=4, keep_turn_kv=keep
+    )
+    e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=TOKENIZER.eos_id, pad_id=0, config=config)
+    e.update_weights(params, 0)
+    rollout = MultiTurnRollout(
+      e,
+      TOKENIZER,
+      lambda: GuessNumberEnv(max_guesses=4),
+      EpisodeLimits(max_turns=4, step_timeout_s=30),
+      max_tokens=240,
+    )
+    result = rollout.run(
+      records(6, seed=1), SamplingParams(temperature=1.0, max_new_tokens=6), seed=4
+    )
+    assert e.num_preemptions == 0 and len(e.park) == 0  # ended episodes dropped theirs
+    assert e.allocator.num_free == 160
+    out[keep] = result.trajectories, e.num_prefill_tokens, e.num_kept_prefill_tokens
+  (on, prefilled_on, kept_on), (off, prefilled_off, kept_off) = out[True], out[False]
+  assert max(t.turns for t in on) > 1
+  for a, b in zip(on, off, strict=True):
+    assert a.token_ids == b.token_ids and a.sampled == b.sampled and a.turns == b.turns
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+  # Every token a kept page held is one the prefill calls did not compute.
+  assert kept_off == 0 and kept_on > 0 and prefilled_on == prefilled_off - kept_on
 
 
 class _Faulty(GuessNumberEnv):

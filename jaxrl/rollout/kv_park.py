@@ -1,0 +1,116 @@
+"""KV pages kept after a request finishes, for its next turn (multi-turn RL, issue 18).
+
+A multi-turn trajectory's next model turn is a new request with the same id whose prompt is
+the whole trajectory so far: the finished turn's tokens plus the environment's answer. Between
+the two, the environment runs and the request holds no decode row. Its pages are parked here
+under its id, with the tokens whose keys/values they hold, so that the next turn reuses them
+(`PagedEngine._admit`) and prefills only the answer instead of the whole trajectory.
+
+Parked pages are a cache, never a reservation: the engine evicts entries, least recently parked
+first, before it refuses an admission or preempts a running request. Keys/values depend only
+on the tokens and the weights, so an entry is reused only when the new request's tokens start
+with the parked ones, and every entry is dropped when the weights change.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jaxrl.rollout.requests import PageAllocator, RequestRecord, pages_for
+
+
+@dataclasses.dataclass
+class Parked:
+  """A finished request's cache: `pages` hold the keys/values of `tokens` (positions 0..len-1,
+  `page_size` to a page); `routes` (MoE only, else empty) are the expert ids each layer chose
+  for each of those tokens, which a reusing request's prompt routing takes over."""
+
+  tokens: tuple[int, ...]
+  pages: list[int]
+  routes: list[list[list[int]]]
+
+  def prompt_routes(self, record: RequestRecord, reused: int) -> list[list[list[int]]]:
+    """MoE: the routes of `record`'s prompt tokens among the first `reused` that its prompt
+    routing lacks (what a prefill of them would have recorded)."""
+    return self.routes[len(record.prompt_routing) : min(reused, len(record.prompt_ids) - 1)]
+
+
+class KVPark:
+  """Parked entries by request id, in the order they were parked (the oldest evicted first).
+  Each entry holds one reference to each of its pages (`PageAllocator.share` semantics): pages
+  still shared with a running request (a common prompt prefix) stay allocated when it goes."""
+
+  def __init__(self, allocator: PageAllocator):
+    self.allocator = allocator
+    self._entries: collections.OrderedDict[str, Parked] = collections.OrderedDict()
+    self.num_evicted_pages = 0  # pages given up under memory pressure (not by drop/clear)
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+  def __contains__(self, request_id: str) -> bool:
+    return request_id in self._entries
+
+  @property
+  def num_pages(self) -> int:
+    """Page references held (a page shared by two entries counts twice)."""
+    return sum(len(e.pages) for e in self._entries.values())
+
+  def park(self, request_id: str, entry: Parked) -> None:
+    """Keeps `entry` (its page references move here) as the most recent; replaces any older
+    entry of the same id."""
+    self.drop(request_id)
+    self._entries[request_id] = entry
+
+  def keep(self, record: RequestRecord, pages: list[int], page_size: int) -> list[int]:
+    """Parks the pages of a finished request's cached tokens (all but its last: the engine's
+    invariant) under its id; returns the rest of `pages`, for the caller to free."""
+    cached = record.num_tokens - 1
+    kept = pages_for(cached, page_size)
+    if kept:
+      tokens = tuple(record.prompt_ids + record.token_ids)[:cached]
+      self.park(
+        record.request_id, Parked(tokens, pages[:kept], record.prompt_routing + record.routing)
+      )
+    return pages[kept:]
+
+  def allocate(self, n: int) -> list[int] | None:
+    """`n` free pages from the allocator, evicting parked entries (the least recently parked
+    first) while too few are free; None (nothing taken) if even that is not enough."""
+    pages = self.allocator.allocate(n)
+    while pages is None and self.evict_oldest():
+      pages = self.allocator.allocate(n)
+    return pages
+
+  def take(self, request_id: str, tokens: tuple[int, ...]) -> Parked | None:
+    """Removes and returns the entry of `request_id` if `tokens` start with its tokens (its
+    page references pass to the caller); an entry that does not match is dropped."""
+    entry = self._entries.pop(request_id, None)
+    if entry is None:
+      return None
+    if tokens[: len(entry.tokens)] != entry.tokens:
+      self.allocator.free(entry.pages)
+      return None
+    return entry
+
+  def evict_oldest(self) -> bool:
+    """Frees the least recently parked entry; False when there is none."""
+    if not self._entries:
+      return False
+    _, entry = self._entries.popitem(last=False)
+    self.allocator.free(entry.pages)
+    self.num_evicted_pages += len(entry.pages)
+    return True
+
+  def drop(self, request_id: str) -> bool:
+    """Frees the entry of `request_id` (its trajectory ended); False when there is none."""
+    entry = self._entries.pop(request_id, None)
+    if entry is not None:
+      self.allocator.free(entry.pages)
+    return entry is not None
+
+  def clear(self) -> None:
+    """Frees every entry (new weights, released memory)."""
+    while self._entries:
+      self.allocator.free(self._entries.popitem()[1].pages)
