@@ -1,7 +1,7 @@
 """Multi-turn rollouts on the paged engine: token in, token out, across turns and a weight update;
 failing environments end their own episode only."""
 
-import time
+import threading
 
 import jax
 import numpy as np
@@ -138,11 +138,16 @@ def test_kept_turn_pages_give_the_same_trajectories_and_prefill_less():
 
 
 class _Faulty(GuessNumberEnv):
-  """Hangs on target 3, raises on target 4, else plays the game."""
+  """Hangs on target 3 (until `release` is set), raises on target 4, else plays the game."""
+
+  release = threading.Event()
+  hanging = threading.Event()  # set while a hung step is inside
 
   def step(self, action):
     if self._target == 3:
-      time.sleep(5)
+      self.hanging.set()
+      self.release.wait(120)
+      self.hanging.clear()
     if self._target == 4:
       raise RuntimeError("the tool crashed")
     return super().step(action)
@@ -158,9 +163,11 @@ def test_a_failing_environment_ends_its_own_episode_and_keeps_its_tokens(engine)
   )
   recs = [make_record(0, 6, target) for target in (1, 3, 4, 5)]
   recs.append({"id": "broken", "low": 0, "high": 6})  # no target: reset fails
-  start = time.perf_counter()
-  result = rollout.run(recs, SamplingParams(temperature=1.0, max_new_tokens=5), seed=0)
-  assert time.perf_counter() - start < 30
+  try:
+    result = rollout.run(recs, SamplingParams(temperature=1.0, max_new_tokens=5), seed=0)
+    assert _Faulty.hanging.is_set()  # the run ended without waiting for the hung step
+  finally:
+    _Faulty.release.set()
   assert [r["id"] for r, _ in result.skipped] == ["broken"]
   assert "target" in result.skipped[0][1]
   by_target = {t.record["target"]: t for t in result.trajectories}
