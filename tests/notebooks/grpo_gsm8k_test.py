@@ -18,6 +18,7 @@ SAMPLE = os.path.join(REPO, "jaxrl", "data", "samples", "math_sample.jsonl")
 
 
 @pytest.mark.notebook
+@pytest.mark.slow  # 71 s in a loaded full run; the quickstart notebook runs by default
 def test_grpo_gsm8k_runs(tmp_path):
   checkpoint = hf_checkpoints.write_checkpoint(
     tmp_path / "ckpt", "qwen3", tied=True, tokenizer="qwen3"

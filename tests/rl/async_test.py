@@ -180,6 +180,8 @@ def test_workers_killed_preempted_and_added_at_random_lose_nothing(tmp_path):
     assert counters["tokens_kept_on_redispatch"] > 0, (seed, counters)  # prefixes moved
 
 
+# `slow`: 165 s in a loaded full run on 2 cores; re-planning runs by default in replan_test.
+@pytest.mark.slow
 def test_workers_follow_a_re_planned_rollout(tmp_path):
   """The backend re-plans the rollout once mid-run (as the Ray backend does when nodes join or
   leave): the workers whose slots are gone leave with notice, one joins per new slot, and

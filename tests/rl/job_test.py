@@ -24,7 +24,9 @@ def tiny_config(arg="test", **overrides):
 
 
 # "fixed" (disaggregated with a hand-set split) runs the path the "moe" variant runs.
-@pytest.mark.parametrize("arg", ["test", "colocated", "moe"])
+# "moe" is `slow` (155 s in a loaded full run on 2 cores); MoE runs by default in the paged
+# engine's routing trace test, the expert-parallel learner tests and routing replay's.
+@pytest.mark.parametrize("arg", ["test", "colocated", pytest.param("moe", marks=pytest.mark.slow)])
 def test_three_step_run_completes(tmp_path, arg):
   """A variant as a job: warm-up, eval at the start and the end, 3 RL steps; its metrics,
   plots and stage timeline. A demo variant is cut to the test variant's size, with an eval
