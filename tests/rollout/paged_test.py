@@ -201,7 +201,7 @@ def test_out_of_pages_preemption_loses_no_request(mesh, params, decode_steps):
   assert set(done) == set(ids)
   # Shapes are bucketed: rows in {2, 4, 8, 16} x page-table widths in {1, 2, 4, 8, 16}, one
   # window size, one sampler filter (no top-k or top-p).
-  assert steps > 40 // decode_steps and e._calls.prefill._cache_size() <= 20
+  assert steps > 40 // decode_steps and e._calls._prefill._cache_size() <= 20
   assert set(e._calls.decoders) == {NO_FILTER}
   assert e._calls.decoders[NO_FILTER]._cache_size() <= 20
   for rid, p, m in zip(ids, ps, budgets, strict=True):
@@ -374,7 +374,7 @@ def test_precompiled_engine_compiles_nothing_while_it_generates(mesh, params):
 
     def compiled():
       calls = e._calls
-      prefills = calls.prefill._cache_size(), calls.prefill_packed._cache_size()
+      prefills = calls._prefill._cache_size(), calls._prefill_packed._cache_size()
       return {w: d._cache_size() for w, d in calls.decoders.items()}, prefills
 
     before = compiled()
@@ -415,8 +415,8 @@ def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row
   row_counts = {sized._rows(n) for n in range(1, 5)}
   decoded = sized._calls.decoders[NO_FILTER]._cache_size()
   assert decoded <= len(row_counts) < bucketed._calls.decoders[NO_FILTER]._cache_size()
-  assert sized._calls.prefill._cache_size() <= len(row_counts)
-  assert sized._calls.prefill_packed._cache_size() <= len(row_counts)
+  assert sized._calls._prefill._cache_size() <= len(row_counts)
+  assert sized._calls._prefill_packed._cache_size() <= len(row_counts)
   # A precompiled engine sized so: one program per row count and filter, and one prefill of
   # each kind (packed rows; chunks, for sequences longer than `prefill_chunk`) per row count.
   fresh = engine(mesh, params, max_tokens=32, **cfg)
@@ -424,8 +424,8 @@ def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row
   assert shapes == 3 * len(row_counts)
   fresh.generate(ps, sp, seed=3)
   assert fresh._calls.decoders[NO_FILTER]._cache_size() == len(row_counts)
-  assert fresh._calls.prefill._cache_size() == len(row_counts)
-  assert fresh._calls.prefill_packed._cache_size() == len(row_counts)
+  assert fresh._calls._prefill._cache_size() == len(row_counts)
+  assert fresh._calls._prefill_packed._cache_size() == len(row_counts)
   # Past max_tokens: a wider table, compiled when met, and the bucketed engine's tokens.
   long_prompt = [list(rng.integers(3, 60, 30))]
   sampling = SamplingParams(max_new_tokens=12)
