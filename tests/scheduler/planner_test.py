@@ -78,12 +78,18 @@ def _small_problem(rng):
 
 @pytest.mark.parametrize("case", range(6))
 def test_planner_reaches_99_percent_of_exhaustive_search(case):
-  rng = np.random.default_rng()
+  # A fresh instance each run, its seed in any failure: HiGHS once stopped with "Solve error"
+  # (status 4, with and without presolve) on an instance 3,000 seeded ones did not reproduce.
+  seed = int(np.random.SeedSequence().entropy % (1 << 32))
+  rng = np.random.default_rng(seed)
   try:
     problem = _small_problem(rng)
   except PlanningError:
     pytest.skip("random cluster holds no feasible plan")  # rare: retried by other cases
-  full = plan(problem).cost_per_hour
+  try:
+    full = plan(problem).cost_per_hour
+  except PlanningError as e:
+    raise AssertionError(f"seed {seed}: {e}") from e
   for budget in (math.inf, 0.6 * full):
     try:
       best = exhaustive_best(problem, budget)
