@@ -12,6 +12,7 @@ NOTEBOOK = os.path.join(REPO, "notebooks", "quickstart.py")
 
 
 @pytest.mark.notebook
+@pytest.mark.slow  # 77 s of a full run; launch_test runs the main job as shipped by default
 def test_quickstart_runs(tmp_path):
   env = dict(
     os.environ, QUICKSTART_VARIANT="test", QUICKSTART_WORKDIR=str(tmp_path), JAX_PLATFORMS="cpu"

@@ -86,6 +86,7 @@ def test_snapshot_continues_on_another_engine_exactly(mesh, params, temperature)
   assert continued.token_ids[: len(record.token_ids)] == record.token_ids
 
 
+@pytest.mark.slow  # 48 s of a full run; the snapshot test continues single steps in windows
 def test_decode_windows_give_the_tokens_of_single_steps(mesh, params):
   """Sampled, with stop tokens, ragged budgets and preemption: a window changes no token."""
   rng = np.random.default_rng()
@@ -174,8 +175,10 @@ def test_shared_prompt_pages_give_the_tokens_of_unshared_requests(mesh, params, 
     tolerance.assert_close(b.logprobs, a.logprobs, n=TERMS)
 
 
-# Single-step windows under preemption are `slow` (the snapshot and window tests cover them).
-@pytest.mark.parametrize("decode_steps", [pytest.param(1, marks=pytest.mark.slow), 4])
+# `slow` (51 s of a full run with windows of 4): greedy_matches_static_engine_under_preemption
+# and the kept-pages eviction test run preemption by default.
+@pytest.mark.slow
+@pytest.mark.parametrize("decode_steps", [1, 4])
 def test_out_of_pages_preemption_loses_no_request(mesh, params, decode_steps):
   rng = np.random.default_rng()
   ps = prompts(24, rng, longest=12)

@@ -264,6 +264,9 @@ def test_packed_model_loss_and_gradients_equal_the_padded_ones(name):
     tolerance.assert_close(g, w, n=terms, scale=np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
 
 
+# `slow` (52 s of a full run): packed loss and gradients equal padded ones, and the packed
+# precompile covers what updates meet, in the default tests above and below.
+@pytest.mark.slow
 def test_packed_learner_updates_like_the_padded_one_and_compiles_once(caplog):
   """Two optimizer updates per step with KL and decoupled PPO (proximal log-probs recomputed
   on packed rows), on a 2-device mesh: the packed learner's parameters and metrics are the
