@@ -215,9 +215,10 @@ class RolloutActor:
     stuck = self.follower.watch.stuck(call_timeout_s)
     return f"rank {self.rank} is {stuck}" if stuck else ""
 
-  def drain(self, wait_s: float, call_timeout_s: float) -> tuple[list, list, bool]:
-    """Events so far (waiting up to `wait_s` for the first), timeline spans so far, and
-    whether the worker runs (rank 0)."""
+  def drain(self, wait_s: float, call_timeout_s: float) -> tuple[list, list, str]:
+    """Events so far (waiting up to `wait_s` for the first), timeline spans so far, and why
+    the worker no longer runs ("" while it runs; "stopped" when its thread ended: it left, or
+    crashed and said so in an event) (rank 0)."""
     out = []
     try:
       out.append(self.events.get(timeout=wait_s))
@@ -227,13 +228,13 @@ class RolloutActor:
       pass
     worker = self.worker
     if worker is None:  # a gang still joining: running unless its build failed
-      return out, [], not self.failed
-    running = worker.alive
+      return out, [], self.failed
+    stopped = "" if worker.alive else "stopped"
     stuck = self._watch.stuck(call_timeout_s) if self._watch else ""
     if stuck:
       log.error("Rollout gang %s: rank 0 is %s.", self.name, stuck)
-      running = False
-    return out, worker.timeline.drain(), running
+      stopped = f"rank 0 is {stuck}"
+    return out, worker.timeline.drain(), stopped
 
 
 class _Sender:
@@ -333,8 +334,7 @@ class RayWorker:
       try:
         # No timeout: an actor Ray has not placed yet (a node to come) is not lost.
         drained = self._actor.drain.remote(self.poll_s, self.call_timeout_s)
-        events, spans, running = ray.get(drained)
-        lost = "" if running else "stopped"
+        events, spans, lost = ray.get(drained)
         if len(self._actors) > 1 and time.monotonic() > next_check:
           next_check = time.monotonic() + self.check_s
           lost = lost or self._followers_lost()
@@ -351,8 +351,9 @@ class RayWorker:
         if not self._killed:
           self.events.put(event)
       if lost:  # left on notice or crashed (its last event is forwarded above), or lost a rank
-        if lost != "stopped" and not self._killed:
-          log.warning("Rollout gang %s lost a process: %s", self.name, lost)
+        crashed = [e.detail for e in events if e.kind == "crashed"]
+        if (lost != "stopped" or crashed) and not self._killed:
+          log.warning("Rollout worker %s stopped: %s", self.name, crashed[-1] if crashed else lost)
         self._kill_actors()
         return
 
