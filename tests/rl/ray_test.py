@@ -109,13 +109,13 @@ def _close(a, b, atol):
   return all(np.allclose(np.asarray(x), np.asarray(y), atol=atol) for x, y in leaves)
 
 
-# Both `slow`: two processes of one device each took 148 s of a full run (a JAX world of two
-# processes is joined by default in ray_rollout_test's gang test); four devices each (an 8-device
-# mesh): gloo collectives between two processes sharing two loaded cores take minutes there.
+# Two processes of one device each by default (148 s of a full run: the default suite's only
+# learner of several processes); of four devices each (an 8-device mesh) `slow`: gloo
+# collectives between two processes sharing two loaded cores take minutes there.
 @pytest.mark.parametrize(
   "shape, updates",
   [
-    pytest.param({"fsdp": 2}, 2, id="2x1", marks=pytest.mark.slow),
+    pytest.param({"fsdp": 2}, 2, id="2x1"),
     pytest.param({"fsdp": 4, "tensor": 2}, 5, id="2x4", marks=pytest.mark.slow),
   ],
 )
