@@ -361,7 +361,7 @@ class PagedEngine:
     parked ones (`kv_park`: its last turn's; only the tokens after them are prefilled): full
     pages shared, the page its first write falls in copied."""
     admitted, leaders, z = [], {}, self.cfg.page_size
-    copies = {False: [], True: []}  # parked sources: before the prefill; leaders': after it
+    kept_copies, leader_copies = [], []  # partial pages: copied before / after the prefill
     while self.waiting and len(self.running) < self.cfg.max_running:
       record = self.waiting[0]
       tokens = tuple(record.prompt_ids + record.token_ids)
@@ -381,7 +381,7 @@ class PagedEngine:
       self.waiting.popleft()
       pages = self.allocator.share(source[:full]) + own
       if reused % z:
-        copies[leader is not None].append((source[full], own[0]))
+        (leader_copies if leader is not None else kept_copies).append((source[full], own[0]))
       if kept is not None:
         self.allocator.free(kept.pages)  # after `share`: the pages it reuses stay allocated
         record.prompt_routing += kept.prompt_routes(record, reused)
@@ -391,10 +391,10 @@ class PagedEngine:
       admitted.append((state, leader, reused))
       leaders.setdefault(tokens, state)
     if admitted:
-      self._kv = self._calls.copy(self._kv, copies[False])
+      self._kv = self._calls.copy(self._kv, kept_copies)
       fresh = [(s, reused) for s, leader, reused in admitted if leader is None]
       self._prefill_states([s for s, _ in fresh], [reused for _, reused in fresh])
-      self._kv = self._calls.copy(self._kv, copies[True])
+      self._kv = self._calls.copy(self._kv, leader_copies)
       for state, leader, reused in admitted:
         if leader is not None:
           state.record.prompt_routing = [list(x) for x in leader.record.prompt_routing]
