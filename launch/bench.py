@@ -1,14 +1,17 @@
 """Benchmarks behind docs/BENCHMARKS.md.
 
   python launch/bench.py logprob_mismatch [--json]
-  python launch/bench.py rollout [--json] [--presets micro,bench-tiny,bench-small]
+  python launch/bench.py rollout [--json] [--presets micro,bench-tiny,bench-small] [--rows 64]
+      [--dtype bfloat16]
   python launch/bench.py prefix_sharing [--json] [--presets bench-tiny]
   python launch/bench.py prefill_packing [--json] [--presets bench-tiny]
   python launch/bench.py plan [--json]
   python launch/bench.py calibrate [--json]
   python launch/bench.py paged_attention [--json]
   python launch/bench.py flash_attention [--json]
+  python launch/bench.py gmm [--json]
   python launch/bench.py grpo_step [--json] [--presets bench-tiny]
+  python launch/bench.py learner [--json]
   python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py async [--json]
   python launch/bench.py balance [--json]
@@ -41,7 +44,9 @@ from bench_agent import bench_agent, bench_turn_kv  # noqa: E402  (launch/ is on
 from bench_async import bench_async  # noqa: E402
 from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
+from bench_gmm import bench_gmm  # noqa: E402
 from bench_grpo import bench_grpo_step  # noqa: E402
+from bench_learner import bench_learner  # noqa: E402
 from bench_memory import bench_memory  # noqa: E402
 from bench_prefill import (  # noqa: E402
   bench_prefill_packing,
@@ -223,6 +228,8 @@ def bench_rollout(
   max_running: int = 64,
   prompt_len: int = 32,
   roofline_seqs: int = 16,
+  dtype: str | None = None,
+  one_step_per_call: bool = True,
 ) -> dict:
   """Generated tokens/s of the paged engine and the static-batch baseline, one device.
 
@@ -231,6 +238,10 @@ def bench_rollout(
   Each engine runs every workload once to compile, then once timed. The `micro` preset's
   device work is negligible: there the host's per-token overhead decides. Each row also gives
   the device-to-host waits per generated token and the executables each engine compiled.
+  `dtype` replaces the preset's compute and parameter dtypes; the decode step of
+  `roofline_seqs` sequences is timed against its roofline (and, with `one_step_per_call`, with
+  one token per device call); `hbm_roofline_fraction` is weights + KV bytes over the copy
+  bandwidth measured in the same run, over that step's time.
   """
   devices = jax.devices()[:1]
   mesh = make_mesh(devices, {})
@@ -249,7 +260,7 @@ def bench_rollout(
     }
   }
   for preset in presets:
-    cfg = get_preset(preset)
+    cfg = get_preset(preset, **({"dtype": dtype, "param_dtype": dtype} if dtype else {}))
     model = Model(cfg)
     params = model.init(0)
     prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(num_prompts)]
@@ -264,7 +275,13 @@ def bench_rollout(
       eos_id=2,
       pad_id=0,
       config=PagedConfig(
-        page_size=page_size, num_pages=pages, max_running=max_running, prefill_chunk=128
+        page_size=page_size,
+        num_pages=pages,
+        max_running=max_running,
+        prefill_chunk=128,
+        # As the RL job's auto setting: shapes sized for the longest sequence on accelerators
+        # (one program per row count), bucketed on CPU.
+        max_tokens=0 if jax.default_backend() == "cpu" else prompt_len + cap,
       ),
     )
     static = StaticEngine(model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, max_batch=max_running)
@@ -289,14 +306,16 @@ def bench_rollout(
       roofline_seqs
     )
     step_s = _decode_step_seconds(paged, prompts[:roofline_seqs], sampling)
-    single = PagedEngine(
-      model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=PagedConfig(decode_steps=1)
-    )
-    single.update_weights(params, 0)
-    single_step_s = _decode_step_seconds(single, prompts[:roofline_seqs], sampling)
-    roofline_s = _decode_roofline_s(
-      cfg, roofline_seqs, prompt_len + median / 2, bandwidth, flops_rate
-    )
+    if one_step_per_call:
+      single = PagedEngine(
+        model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=PagedConfig(decode_steps=1)
+      )
+      single.update_weights(params, 0)
+      single_step_s = _decode_step_seconds(single, prompts[:roofline_seqs], sampling)
+      row[f"decode_step_ms_{roofline_seqs}_seqs_one_step_per_call"] = single_step_s * 1e3
+    context = prompt_len + median / 2
+    roofline_s = _decode_roofline_s(cfg, roofline_seqs, context, bandwidth, flops_rate)
+    hbm_roofline_s = _decode_roofline_s(cfg, roofline_seqs, context, bandwidth, float("inf"))
     row.update(
       {
         "paged_tokens_per_s": row["paged_long_tail_tokens_per_s"],
@@ -305,10 +324,13 @@ def bench_rollout(
         / row["static_long_tail_tokens_per_s"],
         "speedup_equal_lengths": row["paged_equal_lengths_tokens_per_s"]
         / row["static_equal_lengths_tokens_per_s"],
+        "dtype": cfg.dtype,
+        "max_running": max_running,
         f"decode_step_ms_{roofline_seqs}_seqs": step_s * 1e3,
-        f"decode_step_ms_{roofline_seqs}_seqs_one_step_per_call": single_step_s * 1e3,
         "roofline_step_ms": roofline_s * 1e3,
         "roofline_fraction": roofline_s / step_s,
+        "hbm_roofline_step_ms": hbm_roofline_s * 1e3,
+        "hbm_roofline_fraction": hbm_roofline_s / step_s,
         "preemptions": paged.num_preemptions,
         # KV memory each engine holds: the page pool, and the static engine's biggest cache
         # (max_running rows x the power-of-two buckets of prompt and response slots).
@@ -504,7 +526,9 @@ BENCHMARKS = {
   "calibrate": bench_calibrate,
   "decode_floor": bench_decode_floor,
   "flash_attention": bench_flash_attention,
+  "gmm": bench_gmm,
   "grpo_step": bench_grpo_step,
+  "learner": bench_learner,
   "logprob_mismatch": bench_logprob_mismatch,
   "memory": bench_memory,
   "paged_attention": bench_paged_attention,
@@ -533,8 +557,20 @@ def main() -> None:
     default=None,
     help="chaos, agent: RL steps of each run; turn_kv: timed runs",
   )
+  parser.add_argument(
+    "--rows",
+    type=int,
+    default=None,
+    help="rollout: sequences decoded at once (max_running, and the timed decode step's rows); "
+    "skips the one-token-per-call engine",
+  )
+  parser.add_argument("--dtype", default=None, help="rollout: compute and parameter dtype")
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
+  if args.rows:
+    kwargs.update(max_running=args.rows, roofline_seqs=args.rows, one_step_per_call=False)
+  if args.dtype:
+    kwargs["dtype"] = args.dtype
   if args.faults:
     kwargs["faults"] = tuple(int(n) for n in args.faults.split(","))
   if args.steps:

@@ -1,20 +1,24 @@
 """Grouped matmuls as Pallas GPU kernels (Triton lowering).
 
-Triton has no scalar prefetch, so the group metadata are ordinary inputs, computed in jnp:
-the group offsets (`offsets[g]` is the first row of group g, `offsets[g + 1]` its end) and,
-for `gmm`, the first group and the number of groups in each tile of rows.
+Triton has no scalar prefetch, so the group metadata are ordinary inputs, computed in jnp.
 
-`gmm`, grid `(m_tiles, n_tiles)`: a program owns one output tile and loops over the groups
-that share rows with it; for each it runs the k loop with that group's weights and keeps the
-rows of the group. Every output row is written once, by the program of its tile, so tiles that
-span group boundaries need no atomics and no merge, and rows past the groups come out as zeros.
+`gmm`, grid `(n_tiles, work_tiles)`: the rows of each group are cut into tiles that start at
+the group's first row (MegaBlocks' layout), so a program runs one k loop with one group's
+weights over `tm` rows of that group, with no rows of other groups in its tile. The rows past
+the groups form one more pseudo-group whose tiles write zeros; programs past the last tile do
+nothing. Loads and stores of a tile are masked to its rows, so lhs is neither padded nor
+copied. A group wastes at most one partly filled tile, against the row-tile layout
+(`gmm_row_tiles`, kept for the benchmark), where a tile holding rows of several groups runs its
+k loop once per group. The column tile varies fastest in the launch, so the programs of one row
+tile run together and read its rows once from memory, and the tiles of one group read its
+weights once.
 
 `tgmm`, grid `(g, k_tiles, n_tiles)`: a program owns one tile of `out[g]` and loops over the
 row tiles of group g, masking rows of other groups to zero. Programs of large groups run
 longer than others; an empty group's programs only write zeros.
 
-Inputs are zero-padded up to whole tiles; Triton block dims are powers of two, and its dot
-needs every dim >= 16.
+Triton block dims are powers of two and its dot needs every dim >= 16: the k and n dims are
+zero-padded up to whole tiles where they are not multiples of them.
 
 Shapes: m rows, k contraction dim, n output columns, g groups; tm, tk, tn tiles.
 """
@@ -73,7 +77,7 @@ def _offsets(group_sizes_g: jax.Array) -> jax.Array:
   return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes_g, dtype=jnp.int32)])
 
 
-def _gmm_kernel(
+def _row_tiles_kernel(
   first_group_ref,  # int32[1]: first group with rows in this tile
   num_groups_ref,  # int32[1]: groups with rows in this tile (0 past the groups)
   offsets_ref,  # int32[g + 1]
@@ -130,7 +134,7 @@ def _tile_groups(offsets: jax.Array, *, m_tiles: int, tm: int):
   return first, count
 
 
-def gmm(
+def gmm_row_tiles(
   lhs_mk: jax.Array,
   rhs_gkn: jax.Array,
   group_sizes_g: jax.Array,
@@ -140,7 +144,8 @@ def gmm(
   block_sizes: BlockSizes | None = None,
   interpret: Any = False,
 ) -> jax.Array:
-  """Grouped matmul on GPU; arguments as in `jaxrl.kernels.gmm.reference.gmm`.
+  """`gmm` over fixed row tiles, each visited once per group it holds (the first GPU layout,
+  kept for `launch/bench_gmm.py`); arguments as in `gmm`.
 
   `group_sizes_g` must be non-negative and sum to at most m (the public function ensures it).
   `interpret` goes to `pl.pallas_call` as is.
@@ -163,7 +168,7 @@ def gmm(
   else:
     rhs_spec = pl.BlockSpec((g, k_pad, tn), lambda i, j: (0, 0, j))
   kernel = functools.partial(
-    _gmm_kernel,
+    _row_tiles_kernel,
     tk=tk,
     k_tiles=k_tiles,
     transpose_rhs=transpose_rhs,
@@ -183,9 +188,130 @@ def gmm(
     out_shape=jax.ShapeDtypeStruct((m_tiles * tm, n_tiles * tn), out_dtype),
     compiler_params=_TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
     interpret=interpret,
-    name="gmm_gpu",
+    name="gmm_row_tiles_gpu",
   )(first, count, offsets, lhs_mk, rhs_gkn)
   return out_mn[:m, :n]
+
+
+def _work_tiles(group_sizes_g: jax.Array, *, m: int, tm: int, num_tiles: int):
+  """(group, first row, end row) of each of `num_tiles` programs' row tiles.
+
+  Group j's rows `[offsets[j], offsets[j + 1])` are cut into `ceil(size / tm)` tiles from its
+  first row; the rows past the groups, `[offsets[g], m)`, are pseudo-group g (zeros). Programs
+  past the last tile get group g and the empty range `[m, m)`. `num_tiles` = `cdiv(m, tm) + g`
+  bounds the tiles: the sum over g + 1 groups of ceil(size / tm) is at most that.
+  """
+  g = group_sizes_g.shape[0]
+  offsets = _offsets(group_sizes_g)  # g + 1 starts: the groups', then the zero tail's
+  ends = jnp.concatenate([offsets[1:], jnp.full((1,), m, jnp.int32)])
+  tiles = (ends - offsets + tm - 1) // tm
+  tiles_end = jnp.cumsum(tiles, dtype=jnp.int32)
+  work = jnp.arange(num_tiles, dtype=jnp.int32)
+  group = jnp.searchsorted(tiles_end, work, side="right").astype(jnp.int32)
+  live = group <= g
+  group = jnp.minimum(group, g)
+  start = offsets[group] + (work - (tiles_end[group] - tiles[group])) * tm
+  end = jnp.minimum(start + tm, ends[group])
+  return group, jnp.where(live, start, m), jnp.where(live, end, m)
+
+
+def _gmm_kernel(
+  group_ref,  # int32[1]: this program's group (g: rows past the groups, written as zeros)
+  start_ref,  # int32[1]: first row of its tile
+  end_ref,  # int32[1]: end of its tile's rows (<= start + tm)
+  lhs_ref,  # [m, k_pad] all rows, in memory
+  rhs_ref,  # [g, k_pad, tn], or [g, tn, k_pad] when transposed
+  out_ref,  # [m, n_pad] all rows, in memory
+  *,
+  tm: int,
+  tk: int,
+  tn: int,
+  k_tiles: int,
+  num_groups: int,
+  transpose_rhs: bool,
+  precision,
+):
+  group, start = group_ref[0], start_ref[0]
+  rows = start + jax.lax.broadcasted_iota(jnp.int32, (tm,), 0)
+  in_tile = (rows < end_ref[0])[:, None]
+  weights = jnp.minimum(group, num_groups - 1)  # the zero tail reads no weights
+
+  def k_body(kk, acc):
+    lhs = plgpu.load(lhs_ref.at[pl.ds(start, tm), pl.ds(kk * tk, tk)], mask=in_tile, other=0.0)
+    if transpose_rhs:
+      rhs = rhs_ref[weights, :, pl.ds(kk * tk, tk)]
+      dims = (((1,), (1,)), ((), ()))
+    else:
+      rhs = rhs_ref[weights, pl.ds(kk * tk, tk), :]
+      dims = (((1,), (0,)), ((), ()))
+    return acc + jax.lax.dot_general(
+      lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32
+    )
+
+  steps = (group < num_groups).astype(jnp.int32) * k_tiles
+  acc = jax.lax.fori_loop(0, steps, k_body, jnp.zeros((tm, tn), jnp.float32))
+  column = pl.program_id(0) * tn
+  plgpu.store(
+    out_ref.at[pl.ds(start, tm), pl.ds(column, tn)], acc.astype(out_ref.dtype), mask=in_tile
+  )
+
+
+def gmm(
+  lhs_mk: jax.Array,
+  rhs_gkn: jax.Array,
+  group_sizes_g: jax.Array,
+  *,
+  transpose_rhs: bool = False,
+  out_dtype: Any,
+  block_sizes: BlockSizes | None = None,
+  interpret: Any = False,
+) -> jax.Array:
+  """Grouped matmul on GPU; arguments as in `jaxrl.kernels.gmm.reference.gmm`.
+
+  `group_sizes_g` must be non-negative and sum to at most m (the public function ensures it).
+  `interpret` goes to `pl.pallas_call` as is.
+  """
+  m, k = lhs_mk.shape
+  g = rhs_gkn.shape[0]
+  n = rhs_gkn.shape[1] if transpose_rhs else rhs_gkn.shape[2]
+  bs = resolve_block_sizes(block_sizes, m=m, k=k, n=n)
+  tm, tk, tn = bs.tm, bs.tk, bs.tn
+  k_tiles, n_tiles = pl.cdiv(k, tk), pl.cdiv(n, tn)
+  k_pad, n_pad = k_tiles * tk, n_tiles * tn
+  if k_pad != k:
+    lhs_mk = jnp.pad(lhs_mk, ((0, 0), (0, k_pad - k)))
+  if (k_pad, n_pad) != (k, n):
+    pads = ((0, 0), (0, n_pad - n), (0, k_pad - k))
+    rhs_gkn = jnp.pad(rhs_gkn, pads if transpose_rhs else (pads[0], pads[2], pads[1]))
+  num_tiles = pl.cdiv(m, tm) + g
+  group, start, end = _work_tiles(group_sizes_g, m=m, tm=tm, num_tiles=num_tiles)
+  if transpose_rhs:
+    rhs_spec = pl.BlockSpec((g, tn, k_pad), lambda j, w: (0, j, 0))
+  else:
+    rhs_spec = pl.BlockSpec((g, k_pad, tn), lambda j, w: (0, 0, j))
+  per_tile = pl.BlockSpec((1,), lambda j, w: (w,))
+  kernel = functools.partial(
+    _gmm_kernel,
+    tm=tm,
+    tk=tk,
+    tn=tn,
+    k_tiles=k_tiles,
+    num_groups=g,
+    transpose_rhs=transpose_rhs,
+    precision=_precision(lhs_mk.dtype),
+  )
+  out_mn = pl.pallas_call(
+    kernel,
+    # Columns first: the n_tiles programs of a row tile are launched together.
+    grid=(n_tiles, num_tiles),
+    in_specs=[per_tile, per_tile, per_tile, pl.BlockSpec(memory_space=pl.ANY), rhs_spec],
+    out_specs=pl.BlockSpec(memory_space=pl.ANY),
+    out_shape=jax.ShapeDtypeStruct((m, n_pad), out_dtype),
+    compiler_params=_TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+    interpret=interpret,
+    name="gmm_gpu",
+  )(group, start, end, lhs_mk, rhs_gkn)
+  return out_mn if n_pad == n else out_mn[:, :n]
 
 
 def _tgmm_kernel(

@@ -367,6 +367,66 @@ def test_backward_pass_lowers_to_kernels(impl):
   assert "ragged_dot" not in text
 
 
+# ----------------------------------------------------------------------------- GPU layout
+
+
+@pytest.mark.parametrize("tm", [16, 64])
+@pytest.mark.parametrize("g", [1, 7, 128])
+def test_gpu_work_tiles_cover_every_row_once_within_one_group(g, tm):
+  """The GPU gmm's row tiles: each row of [0, m) in exactly one tile, a tile never crosses a
+  group boundary (the rows past the groups are group g), and `cdiv(m, tm) + g` programs are
+  enough however the sizes fall (empty groups, groups of one row, all rows in one group)."""
+  from jaxrl.kernels.gmm.pallas_gpu import _work_tiles
+
+  rng = _rng("work_tiles", g, tm)
+  tiles = jax.jit(_work_tiles, static_argnames=("m", "tm", "num_tiles"))
+  for trial, m in enumerate(np.repeat([1, tm - 1, tm, 5 * tm + 3, 599], 4)):
+    m = int(m)
+    if trial % 4 == 0:
+      sizes = np.zeros(g, np.int64)
+      sizes[rng.integers(g)] = int(rng.integers(0, m + 1))
+    else:
+      p = rng.dirichlet(np.full(g, 0.3))
+      sizes = rng.multinomial(int(rng.integers(0, m + 1)), p)
+    num_tiles = -(-m // tm) + g
+    group, start, end = map(
+      np.asarray, tiles(jnp.asarray(sizes, jnp.int32), m=m, tm=tm, num_tiles=num_tiles)
+    )
+    owner = np.full(m, -1)
+    bounds = np.concatenate([[0], np.cumsum(sizes), [m]])
+    for w in range(num_tiles):
+      assert start[w] <= end[w] <= min(start[w] + tm, m)
+      if start[w] == end[w]:
+        continue
+      assert np.all(owner[start[w] : end[w]] == -1), "a row in two tiles"
+      owner[start[w] : end[w]] = group[w]
+      assert bounds[group[w]] <= start[w] and end[w] <= bounds[group[w] + 1]
+    expected = np.repeat(np.arange(g + 1), np.diff(bounds))
+    np.testing.assert_array_equal(owner, expected)
+
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_sizes", [None, BlockSizes(tm=128, tk=64, tn=128, num_warps=8)])
+def test_gpu_kernels_compiled_match_oracle(dtype, block_sizes):
+  """Compiled by Triton on the GPU: MoE-like sizes (m 1,000 over 24 groups, one empty)."""
+  m, k, n, g = 1000, 256, 384, 24
+  rng = _rng("gpu", dtype, block_sizes)
+  sizes = rng.multinomial(m - 37, np.full(g, 1 / g)).astype(np.int32)
+  sizes[3] = 0
+  lhs, rhs, grad, sizes = _inputs(rng, m, k, n, g, dtype, sizes)
+  out = gmm(lhs, rhs, sizes, impl="pallas_gpu", block_sizes=block_sizes)
+  _assert_close(out, _numpy_gmm(lhs, rhs, sizes), dtype, _gmm_sums(lhs, rhs, sizes))
+  _assert_zero_past_groups(out, sizes)
+  out = tgmm(lhs, grad, sizes, impl="pallas_gpu", block_sizes=block_sizes)
+  _assert_close(out, _numpy_tgmm(lhs, grad, sizes), dtype, _tgmm_sums(lhs, grad, sizes))
+  _assert_zero_empty_groups(out, sizes)
+
+
 # ----------------------------------------------------------------------------- errors
 
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 16 as one script for a short lease on a GPU machine (docs/BENCHMARKS.md
+# has the figures). Run from the repository root:
+#
+#   benchmarks/gpu_session.sh PART...
+#
+# PARTs, in the order given: install (wheels from .whl/ into /tmp/site, then this project, no
+# dependencies), gmm, rollout64, rollout256, rollout64_fp32, rollout16_fp32, learner, grpo,
+# train (the main job with its defaults), tests (the GPU-marked kernel tests). Each part runs
+# under its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
+# {"part", "rc", "seconds", "result"} to $OUT/results.jsonl; stderr goes to $OUT/<part>.log.
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+
+record() {  # part rc seconds result-file
+  python3 - "$@" <<'EOF' >>"$OUT/results.jsonl"
+import json, sys
+part, rc, seconds, path = sys.argv[1:]
+text = open(path).read().strip()
+try:
+  result = json.loads(text.splitlines()[-1]) if text else None
+except ValueError:
+  result = text[-2000:]
+print(json.dumps({"part": part, "rc": int(rc), "seconds": int(seconds), "result": result}))
+EOF
+}
+
+run_part() {  # part limit command...
+  local part=$1 limit=$2
+  shift 2
+  local start=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$part.out" 2>"$OUT/$part.log"
+  local rc=$?
+  local took=$(($(date +%s) - start))
+  record "$part" "$rc" "$took" "$OUT/$part.out"
+  echo "== $part: rc=$rc in ${took}s"
+  tail -c 600 "$OUT/$part.out"
+  echo
+}
+
+for spec in "$@"; do
+  part=${spec%%:*}
+  limit=${spec#*:}
+  [ "$limit" = "$spec" ] && limit=""
+  case $part in
+    install)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site &&
+        python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1
+      echo "== install: rc=$? $(python3 -c 'import jax; print(jax.__version__, jax.devices())')"
+      nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+      ;;
+    gmm) run_part gmm "${limit:-150}" python3 launch/bench.py gmm --json ;;
+    rollout64) run_part rollout64 "${limit:-150}" python3 launch/bench.py rollout --json \
+      --presets qwen3-0.6b --rows 64 --dtype bfloat16 ;;
+    rollout256) run_part rollout256 "${limit:-150}" python3 launch/bench.py rollout --json \
+      --presets qwen3-0.6b --rows 256 --dtype bfloat16 ;;
+    rollout64_fp32) run_part rollout64_fp32 "${limit:-150}" python3 launch/bench.py rollout \
+      --json --presets qwen3-0.6b --rows 64 --dtype float32 ;;
+    rollout16_fp32) run_part rollout16_fp32 "${limit:-150}" python3 launch/bench.py rollout \
+      --json --presets qwen3-0.6b --rows 16 --dtype float32 ;;
+    learner) run_part learner "${limit:-240}" python3 launch/bench.py learner --json ;;
+    grpo) run_part grpo "${limit:-200}" python3 launch/bench.py grpo_step --json \
+      --presets qwen3-0.6b ;;
+    train) run_part train "${limit:-240}" python3 launch/train.py --workdir /tmp/train_default ;;
+    tests) JAX_PLATFORMS=cuda run_part tests "${limit:-200}" python3 -m pytest -q -m gpu -p \
+      no:cacheprovider tests/kernels ;;
+    *) echo "unknown part $part" ;;
+  esac
+done

@@ -1,0 +1,146 @@
+"""`python launch/bench.py learner`: the learner's tokens/s, MFU and peak memory on packed rows.
+
+One optimizer update per step (GRPO loss, bf16 compute on fp32 master weights, bf16 Adam first
+moment and gradient sums, remat, chunked log-probs: `configs/grpo_hf.py`'s learner) of
+Qwen3-0.6B shapes, random weights, on one device. Each micro-batch is one packed row of
+`length` positions (4k and 16k) holding one sequence that fills it (a 256-token prompt and its
+response: the reasoning-length case, where attention costs most); `rows` micro-batches per
+update. Attention `flash` (`jaxrl.kernels.flash_attention`) at both lengths, and `dense` at 16k
+for its memory (`SETTINGS`).
+
+Each setting runs in a process of its own, so that its peak device memory
+(`memory_stats()["peak_bytes_in_use"]`) is its own; a setting that runs out of memory is
+reported as such. Also reported: XLA's buffer plan of the update (`Learner.update_memory`).
+
+MFU: model FLOPs over time, over the card's dense bf16 peak (989 TFLOP/s for an H100 or H200
+SXM) and over a 8192^3 bf16 matmul measured in the same process. Model FLOPs of a sequence of
+L tokens = 6 N L + 6 layers heads head_dim L^2 (N parameters, embedding included; causal
+attention forward and backward), the convention of the anchor the issue cites (11.1% MFU at
+11.9k tok/s for Qwen3-0.6B at 16k tokens on one H100 is this formula over 989 TFLOP/s).
+On CPU the command runs `bench-tiny` at 256 and 1,024 positions, fp32, so that it runs anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
+
+
+def _child(setting: dict) -> dict:
+  """One setting, in this process: compile, then time `steps` updates."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxrl.model import Model, get_preset
+  from jaxrl.sharding import TRAIN_RULES, make_mesh
+  from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch
+
+  on_cpu = jax.default_backend() == "cpu"
+  length, attention, rows = setting["length"], setting["attention"], setting["rows"]
+  cfg = get_preset(
+    setting["preset"],
+    dtype="float32" if on_cpu else "bfloat16",
+    param_dtype="float32",
+    remat=True,
+    attention=attention,
+    max_seq_len=length + 1,
+  )
+  model = Model(cfg)
+  learner = Learner(
+    model,
+    make_mesh(jax.devices()[:1], {}),
+    TRAIN_RULES,
+    loss=LossConfig(),
+    optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
+    updates_per_step=1,
+    micro_batch_size=1,
+    temperature=1.0,
+    params=model.init(0),
+    pack_length=length,
+  )
+  rng = np.random.default_rng(0)
+  prompt = min(256, length // 4)
+  tokens = rng.integers(3, cfg.vocab_size, (rows, length + 1)).astype(np.int32)
+  mask = np.zeros((rows, length), np.float32)
+  mask[:, prompt - 1 :] = 1.0
+  old = np.where(mask > 0, rng.normal(-2.0, 0.5, mask.shape), 0.0).astype(np.float32)
+  batch = TrainBatch(tokens, mask, old, rng.normal(size=rows).astype(np.float32))
+  plan = learner.update_memory(rows, length + 1)
+  start = time.perf_counter()
+  jax.block_until_ready(learner.update(batch))
+  first_s = time.perf_counter() - start
+  times = []
+  for _ in range(setting["steps"]):
+    start = time.perf_counter()
+    jax.block_until_ready(learner.update(batch))
+    times.append(time.perf_counter() - start)
+  step_s = float(np.median(times))
+  a = jnp.ones((8192, 8192), jnp.bfloat16)
+  mm = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(mm(a))
+  start = time.perf_counter()
+  jax.block_until_ready([mm(a) for _ in range(10)])
+  matmul_flops = 2 * 8192**3 * 10 / (time.perf_counter() - start)
+  seq_tokens = length + 1
+  model_flops = rows * (
+    6 * cfg.num_params() * seq_tokens
+    + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_tokens**2
+  )
+  device = jax.devices()[0]
+  kind = getattr(device, "device_kind", "")
+  peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in kind), None)
+  stats = device.memory_stats() or {}
+  return {
+    **setting,
+    "device": kind,
+    "first_step_s": first_s,
+    "step_s": step_s,
+    "tokens_per_s": rows * seq_tokens / step_s,
+    "model_tflops": model_flops / step_s / 1e12,
+    "mfu": model_flops / step_s / (peak * 1e12) if peak else None,
+    "of_measured_bf16_matmul": model_flops / step_s / matmul_flops,
+    "bf16_matmul_tflops": matmul_flops / 1e12,
+    "peak_device_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None,
+    "plan_gib": plan,
+  }
+
+
+SETTINGS = ((4096, "flash"), (16384, "flash"), (16384, "dense"))  # (positions, attention)
+
+
+def bench_learner(settings=SETTINGS, rows: int = 2, steps: int = 3, timeout_s: float = 400.0):
+  import jax
+
+  preset = "qwen3-0.6b"
+  if jax.default_backend() == "cpu":
+    preset, settings = "bench-tiny", ((256, "flash"), (1024, "flash"), (1024, "dense"))
+  out = {}
+  for length, attention in settings:
+    setting = {
+      "preset": preset, "length": length, "attention": attention, "rows": rows, "steps": steps,
+    }  # fmt: skip
+    name = f"{preset}/{length}/{attention}"
+    try:
+      done = subprocess.run(
+        [sys.executable, __file__, json.dumps(setting)],
+        capture_output=True, text=True, timeout=timeout_s,
+      )  # fmt: skip
+    except subprocess.TimeoutExpired:
+      out[name] = {**setting, "error": f"did not finish in {timeout_s:.0f} s"}
+      continue
+    if done.returncode != 0:
+      tail = done.stderr.strip().splitlines()[-3:]
+      oom = "RESOURCE_EXHAUSTED" in done.stderr or "out of memory" in done.stderr.lower()
+      out[name] = {**setting, "error": "out of memory" if oom else " | ".join(tail)[-400:]}
+      continue
+    out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+  return out
+
+
+if __name__ == "__main__":
+  print(json.dumps(_child(json.loads(sys.argv[1]))))
