@@ -8,10 +8,13 @@
 # dependencies), gmm, rollout64, rollout256, rollout64_fp32, rollout16_fp32, learner, grpo,
 # train (the main job with its defaults), tests (the GPU-marked kernel tests). Each part runs
 # under its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
-# {"part", "rc", "seconds", "result"} to $OUT/results.jsonl; stderr goes to $OUT/<part>.log.
+# {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings
+# it finished, for a part cut short) to $OUT/progress.txt and the end of its log to
+# $OUT/logs.txt.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
-mkdir -p "$OUT"
+WORK=/tmp/gpu_session_work  # each part's whole output; $OUT gets three files back
+mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 
@@ -32,12 +35,15 @@ run_part() {  # part limit command...
   local part=$1 limit=$2
   shift 2
   local start=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/$part.out" 2>"$OUT/$part.log"
+  timeout "$limit" "$@" >"$WORK/$part.out" 2>"$WORK/$part.log"
   local rc=$?
   local took=$(($(date +%s) - start))
-  record "$part" "$rc" "$took" "$OUT/$part.out"
+  record "$part" "$rc" "$took" "$WORK/$part.out"
+  # A part's own progress lines (a setting at a time), and the end of its log.
+  grep '^progress ' "$WORK/$part.log" | sed "s/^progress /$part /" >>"$OUT/progress.txt"
+  { echo "== $part: rc=$rc in ${took}s"; tail -c 3000 "$WORK/$part.log"; } >>"$OUT/logs.txt"
   echo "== $part: rc=$rc in ${took}s"
-  tail -c 600 "$OUT/$part.out"
+  tail -c 600 "$WORK/$part.out"
   echo
 }
 
@@ -49,7 +55,7 @@ for spec in "$@"; do
     install)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site &&
-        python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1
+        python3 -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1
       echo "== install: rc=$? $(python3 -c 'import jax; print(jax.__version__, jax.devices())')"
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
       ;;

@@ -17,7 +17,9 @@ device work), compilation excluded. TFLOP/s = 2 m k n over that time.
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
 
 import jax
@@ -79,8 +81,8 @@ def bench_gmm(cases=CASES, seed: int = 0) -> dict:
   out = {"machine": {"backend": jax.default_backend(), "device": str(jax.devices()[0])}}
   for m, k, n, g in cases:
     sizes = rng.multinomial(m, np.full(g, 1 / g)).astype(np.int32)
-    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+    lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
     group_sizes = jnp.asarray(sizes)
     ref = np.asarray(impls["ragged_dot"](lhs, rhs, group_sizes), np.float32)
     row = {"group_rows_min_max": [int(sizes.min()), int(sizes.max())]}
@@ -104,4 +106,5 @@ def bench_gmm(cases=CASES, seed: int = 0) -> dict:
       row["best_kernel_vs_ragged_dot"] = timed["ragged_dot"]["us"] / kernels[best]["us"]
       row["default_vs_ragged_dot"] = timed["ragged_dot"]["us"] / kernels["pallas_gpu"]["us"]
     out[f"m{m}_k{k}_n{n}_g{g}"] = row
+    print("progress", json.dumps({f"m{m}_k{k}_n{n}_g{g}": row}), file=sys.stderr, flush=True)
   return out

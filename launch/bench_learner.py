@@ -23,6 +23,7 @@ On CPU the command runs `bench-tiny` at 256 and 1,024 positions, fp32, so that i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -116,6 +117,10 @@ SETTINGS = ((4096, "flash"), (16384, "flash"), (16384, "dense"))  # (positions, 
 def bench_learner(settings=SETTINGS, rows: int = 2, steps: int = 3, timeout_s: float = 400.0):
   import jax
 
+  # This process only starts the settings' processes: it must not take the device's memory
+  # (JAX preallocates 75% of a GPU's at its first use), which they need.
+  child_env = dict(os.environ)
+  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   preset = "qwen3-0.6b"
   if jax.default_backend() == "cpu":
     preset, settings = "bench-tiny", ((256, "flash"), (1024, "flash"), (1024, "dense"))
@@ -128,17 +133,21 @@ def bench_learner(settings=SETTINGS, rows: int = 2, steps: int = 3, timeout_s: f
     try:
       done = subprocess.run(
         [sys.executable, __file__, json.dumps(setting)],
-        capture_output=True, text=True, timeout=timeout_s,
+        capture_output=True, text=True, timeout=timeout_s, env=child_env,
       )  # fmt: skip
     except subprocess.TimeoutExpired:
       out[name] = {**setting, "error": f"did not finish in {timeout_s:.0f} s"}
+      print("progress", json.dumps({name: out[name]}), file=sys.stderr, flush=True)
       continue
     if done.returncode != 0:
       tail = done.stderr.strip().splitlines()[-3:]
       oom = "RESOURCE_EXHAUSTED" in done.stderr or "out of memory" in done.stderr.lower()
       out[name] = {**setting, "error": "out of memory" if oom else " | ".join(tail)[-400:]}
+      print("progress", json.dumps({name: out[name]}), file=sys.stderr, flush=True)
       continue
     out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    # Each setting as it ends (stderr), so that a run cut short keeps what it measured.
+    print("progress", json.dumps({name: out[name]}), file=sys.stderr, flush=True)
   return out
 
 
