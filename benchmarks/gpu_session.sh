@@ -72,7 +72,7 @@ for spec in "$@"; do
     grpo) run_part grpo "${limit:-200}" python3 launch/bench.py grpo_step --json \
       --presets qwen3-0.6b ;;
     train) run_part train "${limit:-240}" python3 launch/train.py --workdir /tmp/train_default ;;
-    tests) JAX_PLATFORMS=cuda run_part tests "${limit:-200}" python3 -m pytest -q -m gpu -p \
+    tests) JAX_PLATFORMS=cuda run_part tests "${limit:-200}" python3 -m pytest -q -n 0 -m gpu -p \
       no:cacheprovider tests/kernels ;;
     *) echo "unknown part $part" ;;
   esac

@@ -119,7 +119,7 @@ class RolloutConfig:
     dynamic_sampling_rounds: most generation rounds per step; if the step is still short, it
       is filled with uninformative groups (zero advantage) and the metrics say how many.
     param_dtype: dtype of the rollout engines' weights ("" = `model.param_dtype`; "auto":
-      bfloat16 on accelerators, "" on CPU, `auto_dtypes`): "bfloat16"
+      bfloat16 on accelerators, "" on CPU, `auto_settings`): "bfloat16"
       generates from bf16 copies of a learner's fp32 master weights (half the memory and
       bandwidth per decode step); rollout log-probs then differ from the learner's by bf16
       rounding, which `train.loss.behaviour_correction` can correct.
@@ -453,31 +453,39 @@ def from_config_dict(
 ) -> ExperimentConfig:
   """Converts a ConfigDict into `ExperimentConfig`, checking every key and type.
 
-  `"auto"` dtypes (`model.dtype`, `rollout.param_dtype`) follow `backend` (default: JAX's
-  default backend; `auto_dtypes`)."""
+  `"auto"` settings (`model.dtype`, `rollout.param_dtype`, `model.attention`) follow
+  `backend` (default: JAX's default backend; `auto_settings`)."""
   if isinstance(config, ml_collections.ConfigDict):
     config = config.to_dict()
   config = dict(config)
-  auto = auto_dtypes(backend)
-  for section, key in (("model", "dtype"), ("rollout", "param_dtype")):
+  auto = auto_settings(backend)
+  for section, key in (("model", "dtype"), ("rollout", "param_dtype"), ("model", "attention")):
     values = config.get(section)
     if isinstance(values, Mapping) and values.get(key) == "auto":
       config[section] = {**values, key: auto[f"{section}.{key}"]}
   return _build(ExperimentConfig, config, "config")
 
 
-def auto_dtypes(backend: str | None = None) -> dict[str, str]:
-  """What `"auto"` means on `backend` ("cpu", "gpu", "tpu"; default: JAX's default backend):
-  on accelerators bf16 compute (and KV cache) and bf16 rollout weights (the learner's fp32
-  master weights cast once per sync, not at every use); on CPU, which has no fast bf16
-  matmuls, fp32 compute and rollout weights in `model.param_dtype`."""
+def auto_settings(backend: str | None = None) -> dict[str, str]:
+  """What `"auto"` means on `backend` ("cpu", "gpu", "tpu"; default: JAX's default backend).
+
+  Dtypes: on accelerators bf16 compute (and KV cache) and bf16 rollout weights (the learner's
+  fp32 master weights cast once per sync, not at every use); on CPU, which has no fast bf16
+  matmuls, fp32 compute and rollout weights in `model.param_dtype`. Attention: "flash" on a
+  GPU, where the Triton kernel was faster than dense attention at every length measured
+  (1k-16k tokens) and a 16k-token learner step took 9 GiB against 46 (docs/BENCHMARKS.md);
+  "dense" on CPU (the flash reference is slower at short lengths) and on TPU (its kernel has
+  not run on a TPU yet)."""
   if backend is None:
     import jax  # here: reading a config must not start a backend unless "auto" asks
 
     backend = jax.default_backend()
-  if backend == "cpu":
-    return {"model.dtype": "float32", "rollout.param_dtype": ""}
-  return {"model.dtype": "bfloat16", "rollout.param_dtype": "bfloat16"}
+  on_cpu = backend == "cpu"
+  return {
+    "model.dtype": "float32" if on_cpu else "bfloat16",
+    "rollout.param_dtype": "" if on_cpu else "bfloat16",
+    "model.attention": "flash" if backend in ("gpu", "cuda", "rocm") else "dense",
+  }
 
 
 def _build(cls, values: Mapping[str, Any], path: str):

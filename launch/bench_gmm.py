@@ -7,9 +7,9 @@ bf16 in, bf16 out, float32 accumulation. Each implementation computes the same p
 largest difference from `ragged_dot`'s output, relative to that output's largest magnitude,
 is reported beside its time.
 
-Implementations, on a GPU: `ragged_dot` (the baseline, same run), the Pallas GPU kernel
-(`jaxrl.kernels.gmm`, group-aligned row tiles) at its default tiles and at each tile setting
-of `TILES`, and the row-tile layout it replaced (`gmm_row_tiles`, default tiles). Elsewhere
+Implementations, on a GPU: `ragged_dot` (the baseline, same run) and the Pallas GPU kernel
+(`jaxrl.kernels.gmm`, row tiles aligned to group starts) at its default tiles and at each
+tile setting of `TILES`. Elsewhere
 (CPU) only `ragged_dot` and the reference on two small shapes, so that the command runs anywhere.
 Time = median over `rounds` of the mean of `calls` back-to-back calls (dispatch overlaps the
 device work), compilation excluded. TFLOP/s = 2 m k n over that time.
@@ -59,15 +59,12 @@ def _implementations(on_gpu: bool) -> dict:
   if not on_gpu:
     impls["reference"] = jax.jit(lambda x, w, s: gmm(x, w, s, impl="reference"))
     return impls
-  from jaxrl.kernels.gmm import pallas_gpu
-
   impls["pallas_gpu"] = jax.jit(lambda x, w, s: gmm(x, w, s, impl="pallas_gpu"))
   for tm, tk, tn, warps, stages in TILES:
     bs = BlockSizes(tm=tm, tk=tk, tn=tn, num_warps=warps, num_stages=stages)
     impls[f"pallas_gpu_{tm}x{tk}x{tn}_w{warps}s{stages}"] = jax.jit(
       lambda x, w, s, bs=bs: gmm(x, w, s, impl="pallas_gpu", block_sizes=bs)
     )
-  impls["row_tiles"] = jax.jit(lambda x, w, s: pallas_gpu.gmm_row_tiles(x, w, s, out_dtype=x.dtype))
   return impls
 
 

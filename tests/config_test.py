@@ -149,15 +149,21 @@ def test_defaults_round_trip():
 
 
 @pytest.mark.parametrize(
-  ("backend", "compute", "rollout"),
-  [("cpu", "float32", ""), ("gpu", "bfloat16", "bfloat16"), ("tpu", "bfloat16", "bfloat16")],
+  ("backend", "compute", "rollout", "attention"),
+  [
+    ("cpu", "float32", "", "dense"),
+    ("gpu", "bfloat16", "bfloat16", "flash"),
+    ("tpu", "bfloat16", "bfloat16", "dense"),
+  ],
 )
-def test_auto_dtypes_follow_the_backend(backend, compute, rollout):
+def test_auto_settings_follow_the_backend(backend, compute, rollout, attention):
   config = default_config()
   config.model.dtype = "auto"
   config.rollout.param_dtype = "auto"
+  config.model.attention = "auto"
   cfg = from_config_dict(config, backend=backend)
   assert (cfg.model.dtype, cfg.rollout.param_dtype) == (compute, rollout)
+  assert cfg.model.attention == attention
   assert cfg.model.param_dtype == "float32"  # master weights stay fp32
   # The shipped demo says "auto", in every variant.
   module = load(os.path.join(REPO, "configs", "grpo_tiny.py"))

@@ -40,7 +40,7 @@ class ModelConfig:
     norm_topk_prob: renormalise the top-k router probabilities to sum to one (Qwen3-MoE's
       checkpoints say which); False keeps the raw softmax probabilities as combine weights.
     dtype: compute dtype; parameters stay in param_dtype and are cast at use. (An experiment
-      config may say "auto": bf16 on accelerators, fp32 on CPU; `jaxrl.config.auto_dtypes`.)
+      config may say "auto": bf16 on accelerators, fp32 on CPU; `jaxrl.config.auto_settings`.)
     param_dtype: storage dtype of parameters.
     vocab_limit: ids the tokenizer can produce; logits of embedding rows at and past it (tables
       padded beyond the vocabulary, e.g. 151,936 rows for Qwen3's 151,669 ids) are masked out of
@@ -51,7 +51,8 @@ class ModelConfig:
       "dense" materialises `[t, t]` scores per head; "flash" runs
       `jaxrl.kernels.flash_attention` (blockwise, memory linear in t; the Pallas kernel on a
       GPU or TPU, the jnp reference on CPU), same result to rounding. Cached passes (rollout)
-      are unaffected.
+      are unaffected. (An experiment config may say "auto": flash on a GPU, dense elsewhere;
+      `jaxrl.config.auto_settings`.)
   """
 
   vocab_size: int = 64

@@ -7,11 +7,11 @@ the group's first row (MegaBlocks' layout), so a program runs one k loop with on
 weights over `tm` rows of that group, with no rows of other groups in its tile. The rows past
 the groups form one more pseudo-group whose tiles write zeros; programs past the last tile do
 nothing. Loads and stores of a tile are masked to its rows, so lhs is neither padded nor
-copied. A group wastes at most one partly filled tile, against the row-tile layout
-(`gmm_row_tiles`, kept for the benchmark), where a tile holding rows of several groups runs its
-k loop once per group. The column tile varies fastest in the launch, so the programs of one row
-tile run together and read its rows once from memory, and the tiles of one group read its
-weights once.
+copied. A group wastes at most one partly filled tile; the layout this replaced (fixed row
+tiles, each running its k loop once per group it held) took 1.5-2.3x as long at the same tiles
+on an H200 (docs/BENCHMARKS.md). The column tile varies fastest in the launch, so the programs
+of one row tile run together and read its rows once from memory, and the tiles of one group
+read its weights once. Default tiles: `gmm_block_sizes`, the best of a sweep on an H200.
 
 `tgmm`, grid `(g, k_tiles, n_tiles)`: a program owns one tile of `out[g]` and loops over the
 row tiles of group g, masking rows of other groups to zero. Programs of large groups run
@@ -38,9 +38,8 @@ from jaxrl.kernels.gmm.api import BlockSizes
 _TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
 
 _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16.
-# Common Triton matmul tiles; kept small-ish because a tile that spans k groups is computed k
-# times, and the tail rows of each group waste up to a whole tile.
-_DEFAULT_TM, _DEFAULT_TK, _DEFAULT_TN = 64, 32, 64
+# tgmm's tiles: small, not tuned on a GPU yet.
+_TGMM_DEFAULTS = BlockSizes(tm=64, tk=32, tn=64, num_warps=4, num_stages=2)
 
 
 def _is_pow2(x: int) -> bool:
@@ -51,12 +50,23 @@ def _next_pow2(x: int) -> int:
   return 1 << max(0, x - 1).bit_length()
 
 
-def resolve_block_sizes(block_sizes: BlockSizes | None, *, m: int, k: int, n: int) -> BlockSizes:
-  """Fills the None fields, clips tiles to the dims (rounded up to a power of two >= 16)."""
+def gmm_block_sizes(m: int, g: int) -> BlockSizes:
+  """gmm's default tiles: the best of a sweep on an H200 (bf16, k 2048, n 768, m 8k-16k rows
+  over 8-128 groups; docs/BENCHMARKS.md): 128 x 64 tiles of rows x k with 8 warps and 3
+  stages; 256 columns where groups average 256 rows or more, else 128 (wider column tiles
+  only paid where a group fills several row tiles)."""
+  return BlockSizes(tm=128, tk=64, tn=256 if m >= 256 * g else 128, num_warps=8, num_stages=3)
+
+
+def resolve_block_sizes(
+  block_sizes: BlockSizes | None, defaults: BlockSizes, *, m: int, k: int, n: int
+) -> BlockSizes:
+  """Fills the None fields from `defaults`, clips tiles to the dims (rounded up to a power of
+  two >= 16)."""
   bs = block_sizes or BlockSizes()
   tiles = {}
-  defaults = {"tm": (_DEFAULT_TM, m), "tk": (_DEFAULT_TK, k), "tn": (_DEFAULT_TN, n)}
-  for name, (default, dim) in defaults.items():
+  dims = {"tm": (defaults.tm, m), "tk": (defaults.tk, k), "tn": (defaults.tn, n)}
+  for name, (default, dim) in dims.items():
     tile = getattr(bs, name) or default
     if not _is_pow2(tile) or tile < _MIN_DOT:
       raise ValueError(
@@ -64,7 +74,11 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, *, m: int, k: int, n: in
         f"block shapes and dot), got {tile}."
       )
     tiles[name] = min(tile, max(_MIN_DOT, _next_pow2(dim)))
-  return BlockSizes(**tiles, num_warps=bs.num_warps or 4, num_stages=bs.num_stages or 2)
+  return BlockSizes(
+    **tiles,
+    num_warps=bs.num_warps or defaults.num_warps,
+    num_stages=bs.num_stages or defaults.num_stages,
+  )
 
 
 def _precision(dtype) -> jax.lax.Precision:
@@ -75,122 +89,6 @@ def _precision(dtype) -> jax.lax.Precision:
 
 def _offsets(group_sizes_g: jax.Array) -> jax.Array:
   return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes_g, dtype=jnp.int32)])
-
-
-def _row_tiles_kernel(
-  first_group_ref,  # int32[1]: first group with rows in this tile
-  num_groups_ref,  # int32[1]: groups with rows in this tile (0 past the groups)
-  offsets_ref,  # int32[g + 1]
-  lhs_ref,  # [tm, k_pad] rows of this tile
-  rhs_ref,  # [g, k_pad, tn], or [g, tn, k_pad] when transposed
-  out_ref,  # [tm, tn]
-  *,
-  tk: int,
-  k_tiles: int,
-  transpose_rhs: bool,
-  precision,
-):
-  tm, tn = out_ref.shape
-  rows = pl.program_id(0) * tm + jax.lax.broadcasted_iota(jnp.int32, (tm,), 0)
-  first = first_group_ref[0]
-
-  def group_body(group, out_tile):
-    lo, hi = offsets_ref[group], offsets_ref[group + 1]
-
-    def k_body(kk, acc):
-      lhs = lhs_ref[:, pl.ds(kk * tk, tk)]
-      if transpose_rhs:
-        rhs = rhs_ref[group, :, pl.ds(kk * tk, tk)]
-        dims = (((1,), (1,)), ((), ()))
-      else:
-        rhs = rhs_ref[group, pl.ds(kk * tk, tk), :]
-        dims = (((1,), (0,)), ((), ()))
-      return acc + jax.lax.dot_general(
-        lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32
-      )
-
-    # An empty group between two others in this tile runs no k step.
-    steps = (hi > lo).astype(jnp.int32) * k_tiles
-    acc = jax.lax.fori_loop(0, steps, k_body, jnp.zeros((tm, tn), jnp.float32))
-    in_group = (rows >= lo) & (rows < hi)
-    return jnp.where(in_group[:, None], acc, out_tile)
-
-  out_tile = jax.lax.fori_loop(
-    first, first + num_groups_ref[0], group_body, jnp.zeros((tm, tn), jnp.float32)
-  )
-  out_ref[...] = out_tile.astype(out_ref.dtype)
-
-
-def _tile_groups(offsets: jax.Array, *, m_tiles: int, tm: int):
-  """First group and number of groups with rows in each tile of rows."""
-  ends_g = offsets[1:]
-  total = offsets[-1]
-  tile_start = jnp.arange(m_tiles, dtype=jnp.int32) * tm
-  tile_last = jnp.minimum(tile_start + tm, total) - 1
-  # The group holding row r is the first whose end is past r (empty groups never are).
-  first = jnp.searchsorted(ends_g, tile_start, side="right").astype(jnp.int32)
-  last = jnp.searchsorted(ends_g, tile_last, side="right").astype(jnp.int32)
-  count = jnp.where(tile_start < total, last - first + 1, 0)
-  return first, count
-
-
-def gmm_row_tiles(
-  lhs_mk: jax.Array,
-  rhs_gkn: jax.Array,
-  group_sizes_g: jax.Array,
-  *,
-  transpose_rhs: bool = False,
-  out_dtype: Any,
-  block_sizes: BlockSizes | None = None,
-  interpret: Any = False,
-) -> jax.Array:
-  """`gmm` over fixed row tiles, each visited once per group it holds (the first GPU layout,
-  kept for `launch/bench_gmm.py`); arguments as in `gmm`.
-
-  `group_sizes_g` must be non-negative and sum to at most m (the public function ensures it).
-  `interpret` goes to `pl.pallas_call` as is.
-  """
-  m, k = lhs_mk.shape
-  g = rhs_gkn.shape[0]
-  n = rhs_gkn.shape[1] if transpose_rhs else rhs_gkn.shape[2]
-  bs = resolve_block_sizes(block_sizes, m=m, k=k, n=n)
-  tm, tk, tn = bs.tm, bs.tk, bs.tn
-  m_tiles, k_tiles, n_tiles = pl.cdiv(m, tm), pl.cdiv(k, tk), pl.cdiv(n, tn)
-  k_pad = k_tiles * tk
-  lhs_mk = jnp.pad(lhs_mk, ((0, m_tiles * tm - m), (0, k_pad - k)))
-  pad_k, pad_n = (0, k_pad - k), (0, n_tiles * tn - n)
-  rhs_gkn = jnp.pad(rhs_gkn, ((0, 0), pad_n, pad_k) if transpose_rhs else ((0, 0), pad_k, pad_n))
-  offsets = _offsets(group_sizes_g)
-  first, count = _tile_groups(offsets, m_tiles=m_tiles, tm=tm)
-
-  if transpose_rhs:
-    rhs_spec = pl.BlockSpec((g, tn, k_pad), lambda i, j: (0, j, 0))
-  else:
-    rhs_spec = pl.BlockSpec((g, k_pad, tn), lambda i, j: (0, 0, j))
-  kernel = functools.partial(
-    _row_tiles_kernel,
-    tk=tk,
-    k_tiles=k_tiles,
-    transpose_rhs=transpose_rhs,
-    precision=_precision(lhs_mk.dtype),
-  )
-  out_mn = pl.pallas_call(
-    kernel,
-    grid=(m_tiles, n_tiles),
-    in_specs=[
-      pl.BlockSpec((1,), lambda i, j: (i,)),
-      pl.BlockSpec((1,), lambda i, j: (i,)),
-      pl.BlockSpec((g + 1,), lambda i, j: (0,)),
-      pl.BlockSpec((tm, k_pad), lambda i, j: (i, 0)),
-      rhs_spec,
-    ],
-    out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
-    out_shape=jax.ShapeDtypeStruct((m_tiles * tm, n_tiles * tn), out_dtype),
-    compiler_params=_TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
-    interpret=interpret,
-    name="gmm_row_tiles_gpu",
-  )(first, count, offsets, lhs_mk, rhs_gkn)
-  return out_mn[:m, :n]
 
 
 def _work_tiles(group_sizes_g: jax.Array, *, m: int, tm: int, num_tiles: int):
@@ -274,7 +172,7 @@ def gmm(
   m, k = lhs_mk.shape
   g = rhs_gkn.shape[0]
   n = rhs_gkn.shape[1] if transpose_rhs else rhs_gkn.shape[2]
-  bs = resolve_block_sizes(block_sizes, m=m, k=k, n=n)
+  bs = resolve_block_sizes(block_sizes, gmm_block_sizes(m, g), m=m, k=k, n=n)
   tm, tk, tn = bs.tm, bs.tk, bs.tn
   k_tiles, n_tiles = pl.cdiv(k, tk), pl.cdiv(n, tn)
   k_pad, n_pad = k_tiles * tk, n_tiles * tn
@@ -360,7 +258,7 @@ def tgmm(
   m, k = lhs_mk.shape
   n = grad_mn.shape[1]
   g = group_sizes_g.shape[0]
-  bs = resolve_block_sizes(block_sizes, m=m, k=k, n=n)
+  bs = resolve_block_sizes(block_sizes, _TGMM_DEFAULTS, m=m, k=k, n=n)
   tm, tk, tn = bs.tm, bs.tk, bs.tn
   m_tiles, k_tiles, n_tiles = pl.cdiv(m, tm), pl.cdiv(k, tk), pl.cdiv(n, tn)
   m_pad = m_tiles * tm
