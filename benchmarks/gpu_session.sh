@@ -5,8 +5,10 @@
 #   benchmarks/gpu_session.sh PART...
 #
 # PARTs, in the order given: install (wheels from .whl/ into /tmp/site, then this project, no
-# dependencies), gmm, rollout64, rollout256, rollout64_fp32, rollout16_fp32, learner, grpo,
-# train (the main job with its defaults), tests (the GPU-marked kernel tests). Each part runs
+# dependencies), gmm, rollout64, rollout64_graphs (the same with XLA's CUDA graphs also around
+# loops: is the decode step, at 24% of its HBM roofline, bound by kernel launches?), rollout256,
+# rollout64_fp32, rollout16_fp32, learner, grpo, train (the main job with its defaults), tests
+# (the GPU-marked kernel tests, in one process). Each part runs
 # under its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
 # {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings
 # it finished, for a part cut short) to $OUT/progress.txt and the end of its log to
@@ -64,6 +66,9 @@ for spec in "$@"; do
       --presets qwen3-0.6b --rows 64 --dtype bfloat16 ;;
     rollout256) run_part rollout256 "${limit:-150}" python3 launch/bench.py rollout --json \
       --presets qwen3-0.6b --rows 256 --dtype bfloat16 ;;
+    rollout64_graphs) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+      run_part rollout64_graphs "${limit:-150}" python3 launch/bench.py rollout --json \
+      --presets qwen3-0.6b --rows 64 --dtype bfloat16 ;;
     rollout64_fp32) run_part rollout64_fp32 "${limit:-150}" python3 launch/bench.py rollout \
       --json --presets qwen3-0.6b --rows 64 --dtype float32 ;;
     rollout16_fp32) run_part rollout16_fp32 "${limit:-150}" python3 launch/bench.py rollout \
