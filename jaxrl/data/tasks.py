@@ -23,40 +23,23 @@ Train and test never share a problem: a problem is in the test split when the SH
 canonical key is 0 mod 10 (`split_of`), which holds across runs, seeds and machines. The test
 split ignores `seed`, so every run evaluates on the same problems, and a smaller test set is a
 prefix of a larger one.
+
+This module holds `TaskConfig`, the synthetic tasks and the registry (`TASKS`, `make_task`);
+the `Task` base and the split in `jaxrl.data.task_base`, the file tasks in
+`jaxrl.data.file_tasks`.
 """
 
 import dataclasses
 import functools
-import hashlib
 import os
-import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
 from typing import Any, ClassVar
 
 import numpy as np
 
-from jaxrl.data import gsm8k, guess_number, math_data, verify
+from jaxrl.data import guess_number, math_data
 from jaxrl.data.countdown import evaluate_countdown
-
-SPLITS = ("train", "test")
-REWARDS = ("exact", "partial")
-MAX_TRAIN_RECORDS = 100_000  # train records when num=None: bounded, to keep memory sane.
-ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated, larger ones sampled.
-_TEST_SEED = 20_240_601  # fixed: the test split must not depend on the run's seed.
-_TEST_MODULUS = 10
-_SAMPLE_BLOCK = 1024  # problems drawn per numpy call when sampling.
-
-
-def split_of(key: str) -> str:
-  """Returns "test" or "train" for a problem's canonical key, from a stable hash."""
-  digest = hashlib.sha256(key.encode("utf-8")).digest()
-  return "test" if int.from_bytes(digest[:8], "little") % _TEST_MODULUS == 0 else "train"
-
-
-def _record_id(task: str, key: str) -> str:
-  return f"{task}-{hashlib.sha256(key.encode('utf-8')).hexdigest()[:12]}"
-
+from jaxrl.data.file_tasks import Gsm8k, Math
+from jaxrl.data.task_base import REWARDS, Task
 
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -191,132 +174,6 @@ class TaskConfig:
       )
 
 
-@dataclasses.dataclass(frozen=True)
-class RewardBatch:
-  """The scores of a batch of responses.
-
-  Attributes:
-    rewards_b: each response's reward in [0, 1] (float32).
-    correct_b: whether each response got full credit for its answer (bool); with a 0/1
-      reward it equals `rewards_b == 1`, and its mean over greedy responses is pass@1.
-    timeouts: responses whose check timed out or crashed; they score 0 (the RL loop logs this
-      as `reward_timeouts`).
-  """
-
-  rewards_b: np.ndarray
-  correct_b: np.ndarray
-  timeouts: int = 0
-
-
-class Task:
-  """Base of the synthetic tasks: problems are drawn, split by hash, and deduplicated.
-
-  A subclass defines `_make(index)` over a problem space of `_space_size()` problems (small
-  spaces are enumerated in a seeded order, large ones sampled), or overrides `_sample` to draw
-  a block of problems.
-  """
-
-  name: ClassVar[str] = ""
-  supports_partial: ClassVar[bool] = False
-  reads_path: ClassVar[bool] = False  # `cfg.path` must name an existing file (or directory)
-  reads_directories: ClassVar[bool] = False
-  path_kinds: ClassVar[str] = ""  # what `cfg.path` may name, for messages
-
-  def __init__(self, cfg: TaskConfig):
-    self.cfg = cfg
-
-  def _space_size(self) -> int | None:
-    return None
-
-  def _make(self, index: int) -> dict[str, Any]:
-    raise NotImplementedError
-
-  def _sample(self, rng: np.random.Generator, count: int) -> list[dict[str, Any]]:
-    return [self._make(i) for i in rng.integers(self._space_size(), size=count).tolist()]
-
-  def problem_key(self, record: dict[str, Any]) -> str:
-    """The canonical form of a record's problem: equal keys are the same problem."""
-    return record["prompt"]
-
-  def _candidates(self, rng: np.random.Generator) -> Iterator[dict[str, Any]]:
-    size = self._space_size()
-    if size is not None and size <= ENUMERATE_LIMIT:
-      for index in rng.permutation(size):
-        yield self._make(int(index))
-    else:
-      while True:
-        yield from self._sample(rng, _SAMPLE_BLOCK)
-
-  def records(self, split: str, num: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
-    """Returns `num` distinct problems of `split` as prompt records.
-
-    Args:
-      split: "train" or "test".
-      num: how many; None means `cfg.eval_size` for test and up to `MAX_TRAIN_RECORDS` for
-        train, fewer if the split has fewer problems.
-      seed: which train problems, in which order; the test split ignores it.
-
-    Raises:
-      ValueError: an unknown split, or `num` larger than the split's number of problems.
-    """
-    _check_split(split)
-    limit = (
-      num if num is not None else (self.cfg.eval_size if split == "test" else MAX_TRAIN_RECORDS)
-    )
-    rng = np.random.default_rng(_TEST_SEED if split == "test" else seed)
-    # Bounds the time spent collecting distinct problems from a sampled space that is nearly
-    # exhausted: about 4x the draws needed while most draws are new.
-    max_draws = limit * (4 * _TEST_MODULUS if split == "test" else 4) + 20_000
-    out, seen = [], set()
-    for draws, record in enumerate(self._candidates(rng)):
-      if len(out) >= limit or draws >= max_draws:
-        break
-      key = self.problem_key(record)
-      if key in seen or split_of(key) != split:
-        continue
-      seen.add(key)
-      record["id"] = _record_id(self.name, key)
-      out.append(record)
-    if num is not None and len(out) < num:
-      raise ValueError(
-        f"task {self.name!r} has only {len(out)} distinct {split} problems under {self.cfg}; "
-        f"ask for fewer or make the problem space larger."
-      )
-    return out
-
-  def reward(self, record: dict[str, Any], response: str) -> float:
-    """Scores `response` to `record` in [0, 1]."""
-    raise NotImplementedError
-
-  def submit_rewards(self, records: Sequence[dict[str, Any]], responses: Sequence[str]) -> Future:
-    """Scores `responses[i]` to `records[i]`; a future of a `RewardBatch`.
-
-    Here the scores are computed at once with `reward` and the future is done on return; a
-    task whose checks are slow (math) returns at once and completes the future later, from
-    another thread. Safe to call from any thread.
-    """
-    _check_lengths(records, responses)
-    rewards_b = np.array(
-      [self.reward(r, t) for r, t in zip(records, responses, strict=True)], np.float32
-    )
-    future = Future()
-    future.set_result(RewardBatch(rewards_b=rewards_b, correct_b=rewards_b == 1.0))
-    return future
-
-  def rewards(self, records: Sequence[dict[str, Any]], responses: Sequence[str]) -> np.ndarray:
-    """The rewards (float32) of `responses[i]` to `records[i]`, waiting for them."""
-    return self.submit_rewards(records, responses).result().rewards_b
-
-  def close(self) -> None:
-    """Releases what the task holds (the math task's answer-checking processes)."""
-
-  def __enter__(self) -> "Task":
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    self.close()
-
-
 class Arithmetic(Task):
   """`"37+45="` -> `"82"`; the response must be the integer (whitespace around it is fine)."""
 
@@ -449,147 +306,6 @@ class GuessNumber(Task):
 
   def reward(self, record: dict[str, Any], response: str) -> float:
     return float(guess_number.last_number(response) == record["target"])
-
-
-class _FileTask(Task):
-  """A task over the problems of a dataset: the test split in file order, train shuffled."""
-
-  reads_path = True
-
-  def __init__(self, cfg: TaskConfig):
-    super().__init__(cfg)
-    self._splits: dict[str, list[dict[str, Any]]] | None = None
-
-  def _load_splits(self) -> dict[str, list[dict[str, Any]]]:
-    """Reads the records, as {"train": [...], "test": [...]}."""
-    raise NotImplementedError
-
-  def _hash_split(self, records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    return {s: [r for r in records if split_of(self.problem_key(r)) == s] for s in SPLITS}
-
-  def problem_key(self, record: dict[str, Any]) -> str:
-    return math_data.problem_key(record["question"])
-
-  def records(self, split: str, num: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
-    """Returns records of `split`: test in file order, train shuffled by `seed`.
-
-    Raises:
-      ValueError: an unknown split, or `num` larger than the split.
-      gsm8k.DatasetError: a malformed file.
-    """
-    _check_split(split)
-    if self._splits is None:
-      self._splits = self._load_splits()
-    pool = self._splits[split]
-    if split == "train":
-      pool = [pool[i] for i in np.random.default_rng(seed).permutation(len(pool))]
-    if num is None:
-      num = min(len(pool), self.cfg.eval_size) if split == "test" else len(pool)
-    if num > len(pool):
-      raise ValueError(
-        f"{self.cfg.path} has {len(pool)} {split} problems, fewer than the {num} asked for."
-      )
-    return [dict(r) for r in pool[:num]]
-
-
-class Gsm8k(_FileTask):
-  """Grade-school word problems from a GSM8K-style JSONL file (`TaskConfig.path`).
-
-  The reward compares the last number of the response with the reference's `####` number
-  (`gsm8k.reward`): quick, in process, with no dependency. For math-verify checking of the
-  same file, use the `math` task with `answer_format="gsm8k"`.
-  """
-
-  name = "gsm8k"
-  path_kinds = "a GSM8K-style JSONL file"
-
-  def _load_splits(self) -> dict[str, list[dict[str, Any]]]:
-    return self._hash_split(gsm8k.load_prompt_records(self.cfg.path))
-
-  def reward(self, record: dict[str, Any], response: str) -> float:
-    return gsm8k.reward(record["answer"], response)
-
-
-class Math(_FileTask):
-  """Math problems from JSONL, Parquet or Arrow files, answers checked with math-verify.
-
-  Records come from `math_data.load_records` (fields, answer format, prompt and chat messages
-  as `TaskConfig` sets them); every gold answer is parsed by math-verify when the data loads.
-  The train and test splits are the files' when the path is a directory with both (files named
-  otherwise, such as `validation-*`, are then left out), else the hash split of every row. A
-  response scores 1 when math-verify finds its final answer equal to the gold (0 when it has
-  none, or its check times out), mixed with the format check by `format_reward_weight`. The
-  checks run in a `verify.VerifierPool`, given or made at first use with `reward_workers`
-  processes and `verify_timeout_s`; `close()` stops a pool the task made.
-  """
-
-  name = "math"
-  reads_directories = True
-  path_kinds = "a .jsonl, .parquet or .arrow file or a directory of them"
-
-  def __init__(self, cfg: TaskConfig, verifier: verify.VerifierPool | None = None):
-    super().__init__(cfg)
-    self._verifier = verifier
-    self._owns_verifier = verifier is None
-    self._lock = threading.Lock()
-
-  @property
-  def verifier(self) -> verify.VerifierPool:
-    """The pool that checks answers (made at first use unless one was given)."""
-    with self._lock:
-      if self._verifier is None:
-        self._verifier = verify.VerifierPool(self.cfg.reward_workers, self.cfg.verify_timeout_s)
-      return self._verifier
-
-  def _load_splits(self) -> dict[str, list[dict[str, Any]]]:
-    c = self.cfg
-    by_file = math_data.load_records(
-      c.path,
-      check_answers=lambda answers: self.verifier.check_answers(answers).result(),
-      question_field=c.question_field,
-      answer_field=c.answer_field,
-      messages_field=c.messages_field,
-      answer_format=c.answer_format,
-      system_prompt=c.system_prompt,
-      instruction=c.instruction,
-    )
-    if "train" in by_file and "test" in by_file:
-      return {split: by_file[split] for split in SPLITS}
-    return self._hash_split([r for records in by_file.values() for r in records])
-
-  def reward(self, record: dict[str, Any], response: str) -> float:
-    return float(self.rewards([record], [response])[0])
-
-  def submit_rewards(self, records: Sequence[dict[str, Any]], responses: Sequence[str]) -> Future:
-    """Sends the batch to the verifier pool; the future completes when every check is done."""
-    _check_lengths(records, responses)
-    w = self.cfg.format_reward_weight
-    formatted_b = np.array([verify.has_boxed_answer(t) for t in responses], bool)
-
-    def combine(verdicts: verify.Verdicts) -> RewardBatch:
-      rewards_b = (1.0 - w) * verdicts.correct_b + w * formatted_b
-      return RewardBatch(
-        rewards_b.astype(np.float32), correct_b=verdicts.correct_b, timeouts=verdicts.failures
-      )
-
-    answers = [r["answer"] for r in records]
-    return verify.then(self.verifier.verify(answers, list(responses)), combine)
-
-  def close(self) -> None:
-    with self._lock:
-      if self._owns_verifier and self._verifier is not None:
-        self._verifier.close()
-        self._verifier = None
-
-
-def _check_lengths(records: Sequence[Any], responses: Sequence[str]) -> None:
-  if len(records) != len(responses):
-    raise ValueError(f"{len(records)} records but {len(responses)} responses.")
-
-
-def _check_split(split: str) -> None:
-  if split not in SPLITS:
-    raise ValueError(f"split {split!r}: use one of {list(SPLITS)}.")
 
 
 TASKS: dict[str, type[Task]] = {

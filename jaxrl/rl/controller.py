@@ -37,7 +37,7 @@ import tqdm
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.data.prompts import encode_prompt
-from jaxrl.data.tasks import RewardBatch, Task
+from jaxrl.data.task_base import RewardBatch, Task
 from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.metrics import MetricsWriter
 from jaxrl.rl.backends import Backend, PolicyLearner, VersionedStore

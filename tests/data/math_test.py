@@ -12,6 +12,7 @@ import pytest
 from jaxrl.config import ConfigError, default_config, from_config_dict
 from jaxrl.data import math_data, tasks, verify
 from jaxrl.data.gsm8k import DatasetError
+from jaxrl.data.task_base import split_of
 from jaxrl.data.tasks import TaskConfig
 
 pa = pytest.importorskip("pyarrow")
@@ -201,7 +202,7 @@ def test_parquet_single_file(pool, tmp_path):
   task = _task(pool, path, eval_size=1000)
   train, test = task.records("train"), task.records("test")
   assert len(train) + len(test) == 40 and test
-  assert all(tasks.split_of(task.problem_key(r)) == "test" for r in test)
+  assert all(split_of(task.problem_key(r)) == "test" for r in test)
   for record in train + test:
     row = rows[int(record["id"]) - 100]
     assert record["question"] == row["question"]
@@ -246,7 +247,7 @@ def test_directory_without_split_names_is_hash_split(pool, tmp_path):
   task = _task(pool, tmp_path, eval_size=1000)
   train, test = task.records("train"), task.records("test")
   assert sorted(r["question"] for r in train + test) == sorted(r["question"] for r in rows)
-  assert all(tasks.split_of(task.problem_key(r)) == "train" for r in train)
+  assert all(split_of(task.problem_key(r)) == "train" for r in train)
 
 
 # -- bad input ------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from jaxrl.data import tasks
-from jaxrl.data.tasks import TaskConfig, evaluate_countdown, make_task
+from jaxrl.data.countdown import evaluate_countdown
+from jaxrl.data.task_base import split_of
+from jaxrl.data.tasks import TaskConfig, make_task
 
 SYNTHETIC = {
   "arithmetic": TaskConfig(name="arithmetic", num_digits=2, operations="+-*"),
@@ -86,13 +88,13 @@ def test_train_and_test_are_disjoint(name):
   test = task.records("test", 100)
   test_keys = {task.problem_key(r) for r in test}
   assert len(test_keys) == len(test)
-  assert all(tasks.split_of(k) == "test" for k in test_keys)
+  assert all(split_of(k) == "test" for k in test_keys)
   for seed in (0, 1):
     train = task.records("train", 1000, seed=seed)
     train_keys = {task.problem_key(r) for r in train}
     assert len(train_keys) == len(train) == 1000
     assert not train_keys & test_keys
-    assert all(tasks.split_of(k) == "train" for k in train_keys)
+    assert all(split_of(k) == "train" for k in train_keys)
 
 
 @pytest.mark.parametrize("name", sorted(SYNTHETIC))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxrl.config import ConfigError, load_config
-from jaxrl.data.tasks import RewardBatch
+from jaxrl.data import RewardBatch
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
 
