@@ -557,13 +557,8 @@ def main() -> None:
     default=None,
     help="chaos, agent: RL steps of each run; turn_kv: timed runs",
   )
-  parser.add_argument(
-    "--rows",
-    type=int,
-    default=None,
-    help="rollout: sequences decoded at once (max_running, and the timed decode step's rows); "
-    "skips the one-token-per-call engine",
-  )
+  rows_help = "rollout: sequences at once (max_running, the timed step's rows); no 1-step engine"
+  parser.add_argument("--rows", type=int, default=None, help=rows_help)
   parser.add_argument("--dtype", default=None, help="rollout: compute and parameter dtype")
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
