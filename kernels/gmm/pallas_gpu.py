@@ -11,7 +11,8 @@ copied. A group wastes at most one partly filled tile; the layout this replaced 
 tiles, each running its k loop once per group it held) took 1.5-2.3x as long at the same tiles
 on an H200 (docs/BENCHMARKS.md). The column tile varies fastest in the launch, so the programs
 of one row tile run together and read its rows once from memory, and the tiles of one group
-read its weights once. Default tiles: `gmm_block_sizes`, the best of a sweep on an H200.
+read its weights once. Default tiles: `gmm_block_sizes` (on Hopper, the best of a sweep on an
+H200; elsewhere small tiles any GPU's shared memory holds).
 
 `tgmm`, grid `(g, k_tiles, n_tiles)`: a program owns one tile of `out[g]` and loops over the
 row tiles of group g, masking rows of other groups to zero. Programs of large groups run
@@ -38,8 +39,12 @@ from jaxrl.kernels.gmm.api import BlockSizes
 _TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
 
 _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16.
-# tgmm's tiles: small, not tuned on a GPU yet.
-_TGMM_DEFAULTS = BlockSizes(tm=64, tk=32, tn=64, num_warps=4, num_stages=2)
+# Small tiles that fit any CUDA GPU's shared memory (2 stages of bf16 64x32 and 32x64 operand
+# tiles: 16 KiB; 32 KiB in fp32): tgmm's defaults (not tuned yet), and gmm's off Hopper.
+_SMALL_TILES = BlockSizes(tm=64, tk=32, tn=64, num_warps=4, num_stages=2)
+# Compute capabilities with 227 KiB of shared memory per block (Hopper, Blackwell datacenter
+# parts), where gmm's swept tiles fit; others have 64-163 KiB.
+_LARGE_SHARED_MEMORY = (9, 10)
 
 
 def _is_pow2(x: int) -> bool:
@@ -50,12 +55,27 @@ def _next_pow2(x: int) -> int:
   return 1 << max(0, x - 1).bit_length()
 
 
-def gmm_block_sizes(m: int, g: int) -> BlockSizes:
-  """gmm's default tiles: the best of a sweep on an H200 (bf16, k 2048, n 768, m 8k-16k rows
-  over 8-128 groups; docs/BENCHMARKS.md): 128 x 64 tiles of rows x k with 8 warps and 3
-  stages; 256 columns where groups average 256 rows or more, else 128 (wider column tiles
-  only paid where a group fills several row tiles)."""
-  return BlockSizes(tm=128, tk=64, tn=256 if m >= 256 * g else 128, num_warps=8, num_stages=3)
+def gmm_block_sizes(m: int, g: int, itemsize: int, compute_capability: str | None) -> BlockSizes:
+  """gmm's default tiles for a GPU of `compute_capability` ("9.0"; None: unknown).
+
+  On Hopper-class GPUs, the best of a sweep on an H200 (bf16, k 2048, n 768, m 8k-16k rows over
+  8-128 groups; docs/BENCHMARKS.md): 128 x 64 tiles of rows x k with 8 warps and 3 stages;
+  256 columns where groups average 256 rows or more, else 128 (wider column tiles only paid
+  where a group fills several row tiles). Three stages of those operand tiles take up to 144
+  KiB of shared memory in bf16, so fp32 halves k (tk 32). Elsewhere, and where the GPU is not
+  known (lowering on a CPU), the small tiles every CUDA GPU fits.
+  """
+  major = int(compute_capability.split(".")[0]) if compute_capability else 0
+  if major not in _LARGE_SHARED_MEMORY:
+    return _SMALL_TILES
+  tn = 256 if m >= 256 * g else 128
+  return BlockSizes(tm=128, tk=64 if itemsize <= 2 else 32, tn=tn, num_warps=8, num_stages=3)
+
+
+def _compute_capability() -> str | None:
+  """The default GPU's compute capability, None without one (interpret mode, CPU lowering)."""
+  device = jax.devices()[0]
+  return getattr(device, "compute_capability", None) if device.platform == "gpu" else None
 
 
 def resolve_block_sizes(
@@ -172,7 +192,8 @@ def gmm(
   m, k = lhs_mk.shape
   g = rhs_gkn.shape[0]
   n = rhs_gkn.shape[1] if transpose_rhs else rhs_gkn.shape[2]
-  bs = resolve_block_sizes(block_sizes, gmm_block_sizes(m, g), m=m, k=k, n=n)
+  defaults = gmm_block_sizes(m, g, lhs_mk.dtype.itemsize, _compute_capability())
+  bs = resolve_block_sizes(block_sizes, defaults, m=m, k=k, n=n)
   tm, tk, tn = bs.tm, bs.tk, bs.tn
   k_tiles, n_tiles = pl.cdiv(k, tk), pl.cdiv(n, tn)
   k_pad, n_pad = k_tiles * tk, n_tiles * tn
@@ -258,7 +279,7 @@ def tgmm(
   m, k = lhs_mk.shape
   n = grad_mn.shape[1]
   g = group_sizes_g.shape[0]
-  bs = resolve_block_sizes(block_sizes, _TGMM_DEFAULTS, m=m, k=k, n=n)
+  bs = resolve_block_sizes(block_sizes, _SMALL_TILES, m=m, k=k, n=n)
   tm, tk, tn = bs.tm, bs.tk, bs.tn
   m_tiles, k_tiles, n_tiles = pl.cdiv(m, tm), pl.cdiv(k, tk), pl.cdiv(n, tn)
   m_pad = m_tiles * tm

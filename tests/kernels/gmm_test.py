@@ -405,6 +405,24 @@ def test_gpu_work_tiles_cover_every_row_once_within_one_group(g, tm):
     np.testing.assert_array_equal(owner, expected)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("capability", ["9.0", "10.0", "8.0", "8.9", "7.5", None])
+def test_gpu_default_tiles_fit_the_shared_memory_of_the_gpu(capability, dtype):
+  """Triton fails to compile a kernel whose pipelined operand tiles exceed the GPU's shared
+  memory per block: 227 KiB on Hopper-class GPUs, 64 KiB on the smallest (sm_75)."""
+  from jaxrl.kernels.gmm.pallas_gpu import gmm_block_sizes
+
+  budget = (227 if capability in ("9.0", "10.0") else 64) * 1024
+  itemsize = jnp.dtype(dtype).itemsize
+  for m, g in [(16384, 8), (16384, 128), (8192, 64), (512, 4)]:
+    bs = gmm_block_sizes(m, g, itemsize, capability)
+    operands = (bs.tm * bs.tk + bs.tk * bs.tn) * itemsize * bs.num_stages
+    assert operands <= budget, (m, g, bs)
+    if capability == "9.0" and dtype == jnp.bfloat16:  # the swept tiles, on an H200
+      assert (bs.tm, bs.tk, bs.num_warps, bs.num_stages) == (128, 64, 8, 3)
+      assert bs.tn == (256 if m >= 256 * g else 128)
+
+
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
 
 
