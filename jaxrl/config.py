@@ -449,16 +449,19 @@ def load_config(
 
 
 def from_config_dict(
-  config: Mapping[str, Any] | ml_collections.ConfigDict, backend: str | None = None
+  config: Mapping[str, Any] | ml_collections.ConfigDict,
+  backend: str | None = None,
+  compute_capability: str | None = None,
 ) -> ExperimentConfig:
   """Converts a ConfigDict into `ExperimentConfig`, checking every key and type.
 
   `"auto"` settings (`model.dtype`, `rollout.param_dtype`, `model.attention`) follow
-  `backend` (default: JAX's default backend; `auto_settings`)."""
+  `backend` and a GPU's `compute_capability` (default: JAX's default device's;
+  `auto_settings`)."""
   if isinstance(config, ml_collections.ConfigDict):
     config = config.to_dict()
   config = dict(config)
-  auto = auto_settings(backend)
+  auto = auto_settings(backend, compute_capability)
   for section, key in (("model", "dtype"), ("rollout", "param_dtype"), ("model", "attention")):
     values = config.get(section)
     if isinstance(values, Mapping) and values.get(key) == "auto":
@@ -466,25 +469,34 @@ def from_config_dict(
   return _build(ExperimentConfig, config, "config")
 
 
-def auto_settings(backend: str | None = None) -> dict[str, str]:
-  """What `"auto"` means on `backend` ("cpu", "gpu", "tpu"; default: JAX's default backend).
+def auto_settings(
+  backend: str | None = None, compute_capability: str | None = None
+) -> dict[str, str]:
+  """What `"auto"` means on `backend` ("cpu", "gpu", "tpu") and, for a GPU, its
+  `compute_capability` ("9.0"); both default to those of JAX's default device.
 
   Dtypes: on accelerators bf16 compute (and KV cache) and bf16 rollout weights (the learner's
   fp32 master weights cast once per sync, not at every use); on CPU, which has no fast bf16
-  matmuls, fp32 compute and rollout weights in `model.param_dtype`. Attention: "flash" on a
-  GPU, where the Triton kernel was faster than dense attention at every length measured
-  (1k-16k tokens) and a 16k-token learner step took 9 GiB against 46 (docs/BENCHMARKS.md);
-  "dense" on CPU (the flash reference is slower at short lengths) and on TPU (its kernel has
-  not run on a TPU yet)."""
+  matmuls, fp32 compute and rollout weights in `model.param_dtype`. Attention: "flash" on
+  Hopper-class GPUs (compute capability 9.x, 10.x), where the Triton kernel was faster than
+  dense attention at every length measured (1k-16k tokens, H200) and a 16k-token learner step
+  took 9 GiB against 46 (docs/BENCHMARKS.md); "dense" elsewhere: CPU (the flash reference is
+  slower at short lengths), TPU (its kernel has not run on a TPU yet) and other GPUs (the
+  kernel has not run on them; some have under half a Hopper's shared memory per block)."""
   if backend is None:
     import jax  # here: reading a config must not start a backend unless "auto" asks
 
     backend = jax.default_backend()
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+      compute_capability = getattr(device, "compute_capability", None)
   on_cpu = backend == "cpu"
+  major = int(compute_capability.split(".")[0]) if compute_capability else 0
+  hopper = backend in ("gpu", "cuda") and major in (9, 10)
   return {
     "model.dtype": "float32" if on_cpu else "bfloat16",
     "rollout.param_dtype": "" if on_cpu else "bfloat16",
-    "model.attention": "flash" if backend in ("gpu", "cuda", "rocm") else "dense",
+    "model.attention": "flash" if hopper else "dense",
   }
 
 

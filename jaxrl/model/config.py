@@ -51,7 +51,7 @@ class ModelConfig:
       "dense" materialises `[t, t]` scores per head; "flash" runs
       `jaxrl.kernels.flash_attention` (blockwise, memory linear in t; the Pallas kernel on a
       GPU or TPU, the jnp reference on CPU), same result to rounding. Cached passes (rollout)
-      are unaffected. (An experiment config may say "auto": flash on a GPU, dense elsewhere;
+      are unaffected. (An experiment config may say "auto": flash on Hopper GPUs, dense elsewhere;
       `jaxrl.config.auto_settings`.)
   """
 
