@@ -151,12 +151,15 @@ def _kv_bytes_per_token(cfg) -> int:
   return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
 
 
-def _decode_roofline_s(cfg, rows: int, context: float, bandwidth: float, flops_rate: float):
-  """The decode step's roofline: weights + KV bytes over the copy bandwidth, or its FLOPs
-  over the matmul rate, whichever is larger."""
+def _decode_hbm_s(cfg, rows: int, context: float, bandwidth: float) -> float:
+  """The decode step's memory floor: weights + KV bytes over the copy bandwidth."""
   weight_bytes = cfg.num_params() * np.dtype(cfg.param_dtype).itemsize
-  kv_bytes = rows * context * _kv_bytes_per_token(cfg)
-  return max((weight_bytes + kv_bytes) / bandwidth, 2 * cfg.num_params() * rows / flops_rate)
+  return (weight_bytes + rows * context * _kv_bytes_per_token(cfg)) / bandwidth
+
+
+def _decode_roofline_s(cfg, rows: int, context: float, bandwidth: float, flops_rate: float):
+  """The larger of the step's memory floor and its FLOPs over the matmul rate."""
+  return max(_decode_hbm_s(cfg, rows, context, bandwidth), 2 * cfg.num_params() * rows / flops_rate)
 
 
 def _matmul_only_step_seconds(cfg, rows: int) -> float:
@@ -315,7 +318,7 @@ def bench_rollout(
       row[f"decode_step_ms_{roofline_seqs}_seqs_one_step_per_call"] = single_step_s * 1e3
     context = prompt_len + median / 2
     roofline_s = _decode_roofline_s(cfg, roofline_seqs, context, bandwidth, flops_rate)
-    hbm_roofline_s = _decode_roofline_s(cfg, roofline_seqs, context, bandwidth, float("inf"))
+    hbm_roofline_s = _decode_hbm_s(cfg, roofline_seqs, context, bandwidth)
     row.update(
       {
         "paged_tokens_per_s": row["paged_long_tail_tokens_per_s"],
