@@ -5,10 +5,12 @@
 #   benchmarks/gpu_session.sh PART...
 #
 # PARTs, in the order given: install (wheels from .whl/ into /tmp/site, then this project, no
-# dependencies), gmm, rollout64, rollout64_graphs (the same with XLA's CUDA graphs also around
-# loops: is the decode step, at 24% of its HBM roofline, bound by kernel launches?), rollout256,
-# rollout64_fp32, rollout16_fp32, learner, grpo, train (the main job with its defaults), tests
-# (the GPU-marked kernel tests, in one process). Each part runs
+# dependencies), gmm, rollout64, rollout64_graphs (the same with XLA's command buffers also
+# around the loop itself; its body is one already, `bench.py kernels`), profile64 and profile16
+# (the decode step's device time by kernel kind at 64 and 16 rows, `bench.py decode_profile`:
+# why is it at 24% of its HBM roofline?), rollout256, rollout64_fp32, rollout16_fp32, learner,
+# grpo, train (the main job with its defaults), tests (the GPU-marked kernel tests, in one
+# process). Each part runs
 # under its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
 # {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings
 # it finished, for a part cut short) to $OUT/progress.txt and the end of its log to
@@ -64,6 +66,10 @@ for spec in "$@"; do
     gmm) run_part gmm "${limit:-150}" python3 launch/bench.py gmm --json ;;
     rollout64) run_part rollout64 "${limit:-150}" python3 launch/bench.py rollout --json \
       --presets qwen3-0.6b --rows 64 --dtype bfloat16 ;;
+    profile64) run_part profile64 "${limit:-120}" python3 launch/bench.py decode_profile --json \
+      --presets qwen3-0.6b --rows 64 ;;
+    profile16) run_part profile16 "${limit:-120}" python3 launch/bench.py decode_profile --json \
+      --presets qwen3-0.6b --rows 16 ;;
     rollout256) run_part rollout256 "${limit:-150}" python3 launch/bench.py rollout --json \
       --presets qwen3-0.6b --rows 256 --dtype bfloat16 ;;
     rollout64_graphs) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \

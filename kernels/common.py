@@ -1,6 +1,8 @@
 """What every kernel's public function shares: the implementation names, the choice of one
 from the platform of the inputs, and the checks of a block-sizes dataclass."""
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -9,11 +11,37 @@ IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
 
 
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+  "target_platform", default=None
+)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+  """Traces inside choose the kernels of `platform` for `impl="auto"`: for compiling ahead of
+  time for devices this process does not have (a GPU program compiled on a CPU machine,
+  `launch/bench_kernels.py`), where neither the inputs nor the default backend say which.
+
+  jax's trace caches do not know this setting, so entering and leaving clears them: a function
+  traced for one platform is not reused for the other."""
+  if platform not in _AUTO and platform != "cpu":
+    known = [*sorted(_AUTO), "cpu"]
+    raise ValueError(f"Unknown target platform {platform!r}; expected one of {known}.")
+  jax.clear_caches()
+  token = _TARGET_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET_PLATFORM.reset(token)
+    jax.clear_caches()
+
+
 def platform_of(x: jax.Array) -> str:
-  """The platform of a concrete array's devices, else (under tracing) the default backend."""
+  """The platform of a concrete array's devices, else (under tracing) the `target_platform`
+  set around the trace, else the default backend."""
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
     return next(iter(x.devices())).platform
-  return jax.default_backend()
+  return _TARGET_PLATFORM.get() or jax.default_backend()
 
 
 def resolve_impl(op: str, impl: str, interpret, x: jax.Array) -> str:

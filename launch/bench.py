@@ -3,8 +3,7 @@
   python launch/bench.py logprob_mismatch [--json]
   python launch/bench.py rollout [--json] [--presets micro,bench-tiny,bench-small] [--rows 64]
       [--dtype bfloat16]
-  python launch/bench.py prefix_sharing [--json] [--presets bench-tiny]
-  python launch/bench.py prefill_packing [--json] [--presets bench-tiny]
+  python launch/bench.py prefix_sharing|prefill_packing [--json] [--presets bench-tiny]
   python launch/bench.py plan [--json]
   python launch/bench.py calibrate [--json]
   python launch/bench.py paged_attention [--json]
@@ -12,6 +11,8 @@
   python launch/bench.py gmm [--json]
   python launch/bench.py grpo_step [--json] [--presets bench-tiny]
   python launch/bench.py learner [--json]
+  python launch/bench.py kernels [--json] [--presets qwen3-0.6b]   (the CUDA plugin, no GPU)
+  python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
   python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py async [--json]
   python launch/bench.py balance [--json]
@@ -26,6 +27,7 @@ Each benchmark prints a table (or one JSON object with --json) and the machine i
 
 import argparse
 import functools
+import importlib
 import itertools
 import json
 import os
@@ -46,6 +48,7 @@ from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
 from bench_gmm import bench_gmm  # noqa: E402
 from bench_grpo import bench_grpo_step  # noqa: E402
+from bench_kernels import bench_kernels  # noqa: E402
 from bench_learner import bench_learner  # noqa: E402
 from bench_memory import bench_memory  # noqa: E402
 from bench_prefill import (  # noqa: E402
@@ -53,6 +56,7 @@ from bench_prefill import (  # noqa: E402
   bench_prefix_sharing,
   timed_generate,
 )
+from bench_profile import bench_decode_profile  # noqa: E402
 
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxrl.model import Model, get_preset  # noqa: E402
@@ -507,18 +511,13 @@ def bench_calibrate(
   }
 
 
-def bench_weight_transfer(**kwargs) -> dict:
-  """`bench_transfer.bench_weight_transfer`, imported when asked for (Ray is an extra)."""
-  from bench_transfer import bench_weight_transfer as run
-
-  return run(**kwargs)
+def _imported_when_asked(module: str, name: str):
+  """`module.name`, imported only when run (Ray is an extra)."""
+  return lambda **kwargs: getattr(importlib.import_module(module), name)(**kwargs)
 
 
-def bench_chaos(**kwargs) -> dict:
-  """`bench_chaos.bench_chaos`, imported when asked for (Ray is an extra)."""
-  from bench_chaos import bench_chaos as run
-
-  return run(**kwargs)
+bench_weight_transfer = _imported_when_asked("bench_transfer", "bench_weight_transfer")
+bench_chaos = _imported_when_asked("bench_chaos", "bench_chaos")
 
 
 BENCHMARKS = {
@@ -528,9 +527,11 @@ BENCHMARKS = {
   "balance": bench_balance,
   "calibrate": bench_calibrate,
   "decode_floor": bench_decode_floor,
+  "decode_profile": bench_decode_profile,
   "flash_attention": bench_flash_attention,
   "gmm": bench_gmm,
   "grpo_step": bench_grpo_step,
+  "kernels": bench_kernels,
   "learner": bench_learner,
   "logprob_mismatch": bench_logprob_mismatch,
   "memory": bench_memory,
@@ -551,21 +552,18 @@ def main() -> None:
   parser.add_argument("name", choices=sorted(BENCHMARKS))
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   parser.add_argument("--presets", default=None, help="comma-separated model presets (rollout)")
-  parser.add_argument(
-    "--faults", default=None, help="chaos: rollout kills, learner kills, job crashes (100,10,10)"
-  )
-  parser.add_argument(
-    "--steps",
-    type=int,
-    default=None,
-    help="chaos, agent: RL steps of each run; turn_kv: timed runs",
-  )
-  rows_help = "rollout: sequences at once (max_running, the timed step's rows); no 1-step engine"
+  faults_help = "chaos: rollout kills, learner kills, job crashes (100,10,10)"
+  parser.add_argument("--faults", default=None, help=faults_help)
+  steps_help = "chaos, agent: RL steps of each run; turn_kv: timed runs"
+  parser.add_argument("--steps", type=int, default=None, help=steps_help)
+  rows_help = "rollout, decode_profile: sequences at once (rollout: also no 1-step engine)"
   parser.add_argument("--rows", type=int, default=None, help=rows_help)
-  parser.add_argument("--dtype", default=None, help="rollout: compute and parameter dtype")
+  parser.add_argument("--dtype", default=None, help="rollout, decode_profile: compute dtype")
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
-  if args.rows:
+  if args.rows and args.name == "decode_profile":
+    kwargs["rows"] = args.rows
+  elif args.rows:
     kwargs.update(max_running=args.rows, roofline_seqs=args.rows, one_step_per_call=False)
   if args.dtype:
     kwargs["dtype"] = args.dtype

@@ -1,0 +1,133 @@
+"""`python launch/bench.py decode_profile`: where a decode step's device time goes, kernel by
+kernel, from a profiler trace of the paged engine.
+
+The engine decodes `rows` equal-length requests (`new_tokens` each) once to compile, then once
+under `jax.profiler` (a Perfetto trace). The trace's device events (kernels on a GPU's streams;
+a CPU has none) are grouped by kernel kind (XLA's numbering dropped, as in
+`bench_kernels.py`) and divided by the decode steps taken: per step, each kind's launches and
+microseconds, the device's busy time (the union of its kernels' intervals) and the wall time.
+Busy time well below wall time: the device waits (for the host, or between kernels); busy time
+spread thin over many kinds: a chain of small kernels (`bench.py kernels` counts them
+without a GPU). The profiler may run XLA's command buffers as separate launches, so wall time
+here is no figure of the engine's speed (`bench.py rollout` is).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+from bench_kernels import kernel_kind  # launch/ is on sys.path
+
+from jaxrl.model import Model, get_preset
+from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
+from jaxrl.sharding import ROLLOUT_RULES, make_mesh
+
+
+def device_kernels(trace: dict, module: str = "") -> list[tuple[str, float, float]]:
+  """(name, start µs, duration µs) of every complete event of a device process in a Perfetto
+  trace (`perfetto_trace.json.gz` of `jax.profiler`); host processes (`/host:...`) left out.
+  Events that name their XLA module (`args.hlo_module`) are kept only if it contains `module`."""
+  names = {
+    e["pid"]: e["args"]["name"]
+    for e in trace.get("traceEvents", [])
+    if e.get("ph") == "M" and e.get("name") == "process_name"
+  }
+  devices = {pid for pid, name in names.items() if name.startswith("/device:")}
+  return [
+    (e["name"], float(e["ts"]), float(e.get("dur", 0.0)))
+    for e in trace.get("traceEvents", [])
+    if e.get("ph") == "X"
+    and e.get("pid") in devices
+    and module in e.get("args", {}).get("hlo_module", module)
+  ]
+
+
+def busy_microseconds(kernels: list[tuple[str, float, float]]) -> float:
+  """The union of the kernels' intervals: time the device ran at least one."""
+  busy, end = 0.0, float("-inf")
+  for _, start, duration in sorted(kernels, key=lambda k: k[1]):
+    stop = start + duration
+    if stop > end:
+      busy += stop - max(start, end)
+      end = stop
+  return busy
+
+
+def summarize(kernels: list[tuple[str, float, float]], steps: int, top: int = 25) -> dict:
+  """Per decode step: launches and device microseconds by kernel kind (the `top` costliest),
+  and in all."""
+  launches, micros = collections.Counter(), collections.Counter()
+  for name, _, duration in kernels:
+    kind = kernel_kind(name)
+    launches[kind] += 1
+    micros[kind] += duration
+  return {
+    "kernels_per_step": len(kernels) / steps,
+    "busy_us_per_step": busy_microseconds(kernels) / steps,
+    "kinds": [
+      {
+        "kind": kind,
+        "launches_per_step": launches[kind] / steps,
+        "us_per_step": us / steps,
+        "us_per_launch": us / launches[kind],
+      }
+      for kind, us in micros.most_common(top)
+    ],
+  }
+
+
+def bench_decode_profile(
+  presets=("bench-small",),
+  rows: int = 64,
+  prompt_len: int = 32,
+  new_tokens: int = 64,
+  dtype: str | None = None,
+) -> dict:
+  """The paged engine's decode steps of `rows` requests under the profiler, one device."""
+  on_cpu = jax.default_backend() == "cpu"
+  dtype = dtype or ("float32" if on_cpu else "bfloat16")
+  mesh = make_mesh(jax.devices()[:1], {})
+  rng = np.random.default_rng(0)
+  out = {"device": str(jax.devices()[0].device_kind), "rows": rows, "dtype": dtype}
+  for preset in presets:
+    cfg = get_preset(preset, dtype=dtype, param_dtype=dtype)
+    model = Model(cfg)
+    engine = PagedEngine(
+      model,
+      mesh,
+      ROLLOUT_RULES,
+      eos_id=2,
+      pad_id=0,
+      config=PagedConfig(
+        num_pages=rows * -(-(prompt_len + new_tokens) // 16),
+        max_running=rows,
+        max_tokens=0 if on_cpu else prompt_len + new_tokens,
+      ),
+    )
+    engine.update_weights(model.init(0), 0)
+    prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(rows)]
+    sampling = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)] * rows
+    engine.generate(prompts, sampling, seed=0)  # compiles every shape the traced run meets
+    with tempfile.TemporaryDirectory() as trace_dir:
+      jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+      start = time.perf_counter()
+      engine.generate(prompts, sampling, seed=1)
+      seconds = time.perf_counter() - start
+      jax.profiler.stop_trace()
+      (path,) = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+      with gzip.open(path) as f:
+        trace = json.load(f)
+    # Every row decodes new_tokens - 1 steps after the token its prefill samples.
+    steps = new_tokens - 1
+    kernels = device_kernels(trace, module="decode_impl")  # the decode windows, not prefill
+    out[preset] = {"wall_ms_per_step_profiled": seconds * 1e3 / steps, "steps": steps}
+    out[preset].update(summarize(kernels, steps) if kernels else {"device_events": 0})
+  return out
