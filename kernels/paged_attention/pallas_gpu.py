@@ -12,8 +12,11 @@ A decode step reads every cached key and value once and does one multiply-add wi
 each of the g query heads, so it is bound by memory unless the products are slow. Two ways
 to take them, chosen per call (`BlockSizes.dot_min_group`):
 - "dot": tensor-core `tl.dot` of the program's query rows with the block's keys, then of the
-  softmax weights with its values. Triton's dot needs >= 16 rows, so g < 16 heads are padded
-  with zero rows. Only the g heads of one kv head (of one sequence) share the key tile, so the
+  softmax weights with its values. Triton's dot needs >= 16 rows, so g < 16 heads are repeated
+  to 16 rows in registers (g a power of two: the program reads its g heads of q in place and
+  writes g rows of output, so no padded copy of q or of the output goes through memory, and a
+  decode step runs no pad or slice kernel around this one; other g are padded with zero heads
+  by XLA). Only the g heads of one kv head (of one sequence) share the key tile, so the
   rows cannot be filled from other kv heads or sequences: a dot over several would compute a
   block-diagonal product, whose off-diagonal blocks are the same waste as padding. The padding
   costs tensor-core cycles only, and those are idle: 16 rows make 16 flops per byte of 16-bit
@@ -192,19 +195,40 @@ def _dot(a_parts, b_parts, contract, parts: int):
   return out
 
 
+def _repeat_rows(x_rd, b: int):
+  """`[r, ...]` rows repeated to `b` rows (row i is row i % r): a dot's 16 rows from fewer heads,
+  in registers, instead of a padded copy of q in memory."""
+  r = x_rd.shape[0]
+  if r == b:
+    return x_rd
+  return jnp.broadcast_to(x_rd[None], (b // r, *x_rd.shape)).reshape(b, *x_rd.shape[1:])
+
+
+def _first_rows(x_bd, r: int):
+  """The first `r` of `b` rows, the inverse of `_repeat_rows`: the other copies are zeroed and
+  summed away (adding zeros is exact; Triton has no slice of a register tensor)."""
+  b = x_bd.shape[0]
+  if r == b:
+    return x_bd
+  x_crd = x_bd.reshape(b // r, r, *x_bd.shape[1:])
+  first = jax.lax.broadcasted_iota(jnp.int32, x_crd.shape, 0) == 0
+  return jnp.sum(jnp.where(first, x_crd, jnp.zeros_like(x_crd)), axis=0)
+
+
 def _kernel(
   length_ref,  # int32[1]
   page_indices_ref,  # int32[x * blocks_per_split * c]: this sequence's page ids, padded
-  q_ref,  # [b, d]: the pool's dtype ("dot") or float32 ("sum")
+  q_ref,  # [r, d]: this program's query heads, the pool's dtype ("dot") or float32 ("sum")
   k_pages_ref,  # [p, s, d] of this program's kv head
   v_pages_ref,  # [p, s, d]
-  o_ref,  # f32[b, d]: this part's normalised output
-  max_ref,  # f32[b]: this part's max logit (-inf when it saw no token)
-  denom_ref,  # f32[b]: this part's softmax denominator at that max
+  o_ref,  # [r, d]: this part's normalised output (float32, or q's dtype when x = 1)
+  max_ref,  # f32[r]: this part's max logit (-inf when it saw no token)
+  denom_ref,  # f32[r]: this part's softmax denominator at that max
   *,
   sm_scale: float,
   pages_per_block: int,
   blocks_per_split: int,
+  compute_rows: int,
   dot: bool,
   parts: int,
 ):
@@ -215,8 +239,8 @@ def _kernel(
   num_pages = jax.lax.div(length + s - 1, s)
   first = pl.program_id(2) * blocks_per_split
   end = jnp.minimum(first + blocks_per_split, jax.lax.div(length + t - 1, t))
-  q_bd = q_ref[...]
-  b = q_bd.shape[0]
+  b = compute_rows
+  q_bd = _repeat_rows(q_ref[...], b)
   q_parts = _tf32_parts(q_bd, parts)  # split once, used by every block
 
   def body(i, carry):
@@ -257,19 +281,20 @@ def _kernel(
   )
   o_bd, max_b, denom_b = jax.lax.fori_loop(first, end, body, init)
   inv_b = jnp.where(denom_b > 0, 1.0 / jnp.where(denom_b > 0, denom_b, 1.0), 0.0)
-  o_ref[...] = o_bd * inv_b[:, None]
-  max_ref[...] = max_b
-  denom_ref[...] = denom_b
+  r = q_ref.shape[0]
+  o_ref[...] = _first_rows(o_bd * inv_b[:, None], r).astype(o_ref.dtype)
+  max_ref[...] = _first_rows(max_b, r)
+  denom_ref[...] = _first_rows(denom_b, r)
 
 
-def _merge_splits(o_nxjbd, max_nxjb, denom_nxjb):
+def _merge_splits(o_nxhd, max_nxh, denom_nxh):
   """Combines the parts' softmaxes; parts that saw no token have weight 0."""
-  max_njb = jnp.max(max_nxjb, axis=1)
-  max_njb = jnp.where(jnp.isfinite(max_njb), max_njb, 0.0)
-  weight_nxjb = denom_nxjb * jnp.exp(max_nxjb - max_njb[:, None])
-  total_njb = jnp.sum(weight_nxjb, axis=1)
-  o_njbd = jnp.sum(weight_nxjb[..., None] * o_nxjbd, axis=1)
-  return o_njbd / jnp.where(total_njb > 0, total_njb, 1.0)[..., None]
+  max_nh = jnp.max(max_nxh, axis=1)
+  max_nh = jnp.where(jnp.isfinite(max_nh), max_nh, 0.0)
+  weight_nxh = denom_nxh * jnp.exp(max_nxh - max_nh[:, None])
+  total_nh = jnp.sum(weight_nxh, axis=1)
+  o_nhd = jnp.sum(weight_nxh[..., None] * o_nxhd, axis=1)
+  return o_nhd / jnp.where(total_nh > 0, total_nh, 1.0)[..., None]
 
 
 def paged_attention(
@@ -322,9 +347,18 @@ def paged_attention(
   m_padded = x * blocks_per_split * c
   # Padded entries name page 0, which exists; they lie past every length, so are never read.
   page_indices_nm = jnp.pad(page_indices_nm, ((0, 0), (0, m_padded - m)))
-  # [n, k * r, b, d]: query heads of one kv head, padded with zero heads up to r * b.
-  q_nkgd = q_nhd.reshape(n, k, g, d).astype(pool_dtype if dot else jnp.float32)
-  q_njbd = jnp.pad(q_nkgd, ((0, 0), (0, 0), (0, r * b - g), (0, 0))).reshape(n, k * r, b, d)
+  q_nhd_in = q_nhd.astype(pool_dtype if dot else jnp.float32)
+  if _is_pow2(g):
+    # Each program reads its kv head's query heads in place (q_rows = min(g, b) of them, a
+    # Triton block) and repeats them to b rows in registers; it writes q_rows rows back, so
+    # that no padded copy of q or of the output passes through memory.
+    q_rows, q_in = min(g, b), q_nhd_in
+  else:
+    # [n, k * r * b, d]: query heads of one kv head, padded with zero heads up to r * b.
+    q_nkgd = q_nhd_in.reshape(n, k, g, d)
+    q_rows = b
+    q_in = jnp.pad(q_nkgd, ((0, 0), (0, 0), (0, r * b - g), (0, 0))).reshape(n, k * r * b, d)
+  heads = k * r * q_rows
 
   def kv_head(j):
     return jax.lax.div(j, r)
@@ -334,36 +368,40 @@ def paged_attention(
     sm_scale=sm_scale,
     pages_per_block=c,
     blocks_per_split=blocks_per_split,
+    compute_rows=b,
     dot=dot,
     parts=parts,
   )
   pages_spec = pl.BlockSpec((None, *k_pages_kpsd.shape[1:]), lambda i, j, y: (kv_head(j), 0, 0, 0))
   f32 = jnp.float32
-  o_nxjbd, max_nxjb, denom_nxjb = pl.pallas_call(
+  # One part (x = 1) needs no merge: the kernel writes the output in q's dtype.
+  out_dtype = q_nhd.dtype if x == 1 else f32
+  o_nxhd, max_nxh, denom_nxh = pl.pallas_call(
     kernel,
     grid=(n, k * r, x),
     in_specs=[
       pl.BlockSpec((1,), lambda i, j, y: (i,)),
       pl.BlockSpec((None, m_padded), lambda i, j, y: (i, 0)),
-      pl.BlockSpec((None, None, b, d), lambda i, j, y: (i, j, 0, 0)),
+      pl.BlockSpec((None, q_rows, d), lambda i, j, y: (i, j, 0)),
       pages_spec,
       pages_spec,
     ],
     out_specs=[
-      pl.BlockSpec((None, None, None, b, d), lambda i, j, y: (i, y, j, 0, 0)),
-      pl.BlockSpec((None, None, None, b), lambda i, j, y: (i, y, j, 0)),
-      pl.BlockSpec((None, None, None, b), lambda i, j, y: (i, y, j, 0)),
+      pl.BlockSpec((None, None, q_rows, d), lambda i, j, y: (i, y, j, 0)),
+      pl.BlockSpec((None, None, q_rows), lambda i, j, y: (i, y, j)),
+      pl.BlockSpec((None, None, q_rows), lambda i, j, y: (i, y, j)),
     ],
     out_shape=[
-      jax.ShapeDtypeStruct((n, x, k * r, b, d), f32),
-      jax.ShapeDtypeStruct((n, x, k * r, b), f32),
-      jax.ShapeDtypeStruct((n, x, k * r, b), f32),
+      jax.ShapeDtypeStruct((n, x, heads, d), out_dtype),
+      jax.ShapeDtypeStruct((n, x, heads), f32),
+      jax.ShapeDtypeStruct((n, x, heads), f32),
     ],
     compiler_params=_TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
     interpret=interpret,
     name="paged_attention_gpu",
-  )(lengths_n, page_indices_nm, q_njbd, k_pages_kpsd, v_pages_kpsd)
+  )(lengths_n, page_indices_nm, q_in, k_pages_kpsd, v_pages_kpsd)
 
-  o_njbd = o_nxjbd[:, 0] if x == 1 else _merge_splits(o_nxjbd, max_nxjb, denom_nxjb)
-  o_nkgd = o_njbd.reshape(n, k, r * b, d)[:, :, :g]
-  return o_nkgd.reshape(n, h, d).astype(q_nhd.dtype)
+  o_nhd = o_nxhd[:, 0] if x == 1 else _merge_splits(o_nxhd, max_nxh, denom_nxh)
+  if heads != h:  # padded heads (g not a power of two) dropped
+    o_nhd = o_nhd.reshape(n, k, r * b, d)[:, :, :g].reshape(n, h, d)
+  return o_nhd.astype(q_nhd.dtype)

@@ -186,7 +186,7 @@ def test_lengths_are_clipped_and_sm_scale_is_used():
 
 # ----------------------------------------------------------------------------- kernels
 
-# (g, page_size, dtype, kv heads, head_dim, pages per sequence): GQA 1/2/4/8, pages of 8 to
+# (g, page_size, dtype, kv heads, head_dim, pages per sequence): GQA 1/2/3/4/8, pages of 8 to
 # 64 tokens, both dtypes; not the full cross product, to keep the file fast on 2 cores.
 KERNEL_CASES = [
   (1, 8, jnp.float32, 2, 32, 5),
@@ -197,6 +197,9 @@ KERNEL_CASES = [
   (8, 16, jnp.float32, 2, 32, 4),
   (1, 64, jnp.float32, 4, 16, 2),
   (2, 32, jnp.bfloat16, 2, 32, 3),
+  # g not a power of two: the GPU kernel's padded-heads path (dots for bf16, sums for float32).
+  (3, 16, jnp.bfloat16, 2, 32, 3),
+  (3, 16, jnp.float32, 2, 32, 3),
 ]
 
 
