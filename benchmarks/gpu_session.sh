@@ -77,7 +77,7 @@ for spec in "$@"; do
       --presets qwen3-0.6b --rows 64 --dtype bfloat16 ;;
     rollout64_fp32) run_part rollout64_fp32 "${limit:-150}" python3 launch/bench.py rollout \
       --json --presets qwen3-0.6b --rows 64 --dtype float32 ;;
-    rollout16_fp32) run_part rollout16_fp32 "${limit:-150}" python3 launch/bench.py rollout \
+    rollout16_fp32) run_part rollout16_fp32 "${limit:-240}" python3 launch/bench.py rollout \
       --json --presets qwen3-0.6b --rows 16 --dtype float32 ;;
     learner) run_part learner "${limit:-240}" python3 launch/bench.py learner --json ;;
     grpo) run_part grpo "${limit:-200}" python3 launch/bench.py grpo_step --json \

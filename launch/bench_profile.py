@@ -41,6 +41,8 @@ def device_kernels(trace: dict, module: str = "") -> list[tuple[str, float, floa
     if e.get("ph") == "M" and e.get("name") == "process_name"
   }
   devices = {pid for pid, name in names.items() if name.startswith("/device:")}
+  if not devices:  # a trace that names its devices otherwise: whatever is not the host
+    devices = {pid for pid, name in names.items() if not name.startswith("/host:")}
   return [
     (e["name"], float(e["ts"]), float(e.get("dur", 0.0)))
     for e in trace.get("traceEvents", [])
@@ -129,5 +131,9 @@ def bench_decode_profile(
     steps = new_tokens - 1
     kernels = device_kernels(trace, module="decode_impl")  # the decode windows, not prefill
     out[preset] = {"wall_ms_per_step_profiled": seconds * 1e3 / steps, "steps": steps}
+    # What the trace held, for reading a first run on a new machine.
+    out[preset]["processes"] = sorted(
+      e["args"]["name"] for e in trace.get("traceEvents", []) if e.get("name") == "process_name"
+    )
     out[preset].update(summarize(kernels, steps) if kernels else {"device_events": 0})
   return out

@@ -121,6 +121,10 @@ def test_device_kernels_of_one_module_and_their_busy_time():
   ]
   assert busy_microseconds(kernels) == 19.0  # [0, 15] and [20, 24]
   assert len(device_kernels(TRACE)) == 4  # no module asked for: every device kernel
+  # A trace that names its device otherwise: every process but the host's is a device.
+  renamed = {"traceEvents": [dict(e) for e in TRACE["traceEvents"]]}
+  renamed["traceEvents"][1]["args"] = {"name": "GPU 0"}
+  assert len(device_kernels(renamed)) == 4
 
 
 def test_summary_per_step_by_kernel_kind():
