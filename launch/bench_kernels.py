@@ -1,27 +1,32 @@
-"""`python launch/bench.py kernels`: the kernels of one decode step, as XLA compiles the paged
-engine's decode window for a GPU, on a machine without one.
+"""`python launch/bench.py kernels`: the paged engine's decode window as XLA compiles it for a
+GPU or a TPU, on a machine with neither.
 
-A decode step of a small model at a few dozen rows is a chain of some 400 small kernels, each
-a few microseconds; their count, not the bytes they move, bounds the step (issue 16: 1.26 ms a
-step at 16 rows against a 0.4 ms memory floor on an H200). This benchmark compiles the window
-(`PagedCalls.decoder`, bf16, `PagedConfig.decode_steps` steps) ahead of time for an H100 or
-H200 described by `benchmarks/gpu_targets/*.txtpb`, reads the thunk sequence XLA dumps (what
-the GPU runtime will launch), and counts the launches of one step (one pass of the window's
-loop body): per layer (the difference between 2-layer and 1-layer builds of the preset), the
-rest (embedding, LM head, sampler), and how many run inside a CUDA graph (XLA's command
-buffers).
+A decode step of a small model at a few dozen rows is a chain of some 400 small GPU kernels,
+each a few microseconds (issue 16: 1.26 ms a step at 16 rows against a 0.4 ms memory floor on
+an H200). This benchmark compiles the window (`PagedCalls.decoder`, bf16,
+`PagedConfig.decode_steps` steps) ahead of time for an H100 or H200 described by
+`benchmarks/gpu_targets/*.txtpb`, reads the thunk sequence XLA dumps (what the GPU runtime
+will launch), and counts the launches of one step (one pass of the window's loop body): per
+layer (the difference between 2-layer and 1-layer builds of the preset), the rest (embedding,
+LM head, sampler), and how many run inside a CUDA graph (XLA's command buffers). For GPU and
+TPU targets (a TPU v5e, v6e or v4 topology) it also reports XLA's buffer plan: temporaries,
+arguments, and how many whole KV pools the program copies (a layout change XLA inserted: on a
+TPU, around a scatter into the pool's page and slot axes, every layer at every step, until
+`jaxrl.model.cache.write_pages` wrote rows instead).
 
-XLA compiles without a device with its default tiles (no autotuning), so its choice between
-GEMM kernels may differ from a device's; the kernels the model's ops make, and their number,
-do not depend on it.
+Without a device XLA keeps its default GEMM tiles (no autotuning), so which GEMM kernels run
+may differ on a card; the kernels the model's ops make, and their number, do not.
 
-Needs the CUDA plugin, not a GPU (about 5 GB; keep it out of the test environment):
+Needs the compilers, not the devices (keep them out of the test environment): for GPU targets
+the CUDA plugin (about 5 GB), for TPU targets libtpu (about 0.7 GB):
 
   pip install --target /opt/jax-cuda "jax-cuda12-plugin[with-cuda]==$JAX" "jax-cuda12-pjrt==$JAX"
-  PYTHONPATH=/opt/jax-cuda python launch/bench.py kernels --json
+  pip install --target /opt/libtpu "libtpu==$LIBTPU"
+  PYTHONPATH=/opt/jax-cuda:/opt/libtpu python launch/bench.py kernels --json
 
-where $JAX is the installed jax's version. Each compile runs in a process of its own (the plugin
-and XLA's dump flag are set before jax starts).
+where $JAX is the installed jax's version and $LIBTPU the libtpu that `jax[tpu]` of that
+version pins. Each compile runs in a process of its own (the plugins and XLA's dump flag are
+set before jax starts).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ PLUGIN_HELP = (
   'pip install --target DIR "jax-cuda12-plugin[with-cuda]==V" "jax-cuda12-pjrt==V" (V: this '
   "jax's version), then run with PYTHONPATH=DIR"
 )
+TPU_HELP = "pip install --target DIR libtpu==V (V: the version jax[tpu] pins), then PYTHONPATH=DIR"
+# TPU targets: a topology libtpu compiles for without a TPU (the program uses its first chip).
+TPU_TOPOLOGIES = {"tpu-v5e": "v5e:2x2", "tpu-v6e": "v6e:2x2", "tpu-v4": "v4:2x2x1"}
 # Thunks that hold others (counted through their contents), and those that launch nothing.
 _CONTAINERS = {"kCommandBuffer", "kWhile", "kConditional", "kSequential", "kDynamicSliceFusion"}
 _THUNK = re.compile(r"^(?P<indent>\s*)\d+: (?P<kind>k\w+)\s+\[[^\]]*\]\s*(?P<name>\S*)")
@@ -111,9 +119,13 @@ def _compile_window(spec: dict) -> dict:
   from jaxrl.rollout.sampling import NO_FILTER
   from jaxrl.sharding import ROLLOUT_RULES, make_mesh, tree_shardings
 
-  target = (TARGETS / f"{spec['target']}.txtpb").read_text()
-  topology = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
-  mesh = make_mesh(topology.devices, {})
+  tpu = spec["target"] in TPU_TOPOLOGIES
+  if tpu:
+    topology = topologies.get_topology_desc(TPU_TOPOLOGIES[spec["target"]], "tpu")
+  else:
+    target = (TARGETS / f"{spec['target']}.txtpb").read_text()
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
+  mesh = make_mesh(topology.devices[:1], {})
   overrides = {"num_layers": spec["layers"]} if spec["layers"] else {}
   cfg = get_preset(spec["preset"], dtype="bfloat16", param_dtype="bfloat16", **overrides)
   model = Model(cfg)
@@ -142,17 +154,28 @@ def _compile_window(spec: dict) -> dict:
     arg(b, jnp.float32, sampling_s.top_p_b),
     arg((rows, 4), i32, sampling_s.stop_ids_bs),
   )
-  with target_platform("cuda"):
+  with target_platform("tpu" if tpu else "cuda"):
     lowered = calls.decoders[NO_FILTER].lower(
       params, kv, state, sampling, arg((rows, table), i32, table_s)
     )
-  lowered.compile()
+  compiled = lowered.compile()
+  memory = compiled.memory_analysis()
+  pool_type = f"bf16[{','.join(map(str, pool))}]"
+  text = compiled.as_text()
+  plan = {
+    "temp_gib": memory.temp_size_in_bytes / 2**30,
+    "argument_gib": memory.argument_size_in_bytes / 2**30,
+    # Whole KV pools copied (a layout change XLA inserted), anywhere in the program.
+    "pool_copies": len(re.findall(rf"= {re.escape(pool_type)}\S* copy\(", text)),
+  }
+  if tpu:
+    return plan
   dumps = sorted(
     pathlib.Path(spec["dump"]).glob("*_decode_impl*thunk_sequence_after_thunk_passes.txt")
   )
   if not dumps:
     raise RuntimeError(f"XLA wrote no thunk sequence of the decode window to {spec['dump']}.")
-  return count_loop_body(dumps[-1].read_text())
+  return {**plan, **count_loop_body(dumps[-1].read_text())}
 
 
 def _run_child(spec: dict, timeout: float) -> dict:
@@ -161,6 +184,7 @@ def _run_child(spec: dict, timeout: float) -> dict:
       os.environ,
       JAX_PLATFORMS="cpu",  # no CUDA client: the plugin only compiles
       JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",  # its check needs a driver
+      TPU_SKIP_MDS_QUERY="1",  # libtpu: no TPU VM's metadata server to ask
       XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}",
     )
     spec = {**spec, "dump": dump}
@@ -175,6 +199,8 @@ def _run_child(spec: dict, timeout: float) -> dict:
     tail = proc.stderr.strip().splitlines()[-3:]
     if any("topology not implemented for cuda" in line for line in tail):
       raise RuntimeError(f"The CUDA plugin is not installed: {PLUGIN_HELP}.")
+    if any("topology not implemented for tpu" in line for line in tail):
+      raise RuntimeError(f"libtpu is not installed: {TPU_HELP}.")
     raise RuntimeError(f"Compiling {spec} failed: " + " | ".join(tail))
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -183,25 +209,41 @@ def bench_kernels(
   presets=("qwen3-0.6b",),
   rows: tuple[int, ...] = (16, 64),
   decode_steps: int = 8,
-  target: str = "h100",
+  targets: tuple[str, ...] = ("h100", "tpu-v5e"),
   table_pages: int = 64,
   timeout: float = 900.0,
 ) -> dict:
-  """Launches per decode step of each preset at each row count, compiled for `target`.
+  """Each target's compile of the decode window of each preset at each row count.
 
-  `table_pages`: page-table width (pages per row, 16 tokens each; 64: 1,024 tokens, about the
-  width the RL job's auto shapes give a 544-token sequence). Per layer: the 2-layer build
-  minus the 1-layer build; `other`: the 1-layer build minus one layer.
+  GPU targets (`benchmarks/gpu_targets/<name>.txtpb`): launches per decode step, per layer (the
+  2-layer build minus the 1-layer build) and the rest (`other`: the 1-layer build minus one
+  layer), and XLA's buffer plan (temporaries, arguments, whole KV pools copied). TPU targets
+  (`TPU_TOPOLOGIES`): the buffer plan. A target whose compiler is not installed gets an
+  `error` saying how to install it. `table_pages`: page-table width (pages per row, 16 tokens
+  each; 64: 1,024 tokens, about the width the RL job's auto shapes give a 544-token sequence).
   """
-  if not (TARGETS / f"{target}.txtpb").exists():
-    known = sorted(p.stem for p in TARGETS.glob("*.txtpb"))
-    raise ValueError(f"Unknown GPU target {target!r}; benchmarks/gpu_targets has {known}.")
-  out: dict = {"target": target, "decode_steps": decode_steps, "table_pages": table_pages}
+  out: dict = {"decode_steps": decode_steps, "table_pages": table_pages}
+  for target in targets:
+    try:
+      out[target] = _bench_target(presets, rows, decode_steps, target, table_pages, timeout)
+    except RuntimeError as e:
+      out[target] = {"error": str(e)}
+  return out
+
+
+def _bench_target(presets, rows, decode_steps, target, table_pages, timeout) -> dict:
+  if target not in TPU_TOPOLOGIES and not (TARGETS / f"{target}.txtpb").exists():
+    known = sorted(p.stem for p in TARGETS.glob("*.txtpb")) + sorted(TPU_TOPOLOGIES)
+    raise ValueError(f"Unknown target {target!r}; known: {known}.")
+  out: dict = {}
   for preset in presets:
     for n in rows:
       base = {"preset": preset, "rows": n, "steps": decode_steps, "target": target}
       base["table_pages"] = table_pages
       full = _run_child({**base, "layers": 0}, timeout)
+      if target in TPU_TOPOLOGIES:  # memory only: a TPU program has no launches to count
+        out[f"{preset}_{n}_rows"] = full
+        continue
       one = _run_child({**base, "layers": 1}, timeout)
       two = _run_child({**base, "layers": 2}, timeout)
       layer = collections.Counter(two["kinds"])
@@ -214,6 +256,7 @@ def bench_kernels(
         "per_layer": two["launches"] - one["launches"],
         "other": 2 * one["launches"] - two["launches"],
         "per_layer_kinds": {k: v for k, v in layer.most_common() if v},
+        **{key: full[key] for key in ("temp_gib", "argument_gib", "pool_copies")},
       }
   return out
 
