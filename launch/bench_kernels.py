@@ -104,6 +104,60 @@ def count_loop_body(thunk_sequence: str) -> dict:
   }
 
 
+def _compile_training_kernels(spec: dict) -> dict:
+  """In a fresh process: the TPU kernels of the learner compiled for `spec["target"]` through
+  Mosaic (the tests only lower them): flash attention forward and backward on Qwen3-0.6B heads
+  at 4k and 16k positions, and the grouped matmul at Qwen3-30B-A3B's expert shapes. Each
+  entry: XLA's temporaries in MiB, or the compiler's error."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import topologies
+
+  from jaxrl.kernels import gmm
+  from jaxrl.kernels.flash_attention import flash_attention
+
+  topology = topologies.get_topology_desc(TPU_TOPOLOGIES[spec["target"]], "tpu")
+  mesh = jax.sharding.Mesh(topology.devices[:1], ("x",))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def arg(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+  def attention_loss(q, k, v, segments, positions):
+    out = flash_attention(
+      q, k, v, q_segment_ids=segments, kv_segment_ids=segments,
+      q_positions=positions, kv_positions=positions, impl="pallas_tpu",
+    )  # fmt: skip
+    return jnp.sum(out.astype(jnp.float32))
+
+  programs = {
+    f"flash_attention_fwd_bwd_{n}": (
+      jax.grad(attention_loss, argnums=(0, 1, 2)),
+      (
+        arg((1, n, 16, 128)),
+        arg((1, n, 8, 128)),
+        arg((1, n, 8, 128)),
+        arg((1, n), jnp.int32),
+        arg((1, n), jnp.int32),
+      ),
+    )  # fmt: skip
+    for n in (4096, 16384)
+  }
+  for rows, groups in ((8192, 128), (16384, 8)):
+    programs[f"gmm_{rows}x2048x768_{groups}_groups"] = (
+      lambda lhs, rhs, sizes: gmm(lhs, rhs, sizes, impl="pallas_tpu"),
+      (arg((rows, 2048)), arg((groups, 2048, 768)), arg((groups,), jnp.int32)),
+    )
+  out = {}
+  for name, (fn, args) in programs.items():
+    try:
+      compiled = jax.jit(fn).lower(*args).compile()
+      out[name] = {"temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20}
+    except Exception as e:  # noqa: BLE001  (a compiler error is this benchmark's finding)
+      out[name] = {"error": str(e).splitlines()[0][:500]}
+  return out
+
+
 def _compile_window(spec: dict) -> dict:
   """In a fresh process (`spec`: preset, layers, rows, steps, target, dump): compiles the decode
   window for the target GPU and counts its loop body's launches."""
@@ -218,7 +272,8 @@ def bench_kernels(
   GPU targets (`benchmarks/gpu_targets/<name>.txtpb`): launches per decode step, per layer (the
   2-layer build minus the 1-layer build) and the rest (`other`: the 1-layer build minus one
   layer), and XLA's buffer plan (temporaries, arguments, whole KV pools copied). TPU targets
-  (`TPU_TOPOLOGIES`): the buffer plan. A target whose compiler is not installed gets an
+  (`TPU_TOPOLOGIES`): the buffer plan, and the learner's TPU kernels compiled through Mosaic
+  (`_compile_training_kernels`). A target whose compiler is not installed gets an
   `error` saying how to install it. `table_pages`: page-table width (pages per row, 16 tokens
   each; 64: 1,024 tokens, about the width the RL job's auto shapes give a 544-token sequence).
   """
@@ -236,6 +291,8 @@ def _bench_target(presets, rows, decode_steps, target, table_pages, timeout) -> 
     known = sorted(p.stem for p in TARGETS.glob("*.txtpb")) + sorted(TPU_TOPOLOGIES)
     raise ValueError(f"Unknown target {target!r}; known: {known}.")
   out: dict = {}
+  if target in TPU_TOPOLOGIES:
+    out["training_kernels"] = _run_child({"target": target, "training": True}, timeout)
   for preset in presets:
     for n in rows:
       base = {"preset": preset, "rows": n, "steps": decode_steps, "target": target}
@@ -263,6 +320,8 @@ def _bench_target(presets, rows, decode_steps, target, table_pages, timeout) -> 
 
 if __name__ == "__main__":
   if len(sys.argv) == 3 and sys.argv[1] == "--child":
-    print(json.dumps(_compile_window(json.loads(sys.argv[2]))))
+    child_spec = json.loads(sys.argv[2])
+    compile_child = _compile_training_kernels if child_spec.get("training") else _compile_window
+    print(json.dumps(compile_child(child_spec)))
   else:
     print(json.dumps(bench_kernels()))
