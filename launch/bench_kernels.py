@@ -253,7 +253,7 @@ def _run_child(spec: dict, timeout: float) -> dict:
     tail = proc.stderr.strip().splitlines()[-3:]
     if any("topology not implemented for cuda" in line for line in tail):
       raise RuntimeError(f"The CUDA plugin is not installed: {PLUGIN_HELP}.")
-    if any("topology not implemented for tpu" in line for line in tail):
+    if any("TPU support not installed" in line for line in tail):
       raise RuntimeError(f"libtpu is not installed: {TPU_HELP}.")
     raise RuntimeError(f"Compiling {spec} failed: " + " | ".join(tail))
   return json.loads(proc.stdout.strip().splitlines()[-1])
