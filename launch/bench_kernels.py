@@ -104,6 +104,19 @@ def count_loop_body(thunk_sequence: str) -> dict:
   }
 
 
+def _target_devices(target: str) -> list:
+  """The devices of a target compiled for without them: a TPU topology, or a GPU described by
+  its `benchmarks/gpu_targets` file."""
+  from jax.experimental import topologies
+
+  if target in TPU_TOPOLOGIES:
+    return topologies.get_topology_desc(TPU_TOPOLOGIES[target], "tpu").devices
+  config = (TARGETS / f"{target}.txtpb").read_text()
+  return topologies.get_topology_desc(
+    platform="cuda", target_config=config, topology="1x1x1"
+  ).devices
+
+
 def _compile_training_kernels(spec: dict) -> dict:
   """In a fresh process: the TPU kernels of the learner compiled for `spec["target"]` through
   Mosaic (the tests only lower them): flash attention forward and backward on Qwen3-0.6B heads
@@ -111,13 +124,11 @@ def _compile_training_kernels(spec: dict) -> dict:
   entry: XLA's temporaries in MiB, or the compiler's error."""
   import jax
   import jax.numpy as jnp
-  from jax.experimental import topologies
 
   from jaxrl.kernels import gmm
   from jaxrl.kernels.flash_attention import flash_attention
 
-  topology = topologies.get_topology_desc(TPU_TOPOLOGIES[spec["target"]], "tpu")
-  mesh = jax.sharding.Mesh(topology.devices[:1], ("x",))
+  mesh = jax.sharding.Mesh(_target_devices(spec["target"])[:1], ("x",))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   def arg(shape, dtype=jnp.bfloat16):
@@ -163,7 +174,6 @@ def _compile_window(spec: dict) -> dict:
   window for the target GPU and counts its loop body's launches."""
   import jax
   import jax.numpy as jnp
-  from jax.experimental import topologies
 
   from jaxrl.kernels.common import target_platform
   from jaxrl.model import Model, get_preset
@@ -174,12 +184,7 @@ def _compile_window(spec: dict) -> dict:
   from jaxrl.sharding import ROLLOUT_RULES, make_mesh, tree_shardings
 
   tpu = spec["target"] in TPU_TOPOLOGIES
-  if tpu:
-    topology = topologies.get_topology_desc(TPU_TOPOLOGIES[spec["target"]], "tpu")
-  else:
-    target = (TARGETS / f"{spec['target']}.txtpb").read_text()
-    topology = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
-  mesh = make_mesh(topology.devices[:1], {})
+  mesh = make_mesh(_target_devices(spec["target"])[:1], {})
   overrides = {"num_layers": spec["layers"]} if spec["layers"] else {}
   cfg = get_preset(spec["preset"], dtype="bfloat16", param_dtype="bfloat16", **overrides)
   model = Model(cfg)
@@ -234,12 +239,14 @@ def _compile_window(spec: dict) -> dict:
 
 def _run_child(spec: dict, timeout: float) -> dict:
   with tempfile.TemporaryDirectory() as dump:
+    # Only a GPU decode window's count reads XLA's dump (its thunk sequence).
+    wants_dump = spec["target"] not in TPU_TOPOLOGIES and not spec.get("training")
     env = dict(
       os.environ,
       JAX_PLATFORMS="cpu",  # no CUDA client: the plugin only compiles
       JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",  # its check needs a driver
       TPU_SKIP_MDS_QUERY="1",  # libtpu: no TPU VM's metadata server to ask
-      XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}",
+      XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + (f" --xla_dump_to={dump}" if wants_dump else ""),
     )
     spec = {**spec, "dump": dump}
     proc = subprocess.run(

@@ -174,8 +174,9 @@ def write_pages(pages_kpze, new_btke, page_bt, slot_bt):
   this way; `launch/bench.py kernels`). GPUs compile both ways without copies."""
   k, p, z, e = pages_kpze.shape
   page_n, slot_n = page_bt.reshape(-1), slot_bt.reshape(-1)
+  # A token outside the pool gets row k * p * z, past every head's rows: dropped.
   row_n = jnp.where((page_n >= 0) & (page_n < p), page_n * z + slot_n, k * p * z)
-  row_kn = jnp.where(row_n < k * p * z, jnp.arange(k)[:, None] * (p * z) + row_n, k * p * z)
+  row_kn = jnp.arange(k)[:, None] * (p * z) + row_n
   update_kne = jnp.moveaxis(new_btke.reshape(-1, k, e), 1, 0).astype(pages_kpze.dtype)
   rows = pages_kpze.reshape(k * p * z, e)
   rows = rows.at[row_kn.reshape(-1)].set(update_kne.reshape(-1, e), mode="drop")
