@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxrl.kernels.flash_attention import flash_attention
 from jaxrl.kernels.paged_attention import paged_attention
+from jaxrl.kernels.qk_rope_write import qk_rope_write, write_rows
 
 
 class LayerCache(NamedTuple):
@@ -164,43 +165,63 @@ def _attend_packed_prefill(q_bthe, k_btke, v_btke, positions_bt, cache, segment_
 
 def write_pages(pages_kpze, new_btke, page_bt, slot_bt):
   """The pool with each token's keys (or values), all heads, at its page and slot; a token
-  whose page is outside the pool writes nothing.
+  whose page is outside the pool writes nothing (`write_rows`: one scatter of whole rows)."""
+  z = pages_kpze.shape[2]
+  return write_rows(pages_kpze, new_btke, _rows(page_bt, slot_bt, pages_kpze.shape[1], z))
 
-  Written as one scatter of whole rows into the pool seen as `[k * p * z, e]` rows (a free
-  reshape), not as a scatter into its page and slot axes: for that one, XLA's TPU layout
-  assignment picks a layout with those axes major, unlike the paged attention kernel's, and a
-  decode loop then copies every layer's whole pool at every step (compiled for a v5e at
-  Qwen3-0.6B shapes, 64 rows: 56 copies of 128 MiB a step, 7.3 GiB of temporaries; 0.26 GiB
-  this way; `launch/bench.py kernels`). GPUs compile both ways without copies."""
-  k, p, z, e = pages_kpze.shape
-  page_n, slot_n = page_bt.reshape(-1), slot_bt.reshape(-1)
-  # A token outside the pool gets row k * p * z, past every head's rows: dropped.
-  row_n = jnp.where((page_n >= 0) & (page_n < p), page_n * z + slot_n, k * p * z)
-  row_kn = jnp.arange(k)[:, None] * (p * z) + row_n
-  update_kne = jnp.moveaxis(new_btke.reshape(-1, k, e), 1, 0).astype(pages_kpze.dtype)
-  rows = pages_kpze.reshape(k * p * z, e)
-  rows = rows.at[row_kn.reshape(-1)].set(update_kne.reshape(-1, e), mode="drop")
-  return rows.reshape(pages_kpze.shape)
+
+def _rows(page_bt, slot_bt, num_pages, page_size):
+  """Rows of the pool seen as `[pages * page_size]` slots per head; -1 where the page is
+  outside the pool (nothing written)."""
+  inside = (page_bt >= 0) & (page_bt < num_pages)
+  return jnp.where(inside, page_bt * page_size + slot_bt, -1).reshape(-1)
+
+
+def _token_pages(positions_bt, cache: PagedLayerCache):
+  """The page and slot of each token of a paged call; padding (position < 0) gets page
+  `num_pages`, out of range, so that its write is dropped."""
+  num_pages, page_size = cache.k_pages_kpze.shape[1:3]
+  safe_pos_bt = jnp.maximum(positions_bt, 0)
+  page_bt = jnp.take_along_axis(cache.page_table_bn, safe_pos_bt // page_size, axis=1)
+  return jnp.where(positions_bt >= 0, page_bt, num_pages), safe_pos_bt % page_size
+
+
+def _read_paged_decode(q_bthe, k_pages, v_pages, positions_bt, page_table_bn):
+  """Decode attention, one query per row, read straight from the pages (this step's keys and
+  values already written)."""
+  lengths_b = jnp.where(positions_bt[:, 0] >= 0, positions_bt[:, 0] + 1, 0).astype(jnp.int32)
+  table_bn = page_table_bn.astype(jnp.int32)
+  return paged_attention(q_bthe[:, 0], k_pages, v_pages, lengths_b, table_bn)[:, None]
+
+
+def attend_paged_decode(
+  q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache, cos_btf, sin_btf, q_scale=None,
+  k_scale=None, *, eps,
+):  # fmt: skip
+  """A decode step (t = 1) against a paged cache, from the projections: q and k RMS-normed
+  (with `q_scale`/`k_scale`, when given) and rotated, k and v written into the pages
+  (`qk_rope_write`: one kernel on a GPU, where XLA makes five), then paged attention.
+  The same as norms, `apply_rope` and `attend`. Returns (out, cache)."""
+  num_pages, page_size = cache.k_pages_kpze.shape[1:3]
+  rows_b = _rows(*_token_pages(positions_bt, cache), num_pages, page_size)
+  q_bhe, k_pages, v_pages = qk_rope_write(
+    q_bthe[:, 0], k_btke[:, 0], v_btke[:, 0], cos_btf[:, 0], sin_btf[:, 0], rows_b,
+    cache.k_pages_kpze, cache.v_pages_kpze, q_scale=q_scale, k_scale=k_scale, eps=eps,
+  )  # fmt: skip
+  out = _read_paged_decode(q_bhe[:, None], k_pages, v_pages, positions_bt, cache.page_table_bn)
+  return out, PagedLayerCache(k_pages, v_pages, cache.page_table_bn)
 
 
 def _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache):
   """Positions < 0 mark padding tokens: they write nothing and their outputs are ignored."""
-  num_pages, page_size = cache.k_pages_kpze.shape[1:3]
-  valid_bt = positions_bt >= 0
-  safe_pos_bt = jnp.maximum(positions_bt, 0)
-  page_bt = jnp.take_along_axis(cache.page_table_bn, safe_pos_bt // page_size, axis=1)
-  page_bt = jnp.where(valid_bt, page_bt, num_pages)  # out of range: the write is dropped
-  slot_bt = safe_pos_bt % page_size
+  page_size = cache.k_pages_kpze.shape[2]
+  page_bt, slot_bt = _token_pages(positions_bt, cache)
   k_pages = write_pages(cache.k_pages_kpze, k_btke, page_bt, slot_bt)
   v_pages = write_pages(cache.v_pages_kpze, v_btke, page_bt, slot_bt)
   new_cache = PagedLayerCache(k_pages, v_pages, cache.page_table_bn)
   if q_bthe.shape[1] == 1:
-    # Decode: one query per row, read straight from the pages.
-    lengths_b = jnp.where(valid_bt[:, 0], positions_bt[:, 0] + 1, 0).astype(jnp.int32)
-    out_bhe = paged_attention(
-      q_bthe[:, 0], k_pages, v_pages, lengths_b, cache.page_table_bn.astype(jnp.int32)
-    )
-    return out_bhe[:, None], new_cache
+    out = _read_paged_decode(q_bthe, k_pages, v_pages, positions_bt, cache.page_table_bn)
+    return out, new_cache
   # Prefill chunk: gather each row's pages into contiguous slots and attend densely.
   b, n = cache.page_table_bn.shape
   keys = jnp.moveaxis(k_pages[:, cache.page_table_bn], 0, -2).reshape(

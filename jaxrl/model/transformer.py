@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl.model.cache import attend
+from jaxrl.kernels.qk_rope_write import apply_rope, rms_norm
+from jaxrl.model.cache import PagedLayerCache, attend, attend_paged_decode
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.moe import MoEInputs, MoEMLP, param
 
@@ -26,11 +27,7 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
 
   def __call__(self, x):
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    # Rounded to the compute dtype before the scale, as transformers and vLLM do, so that bf16
-    # logits match theirs (in float32 the order makes no difference).
-    return x32.astype(x.dtype) * self.scale.get_value().astype(x.dtype)
+    return rms_norm(x, self.scale.get_value(), self.eps)
 
 
 @functools.lru_cache(maxsize=64)
@@ -56,15 +53,17 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def rope(x_bthe: jax.Array, positions_bt: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Rotary embedding in the rotate-half layout used by Llama/Qwen checkpoints; `cfg` gives
+def rope_cos_sin(positions_bt: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """Cosines and sines of the rotary angles, float32 `[b, t, head_dim // 2]` each; `cfg` gives
   the base frequency and the scaling (`rope_inv_freq`)."""
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
-  angles_bte = positions_bt[..., None].astype(jnp.float32) * inv_freq
-  sin, cos = jnp.sin(angles_bte)[:, :, None, :], jnp.cos(angles_bte)[:, :, None, :]
-  x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_bthe.dtype)
+  angles_btf = positions_bt[..., None].astype(jnp.float32) * inv_freq
+  return jnp.cos(angles_btf), jnp.sin(angles_btf)
+
+
+def rope(x_bthe: jax.Array, positions_bt: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Rotary embedding in the rotate-half layout used by Llama/Qwen checkpoints."""
+  return apply_rope(x_bthe, *rope_cos_sin(positions_bt, cfg))
 
 
 class Attention(nnx.Module):
@@ -96,12 +95,19 @@ class Attention(nnx.Module):
       q = q + self.bq_he.get_value().astype(dt)
       k = k + self.bk_ke.get_value().astype(dt)
       v = v + self.bv_ke.get_value().astype(dt)
-    if cfg.qk_norm:
-      q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rope(q, positions_bt, cfg), rope(k, positions_bt, cfg)
-
-    flash = cfg.attention == "flash"
-    out_bthe, cache = attend(q, k, v, positions_bt, cache, segment_ids_bt, flash=flash)
+    cos_btf, sin_btf = rope_cos_sin(positions_bt, cfg)
+    if isinstance(cache, PagedLayerCache) and q.shape[1] == 1:
+      # A decode step: the norms, the rotation and the cache write are one kernel on a GPU.
+      scales = (self.q_norm.scale.get_value(), self.k_norm.scale.get_value()) if cfg.qk_norm else ()
+      out_bthe, cache = attend_paged_decode(
+        q, k, v, positions_bt, cache, cos_btf, sin_btf, *scales, eps=cfg.norm_eps
+      )
+    else:
+      if cfg.qk_norm:
+        q, k = self.q_norm(q), self.k_norm(k)
+      q, k = apply_rope(q, cos_btf, sin_btf), apply_rope(k, cos_btf, sin_btf)
+      flash = cfg.attention == "flash"
+      out_bthe, cache = attend(q, k, v, positions_bt, cache, segment_ids_bt, flash=flash)
     return jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt)), cache
 
 

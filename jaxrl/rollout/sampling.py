@@ -11,6 +11,8 @@ from collections.abc import Iterable
 import jax
 import jax.numpy as jnp
 
+from jaxrl.kernels.common import platform_of
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -99,10 +101,16 @@ def filter_logits(
 def first_argmax(x_bv: jax.Array) -> jax.Array:
   """`jnp.argmax(x, -1)` (first index of the maximum, int32) for rows without NaN.
 
-  Written as a max and a min over indices because XLA:CPU lowers argmax's two-operand reduce
-  to a scalar loop that also drags the elementwise producers fused into it out of SIMD: at
-  16 x 32768 logits plus Gumbel noise it took 5.4 ms against 1.0 ms for this form.
+  On a CPU, written as a max and a min over indices, because XLA:CPU lowers argmax's
+  two-operand reduce to a scalar loop that also drags the elementwise producers fused into it
+  out of SIMD: at 16 x 32768 logits plus Gumbel noise it took 5.4 ms against 1.0 ms for this
+  form. Elsewhere argmax itself: one reduction that the noise is fused into, where the two-pass
+  form makes XLA's GPU compile write the noisy float32 logits out and read them twice (at
+  Qwen3-0.6B's 151,936-token vocabulary and 64 rows: 39 MB written and 78 MB read a step, and
+  three more kernels; `launch/bench.py kernels`).
   """
+  if platform_of(x_bv) != "cpu":
+    return jnp.argmax(x_bv, axis=-1).astype(jnp.int32)
   max_b1 = jnp.max(x_bv, axis=-1, keepdims=True)
   index_v = jnp.arange(x_bv.shape[-1], dtype=jnp.int32)
   return jnp.min(jnp.where(x_bv == max_b1, index_v, x_bv.shape[-1] - 1), axis=-1)
