@@ -558,7 +558,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=None, help=steps_help)
   rows_help = "rollout, decode_profile: sequences at once (rollout: also no 1-step engine)"
   parser.add_argument("--rows", type=int, default=None, help=rows_help)
-  parser.add_argument("--dtype", default=None, help="rollout, decode_profile: compute dtype")
+  parser.add_argument("--dtype", default=None, help="rollout, decode_profile, kernels: dtype")
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
   if args.rows and args.name == "decode_profile":

@@ -3,7 +3,7 @@ GPU or a TPU, on a machine with neither.
 
 A decode step of a small model at a few dozen rows is a chain of some 400 small GPU kernels,
 each a few microseconds (issue 16: 1.26 ms a step at 16 rows against a 0.4 ms memory floor on
-an H200). This benchmark compiles the window (`PagedCalls.decoder`, bf16,
+an H200). This benchmark compiles the window (`PagedCalls.decoder`, bf16 or fp32,
 `PagedConfig.decode_steps` steps) ahead of time for an H100 or H200 described by
 `benchmarks/gpu_targets/*.txtpb`, reads the thunk sequence XLA dumps (what the GPU runtime
 will launch), and counts the launches of one step (one pass of the window's loop body): per
@@ -186,7 +186,8 @@ def _compile_window(spec: dict) -> dict:
   tpu = spec["target"] in TPU_TOPOLOGIES
   mesh = make_mesh(_target_devices(spec["target"])[:1], {})
   overrides = {"num_layers": spec["layers"]} if spec["layers"] else {}
-  cfg = get_preset(spec["preset"], dtype="bfloat16", param_dtype="bfloat16", **overrides)
+  dtype = spec.get("dtype", "bfloat16")
+  cfg = get_preset(spec["preset"], dtype=dtype, param_dtype=dtype, **overrides)
   model = Model(cfg)
   shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
   param_shardings = tree_shardings(model.logical_axes, mesh, ROLLOUT_RULES, shapes)
@@ -203,7 +204,7 @@ def _compile_window(spec: dict) -> dict:
 
   params = jax.tree.map(lambda a, s: arg(a.shape, a.dtype, s), model.abstract_params(), params_s)
   pool = (cfg.num_kv_heads, config.num_pages, page_size, cfg.head_dim)
-  kv = [(arg(pool, jnp.bfloat16, a), arg(pool, jnp.bfloat16, b)) for a, b in kv_s]
+  kv = [(arg(pool, dtype, a), arg(pool, dtype, b)) for a, b in kv_s]
   i32, b = jnp.int32, (rows,)
   state = DecodeState(*(arg(b, i32, s) for s in state_s[:4]), arg(b, jnp.bool_, state_s.live_b))
   sampling = RowSampling(
@@ -219,7 +220,7 @@ def _compile_window(spec: dict) -> dict:
     )
   compiled = lowered.compile()
   memory = compiled.memory_analysis()
-  pool_type = f"bf16[{','.join(map(str, pool))}]"
+  pool_type = f"{'bf16' if dtype == 'bfloat16' else 'f32'}[{','.join(map(str, pool))}]"
   text = compiled.as_text()
   plan = {
     "temp_gib": memory.temp_size_in_bytes / 2**30,
@@ -273,6 +274,7 @@ def bench_kernels(
   targets: tuple[str, ...] = ("h100", "tpu-v5e"),
   table_pages: int = 64,
   timeout: float = 900.0,
+  dtype: str = "bfloat16",
 ) -> dict:
   """Each target's compile of the decode window of each preset at each row count.
 
@@ -283,17 +285,20 @@ def bench_kernels(
   (`_compile_training_kernels`). A target whose compiler is not installed gets an
   `error` saying how to install it. `table_pages`: page-table width (pages per row, 16 tokens
   each; 64: 1,024 tokens, about the width the RL job's auto shapes give a 544-token sequence).
+  `dtype`: the model's compute, parameter and cache dtype, "bfloat16" or "float32".
   """
-  out: dict = {"decode_steps": decode_steps, "table_pages": table_pages}
+  if dtype not in ("bfloat16", "float32"):
+    raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}.")
+  out: dict = {"decode_steps": decode_steps, "table_pages": table_pages, "dtype": dtype}
   for target in targets:
     try:
-      out[target] = _bench_target(presets, rows, decode_steps, target, table_pages, timeout)
+      out[target] = _bench_target(presets, rows, decode_steps, target, table_pages, timeout, dtype)
     except RuntimeError as e:
       out[target] = {"error": str(e)}
   return out
 
 
-def _bench_target(presets, rows, decode_steps, target, table_pages, timeout) -> dict:
+def _bench_target(presets, rows, decode_steps, target, table_pages, timeout, dtype) -> dict:
   if target not in TPU_TOPOLOGIES and not (TARGETS / f"{target}.txtpb").exists():
     known = sorted(p.stem for p in TARGETS.glob("*.txtpb")) + sorted(TPU_TOPOLOGIES)
     raise ValueError(f"Unknown target {target!r}; known: {known}.")
@@ -303,6 +308,7 @@ def _bench_target(presets, rows, decode_steps, target, table_pages, timeout) -> 
   for preset in presets:
     for n in rows:
       base = {"preset": preset, "rows": n, "steps": decode_steps, "target": target}
+      base["dtype"] = dtype
       base["table_pages"] = table_pages
       full = _run_child({**base, "layers": 0}, timeout)
       if target in TPU_TOPOLOGIES:  # memory only: a TPU program has no launches to count
