@@ -482,7 +482,10 @@ def auto_settings(
   dense attention at every length measured (1k-16k tokens, H200) and a 16k-token learner step
   took 9 GiB against 46 (docs/BENCHMARKS.md); "dense" elsewhere: CPU (the flash reference is
   slower at short lengths), TPU (its kernel has not run on a TPU yet) and other GPUs (the
-  kernel has not run on them; some have under half a Hopper's shared memory per block)."""
+  kernel has not run on them; some have under half a Hopper's shared memory per block). On a
+  TPU v5e, whose chip has 15.75 GiB, XLA's plan of a 16k-token Qwen3-0.6B update needs 21.2
+  GiB of temporaries with dense attention and 7.1 GiB in all with flash (compiled without a
+  TPU, `launch/bench.py kernels`): set `model.attention=flash` there for long responses."""
   if backend is None:
     import jax  # here: reading a config must not start a backend unless "auto" asks
 

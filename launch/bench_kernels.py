@@ -12,7 +12,9 @@ LM head, sampler), and how many run inside a CUDA graph (XLA's command buffers).
 TPU targets (a TPU v5e, v6e or v4 topology) it also reports XLA's buffer plan: temporaries,
 arguments, and how many whole KV pools the program copies (a layout change XLA inserted: on a
 TPU, around a scatter into the pool's page and slot axes, every layer at every step, until
-`jaxrl.model.cache.write_pages` wrote rows instead).
+`jaxrl.model.cache.write_pages` wrote rows instead). And for every target, XLA's buffer plan of
+the learner's update at the settings of `launch/bench.py learner` (`_plan_learner`, from an
+abstract `Learner`): whether it fits one chip.
 
 Without a device XLA keeps its default GEMM tiles (no autotuning), so which GEMM kernels run
 may differ on a card; the kernels the model's ops make, and their number, do not.
@@ -169,6 +171,46 @@ def _compile_training_kernels(spec: dict) -> dict:
   return out
 
 
+# The learner settings of `launch/bench_learner.py` (Qwen3-0.6B, one packed row of L positions
+# per micro-batch, 2 micro-batches per update): (L, attention).
+LEARNER_SETTINGS = ((4096, "flash"), (16384, "flash"), (16384, "dense"))
+
+
+def _plan_learner(spec: dict) -> dict:
+  """In a fresh process: XLA's buffer plan of the learner's update (`Learner.update_memory`)
+  compiled for `spec["target"]` from an abstract learner (no device), at each of
+  `LEARNER_SETTINGS`: what one chip of that kind needs for it, against what it has. Each
+  entry: GiB of arguments (parameters, optimizer state, batch), outputs and temporaries, or
+  the compiler's error (a TPU compile refuses a plan larger than the chip's memory)."""
+
+  from jaxrl.kernels.common import target_platform
+  from jaxrl.model import Model, get_preset
+  from jaxrl.sharding import TRAIN_RULES, make_mesh
+  from jaxrl.train import Learner, LossConfig, OptimizerConfig
+
+  target = spec["target"]
+  mesh = make_mesh(_target_devices(target)[:1], {})
+  out = {}
+  for length, attention in LEARNER_SETTINGS:
+    cfg = get_preset(
+      "qwen3-0.6b", dtype="bfloat16", param_dtype="float32", remat=True, attention=attention,
+      max_seq_len=length + 1,
+    )  # fmt: skip
+    learner = Learner(
+      Model(cfg), mesh, TRAIN_RULES, loss=LossConfig(),
+      optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
+      updates_per_step=1, micro_batch_size=1, temperature=1.0, pack_length=length, abstract=True,
+    )  # fmt: skip
+    name = f"learner_{length}_{attention}"
+    try:
+      with target_platform("tpu" if target in TPU_TOPOLOGIES else "cuda"):
+        plan = learner.update_memory(2, length + 1)
+      out[name] = plan
+    except Exception as e:  # noqa: BLE001  (a compiler error is this benchmark's finding)
+      out[name] = {"error": str(e).splitlines()[0][:500]}
+  return out
+
+
 def _compile_window(spec: dict) -> dict:
   """In a fresh process (`spec`: preset, layers, rows, steps, target, dump): compiles the decode
   window for the target GPU and counts its loop body's launches."""
@@ -241,7 +283,7 @@ def _compile_window(spec: dict) -> dict:
 def _run_child(spec: dict, timeout: float) -> dict:
   with tempfile.TemporaryDirectory() as dump:
     # Only a GPU decode window's count reads XLA's dump (its thunk sequence).
-    wants_dump = spec["target"] not in TPU_TOPOLOGIES and not spec.get("training")
+    wants_dump = spec["target"] not in TPU_TOPOLOGIES and not spec.get("kind")
     env = dict(
       os.environ,
       JAX_PLATFORMS="cpu",  # no CUDA client: the plugin only compiles
@@ -275,6 +317,7 @@ def bench_kernels(
   table_pages: int = 64,
   timeout: float = 900.0,
   dtype: str = "bfloat16",
+  learner: bool = True,
 ) -> dict:
   """Each target's compile of the decode window of each preset at each row count.
 
@@ -286,6 +329,8 @@ def bench_kernels(
   `error` saying how to install it. `table_pages`: page-table width (pages per row, 16 tokens
   each; 64: 1,024 tokens, about the width the RL job's auto shapes give a 544-token sequence).
   `dtype`: the model's compute, parameter and cache dtype, "bfloat16" or "float32".
+  `learner`: also plan the learner's update on each target (`_plan_learner`; several minutes
+  of compiling per target on a small machine).
   """
   if dtype not in ("bfloat16", "float32"):
     raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}.")
@@ -298,13 +343,15 @@ def bench_kernels(
   return out
 
 
-def _bench_target(presets, rows, decode_steps, target, table_pages, timeout, dtype) -> dict:
+def _bench_target(presets, rows, decode_steps, target, table_pages, timeout, dtype, learner):
   if target not in TPU_TOPOLOGIES and not (TARGETS / f"{target}.txtpb").exists():
     known = sorted(p.stem for p in TARGETS.glob("*.txtpb")) + sorted(TPU_TOPOLOGIES)
     raise ValueError(f"Unknown target {target!r}; known: {known}.")
   out: dict = {}
   if target in TPU_TOPOLOGIES:
-    out["training_kernels"] = _run_child({"target": target, "training": True}, timeout)
+    out["training_kernels"] = _run_child({"target": target, "kind": "training"}, timeout)
+  if learner:
+    out["learner"] = _run_child({"target": target, "kind": "learner"}, timeout)
   for preset in presets:
     for n in rows:
       base = {"preset": preset, "rows": n, "steps": decode_steps, "target": target}
@@ -334,7 +381,9 @@ def _bench_target(presets, rows, decode_steps, target, table_pages, timeout, dty
 if __name__ == "__main__":
   if len(sys.argv) == 3 and sys.argv[1] == "--child":
     child_spec = json.loads(sys.argv[2])
-    compile_child = _compile_training_kernels if child_spec.get("training") else _compile_window
+    compile_child = {"training": _compile_training_kernels, "learner": _plan_learner}.get(
+      child_spec.get("kind"), _compile_window
+    )
     print(json.dumps(compile_child(child_spec)))
   else:
     print(json.dumps(bench_kernels()))

@@ -31,6 +31,7 @@ import numpy as np
 from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
 from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
+from jaxrl.train import update_plan
 from jaxrl.train.losses import LossConfig, chunked_token_logprobs, policy_loss
 from jaxrl.train.optimizer import (
   apply_if_finite,
@@ -101,12 +102,18 @@ class Learner:
     moe: MoEConfig | None = None,
     logprob_chunk: int = 128,
     pack_length: int = 0,
+    abstract: bool = False,
   ):
     """Builds the learner; `logprob_chunk` positions of the LM head are applied at a time
     (`chunked_token_logprobs`), so full-vocabulary fp32 logits never exist for a whole batch.
     `pack_length` > 0 packs the sequences into micro-batches of `micro_batch_size` rows of that
     many positions (one training shape for the run); 0 pads each micro-batch of
-    `micro_batch_size` sequences to the batch's length."""
+    `micro_batch_size` sequences to the batch's length.
+
+    `abstract`: parameters, optimizer state and reference are shapes on the mesh's shardings
+    (`jax.ShapeDtypeStruct`), nothing is allocated or run: a learner for `update_memory` and
+    lowering only, also on devices this process does not have (a TPU or GPU topology compiled
+    for from a CPU machine, `launch/bench_kernels.py`). `update` and the rest need real ones."""
     if pack_length < 0:
       raise ValueError(
         f"pack_length must be 0 (padded batches) or the positions of a packed row, got "
@@ -142,9 +149,14 @@ class Learner:
     self._row_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_axes))
     self.optimizer = make_optimizer(optimizer)
     self._grad_accum_dtype = jnp.dtype(optimizer.grad_accum_dtype)
-    if params is None:
-      params = jax.jit(model.init, out_shardings=self.param_shardings)(seed)
-    self.params = jax.device_put(params, self.param_shardings)
+    if abstract:
+      if params is not None:
+        raise ValueError("An abstract learner builds its parameters' shapes: pass params=None.")
+      self.params = update_plan.with_shardings(model.abstract_params(), self.param_shardings)
+    else:
+      if params is None:
+        params = jax.jit(model.init, out_shardings=self.param_shardings)(seed)
+      self.params = jax.device_put(params, self.param_shardings)
     # The state keeps one layout for the whole run: optimizer moments sharded like their
     # parameters, the rest (step counts) replicated, and the update returns it in that layout.
     # Left to XLA, the first update's outputs were laid out unlike its inputs, so every batch
@@ -152,9 +164,16 @@ class Learner:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     self._replicated = replicated
     self.opt_shardings = optimizer_shardings(self.optimizer, self.params, self.param_shardings)
-    self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
+    if abstract:
+      opt_state = jax.eval_shape(self.optimizer.init, self.params)
+      self.opt_state = update_plan.with_shardings(opt_state, self.opt_shardings)
+    else:
+      init = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
+      self.opt_state = init(self.params)
     # No reference copy unless the KL term needs one.
-    self.ref_params = jax.tree.map(jnp.copy, self.params) if loss.kl_weight > 0 else None
+    self.ref_params = None
+    if loss.kl_weight > 0:
+      self.ref_params = self.params if abstract else jax.tree.map(jnp.copy, self.params)
     state_out = (self.param_shardings, self.opt_shardings, replicated)
     options = training_compiler_options(mesh)
     self._update = jax.jit(
@@ -382,7 +401,7 @@ class Learner:
   @functools.cached_property
   def _zero_sums(self):
     """Jitted: zero (gradients, metric sums) for the micro-steps to add into."""
-    micro = self._abstract_micro(self.pack_length)
+    micro = update_plan.abstract_micro(self, self.pack_length)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     loss, metrics = jax.eval_shape(
       self._micro_loss, self.params, self.ref_params, micro, scalar, scalar, None
@@ -401,55 +420,9 @@ class Learner:
       return jax.tree.map(jnp.zeros_like, params)
     return jax.tree.map(lambda p: jnp.zeros(p.shape, self._grad_accum_dtype), params)
 
-  def _abstract_micro(self, length: int) -> MicroBatch:
-    """A packed micro-batch of `length` positions as shapes (for tracing and planning)."""
-    cfg = self.model.config
-    shape = (self.micro_batch_size, length)
-    sds = lambda dtype, *s: jax.ShapeDtypeStruct(s, dtype, sharding=self._row_sharding)  # noqa: E731
-    routes = None
-    if cfg.is_moe and self.moe_cfg.routing_replay:
-      routes = sds(jnp.int32, *shape, cfg.num_layers, cfg.experts_per_token)
-    ints, floats = sds(jnp.int32, *shape), sds(jnp.float32, *shape)
-    return MicroBatch(ints, ints, floats, floats, floats, floats, ints, ints, routes)
-
   def update_memory(self, batch_size: int, length: int) -> dict[str, float]:
-    """XLA's buffer plan for one optimizer update over `batch_size` sequences of `length`
-    tokens (dense models, no routing replay), compiled but not run: GiB of its arguments
-    (parameters, optimizer state, batch), outputs, and temporaries (gradients, activations,
-    logits chunks). A lower bound on what the update needs beside the process's other memory.
-
-    Packed: the plan of whichever of its two programs needs more, the micro-step over
-    `micro_batch_size` rows (of `pack_length` positions, or longer where `length` needs) or
-    the step that applies the gradients; `batch_size` does not matter there."""
-    gib = 2.0**30
-    if self.pack_length:
-      micro = self._abstract_micro(row_length(length - 1, self.pack_length))
-      as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-      sums = jax.tree.map(as_abstract, jax.eval_shape(self._zero_sums, self.params))
-      scalar = jax.ShapeDtypeStruct((), jnp.float32)
-      plans = [
-        self._micro_step.lower(
-          self.params, self.ref_params, sums, micro, scalar, scalar, None
-        ).compile().memory_analysis(),
-        self._apply.lower(self.params, self.opt_state, sums).compile().memory_analysis(),
-      ]  # fmt: skip
-      analysis = max(plans, key=lambda a: a.argument_size_in_bytes + a.temp_size_in_bytes)
-    else:
-      m = batch_size // self.micro_batch_size
-      shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=self._micro_sharding)  # noqa: E731
-      per_token = (m, self.micro_batch_size, length - 1)
-      tokens = jax.ShapeDtypeStruct((m, self.micro_batch_size, length), jnp.int32,
-                                    sharding=self._micro_sharding)  # fmt: skip
-      compiled = self._update.lower(
-        self.params, self.opt_state, self.ref_params, tokens, shape(*per_token),
-        shape(*per_token), shape(*per_token), shape(m, self.micro_batch_size), None, None,
-      ).compile()  # fmt: skip
-      analysis = compiled.memory_analysis()
-    return {
-      "arguments_gib": analysis.argument_size_in_bytes / gib,
-      "outputs_gib": analysis.output_size_in_bytes / gib,
-      "temporaries_gib": analysis.temp_size_in_bytes / gib,
-    }
+    """XLA's buffer plan of one optimizer update, compiled but not run (`update_plan`)."""
+    return update_plan.update_memory(self, batch_size, length)
 
   def precompile(self, batch_size: int, lengths: Sequence[int]) -> int:
     """Compiles `update` (and the proximal log-probs it may need) for batches of `batch_size`

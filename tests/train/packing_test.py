@@ -178,7 +178,9 @@ MODELS = {
 }
 
 
-def make_learner(model, pack, loss, *, params=None, devices=1, updates=1, micro=4, moe=None):
+def make_learner(
+  model, pack, loss, *, params=None, devices=1, updates=1, micro=4, moe=None, abstract=False
+):
   # Not device 0, where `params` are made: an update donates the learner's buffers, and a
   # device_put onto the device they are on may keep them rather than copy.
   return Learner(
@@ -193,6 +195,7 @@ def make_learner(model, pack, loss, *, params=None, devices=1, updates=1, micro=
     params=params,
     moe=moe,
     pack_length=pack,
+    abstract=abstract,
   )
 
 
@@ -334,6 +337,22 @@ def test_packed_precompile_trains_nothing_and_compiles_what_updates_meet():
   assert (learner._micro_step._cache_size(), learner._apply._cache_size()) == compiled
   plan = learner.update_memory(16, 24)
   assert plan["arguments_gib"] > 0 and plan["temporaries_gib"] > 0
+
+
+@pytest.mark.parametrize("pack", [0, 24])
+def test_abstract_learner_plans_what_the_real_one_does(pack):
+  """`abstract=True`: shapes on the mesh's shardings, nothing allocated, the same buffer plan
+  (the planning a TPU or GPU topology gets from a CPU machine, `launch/bench_kernels.py`)."""
+  model, loss = MODELS["dense"], LossConfig(kl_weight=0.1)  # with a reference copy
+  real = make_learner(model, pack, loss, devices=2)
+  abstract = make_learner(model, pack, loss, devices=2, abstract=True)
+  for tree in (abstract.params, abstract.opt_state, abstract.ref_params):
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+  shardings = [x.sharding for x in jax.tree.leaves(real.params)]
+  assert [x.sharding for x in jax.tree.leaves(abstract.params)] == shardings
+  assert abstract.update_memory(16, 24) == real.update_memory(16, 24)
+  with pytest.raises(ValueError, match="pass params=None"):
+    make_learner(model, pack, loss, params=real.params, abstract=True)
 
 
 def test_bad_packing_inputs():
