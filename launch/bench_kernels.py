@@ -337,7 +337,9 @@ def bench_kernels(
   out: dict = {"decode_steps": decode_steps, "table_pages": table_pages, "dtype": dtype}
   for target in targets:
     try:
-      out[target] = _bench_target(presets, rows, decode_steps, target, table_pages, timeout, dtype)
+      out[target] = _bench_target(
+        presets, rows, decode_steps, target, table_pages, timeout, dtype, learner
+      )
     except RuntimeError as e:
       out[target] = {"error": str(e)}
   return out

@@ -61,11 +61,6 @@ def rope_cos_sin(positions_bt: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, 
   return jnp.cos(angles_btf), jnp.sin(angles_btf)
 
 
-def rope(x_bthe: jax.Array, positions_bt: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Rotary embedding in the rotate-half layout used by Llama/Qwen checkpoints."""
-  return apply_rope(x_bthe, *rope_cos_sin(positions_bt, cfg))
-
-
 class Attention(nnx.Module):
   """Grouped-query attention; writes its keys/values into the cache when one is given."""
 
