@@ -171,41 +171,28 @@ def _compile_training_kernels(spec: dict) -> dict:
   return out
 
 
-# The learner settings of `launch/bench_learner.py` (Qwen3-0.6B, one packed row of L positions
-# per micro-batch, 2 micro-batches per update): (L, attention).
-LEARNER_SETTINGS = ((4096, "flash"), (16384, "flash"), (16384, "dense"))
-
-
 def _plan_learner(spec: dict) -> dict:
   """In a fresh process: XLA's buffer plan of the learner's update (`Learner.update_memory`)
-  compiled for `spec["target"]` from an abstract learner (no device), at each of
-  `LEARNER_SETTINGS`: what one chip of that kind needs for it, against what it has. Each
-  entry: GiB of arguments (parameters, optimizer state, batch), outputs and temporaries, or
-  the compiler's error (a TPU compile refuses a plan larger than the chip's memory)."""
+  compiled for `spec["target"]` from an abstract learner (no device), at each setting of
+  `launch/bench.py learner` (Qwen3-0.6B, one packed row of L positions per micro-batch, 2
+  micro-batches per update): what one chip of that kind needs for it, against what it has.
+  Each entry: GiB of arguments (parameters, optimizer state, batch), outputs and temporaries,
+  or the compiler's error (a TPU compile refuses a plan larger than the chip's memory)."""
+  from bench_learner import SETTINGS, recipe_learner
 
   from jaxrl.kernels.common import target_platform
-  from jaxrl.model import Model, get_preset
-  from jaxrl.sharding import TRAIN_RULES, make_mesh
-  from jaxrl.train import Learner, LossConfig, OptimizerConfig
 
   target = spec["target"]
-  mesh = make_mesh(_target_devices(target)[:1], {})
+  devices = _target_devices(target)
   out = {}
-  for length, attention in LEARNER_SETTINGS:
-    cfg = get_preset(
-      "qwen3-0.6b", dtype="bfloat16", param_dtype="float32", remat=True, attention=attention,
-      max_seq_len=length + 1,
-    )  # fmt: skip
-    learner = Learner(
-      Model(cfg), mesh, TRAIN_RULES, loss=LossConfig(),
-      optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
-      updates_per_step=1, micro_batch_size=1, temperature=1.0, pack_length=length, abstract=True,
-    )  # fmt: skip
+  for length, attention in SETTINGS:
+    _, learner = recipe_learner(
+      "qwen3-0.6b", length, attention, devices, dtype="bfloat16", abstract=True
+    )
     name = f"learner_{length}_{attention}"
     try:
       with target_platform("tpu" if target in TPU_TOPOLOGIES else "cuda"):
-        plan = learner.update_memory(2, length + 1)
-      out[name] = plan
+        out[name] = learner.update_memory(2, length + 1)
     except Exception as e:  # noqa: BLE001  (a compiler error is this benchmark's finding)
       out[name] = {"error": str(e).splitlines()[0][:500]}
   return out

@@ -32,21 +32,18 @@ import time
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
-def _child(setting: dict) -> dict:
-  """One setting, in this process: compile, then time `steps` updates."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
+def recipe_learner(preset: str, length: int, attention: str, devices, *, dtype, abstract=False):
+  """(model config, `Learner`) of this benchmark's recipe on the first of `devices`: one
+  packed row of `length` positions per micro-batch, fp32 master weights, `dtype` compute,
+  bf16 Adam first moment and gradient sums, remat. `abstract`: shapes only (`Learner`), for
+  planning on devices this process does not have (`launch/bench_kernels.py`)."""
   from jaxrl.model import Model, get_preset
   from jaxrl.sharding import TRAIN_RULES, make_mesh
-  from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch
+  from jaxrl.train import Learner, LossConfig, OptimizerConfig
 
-  on_cpu = jax.default_backend() == "cpu"
-  length, attention, rows = setting["length"], setting["attention"], setting["rows"]
   cfg = get_preset(
-    setting["preset"],
-    dtype="float32" if on_cpu else "bfloat16",
+    preset,
+    dtype=dtype,
     param_dtype="float32",
     remat=True,
     attention=attention,
@@ -55,16 +52,32 @@ def _child(setting: dict) -> dict:
   model = Model(cfg)
   learner = Learner(
     model,
-    make_mesh(jax.devices()[:1], {}),
+    make_mesh(devices[:1], {}),
     TRAIN_RULES,
     loss=LossConfig(),
     optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
     updates_per_step=1,
     micro_batch_size=1,
     temperature=1.0,
-    params=model.init(0),
+    params=None if abstract else model.init(0),
     pack_length=length,
+    abstract=abstract,
   )
+  return cfg, learner
+
+
+def _child(setting: dict) -> dict:
+  """One setting, in this process: compile, then time `steps` updates."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxrl.train import TrainBatch
+
+  on_cpu = jax.default_backend() == "cpu"
+  length, attention, rows = setting["length"], setting["attention"], setting["rows"]
+  dtype = "float32" if on_cpu else "bfloat16"
+  cfg, learner = recipe_learner(setting["preset"], length, attention, jax.devices(), dtype=dtype)
   rng = np.random.default_rng(0)
   prompt = min(256, length // 4)
   tokens = rng.integers(3, cfg.vocab_size, (rows, length + 1)).astype(np.int32)
