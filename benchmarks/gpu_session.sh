@@ -8,9 +8,10 @@
 # dependencies), gmm, rollout64, rollout64_graphs (the same with XLA's command buffers also
 # around the loop itself; its body is one already, `bench.py kernels`), profile64 and profile16
 # (the decode step's device time by kernel kind at 64 and 16 rows, `bench.py decode_profile`:
-# why is it at 24% of its HBM roofline?), rollout256, rollout64_fp32, rollout16_fp32, learner,
-# grpo, train (the main job with its defaults), tests (the GPU-marked kernel tests, in one
-# process). Each part runs
+# why is it at 24% of its HBM roofline? Each also times the step with qk_rope_write's
+# reference, and profile64 keeps its two Perfetto traces in $OUT), rollout256, rollout64_fp32,
+# rollout16_fp32, learner, grpo, train (the main job with its defaults), tests (the GPU-marked kernel tests, in one
+# process), tests_qk (those of qk_rope_write alone). Each part runs
 # under its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
 # {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings
 # it finished, for a part cut short) to $OUT/progress.txt and the end of its log to
@@ -66,10 +67,10 @@ for spec in "$@"; do
     gmm) run_part gmm "${limit:-150}" python3 launch/bench.py gmm --json ;;
     rollout64) run_part rollout64 "${limit:-150}" python3 launch/bench.py rollout --json \
       --presets qwen3-0.6b --rows 64 --dtype bfloat16 ;;
-    profile64) run_part profile64 "${limit:-120}" python3 launch/bench.py decode_profile --json \
-      --presets qwen3-0.6b --rows 64 ;;
-    profile16) run_part profile16 "${limit:-120}" python3 launch/bench.py decode_profile --json \
-      --presets qwen3-0.6b --rows 16 ;;
+    profile64) run_part profile64 "${limit:-180}" python3 launch/bench.py decode_profile --json \
+      --presets qwen3-0.6b --rows 64 --reference qk_rope_write --trace-dir "$OUT" ;;
+    profile16) run_part profile16 "${limit:-150}" python3 launch/bench.py decode_profile --json \
+      --presets qwen3-0.6b --rows 16 --reference qk_rope_write ;;
     rollout256) run_part rollout256 "${limit:-150}" python3 launch/bench.py rollout --json \
       --presets qwen3-0.6b --rows 256 --dtype bfloat16 ;;
     rollout64_graphs) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
@@ -85,6 +86,8 @@ for spec in "$@"; do
     train) run_part train "${limit:-240}" python3 launch/train.py --workdir /tmp/train_default ;;
     tests) JAX_PLATFORMS=cuda run_part tests "${limit:-200}" python3 -m pytest -q -n 0 -m gpu -p \
       no:cacheprovider tests/kernels ;;
+    tests_qk) JAX_PLATFORMS=cuda run_part tests_qk "${limit:-90}" python3 -m pytest -q -n 0 -m gpu \
+      -p no:cacheprovider tests/kernels/qk_rope_write_test.py ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -36,6 +36,29 @@ def target_platform(platform: str):
     jax.clear_caches()
 
 
+_AUTO_OVERRIDES: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+  "auto_overrides", default=None
+)
+
+
+@contextlib.contextmanager
+def auto_impls(**impl_by_op: str):
+  """Traces inside resolve `impl="auto"` of the named kernels to the given impl, e.g.
+  `auto_impls(qk_rope_write="reference")`: for timing a kernel against its reference inside
+  the model that calls it (`bench.py decode_profile --reference`), where the call sites pass
+  "auto". Clears jax's trace caches on entering and leaving, as `target_platform` does."""
+  for op, impl in impl_by_op.items():
+    if impl not in IMPLS or impl == "auto":
+      raise ValueError(f"auto_impls({op}={impl!r}): expected one of {IMPLS[1:]}.")
+  jax.clear_caches()
+  token = _AUTO_OVERRIDES.set({**(_AUTO_OVERRIDES.get() or {}), **impl_by_op})
+  try:
+    yield
+  finally:
+    _AUTO_OVERRIDES.reset(token)
+    jax.clear_caches()
+
+
 def platform_of(x: jax.Array) -> str:
   """The platform of a concrete array's devices, else (under tracing) the `target_platform`
   set around the trace, else the default backend."""
@@ -49,6 +72,9 @@ def resolve_impl(op: str, impl: str, interpret, x: jax.Array) -> str:
   where there is none); `interpret` must name a kernel, since the reference has none."""
   if impl not in IMPLS:
     raise ValueError(f"Unknown {op} impl {impl!r}; expected one of {IMPLS}.")
+  overrides = _AUTO_OVERRIDES.get() or {}
+  if impl == "auto" and op in overrides:
+    impl = overrides[op]
   if impl == "auto":
     platform = platform_of(x)
     impl = _AUTO.get(platform, "reference")

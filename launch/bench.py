@@ -56,7 +56,7 @@ from bench_prefill import (  # noqa: E402
   bench_prefix_sharing,
   timed_generate,
 )
-from bench_profile import bench_decode_profile  # noqa: E402
+from bench_profile import bench_decode_profile, decode_step_seconds  # noqa: E402
 
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxrl.model import Model, get_preset  # noqa: E402
@@ -134,22 +134,6 @@ def _matmul_flops_per_s(m: int = 2048, n: int = 2048, k: int = 2048) -> float:
   return 2 * m * n * k / _best_seconds(lambda: mm(a, b))
 
 
-def _decode_step_seconds(engine, prompts, sampling) -> float:
-  """Mean time per decoded token of each row (one decode step) once the requests are admitted
-  and prefilled; a window of several steps per engine step is divided by its tokens."""
-  engine.generate(prompts, sampling, seed=0)  # compiles every shape the timed run meets
-  for i, (p, sp) in enumerate(zip(prompts, sampling, strict=True)):
-    engine.submit(p, sp, seed=i)
-  engine.step()  # admission, prefill and the first window
-  first = sum(len(s.record.token_ids) for s in engine.running.values())
-  start = time.perf_counter()
-  while engine.has_work:
-    engine.step()
-  seconds = time.perf_counter() - start
-  total = sum(sp.max_new_tokens for sp in sampling)  # forced lengths: every row runs to its cap
-  return seconds / ((total - first) / len(prompts))
-
-
 def _kv_bytes_per_token(cfg) -> int:
   """Bytes of keys and values of one token, all layers."""
   return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
@@ -212,7 +196,7 @@ def bench_decode_floor(
     engine.update_weights(model.init(0), 0)
     prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(rows)]
     sampling = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)] * rows
-    step_s = _decode_step_seconds(engine, prompts, sampling)
+    step_s = decode_step_seconds(engine, prompts, sampling)
     floor_s = _matmul_only_step_seconds(cfg, rows)
     roof_s = _decode_roofline_s(cfg, rows, prompt_len + new_tokens / 2, bandwidth, flops_rate)
     out[preset] = {
@@ -312,13 +296,13 @@ def bench_rollout(
     sampling = [SamplingParams(temperature=1.0, max_new_tokens=median, ignore_eos=True)] * (
       roofline_seqs
     )
-    step_s = _decode_step_seconds(paged, prompts[:roofline_seqs], sampling)
+    step_s = decode_step_seconds(paged, prompts[:roofline_seqs], sampling)
     if one_step_per_call:
       single = PagedEngine(
         model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=PagedConfig(decode_steps=1)
       )
       single.update_weights(params, 0)
-      single_step_s = _decode_step_seconds(single, prompts[:roofline_seqs], sampling)
+      single_step_s = decode_step_seconds(single, prompts[:roofline_seqs], sampling)
       row[f"decode_step_ms_{roofline_seqs}_seqs_one_step_per_call"] = single_step_s * 1e3
     context = prompt_len + median / 2
     roofline_s = _decode_roofline_s(cfg, roofline_seqs, context, bandwidth, flops_rate)
@@ -493,7 +477,7 @@ def bench_calibrate(
     for batch in batches:
       prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(batch)]
       sampling = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)] * batch
-      measured = _decode_step_seconds(engine, prompts, sampling)
+      measured = decode_step_seconds(engine, prompts, sampling)
       roof = decode_roofline_seconds(cfg, machine, 1, batch, context)
       steps.append((roof, measured, 1.0 / measured**2))  # relative error, not absolute
       rows[f"{preset}/batch{batch}"] = {"measured_ms": measured * 1e3, "roofline_ms": roof * 1e3}
@@ -559,6 +543,10 @@ def main() -> None:
   rows_help = "rollout, decode_profile: sequences at once (rollout: also no 1-step engine)"
   parser.add_argument("--rows", type=int, default=None, help=rows_help)
   parser.add_argument("--dtype", default=None, help="rollout, decode_profile, kernels: dtype")
+  trace_help = "decode_profile: keep the Perfetto trace in this folder"
+  parser.add_argument("--trace-dir", default=None, help=trace_help)
+  reference_help = "decode_profile: also run with these kernels' auto impl as the reference"
+  parser.add_argument("--reference", default=None, help=reference_help)
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
   if args.rows and args.name == "decode_profile":
@@ -567,6 +555,10 @@ def main() -> None:
     kwargs.update(max_running=args.rows, roofline_seqs=args.rows, one_step_per_call=False)
   if args.dtype:
     kwargs["dtype"] = args.dtype
+  if args.trace_dir:
+    kwargs["keep_trace_in"] = args.trace_dir
+  if args.reference:
+    kwargs["reference_ops"] = tuple(args.reference.split(","))
   if args.faults:
     kwargs["faults"] = tuple(int(n) for n in args.faults.split(","))
   if args.steps:

@@ -19,6 +19,8 @@ import glob
 import gzip
 import json
 import os
+import re
+import shutil
 import tempfile
 import time
 
@@ -26,6 +28,7 @@ import jax
 import numpy as np
 from bench_kernels import kernel_kind  # launch/ is on sys.path
 
+from jaxrl.kernels.common import auto_impls
 from jaxrl.model import Model, get_preset
 from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
 from jaxrl.sharding import ROLLOUT_RULES, make_mesh
@@ -86,54 +89,99 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int, top: int = 25
   }
 
 
+def decode_step_seconds(engine, prompts, sampling) -> float:
+  """Mean time per decoded token of each row (one decode step) once the requests are admitted
+  and prefilled; a window of several steps per engine step is divided by its tokens."""
+  engine.generate(prompts, sampling, seed=0)  # compiles every shape the timed run meets
+  for i, (p, sp) in enumerate(zip(prompts, sampling, strict=True)):
+    engine.submit(p, sp, seed=i)
+  engine.step()  # admission, prefill and the first window
+  first = sum(len(s.record.token_ids) for s in engine.running.values())
+  start = time.perf_counter()
+  while engine.has_work:
+    engine.step()
+  seconds = time.perf_counter() - start
+  total = sum(sp.max_new_tokens for sp in sampling)  # forced lengths: every row runs to its cap
+  return seconds / ((total - first) / len(prompts))
+
+
+def _profile_engine(cfg, rows, prompt_len, new_tokens, keep_trace_in, tag) -> dict:
+  """One engine's decode steps: timed without the profiler, then once under it."""
+  on_cpu = jax.default_backend() == "cpu"
+  model = Model(cfg)
+  engine = PagedEngine(
+    model,
+    make_mesh(jax.devices()[:1], {}),
+    ROLLOUT_RULES,
+    eos_id=2,
+    pad_id=0,
+    config=PagedConfig(
+      num_pages=rows * -(-(prompt_len + new_tokens) // 16),
+      max_running=rows,
+      max_tokens=0 if on_cpu else prompt_len + new_tokens,
+    ),
+  )
+  engine.update_weights(model.init(0), 0)
+  rng = np.random.default_rng(0)
+  prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(rows)]
+  sampling = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)] * rows
+  # Compiles every shape the runs below meet, then times the decode steps without a profiler.
+  step_s = decode_step_seconds(engine, prompts, sampling)
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    start = time.perf_counter()
+    engine.generate(prompts, sampling, seed=1)
+    seconds = time.perf_counter() - start
+    jax.profiler.stop_trace()
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(path) as f:
+      trace = json.load(f)
+    if keep_trace_in:
+      os.makedirs(keep_trace_in, exist_ok=True)
+      name = re.sub(r"[^A-Za-z0-9._-]", "-", f"decode_{tag}_{rows}.json.gz")
+      shutil.copy(path, os.path.join(keep_trace_in, name))
+  # Every row decodes new_tokens - 1 steps after the token its prefill samples.
+  steps = new_tokens - 1
+  kernels = device_kernels(trace, module="decode_impl")  # the decode windows, not prefill
+  out = {
+    "decode_step_ms": step_s * 1e3,
+    "wall_ms_per_step_profiled": seconds * 1e3 / steps,
+    "steps": steps,
+    # What the trace held, for reading a first run on a new machine.
+    "processes": sorted(
+      e["args"]["name"] for e in trace.get("traceEvents", []) if e.get("name") == "process_name"
+    ),
+  }
+  out.update(summarize(kernels, steps) if kernels else {"device_events": 0})
+  return out
+
+
 def bench_decode_profile(
   presets=("bench-small",),
   rows: int = 64,
   prompt_len: int = 32,
   new_tokens: int = 64,
   dtype: str | None = None,
+  keep_trace_in: str | None = None,
+  reference_ops: tuple[str, ...] = (),
 ) -> dict:
-  """The paged engine's decode steps of `rows` requests under the profiler, one device."""
+  """The paged engine's decode steps of `rows` requests under the profiler, one device.
+
+  Each preset's row has `decode_step_ms` (timed without the profiler, as `bench.py rollout`
+  does) and the per-kernel profile. `reference_ops` (kernel names, e.g. `qk_rope_write`): also
+  run each preset with those kernels' "auto" resolved to their reference (row
+  `<preset>/reference:<ops>`), the same process and engine settings, for an A/B of the kernels
+  inside the model. `keep_trace_in`: also keep each run's Perfetto trace there
+  (`decode_<row>_<rows>.json.gz`), for reading kernel by kernel (ui.perfetto.dev)."""
   on_cpu = jax.default_backend() == "cpu"
   dtype = dtype or ("float32" if on_cpu else "bfloat16")
-  mesh = make_mesh(jax.devices()[:1], {})
-  rng = np.random.default_rng(0)
   out = {"device": str(jax.devices()[0].device_kind), "rows": rows, "dtype": dtype}
   for preset in presets:
     cfg = get_preset(preset, dtype=dtype, param_dtype=dtype)
-    model = Model(cfg)
-    engine = PagedEngine(
-      model,
-      mesh,
-      ROLLOUT_RULES,
-      eos_id=2,
-      pad_id=0,
-      config=PagedConfig(
-        num_pages=rows * -(-(prompt_len + new_tokens) // 16),
-        max_running=rows,
-        max_tokens=0 if on_cpu else prompt_len + new_tokens,
-      ),
-    )
-    engine.update_weights(model.init(0), 0)
-    prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(rows)]
-    sampling = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)] * rows
-    engine.generate(prompts, sampling, seed=0)  # compiles every shape the traced run meets
-    with tempfile.TemporaryDirectory() as trace_dir:
-      jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-      start = time.perf_counter()
-      engine.generate(prompts, sampling, seed=1)
-      seconds = time.perf_counter() - start
-      jax.profiler.stop_trace()
-      (path,) = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-      with gzip.open(path) as f:
-        trace = json.load(f)
-    # Every row decodes new_tokens - 1 steps after the token its prefill samples.
-    steps = new_tokens - 1
-    kernels = device_kernels(trace, module="decode_impl")  # the decode windows, not prefill
-    out[preset] = {"wall_ms_per_step_profiled": seconds * 1e3 / steps, "steps": steps}
-    # What the trace held, for reading a first run on a new machine.
-    out[preset]["processes"] = sorted(
-      e["args"]["name"] for e in trace.get("traceEvents", []) if e.get("name") == "process_name"
-    )
-    out[preset].update(summarize(kernels, steps) if kernels else {"device_events": 0})
+    args = (cfg, rows, prompt_len, new_tokens, keep_trace_in)
+    out[preset] = _profile_engine(*args, tag=preset)
+    if reference_ops:
+      tag = f"{preset}/reference:{'+'.join(reference_ops)}"
+      with auto_impls(**dict.fromkeys(reference_ops, "reference")):
+        out[tag] = _profile_engine(*args, tag=tag)
   return out

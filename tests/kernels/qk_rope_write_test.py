@@ -218,6 +218,25 @@ def test_head_dims_the_gpu_kernel_cannot_load():
   assert "pallas_call" not in jaxpr
 
 
+def test_auto_impls_overrides_auto_inside_and_only_inside():
+  from jaxrl.kernels.common import auto_impls, target_platform
+
+  args, scales = _inputs(_rng("override"), n=3, h=2, k=1, e=16, p=2, z=4, dtype=jnp.float32)
+  traced = functools.partial(qk_rope_write, **scales)
+  with target_platform("cuda"):
+    assert "pallas_call" in str(jax.make_jaxpr(traced)(*args))
+    with auto_impls(qk_rope_write="reference"):
+      assert "pallas_call" not in str(jax.make_jaxpr(traced)(*args))
+      named = functools.partial(traced, impl="pallas_gpu")  # a named impl is kept
+      assert "pallas_call" in str(jax.make_jaxpr(named)(*args))
+    with auto_impls(paged_attention="reference"):  # another kernel's override: no effect
+      assert "pallas_call" in str(jax.make_jaxpr(traced)(*args))
+    assert "pallas_call" in str(jax.make_jaxpr(traced)(*args))
+  with pytest.raises(ValueError, match="auto_impls"):
+    with auto_impls(qk_rope_write="auto"):
+      pass
+
+
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
 
 
