@@ -10,9 +10,11 @@
 # (the decode step's device time by kernel kind at 64 and 16 rows, `bench.py decode_profile`:
 # why is it at 24% of its HBM roofline? Each also times the step with qk_rope_write's
 # reference, and profile64 keeps its two Perfetto traces in $OUT), rollout256, rollout64_fp32,
-# rollout16_fp32, learner, grpo, train (the main job with its defaults), tests (the GPU-marked kernel tests, in one
-# process), tests_qk (those of qk_rope_write alone). Each part runs
-# under its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
+# profile64_attn (the step with paged_attention's reference beside the kernel), profile64_long
+# (the same after 1,024-token prompts), profile64_cublas (XLA's GEMMs by cuBLAS, not Triton),
+# rollout16_fp32, learner, grpo, train (the main job with its defaults), tests (the GPU-marked
+# kernel tests, in one process), tests_qk (those of qk_rope_write alone). Each part runs under
+# its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
 # {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings
 # it finished, for a part cut short) to $OUT/progress.txt and the end of its log to
 # $OUT/logs.txt.
@@ -71,6 +73,13 @@ for spec in "$@"; do
       --presets qwen3-0.6b --rows 64 --reference qk_rope_write --trace-dir "$OUT" ;;
     profile16) run_part profile16 "${limit:-150}" python3 launch/bench.py decode_profile --json \
       --presets qwen3-0.6b --rows 16 --reference qk_rope_write ;;
+    profile64_attn) run_part profile64_attn "${limit:-150}" python3 launch/bench.py decode_profile \
+      --json --presets qwen3-0.6b --rows 64 --reference paged_attention ;;
+    profile64_long) run_part profile64_long "${limit:-180}" python3 launch/bench.py decode_profile \
+      --json --presets qwen3-0.6b --rows 64 --prompt-len 1024 --reference paged_attention ;;
+    profile64_cublas) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
+      run_part profile64_cublas "${limit:-120}" python3 launch/bench.py decode_profile --json \
+      --presets qwen3-0.6b --rows 64 ;;
     rollout256) run_part rollout256 "${limit:-150}" python3 launch/bench.py rollout --json \
       --presets qwen3-0.6b --rows 256 --dtype bfloat16 ;;
     rollout64_graphs) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \

@@ -13,6 +13,7 @@
   python launch/bench.py learner [--json]
   python launch/bench.py kernels [--json] [--presets qwen3-0.6b]   (the CUDA plugin, no GPU)
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
+      [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
   python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py async [--json]
   python launch/bench.py balance [--json]
@@ -545,6 +546,7 @@ def main() -> None:
   parser.add_argument("--dtype", default=None, help="rollout, decode_profile, kernels: dtype")
   trace_help = "decode_profile: keep the Perfetto trace in this folder"
   parser.add_argument("--trace-dir", default=None, help=trace_help)
+  parser.add_argument("--prompt-len", type=int, default=None, help="decode_profile: prompt tokens")
   reference_help = "decode_profile: also run with these kernels' auto impl as the reference"
   parser.add_argument("--reference", default=None, help=reference_help)
   args = parser.parse_args()
@@ -555,6 +557,8 @@ def main() -> None:
     kwargs.update(max_running=args.rows, roofline_seqs=args.rows, one_step_per_call=False)
   if args.dtype:
     kwargs["dtype"] = args.dtype
+  if args.prompt_len:
+    kwargs["prompt_len"] = args.prompt_len
   if args.trace_dir:
     kwargs["keep_trace_in"] = args.trace_dir
   if args.reference:

@@ -232,20 +232,43 @@ def test_auto_impls_overrides_auto_inside_and_only_inside():
     with auto_impls(paged_attention="reference"):  # another kernel's override: no effect
       assert "pallas_call" in str(jax.make_jaxpr(traced)(*args))
     assert "pallas_call" in str(jax.make_jaxpr(traced)(*args))
-  with pytest.raises(ValueError, match="auto_impls"):
-    with auto_impls(qk_rope_write="auto"):
-      pass
+  with pytest.raises(ValueError, match="auto_impls"), auto_impls(qk_rope_write="auto"):
+    pass
 
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
 
 
+def _assert_bf16_roundings_from_exact(got, exact, e):
+  """bf16 results against the float64 oracle, allowing the roundings `reference.rms_norm`
+  defines: the normed value rounded to bf16 before its scale (one unit roundoff 2**-8 of each
+  component, two components per rotated element: 2**-7 of the head's largest), the result
+  rounded once (2**-8 of itself), and float32 rounding of the norm's sums. Loose next to the
+  float32 test, but a wrong sign, index or angle still misses by the size of the values."""
+  for name, a, b in zip(("q", "k_pages", "v_pages"), got, exact, strict=True):
+    a = np.asarray(a, np.float64)
+    head_max = np.max(np.abs(b), axis=-1, keepdims=True)
+    bound = 2.0**-8 * np.abs(b) + 2.0**-7 * head_max
+    bound = bound + tolerance.atol(e + 4, head_max, evaluations=1)
+    excess = np.max(np.abs(a - b) - bound)
+    assert excess <= 0, f"{name}: {excess:.3g} past the bf16 roundings of the exact value"
+
+
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_kernel_compiled_matches_reference(dtype):
+def test_gpu_kernel_compiled_matches_oracle(dtype):
+  """Compiled by Triton, the kernel against the float64 oracle: float32 within rounding of its
+  sums, bf16 within the roundings the reference defines. Not bit for bit against the compiled
+  reference in bf16 (as in interpret mode on a CPU): on an H100 they differed by a bf16 unit
+  in the last place in some elements, since XLA:GPU and Triton round the float32 steps
+  between the norm and the rotation differently."""
   args, scales = _inputs(_rng("gpu", dtype), n=64, h=16, k=8, e=128, p=64, z=16, dtype=dtype)
   got = qk_rope_write(*args, **scales, eps=EPS, impl="pallas_gpu")
   assert "pallas_call" in str(jax.make_jaxpr(functools.partial(qk_rope_write, **scales))(*args))
-  want = qk_rope_write(*args, **scales, eps=EPS, impl="reference")
-  _assert_kernel_matches(got, want, dtype, 128)
+  exact = _oracle(*args, **scales)
+  if dtype == jnp.float32:
+    for name, a, b in zip(("q", "k_pages", "v_pages"), got, exact, strict=True):
+      tolerance.assert_close(a, b, n=128 + 4, exact=True, err_msg=name)
+  else:
+    _assert_bf16_roundings_from_exact(got, exact, 128)
