@@ -1,10 +1,13 @@
 """Block-size sweep of the GPU paged attention kernel, to check the defaults it derives.
 
-  JAX_PLATFORMS=cuda python benchmarks/paged_attention_tuning.py [--json]
+  JAX_PLATFORMS=cuda python benchmarks/paged_attention_tuning.py [--json] [--shapes A,B]
+      [--grid long|short]
 
 For a few decode shapes of `launch/bench.py paged_attention`, times the kernel with its
 default block sizes and with every combination of pages per compute block, splits, warps and
 stages, and prints each shape's default time next to the best found. Needs a GPU.
+`--grid short` sweeps small compute blocks, few warps and stages instead: for contexts of a
+few pages, where the kernel is bound by latency, not bandwidth.
 """
 
 import argparse
@@ -25,6 +28,11 @@ import bench  # noqa: E402
 from jaxrl.kernels.paged_attention import BlockSizes, paged_attention  # noqa: E402
 
 SHAPES = ("qwen3-8b_64x2k", "qwen3-8b_256x1k", "qwen3-8b_16x8k")
+# (pages per compute block, splits, warps, stages) to sweep.
+GRIDS = {
+  "long": ((4, 8, 16), (None, 1, 2, 4, 8), (4, 8), (2, 3)),
+  "short": ((1, 2, 4, 8), (None, 2), (1, 2, 4), (1, 2)),
+}
 
 
 def _inputs(rng, n, h, k, d, s, context, dtype):
@@ -48,6 +56,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--shapes", default=",".join(SHAPES), help="names from ATTENTION_CASES")
+  parser.add_argument("--grid", default="long", choices=sorted(GRIDS))
   args = parser.parse_args()
   if jax.default_backend() != "gpu":
     raise SystemExit("paged_attention_tuning needs a GPU backend (JAX_PLATFORMS=cuda).")
@@ -57,7 +66,7 @@ def main() -> None:
   for name in args.shapes.split(","):
     inputs = _inputs(rng, *cases[name], jax.numpy.bfloat16)
     timings = {}
-    grid = itertools.product((4, 8, 16), (None, 1, 2, 4, 8), (4, 8), (2, 3))
+    grid = itertools.product(*GRIDS[args.grid])
     for c, x, warps, stages in [(None, None, None, None), *grid]:
       block_sizes = None if c is None else BlockSizes(c, x, warps, stages)
       fn = jax.jit(functools.partial(paged_attention, impl="pallas_gpu", block_sizes=block_sizes))
@@ -77,6 +86,7 @@ def main() -> None:
       "failed": sum(isinstance(v, str) for v in timings.values()),
     }
     print(name, out[name], flush=True)
+    out[name]["all_us"] = measured  # every configuration that compiled, for choosing defaults
   if args.json:
     print(json.dumps(out))
 

@@ -345,6 +345,10 @@ ATTENTION_CASES = (
   ("qwen3-8b_64x2k_page64", 64, 32, 8, 128, 64, 2048),
   ("qwen3-0.6b_128x2k", 128, 16, 8, 128, 16, 2048),
   ("qwen3-32b_64x4k", 64, 64, 8, 128, 32, 4096),
+  # Short contexts: the decode profile's (32-token prompts, 64 new tokens), where the kernel
+  # took 18 us a layer for 17 MB of keys and values, latency-bound.
+  ("qwen3-0.6b_64x96", 64, 16, 8, 128, 16, 96),
+  ("qwen3-0.6b_256x96", 256, 16, 8, 128, 16, 96),
 )
 
 
