@@ -7,11 +7,13 @@
 # PARTs, in the order given: install (wheels from .whl/ into /tmp/site, then this project, no
 # dependencies), gmm, rollout64, rollout64_graphs (the same with XLA's command buffers also
 # around the loop itself; its body is one already, `bench.py kernels`), profile64 and profile16
-# (the decode step's device time by kernel kind at 64 and 16 rows, `bench.py decode_profile`:
-# why is it at 24% of its HBM roofline? Each also times the step with qk_rope_write's
-# reference, and profile64 keeps its two Perfetto traces in $OUT), rollout256, rollout64_fp32,
+# (the decode step's device time by kernel kind at 64 and 16 rows, `bench.py decode_profile`;
+# each also times the step with qk_rope_write's reference, and profile64 keeps its two
+# Perfetto traces in $OUT), rollout256, rollout64_fp32,
 # profile64_attn (the step with paged_attention's reference beside the kernel), profile64_long
 # (the same after 1,024-token prompts), profile64_cublas (XLA's GEMMs by cuBLAS, not Triton),
+# profile64_blocks and profile64_long_blocks (paged attention block sizes tried in the model,
+# after the short-context sweep's leaders; docs/BENCHMARKS.md),
 # rollout16_fp32, learner, grpo, train (the main job with its defaults), tests (the GPU-marked
 # kernel tests, in one process), tests_qk (those of qk_rope_write alone). Each part runs under
 # its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
@@ -80,6 +82,12 @@ for spec in "$@"; do
     profile64_cublas) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
       run_part profile64_cublas "${limit:-120}" python3 launch/bench.py decode_profile --json \
       --presets qwen3-0.6b --rows 64 ;;
+    profile64_blocks) run_part profile64_blocks "${limit:-200}" python3 launch/bench.py \
+      decode_profile --json --presets qwen3-0.6b --rows 64 \
+      --attention-blocks "1,,2,1;2,,2,1;2,,1,1;4,,2,1" ;;
+    profile64_long_blocks) run_part profile64_long_blocks "${limit:-200}" python3 launch/bench.py \
+      decode_profile --json --presets qwen3-0.6b --rows 64 --prompt-len 1024 \
+      --attention-blocks "2,,2,1;4,,2,1" ;;
     rollout256) run_part rollout256 "${limit:-150}" python3 launch/bench.py rollout --json \
       --presets qwen3-0.6b --rows 256 --dtype bfloat16 ;;
     rollout64_graphs) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \

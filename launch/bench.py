@@ -14,6 +14,7 @@
   python launch/bench.py kernels [--json] [--presets qwen3-0.6b]   (the CUDA plugin, no GPU)
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
       [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
+      [--attention-blocks "2,,2,1;1,,2,1"]
   python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py async [--json]
   python launch/bench.py balance [--json]
@@ -553,6 +554,8 @@ def main() -> None:
   parser.add_argument("--prompt-len", type=int, default=None, help="decode_profile: prompt tokens")
   reference_help = "decode_profile: also run with these kernels' auto impl as the reference"
   parser.add_argument("--reference", default=None, help=reference_help)
+  blocks_help = 'decode_profile: paged attention block sizes to try, "c,x,w,s;..." (e.g. "2,,2,1")'
+  parser.add_argument("--attention-blocks", default=None, help=blocks_help)
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
   if args.rows and args.name == "decode_profile":
@@ -567,6 +570,8 @@ def main() -> None:
     kwargs["keep_trace_in"] = args.trace_dir
   if args.reference:
     kwargs["reference_ops"] = tuple(args.reference.split(","))
+  if args.attention_blocks:
+    kwargs["attention_blocks"] = tuple(args.attention_blocks.split(";"))
   if args.faults:
     kwargs["faults"] = tuple(int(n) for n in args.faults.split(","))
   if args.steps:

@@ -15,6 +15,7 @@ here is no figure of the engine's speed (`bench.py rollout` is).
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import gzip
 import json
@@ -29,6 +30,7 @@ import numpy as np
 from bench_kernels import kernel_kind  # launch/ is on sys.path
 
 from jaxrl.kernels.common import auto_impls
+from jaxrl.kernels.paged_attention import BlockSizes, default_block_sizes
 from jaxrl.model import Model, get_preset
 from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
 from jaxrl.sharding import ROLLOUT_RULES, make_mesh
@@ -169,6 +171,18 @@ def _profile_engine(cfg, rows, prompt_len, new_tokens, keep_trace_in, tag) -> di
   return out
 
 
+def parse_block_sizes(spec: str) -> BlockSizes:
+  """ "c,x,w,s" (pages per compute block, splits, warps, stages; empty: derived) as paged
+  attention `BlockSizes`, e.g. "2,,2,1"."""
+  fields = spec.split(",")
+  if len(fields) != 4:
+    raise ValueError(f"Attention blocks {spec!r}: expected 4 comma-separated fields c,x,w,s.")
+  try:
+    return BlockSizes(*(int(f) if f.strip() else None for f in fields))
+  except ValueError as e:
+    raise ValueError(f"Attention blocks {spec!r}: {e}") from None
+
+
 def bench_decode_profile(
   presets=("bench-small",),
   rows: int = 64,
@@ -177,24 +191,32 @@ def bench_decode_profile(
   dtype: str | None = None,
   keep_trace_in: str | None = None,
   reference_ops: tuple[str, ...] = (),
+  attention_blocks: tuple[str, ...] = (),
 ) -> dict:
   """The paged engine's decode steps of `rows` requests under the profiler, one device.
 
   Each preset's row has `decode_step_ms` (timed without the profiler, as `bench.py rollout`
-  does) and the per-kernel profile. `reference_ops` (kernel names, e.g. `qk_rope_write`): also
-  run each preset with those kernels' "auto" resolved to their reference (row
-  `<preset>/reference:<ops>`), the same process and engine settings, for an A/B of the kernels
-  inside the model. `keep_trace_in`: also keep each run's Perfetto trace there
-  (`decode_<row>_<rows>.json.gz`), for reading kernel by kernel (ui.perfetto.dev)."""
+  does) and the per-kernel profile. Variants, each its own engine in the same process with
+  the same settings, for A/Bs inside the model: `reference_ops` (kernel names, e.g.
+  `qk_rope_write`) runs once more with those kernels' "auto" resolved to their reference (row
+  `<preset>/reference:<ops>`); each of `attention_blocks` ("c,x,w,s", `parse_block_sizes`)
+  runs once with those paged attention block sizes (row `<preset>/blocks:<spec>`).
+  `keep_trace_in`: also keep each run's Perfetto trace there (`decode_<row>_<rows>.json.gz`),
+  for reading kernel by kernel (ui.perfetto.dev)."""
   on_cpu = jax.default_backend() == "cpu"
   dtype = dtype or ("float32" if on_cpu else "bfloat16")
+  variants = [("", contextlib.nullcontext)]
+  if reference_ops:
+    overrides = dict.fromkeys(reference_ops, "reference")
+    variants.append((f"/reference:{'+'.join(reference_ops)}", lambda: auto_impls(**overrides)))
+  for spec in attention_blocks:
+    blocks = parse_block_sizes(spec)
+    variants.append((f"/blocks:{spec}", lambda blocks=blocks: default_block_sizes(blocks)))
   out = {"device": str(jax.devices()[0].device_kind), "rows": rows, "dtype": dtype}
   for preset in presets:
     cfg = get_preset(preset, dtype=dtype, param_dtype=dtype)
     args = (cfg, rows, prompt_len, new_tokens, keep_trace_in)
-    out[preset] = _profile_engine(*args, tag=preset)
-    if reference_ops:
-      tag = f"{preset}/reference:{'+'.join(reference_ops)}"
-      with auto_impls(**dict.fromkeys(reference_ops, "reference")):
-        out[tag] = _profile_engine(*args, tag=tag)
+    for suffix, context in variants:
+      with context():
+        out[preset + suffix] = _profile_engine(*args, tag=preset + suffix)
   return out

@@ -13,7 +13,12 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch"))
 
 from bench_kernels import count_loop_body  # noqa: E402
-from bench_profile import busy_microseconds, device_kernels, summarize  # noqa: E402
+from bench_profile import (  # noqa: E402
+  busy_microseconds,
+  device_kernels,
+  parse_block_sizes,
+  summarize,
+)
 
 from jaxrl.kernels import paged_attention  # noqa: E402
 from jaxrl.kernels.common import target_platform  # noqa: E402
@@ -135,3 +140,14 @@ def test_summary_per_step_by_kernel_kind():
     ("gemm_fusion_dot", 1.0, 10.0, 10.0),
     ("paged_attention_gpu", 0.5, 2.0, 4.0),
   ]
+
+
+def test_parse_block_sizes_reads_c_x_w_s_with_empty_fields_derived():
+  from jaxrl.kernels.paged_attention import BlockSizes
+
+  assert parse_block_sizes("2,,2,1") == BlockSizes(2, None, 2, 1)
+  assert parse_block_sizes(",,,") == BlockSizes()
+  with pytest.raises(ValueError, match="4 comma-separated"):
+    parse_block_sizes("2,2")
+  with pytest.raises(ValueError, match="power of two"):
+    parse_block_sizes("2,,3,1")

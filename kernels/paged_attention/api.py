@@ -4,6 +4,8 @@ Shapes: n sequences, h query heads, k kv heads, d head dim, p pages in the pool,
 page, m pages per sequence.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -53,6 +55,28 @@ class BlockSizes:
 
   def __post_init__(self):
     check_block_fields(self)
+
+
+_DEFAULT_BLOCK_SIZES: contextvars.ContextVar[BlockSizes | None] = contextvars.ContextVar(
+  "paged_attention_block_sizes", default=None
+)
+
+
+@contextlib.contextmanager
+def default_block_sizes(block_sizes: BlockSizes):
+  """Traces inside use `block_sizes` where a call passes None (the model's decode step does):
+  for comparing tilings inside the model (`bench.py decode_profile --attention-blocks`)
+  without threading block sizes through it. Clears jax's trace caches on entering and leaving,
+  as `jaxrl.kernels.common.target_platform` does."""
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"default_block_sizes takes a BlockSizes, got {type(block_sizes)}.")
+  jax.clear_caches()
+  token = _DEFAULT_BLOCK_SIZES.set(block_sizes)
+  try:
+    yield
+  finally:
+    _DEFAULT_BLOCK_SIZES.reset(token)
+    jax.clear_caches()
 
 
 def _load_tpu() -> Callable[..., jax.Array]:
@@ -214,7 +238,8 @@ def paged_attention(
     impl: `"auto"` (`pallas_tpu` on TPU, `pallas_gpu` on GPU, `reference` elsewhere, from the
       platform of q's devices, or of the default backend while tracing), `"reference"`,
       `"pallas_tpu"` or `"pallas_gpu"`.
-    block_sizes: kernel tiling, None for defaults derived from the shapes.
+    block_sizes: kernel tiling, None for defaults derived from the shapes (or those set by
+      `default_block_sizes` around the trace).
     interpret: run the Pallas kernel in interpret mode (on CPU). True, or for `pallas_tpu` a
       `pltpu.InterpretParams`; it needs a kernel `impl`, since the reference has no kernel.
 
@@ -229,6 +254,7 @@ def paged_attention(
     raise ValueError(f"Unknown paged_attention impl {impl!r}; expected one of {IMPLS}.")
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes)}.")
+  block_sizes = block_sizes or _DEFAULT_BLOCK_SIZES.get()
   _check_inputs(q, k_pages, v_pages, lengths, page_indices)
   precision = _check_precision(precision)
   auto = impl == "auto"

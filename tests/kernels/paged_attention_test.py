@@ -248,6 +248,31 @@ def test_gpu_default_block_sizes_fill_the_gpu():
   assert tiny_pages.pages_per_compute_block * 8 >= 16
 
 
+def test_default_block_sizes_apply_where_a_call_passes_none_and_only_inside():
+  from jaxrl.kernels.common import target_platform
+  from jaxrl.kernels.paged_attention import default_block_sizes
+
+  q = jnp.zeros((4, 16, 128), jnp.bfloat16)
+  pool = jnp.zeros((8, 24, 16, 128), jnp.bfloat16)
+  args = (q, pool, pool, jnp.full((4,), 90, jnp.int32), jnp.arange(24, dtype=jnp.int32))
+  args = (*args[:4], args[4].reshape(4, 6))
+
+  def tiling(**kwargs):
+    jaxpr = str(jax.make_jaxpr(functools.partial(paged_attention, **kwargs))(*args))
+    return re.findall(r"num_warps=\d+|num_stages=\d+|grid=\([^)]*\)", jaxpr)
+
+  with target_platform("cuda"):
+    derived = tiling()
+    assert derived == ["num_warps=4", "num_stages=2", "grid=(4, 8, 1)"]
+    with default_block_sizes(BlockSizes(2, None, 2, 1)):
+      assert tiling() == ["num_warps=2", "num_stages=1", "grid=(4, 8, 3)"]
+      given = tiling(block_sizes=BlockSizes(8, 1, 8, 3))  # a call's own block sizes win
+      assert given == ["num_warps=8", "num_stages=3", "grid=(4, 8, 1)"]
+    assert tiling() == derived
+  with pytest.raises(ValueError, match="BlockSizes"), default_block_sizes((2, None, 2, 1)):
+    pass
+
+
 # (g, dtype, precision, dot_min_group, products_error): each way the GPU kernel multiplies, at
 # GQA 1, 2, 4 and 8, against the float64 oracle. Float32: 3xTF32 dots (its default from g = 5,
 # forced below), one TF32 pass, IEEE dots, and exact CUDA-core sums (its default up to g = 4,
