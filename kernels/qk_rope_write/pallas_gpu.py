@@ -96,8 +96,12 @@ def qk_rope_write(
     return jnp.clip(j - h, 0, k - 1)
 
   head_spec = pl.BlockSpec((None, None, e), lambda i, j: (i, jnp.minimum(j, h - 1), 0))
-  # q, k and v as one array: XLA computes them with one GEMM (it merges the three projections),
-  # whose output this concatenation then is, with no copy; three inputs would be three slices.
+  # q, k and v as one array: XLA computes them with one GEMM (it merges the three projections)
+  # and slices its output; three inputs made three slice kernels, this one concatenation
+  # kernel (2.8 us a layer at 64 rows on an H100, 5% of the step: docs/BENCHMARKS.md). Writing
+  # the projection as one einsum over concatenated weights made it worse (the weights were
+  # concatenated at every step, `bench.py kernels`); merged weights stored as such would
+  # remove it.
   qkv = jnp.concatenate([q_nhe, k_nke.astype(q_nhe.dtype), v_nke.astype(q_nhe.dtype)], axis=1)
   k_spec = pl.BlockSpec((None, None, e), lambda i, j: (i, h + kv_head(j), 0))
   v_spec = pl.BlockSpec((None, None, e), lambda i, j: (i, h + k + kv_head(j), 0))
