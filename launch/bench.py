@@ -10,7 +10,7 @@
   python launch/bench.py flash_attention [--json]
   python launch/bench.py gmm [--json]
   python launch/bench.py grpo_step [--json] [--presets bench-tiny]
-  python launch/bench.py learner [--json]
+  python launch/bench.py learner [--json] [--profile]
   python launch/bench.py kernels [--json] [--presets qwen3-0.6b]   (the CUDA plugin, no GPU)
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
       [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
@@ -556,6 +556,7 @@ def main() -> None:
   parser.add_argument("--reference", default=None, help=reference_help)
   blocks_help = 'decode_profile: paged attention block sizes to try, "c,x,w,s;..." (e.g. "2,,2,1")'
   parser.add_argument("--attention-blocks", default=None, help=blocks_help)
+  parser.add_argument("--profile", action="store_true", help="learner: also profile one update")
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
   if args.rows and args.name == "decode_profile":
@@ -564,6 +565,8 @@ def main() -> None:
     kwargs.update(max_running=args.rows, roofline_seqs=args.rows, one_step_per_call=False)
   if args.dtype:
     kwargs["dtype"] = args.dtype
+  if args.profile:
+    kwargs["profile"] = True
   if args.prompt_len:
     kwargs["prompt_len"] = args.prompt_len
   if args.trace_dir:

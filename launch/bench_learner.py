@@ -113,6 +113,7 @@ def _child(setting: dict) -> dict:
   kind = getattr(device, "device_kind", "")
   peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in kind), None)
   stats = device.memory_stats() or {}
+  profile = _profile_update(learner, batch) if setting.get("profile") else None
   return {
     **setting,
     "device": kind,
@@ -125,13 +126,42 @@ def _child(setting: dict) -> dict:
     "bf16_matmul_tflops": matmul_flops / 1e12,
     "peak_device_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None,
     "plan_gib": plan,
+    **({"profile": profile} if profile is not None else {}),
   }
+
+
+def _profile_update(learner, batch) -> dict:
+  """One more update under `jax.profiler`: its device kernels by kind (`bench_profile`), and
+  the device's busy time against the update's wall time under the profiler."""
+  import glob
+  import gzip
+  import tempfile
+
+  import jax
+  from bench_profile import device_kernels, summarize  # launch/ is on sys.path
+
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    start = time.perf_counter()
+    jax.block_until_ready(learner.update(batch))
+    seconds = time.perf_counter() - start
+    jax.profiler.stop_trace()
+    (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+    with gzip.open(path) as f:
+      kernels = device_kernels(json.load(f))
+  out = {"wall_ms_profiled": seconds * 1e3}
+  out.update(summarize(kernels, 1, top=30) if kernels else {"device_events": 0})
+  return out
 
 
 SETTINGS = ((4096, "flash"), (16384, "flash"), (16384, "dense"))  # (positions, attention)
 
 
-def bench_learner(settings=SETTINGS, rows: int = 2, steps: int = 3, timeout_s: float = 400.0):
+def bench_learner(
+  settings=SETTINGS, rows: int = 2, steps: int = 3, timeout_s: float = 400.0, profile=False
+):
+  """Each setting's tokens/s, MFU and memory (module docstring); `profile`: also one update's
+  device kernels by kind (`_profile_update`: where the update's time goes)."""
   import jax
 
   # This process only starts the settings' processes: it must not take the device's memory
@@ -145,6 +175,7 @@ def bench_learner(settings=SETTINGS, rows: int = 2, steps: int = 3, timeout_s: f
   for length, attention in settings:
     setting = {
       "preset": preset, "length": length, "attention": attention, "rows": rows, "steps": steps,
+      "profile": profile,
     }  # fmt: skip
     name = f"{preset}/{length}/{attention}"
     try:
