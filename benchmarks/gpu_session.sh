@@ -15,7 +15,7 @@
 # profile64_blocks and profile64_long_blocks (paged attention block sizes tried in the model,
 # after the short-context sweep's leaders; docs/BENCHMARKS.md),
 # rollout16_fp32, learner, learner_profile (the same with one update's kernels by kind: where
-# the 13% MFU goes), grpo, train (the main job with its defaults), tests (the GPU-marked
+# the 13% MFU goes), sampler (the engine's sampler against Gumbel-max), grpo, train (the main job with its defaults), tests (the GPU-marked
 # kernel tests, in one process), tests_qk (those of qk_rope_write alone). Each part runs under
 # its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
 # {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings
@@ -99,6 +99,7 @@ for spec in "$@"; do
     rollout16_fp32) run_part rollout16_fp32 "${limit:-240}" python3 launch/bench.py rollout \
       --json --presets qwen3-0.6b --rows 16 --dtype float32 ;;
     learner) run_part learner "${limit:-240}" python3 launch/bench.py learner --json ;;
+    sampler) run_part sampler "${limit:-60}" python3 launch/bench.py sampler --json ;;
     learner_profile) run_part learner_profile "${limit:-300}" python3 launch/bench.py learner \
       --json --profile ;;
     grpo) run_part grpo "${limit:-200}" python3 launch/bench.py grpo_step --json \

@@ -15,6 +15,7 @@
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
       [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
       [--attention-blocks "2,,2,1;1,,2,1"]
+  python launch/bench.py sampler [--json]
   python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
   python launch/bench.py async [--json]
   python launch/bench.py balance [--json]
@@ -59,6 +60,7 @@ from bench_prefill import (  # noqa: E402
   timed_generate,
 )
 from bench_profile import bench_decode_profile, decode_step_seconds  # noqa: E402
+from bench_sampler import bench_sampler  # noqa: E402
 
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxrl.model import Model, get_preset  # noqa: E402
@@ -530,6 +532,7 @@ BENCHMARKS = {
   "prefill_packing": bench_prefill_packing,
   "prefix_sharing": bench_prefix_sharing,
   "rollout": bench_rollout,
+  "sampler": bench_sampler,
   "turn_kv": bench_turn_kv,
   "weight_transfer": bench_weight_transfer,
 }

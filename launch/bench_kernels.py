@@ -354,6 +354,7 @@ def _bench_target(presets, rows, decode_steps, target, table_pages, timeout, dty
       two = _run_child({**base, "layers": 2}, timeout)
       layer = collections.Counter(two["kinds"])
       layer.subtract(one["kinds"])
+      one_build = collections.Counter(one["kinds"])
       out[f"{preset}_{n}_rows"] = {
         "launches_per_step": full["launches"],
         "in_cuda_graphs": full["in_cuda_graphs"],
@@ -362,6 +363,8 @@ def _bench_target(presets, rows, decode_steps, target, table_pages, timeout, dty
         "per_layer": two["launches"] - one["launches"],
         "other": 2 * one["launches"] - two["launches"],
         "per_layer_kinds": {k: v for k, v in layer.most_common() if v},
+        # The embedding, LM head and sampler: one layer's build less one layer.
+        "other_kinds": {k: v for k, v in (one_build - layer).most_common() if v > 0},
         **{key: full[key] for key in ("temp_gib", "argument_gib", "pool_copies")},
       }
   return out

@@ -103,17 +103,64 @@ def first_argmax(x_bv: jax.Array) -> jax.Array:
 
   On a CPU, written as a max and a min over indices, because XLA:CPU lowers argmax's
   two-operand reduce to a scalar loop that also drags the elementwise producers fused into it
-  out of SIMD: at 16 x 32768 logits plus Gumbel noise it took 5.4 ms against 1.0 ms for this
-  form. Elsewhere argmax itself: one reduction that the noise is fused into, where the two-pass
-  form makes XLA's GPU compile write the noisy float32 logits out and read them twice (at
-  Qwen3-0.6B's 151,936-token vocabulary and 64 rows: 39 MB written and 78 MB read a step, and
-  three more kernels; `launch/bench.py kernels`).
+  out of SIMD (at 16 x 32768 logits plus Gumbel noise, when the sampler drew that way: 5.4 ms
+  against 1.0 ms for this form). Elsewhere argmax itself, one reduction, where the two-pass
+  form made XLA's GPU compile write its float32 input out and read it twice (at Qwen3-0.6B's
+  151,936-token vocabulary and 64 rows: 39 MB written and 78 MB read a step; `launch/bench.py
+  kernels`).
   """
   if platform_of(x_bv) != "cpu":
     return jnp.argmax(x_bv, axis=-1).astype(jnp.int32)
   max_b1 = jnp.max(x_bv, axis=-1, keepdims=True)
   index_v = jnp.arange(x_bv.shape[-1], dtype=jnp.int32)
   return jnp.min(jnp.where(x_bv == max_b1, index_v, x_bv.shape[-1] - 1), axis=-1)
+
+
+SAMPLE_BLOCK = 512  # vocabulary entries per block of `draw_from_logits`
+
+
+def _first_above(cumulative_bn: jax.Array, target_b: jax.Array, mass_bn: jax.Array) -> jax.Array:
+  """Per row, the first index whose running sum exceeds the target (the inverse CDF), moved
+  back to the last index with mass where rounding put the target at or past the total."""
+  index_b = jnp.sum(cumulative_bn <= target_b[:, None], axis=-1).astype(jnp.int32)
+  positions = jnp.arange(mass_bn.shape[-1], dtype=jnp.int32)
+  last_b = jnp.max(jnp.where(mass_bn > 0, positions, 0), axis=-1)
+  return jnp.minimum(index_b, last_b)
+
+
+def draw_from_logits(
+  uniforms_b2: jax.Array, logits_bv: jax.Array, max_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """One token per row from softmax(logits) by the inverse CDF, in two levels, and each row's
+  log-sum-exp. Returns (tokens_b, logsumexp_b).
+
+  The vocabulary is cut into blocks of SAMPLE_BLOCK: one pass over the logits sums each
+  block's exp(logit - max) (the same sums give the log-sum-exp); uniform 0 picks a block with
+  probability proportional to its sum, uniform 1 a token of that block in proportion to its
+  exp. P(token) = (block sum / total) (exp / block sum): the softmax, exactly, up to float32
+  rounding of the sums. A token of -inf logit (filtered out) has no mass and is never drawn.
+
+  Why not Gumbel-max (`jax.random.categorical`): its noise is one random number per logit,
+  made by threefry, and at Qwen3's 151,936-token vocabulary that work, not the memory read,
+  set the sampler's time on an H100 (67 us a step at 64 rows, 4% of the decode step;
+  docs/BENCHMARKS.md). Here a row takes two random numbers and the logits are read twice (the
+  max, then the block sums), plus one block of SAMPLE_BLOCK read again.
+  """
+  b, v = logits_bv.shape
+  blocks = -(-v // SAMPLE_BLOCK)
+  padded_bv = jnp.pad(logits_bv, ((0, 0), (0, blocks * SAMPLE_BLOCK - v)), constant_values=-jnp.inf)
+  exp_bnz = jnp.exp(padded_bv.reshape(b, blocks, SAMPLE_BLOCK) - max_b[:, None, None])
+  block_mass_bn = jnp.sum(exp_bnz, axis=-1)
+  cumulative_bn = jnp.cumsum(block_mass_bn, axis=-1)
+  total_b = cumulative_bn[:, -1]
+  block_b = _first_above(cumulative_bn, uniforms_b2[:, 0] * total_b, block_mass_bn)
+  # The chosen block's logits, read again (a gather of SAMPLE_BLOCK per row).
+  offsets_z = jnp.arange(SAMPLE_BLOCK, dtype=jnp.int32)
+  inside_bz = jnp.take_along_axis(padded_bv, block_b[:, None] * SAMPLE_BLOCK + offsets_z, axis=-1)
+  mass_bz = jnp.exp(inside_bz - max_b[:, None])
+  running_bz = jnp.cumsum(mass_bz, axis=-1)
+  token_in_block_b = _first_above(running_bz, uniforms_b2[:, 1] * running_bz[:, -1], mass_bz)
+  return block_b * SAMPLE_BLOCK + token_in_block_b, max_b + jnp.log(total_b)
 
 
 def sample_tokens(
@@ -129,9 +176,10 @@ def sample_tokens(
 
   The log-probability is that of the distribution actually sampled from (temperature-scaled,
   then top-k/top-p filtered and renormalised): the chosen logit minus a log-sum-exp, no
-  `[b, v]` log-softmax. Greedy rows (temperature 0) take the argmax in the same pass (no noise
-  added to them) and report the log-probability under temperature 1, which is what a learner
-  would score them with.
+  `[b, v]` log-softmax. Greedy rows (temperature 0) take the argmax (the max's pass, which
+  every row needs) and report the log-probability under temperature 1, which is what a
+  learner would score them with. Sampled rows draw by the inverse CDF (`draw_from_logits`),
+  two uniforms per row from its key.
 
   `filter_width` is static (the engine knows its requests' parameters on the host:
   `filter_width`): NO_FILTER skips filtering, TOP_K_CANDIDATES filters among `lax.top_k`'s
@@ -145,10 +193,17 @@ def sample_tokens(
   filtered_bv = (
     filter_logits(scaled_bv, top_k_b, top_p_b, width=filter_width) if filtering else scaled_bv
   )
-  # Gumbel-max, as jax.random.categorical does it, but with first_argmax (see there). The
-  # filter keeps every row's largest logit, so a greedy row's argmax is its logits' argmax.
-  gumbel_bv = jax.vmap(lambda key: jax.random.gumbel(key, filtered_bv.shape[-1:]))(keys_b)
-  tokens_b = first_argmax(filtered_bv + jnp.where(greedy_b[:, None], 0.0, gumbel_bv))
-  scored_bv = jnp.where(greedy_b[:, None], scaled_bv, filtered_bv) if filtering else scaled_bv
+  # The filter keeps every row's largest logit: the argmax and max of the filtered row are
+  # those of the scaled one, and a greedy row's token is its logits' argmax.
+  argmax_b = first_argmax(scaled_bv)
+  max_b = jnp.take_along_axis(scaled_bv, argmax_b[:, None], axis=-1)[:, 0]
+  uniforms_b2 = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys_b)
+  drawn_b, filtered_lse_b = draw_from_logits(uniforms_b2, filtered_bv, max_b)
+  tokens_b = jnp.where(greedy_b, argmax_b, drawn_b)
+  if filtering:  # greedy rows are scored unfiltered, sampled rows by what they drew from
+    scored_bv = jnp.where(greedy_b[:, None], scaled_bv, filtered_bv)
+    lse_b = jax.nn.logsumexp(scored_bv, axis=-1)
+  else:
+    scored_bv, lse_b = scaled_bv, filtered_lse_b
   chosen_b = jnp.take_along_axis(scored_bv, tokens_b[:, None], axis=-1)[:, 0]
-  return tokens_b, chosen_b - jax.nn.logsumexp(scored_bv, axis=-1)
+  return tokens_b, chosen_b - lse_b

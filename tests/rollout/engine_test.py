@@ -11,8 +11,10 @@ from jaxrl.rl.experience import logprob_mismatch
 from jaxrl.rollout import SamplingParams, StaticEngine, filter_logits, sample_tokens
 from jaxrl.rollout.sampling import (
   NO_FILTER,
+  SAMPLE_BLOCK,
   SORT_ALL,
   TOP_K_CANDIDATES,
+  draw_from_logits,
   filter_width,
   first_argmax,
 )
@@ -117,13 +119,56 @@ def test_top_k_top_p_sample_only_allowed_tokens():
   assert len(seen[0]) == 1 and len(seen[2]) > 1
 
 
-def test_sampler_draws_what_categorical_draws_and_first_argmax_breaks_ties_low():
+def _chi_square_z(tokens, probs) -> float:
+  """How many standard deviations a chi-square statistic of the drawn tokens lies above its
+  mean under `probs` (bins expecting fewer than 5 draws pooled; normal approximation)."""
+  n = len(tokens)
+  counts, expected = np.bincount(tokens, minlength=len(probs)), probs * n
+  big = expected >= 5
+  observed = np.append(counts[big], counts[~big].sum())
+  expected = np.append(expected[big], expected[~big].sum())
+  chi = np.sum((observed - expected) ** 2 / expected)
+  dof = len(observed) - 1
+  return (chi - dof) / np.sqrt(2 * dof)
+
+
+def test_sampler_draws_from_the_softmax_at_each_temperature():
+  # 1,300 entries: two whole blocks of SAMPLE_BLOCK and a padded third.
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(3, 1300)) * 2, jnp.float32)
+  temperature = jnp.array([1.0, 0.7, 1.3], jnp.float32)
+  keys = jax.random.split(jax.random.key(1), 20000 * 3).reshape(20000, 3)
+  draw = jax.jit(
+    jax.vmap(lambda k: sample_tokens(k, logits, temperature, jnp.zeros(3, jnp.int32), jnp.ones(3)))
+  )
+  tokens = np.asarray(draw(keys)[0])
+  for row in range(3):
+    scaled = np.asarray(logits[row], np.float64) / float(temperature[row])
+    probs = np.exp(scaled - scaled.max()) / np.exp(scaled - scaled.max()).sum()
+    # A wrong block or token choice moves it by hundreds; chance alone rarely past 4.
+    assert _chi_square_z(tokens[:, row], probs) < 6.0, row
+
+
+def test_inverse_cdf_draw_keeps_to_tokens_with_mass_at_the_uniforms_ends():
+  block = SAMPLE_BLOCK
+  logits = np.full((3, 3 * block + 5), -np.inf, np.float32)
+  logits[0, [3, 700]] = [0.0, 1.0]  # mass in blocks 0 and 1, none in the last two
+  logits[1, 3 * block + 4] = 2.0  # one token, in the padded last block
+  logits[2] = np.linspace(-3, 3, logits.shape[1])
+  logits = jnp.asarray(logits)
+  max_b = jnp.max(logits, axis=-1)
+  below_one = np.nextafter(np.float32(1), np.float32(0))
+  for u in (0.0, below_one):
+    tokens, lse = draw_from_logits(jnp.full((3, 2), u, jnp.float32), logits, max_b)
+    tokens = np.asarray(tokens)
+    assert tokens[0] == (3 if u == 0 else 700) and tokens[1] == 3 * block + 4
+    assert tokens[2] == (0 if u == 0 else logits.shape[1] - 1)
+    tolerance.assert_close(lse, jax.nn.logsumexp(logits, axis=-1), n=logits.shape[1])
+
+
+def test_first_argmax_breaks_ties_low():
   rng = np.random.default_rng()
   logits = jnp.asarray(rng.normal(size=(5, 300)) * 2, jnp.float32)
-  keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 5)
-  ones, no_k, no_p = jnp.ones(5), jnp.zeros(5, jnp.int32), jnp.ones(5)
-  toks, _ = sample_tokens(keys, logits, ones, no_k, no_p)
-  np.testing.assert_array_equal(toks, jax.vmap(jax.random.categorical)(keys, logits))
   tied = jnp.asarray(rng.integers(0, 3, size=(64, 50)), jnp.float32)  # many ties
   np.testing.assert_array_equal(first_argmax(tied), jnp.argmax(tied, axis=-1))
   np.testing.assert_array_equal(first_argmax(logits), jnp.argmax(logits, axis=-1))
