@@ -97,12 +97,11 @@ def qk_rope_write(
 
   head_spec = pl.BlockSpec((None, None, e), lambda i, j: (i, jnp.minimum(j, h - 1), 0))
   # q, k and v as one array: XLA computes them with one GEMM (it merges the three projections)
-  # and slices its output; three inputs made three slice kernels, this one concatenation
-  # kernel (2.8 us a layer at 64 rows on an H100, 5% of the step: docs/BENCHMARKS.md). Writing
-  # the projection as one einsum over concatenated weights made it worse (the weights were
-  # concatenated at every step, `bench.py kernels`); merged weights stored as such would
-  # remove it.
-  qkv = jnp.concatenate([q_nhe, k_nke.astype(q_nhe.dtype), v_nke.astype(q_nhe.dtype)], axis=1)
+  # and slices its output; three inputs made three slice kernels, this concatenation one. That
+  # kernel (2.8 us a layer at 64 rows on an H100) is also where XLA sums the GEMM's split-K
+  # parts (compiled without a device: four float32 parts of [64, 4096]), so it is not a bare
+  # copy. Writing the projection as one einsum over concatenated weights made it worse (the
+  # weights were concatenated at every step; `bench.py kernels`).
   k_spec = pl.BlockSpec((None, None, e), lambda i, j: (i, h + kv_head(j), 0))
   v_spec = pl.BlockSpec((None, None, e), lambda i, j: (i, h + k + kv_head(j), 0))
   angle_spec = pl.BlockSpec((None, f), lambda i, j: (i, 0))
