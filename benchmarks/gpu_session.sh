@@ -13,7 +13,8 @@
 # profile64_attn (the step with paged_attention's reference beside the kernel), profile64_long
 # (the same after 1,024-token prompts), profile64_cublas (XLA's GEMMs by cuBLAS, not Triton),
 # profile64_blocks and profile64_long_blocks (paged attention block sizes tried in the model,
-# after the short-context sweep's leaders; docs/BENCHMARKS.md),
+# after the short-context sweep's leaders; docs/BENCHMARKS.md), attn_sweep_short (that sweep
+# again, 50 calls a jitted loop, so that the kernel's time is what is timed),
 # rollout16_fp32, learner, learner_profile (the same with one update's kernels by kind: where
 # the 13% MFU goes), sampler (the engine's sampler against Gumbel-max), grpo, train (the main job with its defaults), tests (the GPU-marked
 # kernel tests, in one process), tests_qk (those of qk_rope_write alone). Each part runs under
@@ -99,6 +100,9 @@ for spec in "$@"; do
     rollout16_fp32) run_part rollout16_fp32 "${limit:-240}" python3 launch/bench.py rollout \
       --json --presets qwen3-0.6b --rows 16 --dtype float32 ;;
     learner) run_part learner "${limit:-240}" python3 launch/bench.py learner --json ;;
+    attn_sweep_short) JAX_PLATFORMS=cuda run_part attn_sweep_short "${limit:-200}" python3 \
+      benchmarks/paged_attention_tuning.py --json --grid short --in-loop 50 \
+      --shapes qwen3-0.6b_64x96,qwen3-0.6b_256x96 ;;
     sampler) run_part sampler "${limit:-60}" python3 launch/bench.py sampler --json ;;
     learner_profile) run_part learner_profile "${limit:-300}" python3 launch/bench.py learner \
       --json --profile ;;
