@@ -16,7 +16,8 @@
 # after the short-context sweep's leaders; docs/BENCHMARKS.md), attn_sweep_short (that sweep
 # again, 50 calls a jitted loop, so that the kernel's time is what is timed),
 # rollout16_fp32, learner, learner_profile (the same with one update's kernels by kind: where
-# the 13% MFU goes), sampler (the engine's sampler against Gumbel-max), grpo, train (the main job with its defaults), tests (the GPU-marked
+# the 13% MFU goes), learner_chunk (4k positions with the LM head applied 128 and 1,024
+# positions at a time), sampler (the engine's sampler against Gumbel-max), grpo, train (the main job with its defaults), tests (the GPU-marked
 # kernel tests, in one process), tests_qk (those of qk_rope_write alone). Each part runs under
 # its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
 # {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings
@@ -103,6 +104,8 @@ for spec in "$@"; do
     attn_sweep_short) JAX_PLATFORMS=cuda run_part attn_sweep_short "${limit:-200}" python3 \
       benchmarks/paged_attention_tuning.py --json --grid short --in-loop 50 \
       --shapes qwen3-0.6b_64x96,qwen3-0.6b_256x96 ;;
+    learner_chunk) run_part learner_chunk "${limit:-200}" python3 launch/bench.py learner --json \
+      --lengths 4096 --logprob-chunks 128,1024 ;;
     sampler) run_part sampler "${limit:-60}" python3 launch/bench.py sampler --json ;;
     learner_profile) run_part learner_profile "${limit:-300}" python3 launch/bench.py learner \
       --json --profile ;;

@@ -10,7 +10,7 @@
   python launch/bench.py flash_attention [--json]
   python launch/bench.py gmm [--json]
   python launch/bench.py grpo_step [--json] [--presets bench-tiny]
-  python launch/bench.py learner [--json] [--profile]
+  python launch/bench.py learner [--json] [--profile] [--lengths 4096] [--logprob-chunks 128,1024]
   python launch/bench.py kernels [--json] [--presets qwen3-0.6b]   (the CUDA plugin, no GPU)
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
       [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
@@ -52,6 +52,7 @@ from bench_balance import bench_balance  # noqa: E402
 from bench_gmm import bench_gmm  # noqa: E402
 from bench_grpo import bench_grpo_step  # noqa: E402
 from bench_kernels import bench_kernels  # noqa: E402
+from bench_learner import SETTINGS as bench_learner_settings  # noqa: E402
 from bench_learner import bench_learner  # noqa: E402
 from bench_memory import bench_memory  # noqa: E402
 from bench_prefill import (  # noqa: E402
@@ -560,6 +561,10 @@ def main() -> None:
   blocks_help = 'decode_profile: paged attention block sizes to try, "c,x,w,s;..." (e.g. "2,,2,1")'
   parser.add_argument("--attention-blocks", default=None, help=blocks_help)
   parser.add_argument("--profile", action="store_true", help="learner: also profile one update")
+  chunks_help = "learner: LM-head positions at a time to compare, e.g. 128,1024"
+  parser.add_argument("--logprob-chunks", default=None, help=chunks_help)
+  lengths_help = "learner on an accelerator: packed row lengths to run (4096, 16384)"
+  parser.add_argument("--lengths", default=None, help=lengths_help)
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
   if args.rows and args.name == "decode_profile":
@@ -570,6 +575,14 @@ def main() -> None:
     kwargs["dtype"] = args.dtype
   if args.profile:
     kwargs["profile"] = True
+  if args.logprob_chunks:
+    kwargs["logprob_chunks"] = tuple(int(c) for c in args.logprob_chunks.split(","))
+  if args.lengths:
+    lengths = {int(n) for n in args.lengths.split(",")}
+    kwargs["settings"] = tuple(s for s in bench_learner_settings if s[0] in lengths)
+    if not kwargs["settings"]:
+      known = sorted({s[0] for s in bench_learner_settings})
+      raise SystemExit(f"--lengths {args.lengths}: the learner bench runs lengths {known}.")
   if args.prompt_len:
     kwargs["prompt_len"] = args.prompt_len
   if args.trace_dir:

@@ -23,6 +23,7 @@ On CPU the command runs `bench-tiny` at 256 and 1,024 positions, fp32, so that i
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -32,11 +33,14 @@ import time
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
-def recipe_learner(preset: str, length: int, attention: str, devices, *, dtype, abstract=False):
+def recipe_learner(
+  preset: str, length: int, attention: str, devices, *, dtype, abstract=False, logprob_chunk=128
+):
   """(model config, `Learner`) of this benchmark's recipe on the first of `devices`: one
   packed row of `length` positions per micro-batch, fp32 master weights, `dtype` compute,
-  bf16 Adam first moment and gradient sums, remat. `abstract`: shapes only (`Learner`), for
-  planning on devices this process does not have (`launch/bench_kernels.py`)."""
+  bf16 Adam first moment and gradient sums, remat, the LM head applied `logprob_chunk`
+  positions at a time. `abstract`: shapes only (`Learner`), for planning on devices this
+  process does not have (`launch/bench_kernels.py`)."""
   from jaxrl.model import Model, get_preset
   from jaxrl.sharding import TRAIN_RULES, make_mesh
   from jaxrl.train import Learner, LossConfig, OptimizerConfig
@@ -62,6 +66,7 @@ def recipe_learner(preset: str, length: int, attention: str, devices, *, dtype, 
     params=None if abstract else model.init(0),
     pack_length=length,
     abstract=abstract,
+    logprob_chunk=logprob_chunk,
   )
   return cfg, learner
 
@@ -77,7 +82,10 @@ def _child(setting: dict) -> dict:
   on_cpu = jax.default_backend() == "cpu"
   length, attention, rows = setting["length"], setting["attention"], setting["rows"]
   dtype = "float32" if on_cpu else "bfloat16"
-  cfg, learner = recipe_learner(setting["preset"], length, attention, jax.devices(), dtype=dtype)
+  cfg, learner = recipe_learner(
+    setting["preset"], length, attention, jax.devices(), dtype=dtype,
+    logprob_chunk=setting.get("logprob_chunk", 128),
+  )  # fmt: skip
   rng = np.random.default_rng(0)
   prompt = min(256, length // 4)
   tokens = rng.integers(3, cfg.vocab_size, (rows, length + 1)).astype(np.int32)
@@ -158,10 +166,19 @@ SETTINGS = ((4096, "flash"), (16384, "flash"), (16384, "dense"))  # (positions, 
 
 
 def bench_learner(
-  settings=SETTINGS, rows: int = 2, steps: int = 3, timeout_s: float = 400.0, profile=False
+  settings=SETTINGS,
+  rows: int = 2,
+  steps: int = 3,
+  timeout_s: float = 400.0,
+  profile=False,
+  logprob_chunks: tuple[int, ...] = (128,),
 ):
   """Each setting's tokens/s, MFU and memory (module docstring); `profile`: also one update's
-  device kernels by kind (`_profile_update`: where the update's time goes)."""
+  device kernels by kind (`_profile_update`: where the update's time goes). Each setting runs
+  at each of `logprob_chunks` (positions of the LM head applied at a time; the learner's
+  default 128): each chunk re-reads the 311 MB embedding of Qwen3-0.6B four times and adds to
+  its gradient, so small chunks cost memory traffic, large ones memory (rows named
+  `.../chunk<N>` when more than one is given)."""
   import jax
 
   # This process only starts the settings' processes: it must not take the device's memory
@@ -172,12 +189,12 @@ def bench_learner(
   if jax.default_backend() == "cpu":
     preset, settings = "bench-tiny", ((256, "flash"), (1024, "flash"), (1024, "dense"))
   out = {}
-  for length, attention in settings:
+  for (length, attention), chunk in itertools.product(settings, logprob_chunks):
     setting = {
       "preset": preset, "length": length, "attention": attention, "rows": rows, "steps": steps,
-      "profile": profile,
+      "profile": profile, "logprob_chunk": chunk,
     }  # fmt: skip
-    name = f"{preset}/{length}/{attention}"
+    name = f"{preset}/{length}/{attention}" + (f"/chunk{chunk}" if len(logprob_chunks) > 1 else "")
     try:
       done = subprocess.run(
         [sys.executable, __file__, json.dumps(setting)],
