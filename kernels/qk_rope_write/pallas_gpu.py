@@ -102,6 +102,7 @@ def qk_rope_write(
   # parts (compiled without a device: four float32 parts of [64, 4096]), so it is not a bare
   # copy. Writing the projection as one einsum over concatenated weights made it worse (the
   # weights were concatenated at every step; `bench.py kernels`).
+  qkv = jnp.concatenate([q_nhe, k_nke.astype(q_nhe.dtype), v_nke.astype(q_nhe.dtype)], axis=1)
   k_spec = pl.BlockSpec((None, None, e), lambda i, j: (i, h + kv_head(j), 0))
   v_spec = pl.BlockSpec((None, None, e), lambda i, j: (i, h + k + kv_head(j), 0))
   angle_spec = pl.BlockSpec((None, f), lambda i, j: (i, 0))
