@@ -116,7 +116,21 @@ def first_argmax(x_bv: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(x_bv == max_b1, index_v, x_bv.shape[-1] - 1), axis=-1)
 
 
-SAMPLE_BLOCK = 512  # vocabulary entries per block of `draw_from_logits`
+SAMPLE_BLOCK = 512  # the most vocabulary entries per block of `draw_from_logits`
+
+
+def sample_block(vocab: int) -> int:
+  """Entries per block of `draw_from_logits` for a vocabulary: the largest power of two from
+  SAMPLE_BLOCK down to 64 that divides it (Qwen3's 151,936: 128, 1,187 blocks), else
+  SAMPLE_BLOCK with the last block padded. Padding copies the logits: on a TPU v5e (compiled
+  without one, 64 rows of Qwen3-0.6B) it added 56 MB of temporaries and a write and read of
+  the 39 MB of logits a step; GPUs fused it."""
+  block = SAMPLE_BLOCK
+  while block >= 64:
+    if vocab % block == 0:
+      return block
+    block //= 2
+  return SAMPLE_BLOCK
 
 
 def _first_above(cumulative_bn: jax.Array, target_b: jax.Array, mass_bn: jax.Array) -> jax.Array:
@@ -134,7 +148,7 @@ def draw_from_logits(
   """One token per row from softmax(logits) by the inverse CDF, in two levels, and each row's
   log-sum-exp. Returns (tokens_b, logsumexp_b).
 
-  The vocabulary is cut into blocks of SAMPLE_BLOCK: one pass over the logits sums each
+  The vocabulary is cut into blocks (`sample_block`): one pass over the logits sums each
   block's exp(logit - max) (the same sums give the log-sum-exp); uniform 0 picks a block with
   probability proportional to its sum, uniform 1 a token of that block in proportion to its
   exp. P(token) = (block sum / total) (exp / block sum): the softmax, exactly, up to float32
@@ -144,23 +158,26 @@ def draw_from_logits(
   made by threefry, and at Qwen3's 151,936-token vocabulary that work, not the memory read,
   set the sampler's time on an H100 (67 us a step at 64 rows, 4% of the decode step;
   docs/BENCHMARKS.md). Here a row takes two random numbers and the logits are read twice (the
-  max, then the block sums), plus one block of SAMPLE_BLOCK read again.
+  max, then the block sums), plus one block read again.
   """
   b, v = logits_bv.shape
-  blocks = -(-v // SAMPLE_BLOCK)
-  padded_bv = jnp.pad(logits_bv, ((0, 0), (0, blocks * SAMPLE_BLOCK - v)), constant_values=-jnp.inf)
-  exp_bnz = jnp.exp(padded_bv.reshape(b, blocks, SAMPLE_BLOCK) - max_b[:, None, None])
+  z = sample_block(v)
+  blocks = -(-v // z)
+  padded_bv = logits_bv
+  if blocks * z != v:
+    padded_bv = jnp.pad(logits_bv, ((0, 0), (0, blocks * z - v)), constant_values=-jnp.inf)
+  exp_bnz = jnp.exp(padded_bv.reshape(b, blocks, z) - max_b[:, None, None])
   block_mass_bn = jnp.sum(exp_bnz, axis=-1)
   cumulative_bn = jnp.cumsum(block_mass_bn, axis=-1)
   total_b = cumulative_bn[:, -1]
   block_b = _first_above(cumulative_bn, uniforms_b2[:, 0] * total_b, block_mass_bn)
-  # The chosen block's logits, read again (a gather of SAMPLE_BLOCK per row).
-  offsets_z = jnp.arange(SAMPLE_BLOCK, dtype=jnp.int32)
-  inside_bz = jnp.take_along_axis(padded_bv, block_b[:, None] * SAMPLE_BLOCK + offsets_z, axis=-1)
+  # The chosen block's logits, read again (a gather of z per row).
+  offsets_z = jnp.arange(z, dtype=jnp.int32)
+  inside_bz = jnp.take_along_axis(padded_bv, block_b[:, None] * z + offsets_z, axis=-1)
   mass_bz = jnp.exp(inside_bz - max_b[:, None])
   running_bz = jnp.cumsum(mass_bz, axis=-1)
   token_in_block_b = _first_above(running_bz, uniforms_b2[:, 1] * running_bz[:, -1], mass_bz)
-  return block_b * SAMPLE_BLOCK + token_in_block_b, max_b + jnp.log(total_b)
+  return block_b * z + token_in_block_b, max_b + jnp.log(total_b)
 
 
 def sample_tokens(

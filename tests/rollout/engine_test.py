@@ -17,6 +17,7 @@ from jaxrl.rollout.sampling import (
   draw_from_logits,
   filter_width,
   first_argmax,
+  sample_block,
 )
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig
@@ -132,10 +133,17 @@ def _chi_square_z(tokens, probs) -> float:
   return (chi - dof) / np.sqrt(2 * dof)
 
 
-def test_sampler_draws_from_the_softmax_at_each_temperature():
-  # 1,300 entries: two whole blocks of SAMPLE_BLOCK and a padded third.
+def test_sample_block_divides_the_vocabulary_where_a_power_of_two_does():
+  assert sample_block(151936) == 128 and sample_block(32768) == SAMPLE_BLOCK
+  assert sample_block(1280) == 256 and sample_block(128256) == 256
+  assert sample_block(1300) == SAMPLE_BLOCK  # no power of two from 64 up: padded
+
+
+# 1,300 entries: two whole blocks of SAMPLE_BLOCK and a padded third; 1,280: five of 256.
+@pytest.mark.parametrize("vocab", [1300, 1280])
+def test_sampler_draws_from_the_softmax_at_each_temperature(vocab):
   rng = np.random.default_rng(0)
-  logits = jnp.asarray(rng.normal(size=(3, 1300)) * 2, jnp.float32)
+  logits = jnp.asarray(rng.normal(size=(3, vocab)) * 2, jnp.float32)
   temperature = jnp.array([1.0, 0.7, 1.3], jnp.float32)
   keys = jax.random.split(jax.random.key(1), 20000 * 3).reshape(20000, 3)
   draw = jax.jit(
