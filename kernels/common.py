@@ -17,23 +17,29 @@ _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def target_platform(platform: str):
-  """Traces inside choose the kernels of `platform` for `impl="auto"`: for compiling ahead of
-  time for devices this process does not have (a GPU program compiled on a CPU machine,
-  `launch/bench_kernels.py`), where neither the inputs nor the default backend say which.
-
-  jax's trace caches do not know this setting, so entering and leaving clears them: a function
-  traced for one platform is not reused for the other."""
-  if platform not in _AUTO and platform != "cpu":
-    known = [*sorted(_AUTO), "cpu"]
-    raise ValueError(f"Unknown target platform {platform!r}; expected one of {known}.")
+def traced_setting(var: contextvars.ContextVar, value):
+  """`var` set to `value` for the traces inside. jax's trace caches do not know such a
+  setting, so entering and leaving clears them: a function traced under one value is not
+  reused under another. The mechanism of `target_platform`, `auto_impls` and
+  `paged_attention.default_block_sizes`."""
   jax.clear_caches()
-  token = _TARGET_PLATFORM.set(platform)
+  token = var.set(value)
   try:
     yield
   finally:
-    _TARGET_PLATFORM.reset(token)
+    var.reset(token)
     jax.clear_caches()
+
+
+def target_platform(platform: str):
+  """Traces inside choose the kernels of `platform` for `impl="auto"`: for compiling ahead of
+  time for devices this process does not have (a GPU program compiled on a CPU machine,
+  `launch/bench_kernels.py`), where neither the inputs nor the default backend say which
+  (`traced_setting`)."""
+  if platform not in _AUTO and platform != "cpu":
+    known = [*sorted(_AUTO), "cpu"]
+    raise ValueError(f"Unknown target platform {platform!r}; expected one of {known}.")
+  return traced_setting(_TARGET_PLATFORM, platform)
 
 
 _AUTO_OVERRIDES: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
@@ -41,22 +47,15 @@ _AUTO_OVERRIDES: contextvars.ContextVar[dict[str, str] | None] = contextvars.Con
 )
 
 
-@contextlib.contextmanager
 def auto_impls(**impl_by_op: str):
   """Traces inside resolve `impl="auto"` of the named kernels to the given impl, e.g.
   `auto_impls(qk_rope_write="reference")`: for timing a kernel against its reference inside
   the model that calls it (`bench.py decode_profile --reference`), where the call sites pass
-  "auto". Clears jax's trace caches on entering and leaving, as `target_platform` does."""
+  "auto" (`traced_setting`)."""
   for op, impl in impl_by_op.items():
     if impl not in IMPLS or impl == "auto":
       raise ValueError(f"auto_impls({op}={impl!r}): expected one of {IMPLS[1:]}.")
-  jax.clear_caches()
-  token = _AUTO_OVERRIDES.set({**(_AUTO_OVERRIDES.get() or {}), **impl_by_op})
-  try:
-    yield
-  finally:
-    _AUTO_OVERRIDES.reset(token)
-    jax.clear_caches()
+  return traced_setting(_AUTO_OVERRIDES, {**(_AUTO_OVERRIDES.get() or {}), **impl_by_op})
 
 
 def platform_of(x: jax.Array) -> str:

@@ -141,22 +141,10 @@ def _child(setting: dict) -> dict:
 def _profile_update(learner, batch) -> dict:
   """One more update under `jax.profiler`: its device kernels by kind (`bench_profile`), and
   the device's busy time against the update's wall time under the profiler."""
-  import glob
-  import gzip
-  import tempfile
+  from bench_profile import device_kernels, run_profiled, summarize  # launch/ is on sys.path
 
-  import jax
-  from bench_profile import device_kernels, summarize  # launch/ is on sys.path
-
-  with tempfile.TemporaryDirectory() as trace_dir:
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-    start = time.perf_counter()
-    jax.block_until_ready(learner.update(batch))
-    seconds = time.perf_counter() - start
-    jax.profiler.stop_trace()
-    (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-    with gzip.open(path) as f:
-      kernels = device_kernels(json.load(f))
+  seconds, trace = run_profiled(lambda: learner.update(batch))
+  kernels = device_kernels(trace)
   out = {"wall_ms_profiled": seconds * 1e3}
   out.update(summarize(kernels, 1, top=30) if kernels else {"device_events": 0})
   return out

@@ -91,6 +91,24 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int, top: int = 25
   }
 
 
+def run_profiled(fn, keep_as: str | None = None) -> tuple[float, dict]:
+  """`fn()` (its results made ready) under `jax.profiler`: (its wall seconds under the
+  profiler, the Perfetto trace as a dict), the trace also copied to `keep_as` when given."""
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    seconds = time.perf_counter() - start
+    jax.profiler.stop_trace()
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(path) as f:
+      trace = json.load(f)
+    if keep_as:
+      os.makedirs(os.path.dirname(keep_as) or ".", exist_ok=True)
+      shutil.copy(path, keep_as)
+  return seconds, trace
+
+
 def decode_step_seconds(engine, prompts, sampling) -> float:
   """Mean time per decoded token of each row (one decode step) once the requests are admitted
   and prefilled; a window of several steps per engine step is divided by its tokens.
@@ -142,19 +160,11 @@ def _profile_engine(cfg, rows, prompt_len, new_tokens, keep_trace_in, tag) -> di
   sampling = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)] * rows
   # Compiles every shape the runs below meet, then times the decode steps without a profiler.
   step_s = decode_step_seconds(engine, prompts, sampling)
-  with tempfile.TemporaryDirectory() as trace_dir:
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-    start = time.perf_counter()
-    engine.generate(prompts, sampling, seed=1)
-    seconds = time.perf_counter() - start
-    jax.profiler.stop_trace()
-    (path,) = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    with gzip.open(path) as f:
-      trace = json.load(f)
-    if keep_trace_in:
-      os.makedirs(keep_trace_in, exist_ok=True)
-      name = re.sub(r"[^A-Za-z0-9._-]", "-", f"decode_{tag}_{rows}.json.gz")
-      shutil.copy(path, os.path.join(keep_trace_in, name))
+  keep_as = None
+  if keep_trace_in:
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", f"decode_{tag}_{rows}.json.gz")
+    keep_as = os.path.join(keep_trace_in, name)
+  seconds, trace = run_profiled(lambda: engine.generate(prompts, sampling, seed=1), keep_as)
   # Every row decodes new_tokens - 1 steps after the token its prefill samples.
   steps = new_tokens - 1
   kernels = device_kernels(trace, module="decode_impl")  # the decode windows, not prefill

@@ -4,7 +4,6 @@ Shapes: n sequences, h query heads, k kv heads, d head dim, p pages in the pool,
 page, m pages per sequence.
 """
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -14,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl.kernels.common import IMPLS, check_block_fields, resolve_impl
+from jaxrl.kernels.common import IMPLS, check_block_fields, resolve_impl, traced_setting
 from jaxrl.kernels.paged_attention import reference
 
 
@@ -62,21 +61,13 @@ _DEFAULT_BLOCK_SIZES: contextvars.ContextVar[BlockSizes | None] = contextvars.Co
 )
 
 
-@contextlib.contextmanager
 def default_block_sizes(block_sizes: BlockSizes):
   """Traces inside use `block_sizes` where a call passes None (the model's decode step does):
   for comparing tilings inside the model (`bench.py decode_profile --attention-blocks`)
-  without threading block sizes through it. Clears jax's trace caches on entering and leaving,
-  as `jaxrl.kernels.common.target_platform` does."""
+  without threading block sizes through it (`jaxrl.kernels.common.traced_setting`)."""
   if not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"default_block_sizes takes a BlockSizes, got {type(block_sizes)}.")
-  jax.clear_caches()
-  token = _DEFAULT_BLOCK_SIZES.set(block_sizes)
-  try:
-    yield
-  finally:
-    _DEFAULT_BLOCK_SIZES.reset(token)
-    jax.clear_caches()
+  return traced_setting(_DEFAULT_BLOCK_SIZES, block_sizes)
 
 
 def _load_tpu() -> Callable[..., jax.Array]:
