@@ -23,7 +23,9 @@ What runs where: rollout and learner share the host's accelerator(s) (placement 
 `placement.train_devices` of them: 1 by default). The learner keeps fp32 master weights and
 Adam's second moment, the first moment and the gradient summed over micro-batches in bf16
 (`train.optimizer.mu_dtype`, `train.optimizer.grad_accum_dtype`), and computes in bf16
-with rematerialised blocks and, on Hopper GPUs, flash attention (`model.attention="auto"`);
+with rematerialised blocks that keep flash attention's output (`model.remat_policy`, so the
+backward pass does not run the attention forward again) and, on Hopper GPUs, flash attention
+(`model.attention="auto"`);
 rollout generates from bf16 copies
 (`rollout.param_dtype`); log-probs are computed in chunks of `train.logprob_chunk` positions so
 no [tokens, vocab] fp32 logits exist whole; sequences are packed into rows as long as the
@@ -66,6 +68,10 @@ def get_config(arg: str | None = None):
   config.model.dtype = "bfloat16"
   config.model.param_dtype = "float32"
   config.model.remat = True
+  # Keep flash attention's output and log-sum-exp (a few MiB a layer per 1k tokens): the
+  # backward then runs 28 attention forwards instead of 56 (compiled for an H100,
+  # docs/BENCHMARKS.md). Dense attention (CPU, other GPUs) keeps nothing more.
+  config.model.remat_policy = "save_attention"
   config.model.attention = "auto"  # flash on Hopper: 2.3x dense at 16k tokens, 9 GiB vs 46
   config.model.max_seq_len = 2048  # capped by the checkpoint's own limit
   config.rollout.param_dtype = "bfloat16"

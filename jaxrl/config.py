@@ -279,8 +279,8 @@ class PretrainedConfig:
     path: "" trains `config.model` from a random initialisation; otherwise a local directory
       or a Hub id ("Qwen/Qwen3-0.6B") with config.json, *.safetensors and tokenizer files. The
       model's shapes then come from its config.json: of `config.model` only `dtype` (compute),
-      `param_dtype` (the learner's weights), `remat`, `attention` and `max_seq_len` (capped by the
-      checkpoint's) apply.
+      `param_dtype` (the learner's weights), `remat`, `remat_policy`, `attention` and
+      `max_seq_len` (capped by the checkpoint's) apply.
     enable_thinking: passed to the chat template as `enable_thinking` (Qwen3: False opens the
       answer with an empty <think></think> block, for short answers); templates that do not
       read it ignore it.

@@ -11,6 +11,7 @@
   python launch/bench.py gmm [--json]
   python launch/bench.py grpo_step [--json] [--presets bench-tiny]
   python launch/bench.py learner [--json] [--profile] [--lengths 4096] [--logprob-chunks 128,1024]
+                                [--remat-policies full,save_attention]
   python launch/bench.py kernels [--json] [--presets qwen3-0.6b]   (the CUDA plugin, no GPU)
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
       [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
@@ -476,6 +477,8 @@ def main() -> None:
   parser.add_argument("--profile", action="store_true", help="learner: also profile one update")
   chunks_help = "learner: LM-head positions at a time to compare, e.g. 128,1024"
   parser.add_argument("--logprob-chunks", default=None, help=chunks_help)
+  remat_help = "learner: remat policies to compare (flash rows), e.g. full,save_attention"
+  parser.add_argument("--remat-policies", default=None, help=remat_help)
   lengths_help = "learner on an accelerator: packed row lengths to run (4096, 16384)"
   parser.add_argument("--lengths", default=None, help=lengths_help)
   args = parser.parse_args()
@@ -490,6 +493,8 @@ def main() -> None:
     kwargs["profile"] = True
   if args.logprob_chunks:
     kwargs["logprob_chunks"] = tuple(int(c) for c in args.logprob_chunks.split(","))
+  if args.remat_policies:
+    kwargs["remat_policies"] = tuple(args.remat_policies.split(","))
   if args.lengths:
     lengths = {int(n) for n in args.lengths.split(",")}
     kwargs["settings"] = tuple(s for s in bench_learner_settings if s[0] in lengths)

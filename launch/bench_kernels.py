@@ -171,30 +171,59 @@ def _compile_training_kernels(spec: dict) -> dict:
   return out
 
 
+# The remat policies the learner's plan compares on rows with flash attention (dense rows:
+# "full" only, since the others keep flash attention's residuals).
+PLAN_REMAT_POLICIES = ("full", "save_attention", "save_dots")
+
+
+def flash_kernel_calls(hlo_text: str) -> dict[str, int]:
+  """Custom calls of the flash attention kernels in a compiled program's HLO text, by kernel
+  (`flash_attention_fwd_gpu`, `..._dq_tpu`, ...): how many times the program runs each."""
+  calls = collections.Counter()
+  for line in hlo_text.splitlines():
+    if "custom-call(" not in line and "custom_call(" not in line:
+      continue
+    match = re.search(r"flash_attention_(fwd|dq|dkv)_(gpu|tpu)", line)
+    if match:
+      calls[match[0]] += 1
+  return dict(sorted(calls.items()))
+
+
 def _plan_learner(spec: dict) -> dict:
-  """In a fresh process: XLA's buffer plan of the learner's update (`Learner.update_memory`)
+  """In a fresh process: XLA's buffer plan of the learner's update (`update_plan.memory_plan`)
   compiled for `spec["target"]` from an abstract learner (no device), at each setting of
   `launch/bench.py learner` (Qwen3-0.6B, one packed row of L positions per micro-batch, 2
-  micro-batches per update): what one chip of that kind needs for it, against what it has.
-  Each entry: GiB of arguments (parameters, optimizer state, batch), outputs and temporaries,
-  or the compiler's error (a TPU compile refuses a plan larger than the chip's memory)."""
+  micro-batches per update), flash rows at each of `PLAN_REMAT_POLICIES`: what one chip of
+  that kind needs for it, against what it has; the micro-step's own temporaries (the
+  activations a remat policy keeps live there); and how many times the micro-step runs each
+  flash attention kernel (`flash_kernel_calls`). Each entry: GiB of arguments (parameters,
+  optimizer state, batch), outputs and temporaries, or the compiler's error (a TPU compile
+  refuses a plan larger than the chip's memory)."""
   from bench_learner import SETTINGS, recipe_learner
 
   from jaxrl.kernels.common import target_platform
+  from jaxrl.train import update_plan
 
   target = spec["target"]
   devices = _target_devices(target)
   out = {}
   for length, attention in SETTINGS:
-    _, learner = recipe_learner(
-      "qwen3-0.6b", length, attention, devices, dtype="bfloat16", abstract=True
-    )
-    name = f"learner_{length}_{attention}"
-    try:
-      with target_platform("tpu" if target in TPU_TOPOLOGIES else "cuda"):
-        out[name] = learner.update_memory(2, length + 1)
-    except Exception as e:  # noqa: BLE001  (a compiler error is this benchmark's finding)
-      out[name] = {"error": str(e).splitlines()[0][:500]}
+    for policy in PLAN_REMAT_POLICIES if attention == "flash" else ("full",):
+      _, learner = recipe_learner(
+        "qwen3-0.6b", length, attention, devices, dtype="bfloat16", abstract=True,
+        remat_policy=policy,
+      )  # fmt: skip
+      name = f"learner_{length}_{attention}" + ("" if policy == "full" else f"_{policy}")
+      try:
+        with target_platform("tpu" if target in TPU_TOPOLOGIES else "cuda"):
+          programs = update_plan.compiled_update(learner, 2, length + 1)
+        out[name] = update_plan.memory_plan(programs)
+        micro = programs[0].memory_analysis().temp_size_in_bytes
+        out[name]["micro_step_temporaries_gib"] = micro / 2**30
+        if attention == "flash":
+          out[name]["micro_step_kernel_calls"] = flash_kernel_calls(programs[0].as_text())
+      except Exception as e:  # noqa: BLE001  (a compiler error is this benchmark's finding)
+        out[name] = {"error": str(e).splitlines()[0][:500]}
   return out
 
 

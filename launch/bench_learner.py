@@ -34,13 +34,21 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
 def recipe_learner(
-  preset: str, length: int, attention: str, devices, *, dtype, abstract=False, logprob_chunk=128
+  preset: str,
+  length: int,
+  attention: str,
+  devices,
+  *,
+  dtype,
+  abstract=False,
+  logprob_chunk=128,
+  remat_policy="full",
 ):
   """(model config, `Learner`) of this benchmark's recipe on the first of `devices`: one
   packed row of `length` positions per micro-batch, fp32 master weights, `dtype` compute,
-  bf16 Adam first moment and gradient sums, remat, the LM head applied `logprob_chunk`
-  positions at a time. `abstract`: shapes only (`Learner`), for planning on devices this
-  process does not have (`launch/bench_kernels.py`)."""
+  bf16 Adam first moment and gradient sums, remat (keeping what `remat_policy` names), the LM
+  head applied `logprob_chunk` positions at a time. `abstract`: shapes only (`Learner`), for
+  planning on devices this process does not have (`launch/bench_kernels.py`)."""
   from jaxrl.model import Model, get_preset
   from jaxrl.sharding import TRAIN_RULES, make_mesh
   from jaxrl.train import Learner, LossConfig, OptimizerConfig
@@ -50,6 +58,7 @@ def recipe_learner(
     dtype=dtype,
     param_dtype="float32",
     remat=True,
+    remat_policy=remat_policy,
     attention=attention,
     max_seq_len=length + 1,
   )
@@ -85,6 +94,7 @@ def _child(setting: dict) -> dict:
   cfg, learner = recipe_learner(
     setting["preset"], length, attention, jax.devices(), dtype=dtype,
     logprob_chunk=setting.get("logprob_chunk", 128),
+    remat_policy=setting.get("remat_policy", "full"),
   )  # fmt: skip
   rng = np.random.default_rng(0)
   prompt = min(256, length // 4)
@@ -160,13 +170,16 @@ def bench_learner(
   timeout_s: float = 400.0,
   profile=False,
   logprob_chunks: tuple[int, ...] = (128,),
+  remat_policies: tuple[str, ...] = ("full",),
 ):
   """Each setting's tokens/s, MFU and memory (module docstring); `profile`: also one update's
   device kernels by kind (`_profile_update`: where the update's time goes). Each setting runs
   at each of `logprob_chunks` (positions of the LM head applied at a time; the learner's
   default 128): each chunk re-reads the 311 MB embedding of Qwen3-0.6B four times and adds to
   its gradient, so small chunks cost memory traffic, large ones memory (rows named
-  `.../chunk<N>` when more than one is given)."""
+  `.../chunk<N>` when more than one is given), and at each of `remat_policies`
+  (`ModelConfig.remat_policy`: what a rematerialised block keeps; rows named
+  `.../remat-<policy>` when more than one is given)."""
   import jax
 
   # This process only starts the settings' processes: it must not take the device's memory
@@ -177,12 +190,17 @@ def bench_learner(
   if jax.default_backend() == "cpu":
     preset, settings = "bench-tiny", ((256, "flash"), (1024, "flash"), (1024, "dense"))
   out = {}
-  for (length, attention), chunk in itertools.product(settings, logprob_chunks):
+  for (length, attention), chunk, policy in itertools.product(
+    settings, logprob_chunks, remat_policies
+  ):
     setting = {
       "preset": preset, "length": length, "attention": attention, "rows": rows, "steps": steps,
-      "profile": profile, "logprob_chunk": chunk,
+      "profile": profile, "logprob_chunk": chunk, "remat_policy": policy,
     }  # fmt: skip
     name = f"{preset}/{length}/{attention}" + (f"/chunk{chunk}" if len(logprob_chunks) > 1 else "")
+    if policy != "full" and attention != "flash":
+      continue  # the policies save flash attention's residuals: dense rows would repeat "full"
+    name += f"/remat-{policy}" if len(remat_policies) > 1 else ""
     try:
       done = subprocess.run(
         [sys.executable, __file__, json.dumps(setting)],

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch"))
 
-from bench_kernels import count_loop_body  # noqa: E402
+from bench_kernels import count_loop_body, flash_kernel_calls  # noqa: E402
 from bench_profile import (  # noqa: E402
   busy_microseconds,
   device_kernels,
@@ -68,6 +68,26 @@ def test_counts_the_loop_body_by_kernel_kind():
 def test_a_dump_without_a_loop_is_an_error():
   with pytest.raises(ValueError, match="No kWhile thunk"):
     count_loop_body(DUMP.split("003: kWhile")[0])
+
+
+def test_flash_kernel_calls_counts_custom_calls_by_kernel():
+  """Custom calls only: an op that names a kernel in its metadata is not a call of it."""
+  hlo = "\n".join([
+    '  %a = (bf16[1,64,2,16]{3,2,1,0}, f32[1,2,64]{2,1,0}) custom-call(%q, %k, %v), '
+    'custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"flash_attention_fwd_gpu"}',
+    '  %b = bf16[1,64,2,16]{3,2,1,0} custom-call(%q, %k), custom_call_target="__gpu$xla.gpu.'
+    'triton", backend_config={"name":"flash_attention_dq_gpu"}',
+    '  %c = (bf16[1,64,2,16]{3,2,1,0}, f32[1,2,64]{2,1,0}) custom-call(%q2, %k2, %v2), '
+    'custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"flash_attention_fwd_gpu"}',
+    '  %d = f32[64]{0} add(%x, %y), metadata={op_name="jit(flash_attention_fwd_gpu)/add"}',
+    '  %e = f32[8]{0} custom-call(%z), custom_call_target="tpu_custom_call", '
+    'backend_config={"custom_call_config": {"name": "flash_attention_dkv_tpu"}}',
+  ])  # fmt: skip
+  assert flash_kernel_calls(hlo) == {
+    "flash_attention_dkv_tpu": 1,
+    "flash_attention_dq_gpu": 1,
+    "flash_attention_fwd_gpu": 2,
+  }
 
 
 def _exported_for_cuda(platform):

@@ -7,6 +7,8 @@ import dataclasses
 DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("dense", "flash")
 ROPE_SCALINGS = ("", "llama3")
+# What a rematerialised block keeps for the backward pass (`ModelConfig.remat_policy`).
+REMAT_POLICIES = ("full", "save_attention", "save_dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,14 @@ class ModelConfig:
       sampling and log-probs. 0: every row is a token.
     remat: recompute each block's activations in the backward pass instead of storing them
       (training memory grows with one block, not with depth, for one more forward pass).
+    remat_policy: with `remat`, what each block keeps for the backward pass besides its input:
+      "full" nothing (the whole block's forward runs again); "save_attention" flash
+      attention's output and log-sum-exp (`t * h * e` values and `h * t` floats a layer), so
+      the backward does not run the attention forward again, the costliest part of long rows
+      (with `attention="dense"` nothing is saved: its backward needs the `[t, t]`
+      probabilities, which are recomputed); "save_dots" that and every projection's output
+      (q, k, v, o and the MLP's: about `2 * (h + k) * e + 3 * f` values a token and layer), so
+      that only norms, RoPE and activations run again.
     attention: the attention of forward passes without a KV cache (training, log-probs):
       "dense" materialises `[t, t]` scores per head; "flash" runs
       `jaxrl.kernels.flash_attention` (blockwise, memory linear in t; the Pallas kernel on a
@@ -81,6 +91,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   vocab_limit: int = 0
   remat: bool = False
+  remat_policy: str = "full"
   attention: str = "dense"
 
   def __post_init__(self):
@@ -126,6 +137,15 @@ class ModelConfig:
       raise ValueError(
         f"model.vocab_limit must be in [0, vocab_size={self.vocab_size}] (0 = all rows), "
         f"got {self.vocab_limit}."
+      )
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(
+        f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}."
+      )
+    if self.remat_policy != "full" and not self.remat:
+      raise ValueError(
+        f"model.remat_policy={self.remat_policy!r} only applies to rematerialised blocks: set "
+        "model.remat=True, or leave remat_policy at 'full'."
       )
     if self.attention not in ATTENTIONS:
       raise ValueError(f"model.attention must be one of {ATTENTIONS}, got {self.attention!r}.")

@@ -15,10 +15,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.kernels.flash_attention import FLASH_RESIDUAL_NAMES
 from jaxrl.kernels.qk_rope_write import apply_rope, rms_norm
 from jaxrl.model.cache import PagedLayerCache, attend, attend_paged_decode
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.moe import MoEInputs, MoEMLP, param
+
+
+def remat_policy(name: str):
+  """The `jax.checkpoint` policy of `ModelConfig.remat_policy` (None: save nothing)."""
+  save_attention = jax.checkpoint_policies.save_only_these_names(*FLASH_RESIDUAL_NAMES)
+  if name == "save_attention":
+    return save_attention
+  if name == "save_dots":
+    # Projections are dots without batch dimensions; attention's einsums have (b, h) ones.
+    return jax.checkpoint_policies.save_from_both_policies(
+      jax.checkpoint_policies.dots_with_no_batch_dims_saveable, save_attention
+    )
+  return None
 
 
 class RMSNorm(nnx.Module):
@@ -205,9 +219,13 @@ class Transformer(nnx.Module):
     for i, block in enumerate(self.blocks):
       layer_cache = None if cache is None else cache[i]
       if cfg.remat and cache is None:
-        # Training: keep only each block's input for the backward pass and recompute the rest,
-        # trading one more forward for activation memory that no longer grows with depth.
-        run = nnx.remat(lambda blk, x, pos, seg, i=i: blk(x, pos, None, moe, i, seg))
+        # Training: keep each block's input (and what `remat_policy` names) for the backward
+        # pass and recompute the rest, trading compute for activation memory that no longer
+        # grows with depth.
+        run = nnx.remat(
+          lambda blk, x, pos, seg, i=i: blk(x, pos, None, moe, i, seg),
+          policy=remat_policy(cfg.remat_policy),
+        )
         x_btd, layer_cache, expert_ids_btk = run(block, x_btd, positions_bt, segment_ids_bt)
       else:
         x_btd, layer_cache, expert_ids_btk = block(

@@ -69,7 +69,8 @@ def make_tokenizer(cfg: ExperimentConfig) -> Tokenizer:
 
 def model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
   """The learner's model: `config.model`, or the checkpoint's shapes with `config.model`'s
-  dtypes, remat, attention and length limit; ids past the tokenizer's vocabulary masked out."""
+  dtypes, remat (and its policy), attention and length limit; ids past the tokenizer's
+  vocabulary masked out."""
   source = pretrained_dir(cfg)
   if source is None:
     model = cfg.model
@@ -91,6 +92,7 @@ def model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
       dtype=cfg.model.dtype,
       param_dtype=cfg.model.param_dtype,
       remat=cfg.model.remat,
+      remat_policy=cfg.model.remat_policy,
       attention=cfg.model.attention,
       max_seq_len=min(model.max_seq_len, cfg.model.max_seq_len),
     )

@@ -3,6 +3,6 @@ and positions for chunks after cached keys: blockwise jnp reference, Pallas TPU 
 kernels, forward and backward."""
 
 from jaxrl.kernels.common import IMPLS
-from jaxrl.kernels.flash_attention.api import BlockSizes, flash_attention
+from jaxrl.kernels.flash_attention.api import FLASH_RESIDUAL_NAMES, BlockSizes, flash_attention
 
-__all__ = ["IMPLS", "BlockSizes", "flash_attention"]
+__all__ = ["FLASH_RESIDUAL_NAMES", "IMPLS", "BlockSizes", "flash_attention"]

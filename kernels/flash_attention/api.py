@@ -11,9 +11,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.kernels.common import IMPLS, check_block_fields, resolve_impl
 from jaxrl.kernels.flash_attention import reference
+
+# The `checkpoint_name`s of what the backward pass needs from the forward: the output and the
+# log-sum-exp residual.
+FLASH_RESIDUAL_NAMES = ("flash_attention_out", "flash_attention_lse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +162,10 @@ def _flash(q_bthe, k_bske, v_bske, meta, cfg):
 
 def _flash_fwd(q_bthe, k_bske, v_bske, meta, cfg):
   o_bthe, residual = _forward(cfg, q_bthe, k_bske, v_bske, meta)
+  # Named, so that a `jax.checkpoint` policy can keep them and spare the backward pass a second
+  # forward (`jaxrl.model.ModelConfig.remat_policy`); without a policy the names do nothing.
+  o_bthe = checkpoint_name(o_bthe, FLASH_RESIDUAL_NAMES[0])
+  residual = jax.tree.map(lambda x: checkpoint_name(x, FLASH_RESIDUAL_NAMES[1]), residual)
   return o_bthe, (q_bthe, k_bske, v_bske, meta, o_bthe, residual)
 
 
