@@ -17,7 +17,11 @@
 # again, 50 calls a jitted loop, so that the kernel's time is what is timed),
 # rollout16_fp32, learner, learner_profile (the same with one update's kernels by kind: where
 # the 13% MFU goes), learner_chunk (4k positions with the LM head applied 128 and 1,024
-# positions at a time), sampler (the engine's sampler against Gumbel-max), grpo, train (the main job with its defaults), tests (the GPU-marked
+# positions at a time), sampler (the engine's sampler against Gumbel-max), learner_remat (16k
+# positions with the remat policies "full" and "save_attention"), attn_mask (one layer's flash
+# attention, forward and backward: the GPU kernel against itself masking every block pair,
+# dense and cuDNN), attn_tune (the flash attention kernels' block sizes swept at 4k and 16k
+# tokens, forward and backward apart), grpo, train (the main job with its defaults), tests (the GPU-marked
 # kernel tests, in one process), tests_qk (those of qk_rope_write alone). Each part runs under
 # its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
 # {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings
@@ -107,6 +111,11 @@ for spec in "$@"; do
     learner_chunk) run_part learner_chunk "${limit:-200}" python3 launch/bench.py learner --json \
       --lengths 4096 --logprob-chunks 128,1024 ;;
     sampler) run_part sampler "${limit:-60}" python3 launch/bench.py sampler --json ;;
+    learner_remat) run_part learner_remat "${limit:-240}" python3 launch/bench.py learner --json \
+      --lengths 16384 --remat-policies full,save_attention ;;
+    attn_mask) run_part attn_mask "${limit:-120}" python3 launch/bench.py flash_attention --json ;;
+    attn_tune) JAX_PLATFORMS=cuda run_part attn_tune "${limit:-300}" python3 \
+      benchmarks/flash_attention_tuning.py --json ;;
     learner_profile) run_part learner_profile "${limit:-300}" python3 launch/bench.py learner \
       --json --profile ;;
     grpo) run_part grpo "${limit:-200}" python3 launch/bench.py grpo_step --json \

@@ -20,8 +20,8 @@ _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 def traced_setting(var: contextvars.ContextVar, value):
   """`var` set to `value` for the traces inside. jax's trace caches do not know such a
   setting, so entering and leaving clears them: a function traced under one value is not
-  reused under another. The mechanism of `target_platform`, `auto_impls` and
-  `paged_attention.default_block_sizes`."""
+  reused under another. The mechanism of `target_platform`, `auto_impls`,
+  `paged_attention.default_block_sizes` and `flash_attention.pallas_gpu.mask_every_block`."""
   jax.clear_caches()
   token = var.set(value)
   try:

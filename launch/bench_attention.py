@@ -14,6 +14,9 @@ Implementations, on whatever backend runs this:
 - `flash_reference`: `jaxrl.kernels.flash_attention` with `impl="reference"` (blockwise jnp,
   the CPU path);
 - `flash_pallas_gpu` / `flash_pallas_tpu`: the backend's kernel, on a GPU or TPU;
+- `flash_pallas_gpu_mask_every_block`: the GPU kernel masking every block pair
+  (`pallas_gpu.mask_every_block`), as it did before it skipped the mask on pairs that see
+  each other whole: the A/B of that change;
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, on a GPU where it works.
 
 Float32 on CPU (XLA:CPU has no fast bf16 matmuls), bfloat16 elsewhere, unless `dtype` says.
@@ -21,6 +24,7 @@ Float32 on CPU (XLA:CPU has no fast bf16 matmuls), bfloat16 elsewhere, unless `d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -58,11 +62,24 @@ def _implementations(platform: str) -> dict:
   kernel = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform)
   if kernel:
     impls[f"flash_{kernel}"] = lambda q, k, v, pos: flash_attention(q, k, v, impl=kernel)
+  if kernel == "pallas_gpu":
+    # The kernel as it was before it skipped the mask where a block pair sees all of itself.
+    # (traced under `pallas_gpu.mask_every_block`: `_tracing_context`)
+    impls["flash_pallas_gpu_mask_every_block"] = impls["flash_pallas_gpu"]
   if platform == "gpu":
     impls["cudnn"] = lambda q, k, v, pos: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="cudnn"
     )
   return impls
+
+
+def _tracing_context(name: str):
+  """What `name`'s traces run under: the GPU kernel's A/B setting, or nothing."""
+  if name == "flash_pallas_gpu_mask_every_block":
+    from jaxrl.kernels.flash_attention.pallas_gpu import mask_every_block
+
+    return mask_every_block()
+  return contextlib.nullcontext()
 
 
 def _mib(compiled) -> float:
@@ -115,8 +132,9 @@ def bench_flash_attention(
           return jnp.sum(attn(q, k, v, pos).astype(jnp.float32) * cot.astype(jnp.float32))
 
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        fwd_compiled = fwd.lower(q, k, v, pos).compile()
-        step_compiled = step.lower(q, k, v, pos, cot).compile()
+        with _tracing_context(name):
+          fwd_compiled = fwd.lower(q, k, v, pos).compile()
+          step_compiled = step.lower(q, k, v, pos, cot).compile()
         row["fwd_temp_MiB"] = _mib(fwd_compiled)
         row["fwd_bwd_temp_MiB"] = _mib(step_compiled)
         y = fwd_compiled(q, k, v, pos).astype(jnp.float32)

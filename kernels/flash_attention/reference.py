@@ -102,6 +102,44 @@ def block_visibility(meta: Metadata, *, bq: int, bk: int, causal: bool) -> jax.A
   return maybe_bnm
 
 
+def block_full_visibility(meta: Metadata, *, bq: int, bk: int, causal: bool) -> jax.Array:
+  """bool `[b, n, m]`: every query of block n sees every key of block m (token axes padded),
+  so the pair needs no mask. Exact: both blocks hold no padding and one segment, the same one,
+  and when `causal` the block's last key position is at most its first query position."""
+
+  def summary(segment_ids, positions, block):
+    b, length = segment_ids.shape
+    seg = segment_ids.reshape(b, length // block, block)
+    pos = positions.reshape(b, length // block, block)
+    one_segment = (jnp.min(seg, -1) == jnp.max(seg, -1)) & (jnp.min(seg, -1) >= 0)
+    return one_segment, seg[..., 0], jnp.min(pos, -1), jnp.max(pos, -1)
+
+  q_one, q_seg, q_pos_lo, _ = summary(meta.q_segment_ids_bt, meta.q_positions_bt, bq)
+  kv_one, kv_seg, _, kv_pos_hi = summary(meta.kv_segment_ids_bs, meta.kv_positions_bs, bk)
+  full_bnm = q_one[:, :, None] & kv_one[:, None, :] & (q_seg[:, :, None] == kv_seg[:, None, :])
+  if causal:
+    full_bnm &= kv_pos_hi[:, None, :] <= q_pos_lo[:, :, None]
+  return full_bnm
+
+
+def full_block_run(
+  full_xy: jax.Array, lo_x: jax.Array, hi_x: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """int32 `[first, end)` along the last axis: the first run of blocks that need no mask
+  (`block_full_visibility`) inside `[lo, hi)`, the range a kernel visits; first == end == hi
+  where there is none. The kernels visit `[lo, first)` and `[end, hi)` with masks and the run
+  without: in a causal row all but the blocks on the diagonal, in a packed row all but those
+  on a segment's edges."""
+  y = full_xy.shape[-1]
+  index = jnp.arange(y, dtype=jnp.int32)
+  inside = (index >= lo_x[..., None]) & (index < hi_x[..., None])
+  first = jnp.min(jnp.where(full_xy & inside, index, y), axis=-1)
+  first = jnp.minimum(first, hi_x)
+  # The first block at or after `first` that needs a mask (or hi) ends the run.
+  end = jnp.min(jnp.where(~full_xy & (index >= first[..., None]), index, y), axis=-1)
+  return first.astype(jnp.int32), jnp.minimum(end, hi_x).astype(jnp.int32)
+
+
 def block_ranges(maybe_xy: jax.Array) -> tuple[jax.Array, jax.Array]:
   """int32 `[lo, hi)` along the last axis: the first and one past the last True; (0, 0) where
   there is none. Blocks in between that see nothing are visited anyway (and masked)."""
