@@ -5,28 +5,27 @@
 #   benchmarks/gpu_session.sh PART...
 #
 # PARTs, in the order given: install (wheels from .whl/ into /tmp/site, then this project, no
-# dependencies), gmm, rollout64, rollout64_graphs (the same with XLA's command buffers also
-# around the loop itself; its body is one already, `bench.py kernels`), profile64 and profile16
-# (the decode step's device time by kernel kind at 64 and 16 rows, `bench.py decode_profile`;
-# each also times the step with qk_rope_write's reference, and profile64 keeps its two
-# Perfetto traces in $OUT), rollout256, rollout64_fp32,
-# profile64_attn (the step with paged_attention's reference beside the kernel), profile64_long
-# (the same after 1,024-token prompts), profile64_cublas (XLA's GEMMs by cuBLAS, not Triton),
-# profile64_blocks and profile64_long_blocks (paged attention block sizes tried in the model,
-# after the short-context sweep's leaders; docs/BENCHMARKS.md), attn_sweep_short (that sweep
-# again, 50 calls a jitted loop, so that the kernel's time is what is timed),
-# rollout16_fp32, learner, learner_profile (the same with one update's kernels by kind: where
-# the 13% MFU goes), learner_chunk (4k positions with the LM head applied 128 and 1,024
-# positions at a time), sampler (the engine's sampler against Gumbel-max), learner_remat (16k
-# positions with the remat policies "full" and "save_attention"), attn_mask (one layer's flash
-# attention, forward and backward: the GPU kernel against itself masking every block pair,
-# dense and cuDNN), attn_tune (the flash attention kernels' block sizes swept at 4k and 16k
-# tokens, forward and backward apart), grpo, train (the main job with its defaults), tests (the GPU-marked
-# kernel tests, in one process), tests_qk (those of qk_rope_write alone). Each part runs under
-# its own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line
-# {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings
-# it finished, for a part cut short) to $OUT/progress.txt and the end of its log to
-# $OUT/logs.txt.
+# dependencies), gmm, rollout64, rollout64_graphs (the same with XLA's command buffers also around
+# the loop itself; its body is one already, `bench.py kernels`), profile64 and profile16 (the decode
+# step's device time by kernel kind at 64 and 16 rows, `bench.py decode_profile`; each also times
+# the step with qk_rope_write's reference, and profile64 keeps its two Perfetto traces in $OUT),
+# rollout256, rollout64_fp32, profile64_attn (the step with paged_attention's reference beside the
+# kernel), profile64_long (the same after 1,024-token prompts), profile64_cublas (XLA's GEMMs by
+# cuBLAS, not Triton), profile64_blocks and profile64_long_blocks (paged attention block sizes tried
+# in the model, after the short-context sweep's leaders; docs/BENCHMARKS.md), attn_sweep_short (that
+# sweep again, 50 calls a jitted loop, so that the kernel's time is what is timed), rollout16_fp32,
+# learner, learner_profile (the same with one update's kernels by kind: where the 13% MFU goes),
+# learner_chunk (4k positions with the LM head's logits 128 and 1,024 positions' worth at a time),
+# sampler (the engine's sampler against Gumbel-max), learner_remat (16k positions with the remat
+# policies "full" and "save_attention"), attn_mask (one layer's flash attention, forward and
+# backward: the GPU kernel against itself masking every block pair, dense and cuDNN), attn_tune (the
+# flash attention kernels' block sizes swept at 4k and 16k tokens, forward and backward apart),
+# logprobs (the LM head's log-probs and gradients by vocabulary blocks against chunks of positions,
+# 4k and 16k), grpo, train (the main job with its defaults), tests (the GPU-marked kernel tests, in
+# one process), tests_qk (those of qk_rope_write alone). Each part runs under its own time limit
+# (seconds, PART:LIMIT overrides it) and appends one JSON line {"part", "rc", "seconds", "result"}
+# to $OUT/results.jsonl, its progress lines (the settings it finished, for a part cut short) to
+# $OUT/progress.txt and the end of its log to $OUT/logs.txt.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 WORK=/tmp/gpu_session_work  # each part's whole output; $OUT gets three files back
@@ -114,6 +113,7 @@ for spec in "$@"; do
     learner_remat) run_part learner_remat "${limit:-240}" python3 launch/bench.py learner --json \
       --lengths 16384 --remat-policies full,save_attention ;;
     attn_mask) run_part attn_mask "${limit:-120}" python3 launch/bench.py flash_attention --json ;;
+    logprobs) run_part logprobs "${limit:-150}" python3 launch/bench.py logprobs --json ;;
     attn_tune) JAX_PLATFORMS=cuda run_part attn_tune "${limit:-300}" python3 \
       benchmarks/flash_attention_tuning.py --json ;;
     learner_profile) run_part learner_profile "${limit:-300}" python3 launch/bench.py learner \

@@ -22,16 +22,15 @@ Variants (`--config configs/grpo_hf.py:ARG`); each sets the checkpoint's Hub id 
 What runs where: rollout and learner share the host's accelerator(s) (placement colocated,
 `placement.train_devices` of them: 1 by default). The learner keeps fp32 master weights and
 Adam's second moment, the first moment and the gradient summed over micro-batches in bf16
-(`train.optimizer.mu_dtype`, `train.optimizer.grad_accum_dtype`), and computes in bf16
-with rematerialised blocks that keep flash attention's output (`model.remat_policy`, so the
+(`train.optimizer.mu_dtype`, `train.optimizer.grad_accum_dtype`), and computes in bf16 with
+rematerialised blocks that keep flash attention's output (`model.remat_policy`, so the
 backward pass does not run the attention forward again) and, on Hopper GPUs, flash attention
-(`model.attention="auto"`);
-rollout generates from bf16 copies
-(`rollout.param_dtype`); log-probs are computed in chunks of `train.logprob_chunk` positions so
-no [tokens, vocab] fp32 logits exist whole; sequences are packed into rows as long as the
-longest one (`train.pack_length`), so the learner compiles its update once. The policy is
-written in Hub layout to `<workdir>/hf/step_<N>` every `checkpoint.hf_every` steps and to
-`<workdir>/hf/final`.
+(`model.attention="auto"`); rollout generates from bf16 copies (`rollout.param_dtype`);
+log-probs are computed a block of vocabulary rows at a time, blocks of `train.logprob_chunk`
+positions' worth, so no [tokens, vocab] fp32 logits exist whole; sequences are packed into
+rows as long as the longest one (`train.pack_length`), so the learner compiles its update
+once. The policy is written in Hub layout to `<workdir>/hf/step_<N>` every
+`checkpoint.hf_every` steps and to `<workdir>/hf/final`.
 """
 
 import os

@@ -181,9 +181,11 @@ class TrainConfig:
       prompts plus `rollout.sampling.max_new_tokens`, capped by `model.max_seq_len`); a batch
       with a longer sequence packs into longer rows, logged as a new shape. 0: no packing,
       micro-batches of sequences padded to the batch's length (a compilation per length).
-    logprob_chunk: sequence positions whose full-vocabulary logits exist at once when the
-      learner computes log-probs and entropies (forward and backward); the memory of a
-      `[micro_batch, logprob_chunk, vocab]` fp32 block, instead of the whole sequence's.
+    logprob_chunk: bounds the logits that exist at once when the learner computes log-probs
+      and entropies (forward and backward) to about a `[micro_batch, logprob_chunk, vocab]`
+      fp32 block, instead of the whole sequence's: the LM head is applied to every position
+      a block of `logprob_chunk * vocab / positions` vocabulary rows at a time
+      (`jaxrl.train.vocab_blocks`), so its weights are read once forward and twice backward.
     num_processes: processes the learner spans (`loop.backend="ray"`): a gang of Ray
       actors, each holding an equal share of the training mesh's devices, joined into one JAX
       world (`jaxrl/rl/ray_learner.py`), so FSDP and tensor parallelism cross processes and

@@ -8,6 +8,7 @@
   python launch/bench.py calibrate [--json]
   python launch/bench.py paged_attention [--json]
   python launch/bench.py flash_attention [--json]
+  python launch/bench.py logprobs [--json]
   python launch/bench.py gmm [--json]
   python launch/bench.py grpo_step [--json] [--presets bench-tiny]
   python launch/bench.py learner [--json] [--profile] [--lengths 4096] [--logprob-chunks 128,1024]
@@ -54,6 +55,7 @@ from bench_grpo import bench_grpo_step  # noqa: E402
 from bench_kernels import bench_kernels  # noqa: E402
 from bench_learner import SETTINGS as bench_learner_settings  # noqa: E402
 from bench_learner import bench_learner  # noqa: E402
+from bench_logprobs import bench_logprobs  # noqa: E402
 from bench_memory import bench_memory  # noqa: E402
 from bench_prefill import (  # noqa: E402
   bench_prefill_packing,
@@ -441,6 +443,7 @@ BENCHMARKS = {
   "kernels": bench_kernels,
   "learner": bench_learner,
   "logprob_mismatch": bench_logprob_mismatch,
+  "logprobs": bench_logprobs,
   "memory": bench_memory,
   "paged_attention": bench_paged_attention,
   "plan": bench_plan,

@@ -104,8 +104,9 @@ class Learner:
     pack_length: int = 0,
     abstract: bool = False,
   ):
-    """Builds the learner; `logprob_chunk` positions of the LM head are applied at a time
-    (`chunked_token_logprobs`), so full-vocabulary fp32 logits never exist for a whole batch.
+    """Builds the learner; the LM head's logits exist about `logprob_chunk` positions' worth at
+    a time (`chunked_token_logprobs`), so full-vocabulary fp32 logits never exist for a whole
+    batch.
     `pack_length` > 0 packs the sequences into micro-batches of `micro_batch_size` rows of that
     many positions (one training shape for the run); 0 pads each micro-batch of
     `micro_batch_size` sequences to the batch's length.

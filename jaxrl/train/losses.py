@@ -16,7 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl.model.transformer import LMHead, vocab_mask
+from jaxrl.model.transformer import LMHead
+from jaxrl.train.vocab_blocks import vocab_block_logprobs, vocab_block_rows
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 RATIO_LEVELS = ("token", "sequence")
@@ -129,12 +130,14 @@ def chunked_token_logprobs(
   vocab_limit: int = 0,
   chunk: int = 512,
 ) -> tuple[jax.Array, jax.Array]:
-  """`token_logprobs` of the LM head applied to `hidden_btd`, `chunk` positions at a time, and
-  each position's entropy (at the same temperature).
+  """`token_logprobs` of the LM head applied to `hidden_btd`, and each position's entropy (at
+  the same temperature), with at most about `[B, chunk, V]` float32 logits at once.
 
   The `[B, T, V]` fp32 logits of a long sequence over a large vocabulary (4 bytes x 151,936 per
-  token for Qwen3) would dwarf everything else the learner holds; here at most `[B, chunk, V]`
-  exist at once, forward and backward (each chunk's logits are recomputed for its gradient).
+  token for Qwen3) would dwarf everything else the learner holds. The head is applied a block
+  of vocabulary rows at a time, every position at once (`jaxrl.train.vocab_blocks`): blocks of
+  `chunk * V / T` rows (a multiple of 128) hold what `chunk` positions of the whole vocabulary
+  would, and the head is read once forward and twice backward, however long the sequence.
 
   Args:
     hidden_btd: final hidden states (`Model.apply(..., return_hidden=True)`).
@@ -142,35 +145,18 @@ def chunked_token_logprobs(
     targets_bt: `[B, T]` integer token ids.
     temperature: the sampling temperature the rollouts used; must be > 0.
     vocab_limit: ids at and past it are masked out (`ModelConfig.vocab_limit`); 0 keeps all.
-    chunk: positions per chunk.
+    chunk: positions whose whole-vocabulary logits bound the memory (`train.logprob_chunk`).
 
   Returns:
     (`[B, T]` fp32 log-probabilities, `[B, T]` fp32 entropies).
   """
-  b, t, d = hidden_btd.shape
-  chunk = max(1, min(chunk, t))
-  pad = -t % chunk
-  n = (t + pad) // chunk
-  hidden_nbcd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d)
-  targets_nbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, chunk)
-  hidden_nbcd, targets_nbc = jnp.swapaxes(hidden_nbcd, 0, 1), jnp.swapaxes(targets_nbc, 0, 1)
-
-  def chunk_stats(hidden_bcd, targets_bc):
-    logits_bcv = head.logits(hidden_bcd).astype(jnp.float32)
-    logits_bcv = vocab_mask(logits_bcv, vocab_limit) / temperature
-    logz_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
-    target_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
-    probs_bcv = jnp.exp(logits_bcv - logz_bc[..., None])
-    entropy_bc = logz_bc - jnp.sum(probs_bcv * logits_bcv, axis=-1)
-    return target_bc - logz_bc, entropy_bc
-
-  if n == 1:  # one chunk: no loop, and nothing to recompute that a loop would have freed
-    logp_bc, entropy_bc = chunk_stats(hidden_nbcd[0], targets_nbc[0])
-    return logp_bc[:, :t], entropy_bc[:, :t]
-  one_chunk = jax.checkpoint(chunk_stats)  # backward recomputes each chunk's logits
-  logp_nbc, entropy_nbc = jax.lax.map(lambda xs: one_chunk(*xs), (hidden_nbcd, targets_nbc))
-  unchunk = lambda x_nbc: jnp.swapaxes(x_nbc, 0, 1).reshape(b, n * chunk)[:, :t]  # noqa: E731
-  return unchunk(logp_nbc), unchunk(entropy_nbc)
+  if chunk < 1:
+    raise ValueError(f"chunk must be >= 1, got {chunk}.")
+  vocab = head.weights.shape[0 if head.vocab_major else 1]
+  rows = vocab_block_rows(vocab, targets_bt.shape[1], chunk)
+  return vocab_block_logprobs(
+    hidden_btd, head, targets_bt, temperature, vocab_limit=vocab_limit, rows=rows
+  )
 
 
 def kl_k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
