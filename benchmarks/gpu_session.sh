@@ -21,11 +21,12 @@
 # backward: the GPU kernel against itself masking every block pair, dense and cuDNN), attn_tune (the
 # flash attention kernels' block sizes swept at 4k and 16k tokens, forward and backward apart),
 # logprobs (the LM head's log-probs and gradients by vocabulary blocks against chunks of positions,
-# 4k and 16k), grpo, train (the main job with its defaults), tests (the GPU-marked kernel tests, in
-# one process), tests_qk (those of qk_rope_write alone). Each part runs under its own time limit
-# (seconds, PART:LIMIT overrides it) and appends one JSON line {"part", "rc", "seconds", "result"}
-# to $OUT/results.jsonl, its progress lines (the settings it finished, for a part cut short) to
-# $OUT/progress.txt and the end of its log to $OUT/logs.txt.
+# 4k and 16k), tgmm (gmm's weight gradient against XLA's, default and swept tiles), grpo, train (the
+# main job with its defaults), tests (the GPU-marked kernel tests, in one process), tests_qk (those
+# of qk_rope_write alone). Each part runs under its own time limit (seconds, PART:LIMIT overrides
+# it) and appends one JSON line {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its
+# progress lines (the settings it finished, for a part cut short) to $OUT/progress.txt and the end
+# of its log to $OUT/logs.txt.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 WORK=/tmp/gpu_session_work  # each part's whole output; $OUT gets three files back
@@ -113,6 +114,7 @@ for spec in "$@"; do
     learner_remat) run_part learner_remat "${limit:-240}" python3 launch/bench.py learner --json \
       --lengths 16384 --remat-policies full,save_attention ;;
     attn_mask) run_part attn_mask "${limit:-120}" python3 launch/bench.py flash_attention --json ;;
+    tgmm) run_part tgmm "${limit:-150}" python3 launch/bench.py tgmm --json ;;
     logprobs) run_part logprobs "${limit:-150}" python3 launch/bench.py logprobs --json ;;
     attn_tune) JAX_PLATFORMS=cuda run_part attn_tune "${limit:-300}" python3 \
       benchmarks/flash_attention_tuning.py --json ;;

@@ -10,6 +10,7 @@
   python launch/bench.py flash_attention [--json]
   python launch/bench.py logprobs [--json]
   python launch/bench.py gmm [--json]
+  python launch/bench.py tgmm [--json]
   python launch/bench.py grpo_step [--json] [--presets bench-tiny]
   python launch/bench.py learner [--json] [--profile] [--lengths 4096] [--logprob-chunks 128,1024]
                                 [--remat-policies full,save_attention]
@@ -50,7 +51,7 @@ from bench_agent import bench_agent, bench_turn_kv  # noqa: E402  (launch/ is on
 from bench_async import bench_async  # noqa: E402
 from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
-from bench_gmm import bench_gmm  # noqa: E402
+from bench_gmm import bench_gmm, bench_tgmm  # noqa: E402
 from bench_grpo import bench_grpo_step  # noqa: E402
 from bench_kernels import bench_kernels  # noqa: E402
 from bench_learner import SETTINGS as bench_learner_settings  # noqa: E402
@@ -451,6 +452,7 @@ BENCHMARKS = {
   "prefix_sharing": bench_prefix_sharing,
   "rollout": bench_rollout,
   "sampler": bench_sampler,
+  "tgmm": bench_tgmm,
   "turn_kv": bench_turn_kv,
   "weight_transfer": bench_weight_transfer,
 }
