@@ -15,18 +15,18 @@
 # in the model, after the short-context sweep's leaders; docs/BENCHMARKS.md), attn_sweep_short (that
 # sweep again, 50 calls a jitted loop, so that the kernel's time is what is timed), rollout16_fp32,
 # learner, learner_profile (the same with one update's kernels by kind: where the 13% MFU goes),
-# learner_chunk (4k positions with the LM head's logits 128 and 1,024 positions' worth at a time),
-# sampler (the engine's sampler against Gumbel-max), learner_remat (16k positions with the remat
-# policies "full" and "save_attention"), attn_mask (one layer's flash attention, forward and
-# backward: the GPU kernel against itself masking every block pair, dense and cuDNN), attn_tune (the
-# flash attention kernels' block sizes swept at 4k and 16k tokens, forward and backward apart),
-# logprobs (the LM head's log-probs and gradients by vocabulary blocks against chunks of positions,
-# 4k and 16k), tgmm (gmm's weight gradient against XLA's, default and swept tiles), grpo, train (the
-# main job with its defaults), tests (the GPU-marked kernel tests, in one process), tests_qk (those
-# of qk_rope_write alone). Each part runs under its own time limit (seconds, PART:LIMIT overrides
-# it) and appends one JSON line {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its
-# progress lines (the settings it finished, for a part cut short) to $OUT/progress.txt and the end
-# of its log to $OUT/logs.txt.
+# learner_chunk (16k positions with the LM head's logits 128 and 512 positions' worth at a time:
+# blocks of 1,280 and 4,864 vocabulary rows), sampler (the engine's sampler against Gumbel-max),
+# learner_remat (16k positions with the remat policies "full" and "save_attention"), attn_mask (one
+# layer's flash attention, forward and backward: the GPU kernel against itself masking every block
+# pair, dense and cuDNN), attn_tune (the flash attention kernels' block sizes swept at 4k and 16k
+# tokens, forward and backward apart), logprobs (the LM head's log-probs and gradients by vocabulary
+# blocks against chunks of positions, 4k and 16k), tgmm (gmm's weight gradient against XLA's,
+# default and swept tiles), grpo, train (the main job with its defaults), tests (the GPU-marked
+# kernel tests, in one process), tests_qk (those of qk_rope_write alone). Each part runs under its
+# own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line {"part", "rc",
+# "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings it finished, for a
+# part cut short) to $OUT/progress.txt and the end of its log to $OUT/logs.txt.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 WORK=/tmp/gpu_session_work  # each part's whole output; $OUT gets three files back
@@ -109,10 +109,11 @@ for spec in "$@"; do
       benchmarks/paged_attention_tuning.py --json --grid short --in-loop 50 \
       --shapes qwen3-0.6b_64x96,qwen3-0.6b_256x96 ;;
     learner_chunk) run_part learner_chunk "${limit:-200}" python3 launch/bench.py learner --json \
-      --lengths 4096 --logprob-chunks 128,1024 ;;
+      --lengths 16384 --attentions flash --logprob-chunks 128,512 ;;
     sampler) run_part sampler "${limit:-60}" python3 launch/bench.py sampler --json ;;
     learner_remat) run_part learner_remat "${limit:-240}" python3 launch/bench.py learner --json \
-      --lengths 16384 --remat-policies full,save_attention ;;
+      --lengths 16384 --attentions flash \
+      --remat-policies full,save_attention ;;
     attn_mask) run_part attn_mask "${limit:-120}" python3 launch/bench.py flash_attention --json ;;
     tgmm) run_part tgmm "${limit:-150}" python3 launch/bench.py tgmm --json ;;
     logprobs) run_part logprobs "${limit:-150}" python3 launch/bench.py logprobs --json ;;

@@ -12,7 +12,8 @@
   python launch/bench.py gmm [--json]
   python launch/bench.py tgmm [--json]
   python launch/bench.py grpo_step [--json] [--presets bench-tiny]
-  python launch/bench.py learner [--json] [--profile] [--lengths 4096] [--logprob-chunks 128,1024]
+  python launch/bench.py learner [--json] [--profile] [--lengths 4096] [--attentions flash]
+                                [--logprob-chunks 128,1024]
                                 [--remat-policies full,save_attention]
   python launch/bench.py kernels [--json] [--presets qwen3-0.6b]   (the CUDA plugin, no GPU)
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
@@ -486,6 +487,8 @@ def main() -> None:
   parser.add_argument("--remat-policies", default=None, help=remat_help)
   lengths_help = "learner on an accelerator: packed row lengths to run (4096, 16384)"
   parser.add_argument("--lengths", default=None, help=lengths_help)
+  attentions_help = "learner on an accelerator: attentions to run (flash, dense)"
+  parser.add_argument("--attentions", default=None, help=attentions_help)
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
   if args.rows and args.name == "decode_profile":
@@ -500,12 +503,19 @@ def main() -> None:
     kwargs["logprob_chunks"] = tuple(int(c) for c in args.logprob_chunks.split(","))
   if args.remat_policies:
     kwargs["remat_policies"] = tuple(args.remat_policies.split(","))
-  if args.lengths:
-    lengths = {int(n) for n in args.lengths.split(",")}
-    kwargs["settings"] = tuple(s for s in bench_learner_settings if s[0] in lengths)
+  if args.lengths or args.attentions:
+    lengths = {int(n) for n in args.lengths.split(",")} if args.lengths else None
+    attentions = set(args.attentions.split(",")) if args.attentions else None
+    kwargs["settings"] = tuple(
+      s
+      for s in bench_learner_settings
+      if (lengths is None or s[0] in lengths) and (attentions is None or s[1] in attentions)
+    )
     if not kwargs["settings"]:
-      known = sorted({s[0] for s in bench_learner_settings})
-      raise SystemExit(f"--lengths {args.lengths}: the learner bench runs lengths {known}.")
+      raise SystemExit(
+        f"--lengths {args.lengths} --attentions {args.attentions}: the learner bench runs "
+        f"(length, attention) in {list(bench_learner_settings)}."
+      )
   if args.prompt_len:
     kwargs["prompt_len"] = args.prompt_len
   if args.trace_dir:
