@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
+from jaxrl.model import ExpertParallel, LMHead, Model, MoEInputs, Params
 from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train import update_plan
@@ -142,6 +142,7 @@ class Learner:
     self.temperature = temperature if temperature > 0 else 1.0
     shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
     self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
+    self.vocab_shards = _vocab_shards(model.lm_head(self.param_shardings), mesh)
     batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
     self._batch_size_multiple = int(np.prod([mesh.shape[a] for a in batch_axes or ()]))
     self._micro_sharding = jax.sharding.NamedSharding(
@@ -270,6 +271,7 @@ class Learner:
       self.temperature,
       vocab_limit=cfg.vocab_limit,
       chunk=self.logprob_chunk,
+      vocab_shards=self.vocab_shards,
     )
 
   def _replayed_routes(self, batch: TrainBatch) -> np.ndarray | None:
@@ -571,3 +573,13 @@ class Learner:
     loss = jnp.sum(losses_m)
     metrics = jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics_m)
     return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)
+
+
+def _vocab_shards(head: LMHead, mesh: jax.sharding.Mesh) -> int:
+  """Devices the LM head's vocabulary axis is sharded over (`head.weights` is its
+  `NamedSharding`): the log-probs then take each block's rows from every shard
+  (`chunked_token_logprobs`), so that the head is never gathered."""
+  axes = head.weights.spec[0 if head.vocab_major else 1] if head.weights.spec else None
+  if axes is None:
+    return 1
+  return int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))

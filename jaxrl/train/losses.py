@@ -129,6 +129,7 @@ def chunked_token_logprobs(
   *,
   vocab_limit: int = 0,
   chunk: int = 512,
+  vocab_shards: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
   """`token_logprobs` of the LM head applied to `hidden_btd`, and each position's entropy (at
   the same temperature), with at most about `[B, chunk, V]` float32 logits at once.
@@ -145,7 +146,10 @@ def chunked_token_logprobs(
     targets_bt: `[B, T]` integer token ids.
     temperature: the sampling temperature the rollouts used; must be > 0.
     vocab_limit: ids at and past it are masked out (`ModelConfig.vocab_limit`); 0 keeps all.
-    chunk: positions whose whole-vocabulary logits bound the memory (`train.logprob_chunk`).
+    chunk: positions whose whole-vocabulary logits bound the memory (`train.logprob_chunk`);
+      with `vocab_shards`, those of one shard's part of the vocabulary, on each device.
+    vocab_shards: devices the head's vocabulary axis is sharded over (tensor parallelism):
+      each block takes rows from every shard, so the head is never gathered.
 
   Returns:
     (`[B, T]` fp32 log-probabilities, `[B, T]` fp32 entropies).
@@ -153,10 +157,11 @@ def chunked_token_logprobs(
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}.")
   vocab = head.weights.shape[0 if head.vocab_major else 1]
-  rows = vocab_block_rows(vocab, targets_bt.shape[1], chunk)
+  rows = vocab_block_rows(vocab // vocab_shards, targets_bt.shape[1], chunk)
   return vocab_block_logprobs(
-    hidden_btd, head, targets_bt, temperature, vocab_limit=vocab_limit, rows=rows
-  )
+    hidden_btd, head, targets_bt, temperature, vocab_limit=vocab_limit, rows=rows,
+    shards=vocab_shards,
+  )  # fmt: skip
 
 
 def kl_k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:

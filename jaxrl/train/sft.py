@@ -58,6 +58,7 @@ class SupervisedTrainer:
         tokens_bt[:, 1:],
         vocab_limit=self.learner.model.config.vocab_limit,
         chunk=self.learner.logprob_chunk,
+        vocab_shards=self.learner.vocab_shards,
       )
       return -jnp.sum(logp_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1)
 

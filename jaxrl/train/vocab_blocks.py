@@ -18,11 +18,18 @@ loop runs over blocks of vocabulary rows instead, every position at once:
   (accumulated in float32 inside the matmul, written once) and the hidden states' gradient
   summed over blocks in float32; the head is read twice.
 
+Tensor parallelism: where the head's vocabulary axis is sharded over `shards` devices, the
+head is viewed as `[shards, vocab / shards, d]` (a free reshape that keeps the sharding on
+the first axis) and a block is `w` rows at the same offset of every shard: each device
+computes its own rows' logits, and only per-position sums cross devices. Blocks of
+contiguous rows would make XLA gather the whole head onto every device.
+
 Numbers: a block's logits are the head's, `LMHead.logits` in the hidden states' dtype, then
 float32, masked past `vocab_limit` and divided by the temperature, exactly as the rollout
 engine computes them; only the order of the log-sum-exp's sums changes.
 
-Shapes: b batch, t positions, d model width, v vocabulary rows, w rows per block.
+Shapes: b batch, t positions, d model width, s shards of the vocabulary, w rows per shard in
+a block.
 """
 
 from __future__ import annotations
@@ -46,22 +53,48 @@ def vocab_block_rows(vocab: int, positions: int, chunk: int) -> int:
   return min(vocab, max(_LANES, -(-rows // _LANES) * _LANES))
 
 
-def _rows(weights, vocab_major: bool, start, size: int):
-  axis = 0 if vocab_major else 1
+# Einsum specs by head layout, on the head viewed per vocabulary shard (`_per_shard`): the
+# logits of a block, and its two gradients (head rows, hidden states).
+_SPECS = {
+  True: ("btd,swd->btsw", "btd,btsw->swd", "btsw,swd->btd"),  # [shards, rows, d]
+  False: ("btd,dsw->btsw", "btd,btsw->dsw", "btsw,dsw->btd"),  # [d, shards, rows]
+}
+
+
+def _per_shard(weights, vocab_major: bool, shards: int):
+  """The head as `[shards, vocab / shards, d]` (vocab-major) or `[d, shards, vocab / shards]`:
+  a free reshape whose shards axis is the vocabulary's mesh sharding, so that a block of rows
+  taken at the same offset in every shard stays on its devices (no gather of the head)."""
+  if vocab_major:
+    v, d = weights.shape
+    return weights.reshape(shards, v // shards, d)
+  d, v = weights.shape
+  return weights.reshape(d, shards, v // shards)
+
+
+def _rows(head3, vocab_major: bool, start, size: int):
+  axis = 1 if vocab_major else 2
   if isinstance(start, int):
-    return jax.lax.slice_in_dim(weights, start, start + size, axis=axis)
-  return jax.lax.dynamic_slice_in_dim(weights, start, size, axis=axis)
+    return jax.lax.slice_in_dim(head3, start, start + size, axis=axis)
+  return jax.lax.dynamic_slice_in_dim(head3, start, size, axis=axis)
 
 
-def _block_logits(h_btd, weights, vocab_major, start, size, temperature, vocab_limit):
-  """(float32 logits `[b, t, w]` of rows `[start, start + size)` as the model computes them,
-  their row ids `[w]`)."""
-  w_rows = _rows(weights, vocab_major, start, size)
-  logits_btw = LMHead(w_rows, vocab_major).logits(h_btd).astype(jnp.float32)
-  ids_w = start + jnp.arange(size, dtype=jnp.int32)
+def _block_logits(h_btd, head3, vocab_major, start, size, temperature, vocab_limit):
+  """(float32 logits `[b, t, shards, w]` of rows `[start, start + size)` of every shard, as the
+  model computes them (`LMHead.logits`: in the hidden states' dtype, then float32), their
+  vocabulary ids `[shards, w]`)."""
+  w_rows = _rows(head3, vocab_major, start, size)
+  logits = jnp.einsum(_SPECS[vocab_major][0], h_btd, w_rows.astype(h_btd.dtype))
+  logits_btsw = logits.astype(jnp.float32)
+  shards, per_shard = head3.shape[0 if vocab_major else 1], head3.shape[1 if vocab_major else 2]
+  ids_sw = (
+    jnp.arange(shards, dtype=jnp.int32)[:, None] * per_shard
+    + start
+    + jnp.arange(size, dtype=jnp.int32)[None, :]
+  )
   if vocab_limit:
-    logits_btw = jnp.where(ids_w < vocab_limit, logits_btw, MASKED_LOGIT)
-  return logits_btw / temperature, ids_w
+    logits_btsw = jnp.where(ids_sw < vocab_limit, logits_btsw, MASKED_LOGIT)
+  return logits_btsw / temperature, ids_sw
 
 
 def _starts(vocab: int, rows: int):
@@ -72,31 +105,33 @@ def _starts(vocab: int, rows: int):
   return starts, ((whole * rows, tail) if tail else None)
 
 
-def _forward(h_btd, weights, targets_bt, temperature, *, vocab_major, vocab_limit, rows):
+_BLOCK_AXES = (-2, -1)  # a block's logits `[b, t, shards, w]`: its vocabulary axes
+
+
+def _forward(h_btd, head3, targets_bt, temperature, *, vocab_major, vocab_limit, rows):
   """(log-probs, entropies, log-sum-exp), float32 `[b, t]`."""
-  vocab = weights.shape[0 if vocab_major else 1]
   block = functools.partial(
-    _block_logits, h_btd, weights, vocab_major, temperature=temperature, vocab_limit=vocab_limit
+    _block_logits, h_btd, head3, vocab_major, temperature=temperature, vocab_limit=vocab_limit
   )
+  hit = targets_bt[..., None, None]
 
   def add(carry, start, size):
     max_bt, sum_bt, weighted_bt, target_bt = carry
-    logits_btw, ids_w = block(start, size)
-    new_max = jnp.maximum(max_bt, jnp.max(logits_btw, axis=-1))
+    logits, ids_sw = block(start, size)
+    new_max = jnp.maximum(max_bt, jnp.max(logits, axis=_BLOCK_AXES))
     rescale = jnp.exp(max_bt - new_max)  # 0 at the first block (max -inf)
-    exp_btw = jnp.exp(logits_btw - new_max[..., None])
-    hit_btw = ids_w == targets_bt[..., None]
+    exps = jnp.exp(logits - new_max[..., None, None])
     return (
       new_max,
-      sum_bt * rescale + jnp.sum(exp_btw, axis=-1),
-      weighted_bt * rescale + jnp.sum(exp_btw * logits_btw, axis=-1),
-      target_bt + jnp.sum(jnp.where(hit_btw, logits_btw, 0.0), axis=-1),
+      sum_bt * rescale + jnp.sum(exps, axis=_BLOCK_AXES),
+      weighted_bt * rescale + jnp.sum(exps * logits, axis=_BLOCK_AXES),
+      target_bt + jnp.sum(jnp.where(ids_sw == hit, logits, 0.0), axis=_BLOCK_AXES),
     )
 
   shape = targets_bt.shape
   zeros = jnp.zeros(shape, jnp.float32)
   carry = (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, zeros)
-  starts, tail = _starts(vocab, rows)
+  starts, tail = _starts(head3.shape[1 if vocab_major else 2], rows)
   carry, _ = jax.lax.scan(lambda c, start: (add(c, start, rows), None), carry, starts)
   if tail:
     carry = add(carry, *tail)
@@ -106,83 +141,76 @@ def _forward(h_btd, weights, targets_bt, temperature, *, vocab_major, vocab_limi
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _logprobs(h_btd, weights, targets_bt, temperature, vocab_major, vocab_limit, rows):
+def _logprobs(h_btd, head3, targets_bt, temperature, vocab_major, vocab_limit, rows):
   logp_bt, entropy_bt, _ = _forward(
-    h_btd, weights, targets_bt, temperature,
+    h_btd, head3, targets_bt, temperature,
     vocab_major=vocab_major, vocab_limit=vocab_limit, rows=rows,
   )  # fmt: skip
   return logp_bt, entropy_bt
 
 
-def _logprobs_fwd(h_btd, weights, targets_bt, temperature, vocab_major, vocab_limit, rows):
+def _logprobs_fwd(h_btd, head3, targets_bt, temperature, vocab_major, vocab_limit, rows):
   # `symbolic_zeros`: the differentiable arguments come wrapped (value, perturbed).
-  h_btd, weights, targets_bt, temperature = (
-    x.value for x in (h_btd, weights, targets_bt, temperature)
-  )
+  h_btd, head3, targets_bt, temperature = (x.value for x in (h_btd, head3, targets_bt, temperature))
   logp_bt, entropy_bt, logz_bt = _forward(
-    h_btd, weights, targets_bt, temperature,
+    h_btd, head3, targets_bt, temperature,
     vocab_major=vocab_major, vocab_limit=vocab_limit, rows=rows,
   )  # fmt: skip
-  residuals = (h_btd, weights, targets_bt, temperature, logz_bt, entropy_bt)
+  residuals = (h_btd, head3, targets_bt, temperature, logz_bt, entropy_bt)
   return (logp_bt, entropy_bt), residuals
 
 
 def _logprobs_bwd(vocab_major, vocab_limit, rows, residuals, cotangents):
-  h_btd, weights, targets_bt, temperature, logz_bt, entropy_bt = residuals
+  h_btd, head3, targets_bt, temperature, logz_bt, entropy_bt = residuals
   # The learner's entropies are a metric (stop_gradient): their cotangent is a symbolic zero,
   # and its term is left out rather than computed from zeros.
   d_logp_bt, d_entropy_bt = (
-    None if isinstance(x, SymbolicZero) else x.astype(jnp.float32) for x in cotangents
+    None if isinstance(x, SymbolicZero) else x.astype(jnp.float32)[..., None, None]
+    for x in cotangents
   )
-  vocab = weights.shape[0 if vocab_major else 1]
+  # Per-position values against a block's `[b, t, shards, w]` logits.
+  logz, entropy, hit = (x[..., None, None] for x in (logz_bt, entropy_bt, targets_bt))
   compute = h_btd.dtype
+  _, head_spec, hidden_spec = _SPECS[vocab_major]
+  axis = 1 if vocab_major else 2
 
   def block_grads(start, size):
-    """(head gradient of the block's rows, float32; this block's part of the hidden states'
-    gradient, float32)."""
-    logits_btw, ids_w = _block_logits(
-      h_btd, weights, vocab_major, start, size, temperature, vocab_limit
-    )
-    probs_btw = jnp.exp(logits_btw - logz_bt[..., None])
-    hit_btw = ids_w == targets_bt[..., None]
+    """(head gradient of the block's rows, float32 -> the head's dtype; this block's part of
+    the hidden states' gradient, float32)."""
+    logits, ids_sw = _block_logits(h_btd, head3, vocab_major, start, size, temperature, vocab_limit)
+    probs = jnp.exp(logits - logz)
+    hits = ids_sw == hit
     if vocab_limit:  # a masked logit is a constant: a target past the limit passes nothing
-      hit_btw &= ids_w < vocab_limit
+      hits &= ids_sw < vocab_limit
     # d logp / d logit_j = [j is the target] - p_j; d entropy / d logit_j = -p_j (log p_j + H).
-    d_logits_btw = jnp.zeros_like(logits_btw)
-    if d_logp_bt is not None:
-      d_logits_btw += d_logp_bt[..., None] * (hit_btw - probs_btw)
-    if d_entropy_bt is not None:
-      log_p_btw = logits_btw - logz_bt[..., None]
-      d_logits_btw -= d_entropy_bt[..., None] * probs_btw * (log_p_btw + entropy_bt[..., None])
     # Masked ids need nothing more: their probability is exactly 0, so both terms are 0
     # (MASKED_LOGIT is finite: 0 times it is 0).
+    d_logits = jnp.zeros_like(logits)
+    if d_logp_bt is not None:
+      d_logits += d_logp_bt * (hits - probs)
+    if d_entropy_bt is not None:
+      d_logits -= d_entropy_bt * probs * (logits - logz + entropy)
     # Back through "/ temperature" and the cast of the compute-dtype logits to float32.
-    d_logits_btw = (d_logits_btw / temperature).astype(compute)
-    w_rows = _rows(weights, vocab_major, start, size).astype(compute)
-    if vocab_major:
-      d_w = jnp.einsum("btd,btw->wd", h_btd, d_logits_btw, preferred_element_type=jnp.float32)
-      d_h = jnp.einsum("btw,wd->btd", d_logits_btw, w_rows, preferred_element_type=jnp.float32)
-    else:
-      d_w = jnp.einsum("btd,btw->dw", h_btd, d_logits_btw, preferred_element_type=jnp.float32)
-      d_h = jnp.einsum("btw,dw->btd", d_logits_btw, w_rows, preferred_element_type=jnp.float32)
-    return d_w.astype(weights.dtype), d_h
-
-  axis = 0 if vocab_major else 1
+    d_logits = (d_logits / temperature).astype(compute)
+    w_rows = _rows(head3, vocab_major, start, size).astype(compute)
+    d_w = jnp.einsum(head_spec, h_btd, d_logits, preferred_element_type=jnp.float32)
+    d_h = jnp.einsum(hidden_spec, d_logits, w_rows, preferred_element_type=jnp.float32)
+    return d_w.astype(head3.dtype), d_h
 
   def add(carry, start, size):
     # Each block's rows of the head gradient written in place into the whole: no stack of
     # blocks to concatenate afterwards (a second head-sized buffer).
-    d_h_btd, d_weights = carry
+    d_h_btd, d_head3 = carry
     d_w, d_h = block_grads(start, size)
-    return d_h_btd + d_h, jax.lax.dynamic_update_slice_in_dim(d_weights, d_w, start, axis)
+    return d_h_btd + d_h, jax.lax.dynamic_update_slice_in_dim(d_head3, d_w, start, axis)
 
-  starts, tail = _starts(vocab, rows)
-  carry = (jnp.zeros(h_btd.shape, jnp.float32), jnp.zeros(weights.shape, weights.dtype))
+  starts, tail = _starts(head3.shape[axis], rows)
+  carry = (jnp.zeros(h_btd.shape, jnp.float32), jnp.zeros(head3.shape, head3.dtype))
   carry, _ = jax.lax.scan(lambda c, start: (add(c, start, rows), None), carry, starts)
   if tail:
     carry = add(carry, *tail)
-  d_h_btd, d_weights = carry
-  return d_h_btd.astype(h_btd.dtype), d_weights, None, None
+  d_h_btd, d_head3 = carry
+  return d_h_btd.astype(h_btd.dtype), d_head3, None, None
 
 
 _logprobs.defvjp(_logprobs_fwd, _logprobs_bwd, symbolic_zeros=True)
@@ -196,10 +224,18 @@ def vocab_block_logprobs(
   *,
   vocab_limit: int = 0,
   rows: int,
+  shards: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
   """(float32 log-probs, float32 entropies) `[b, t]` of `targets_bt` under the softmax of the
-  head's logits over `hidden_btd` at `temperature`, `rows` vocabulary rows at a time (module
-  docstring); differentiable in `hidden_btd` and the head's weights."""
-  return _logprobs(
-    hidden_btd, head.weights, targets_bt, temperature, head.vocab_major, vocab_limit, rows
+  head's logits over `hidden_btd` at `temperature`, `rows` vocabulary rows of each of
+  `shards` equal parts of the vocabulary at a time (module docstring); differentiable in
+  `hidden_btd` and the head's weights. `shards`: the devices the head's vocabulary axis is
+  sharded over, so that every block takes rows from every shard and none is gathered."""
+  vocab = head.weights.shape[0 if head.vocab_major else 1]
+  if shards < 1 or vocab % shards:
+    raise ValueError(f"shards must be >= 1 and divide the vocabulary ({vocab}), got {shards}.")
+  head3 = _per_shard(head.weights, head.vocab_major, shards)
+  logp_bt, entropy_bt = _logprobs(
+    hidden_btd, head3, targets_bt, temperature, head.vocab_major, vocab_limit, rows
   )
+  return logp_bt, entropy_bt

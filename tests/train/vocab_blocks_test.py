@@ -3,6 +3,8 @@
 vocabulary mask, temperature; forward against float64, gradients (of log-probs and
 entropies) against autodiff of the whole-vocabulary computation."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,3 +143,46 @@ def test_chunked_token_logprobs_runs_blocks_of_chunk_positions_worth():
     np.testing.assert_array_equal(g, w)
   with pytest.raises(ValueError, match="chunk must be >= 1"):
     chunked_token_logprobs(hidden, head, targets, chunk=0)
+
+
+def _gathered_elements(hlo_text: str) -> list[int]:
+  """Element counts of the results of the all-gathers in a compiled program's HLO text."""
+  counts = []
+  for line in hlo_text.splitlines():
+    match = re.search(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", line)
+    if match:
+      counts.append(int(np.prod([int(n) for n in match[1].split(",") if n])))
+  return counts
+
+
+@pytest.mark.parametrize("vocab_major", [False, True])
+def test_a_head_sharded_over_its_vocabulary_is_never_gathered(vocab_major):
+  """Tensor parallelism (the vocabulary over 4 devices): with `shards=4` every block takes its
+  rows from every shard, so the gradient's program gathers no head-sized array (with one
+  shard's view it gathers the whole head), and the results are the one-device ones."""
+  v, d, t = 1024, 64, 128
+  rng = np.random.default_rng(2)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("tensor",))
+  spec = jax.sharding.PartitionSpec(*(("tensor", None) if vocab_major else (None, "tensor")))
+  shape = (v, d) if vocab_major else (d, v)
+  head = jnp.asarray(rng.normal(size=shape) * 0.1, jnp.float32)
+  hidden = jnp.asarray(rng.normal(size=(2, t, d)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, v, (2, t)), jnp.int32)
+
+  def grads(shards):
+    def loss(w, h):
+      logp, entropy = vocab_block_logprobs(
+        h, LMHead(w, vocab_major), targets, 0.7, rows=128, shards=shards
+      )
+      return jnp.sum(logp) + jnp.sum(entropy)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+  sharded = jax.device_put(head, jax.sharding.NamedSharding(mesh, spec))
+  for shards, gathers_head in ((4, False), (1, True)):
+    hlo = grads(shards).lower(sharded, hidden).compile().as_text()
+    assert (max(_gathered_elements(hlo), default=0) >= v * d // 2) == gathers_head, shards
+  got = grads(4)(sharded, hidden)
+  want = grads(1)(head, hidden)
+  for name, g, w in zip(("head", "hidden"), got, want, strict=True):
+    tolerance.assert_close(g, w, n=d + v + 2 * t, err_msg=name)
