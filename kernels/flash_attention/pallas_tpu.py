@@ -257,7 +257,10 @@ def forward(
     interpret=_interpret(interpret),
     name="flash_attention_fwd_tpu",
   )(lo_bn.reshape(-1), hi_bn.reshape(-1), q_bhte, k_bkse, v_bkse, *ids)
-  return jnp.swapaxes(o_bhte, 1, 2)[:, :t], lse_bht1
+  # The residual without its unit axis: in HBM a TPU tiles a trailing dimension of 1 to 128
+  # lanes, which made each layer's saved log-sum-exp 128x its size under a remat policy that
+  # keeps it (`ModelConfig.remat_policy`; 128 MiB a layer at 16k tokens, compiled for v5e).
+  return jnp.swapaxes(o_bhte, 1, 2)[:, :t], lse_bht1[..., 0]
 
 
 def _dq_kernel(
@@ -361,7 +364,7 @@ def backward(
   v_bske,
   meta: reference.Metadata,
   o_bthe,
-  lse_bht1,
+  lse_bht,
   do_bthe,
   *,
   causal: bool,
@@ -373,6 +376,7 @@ def backward(
   b, t, h, e = q_bthe.shape
   s, kh = k_bske.shape[1:3]
   g = h // kh
+  lse_bht1 = lse_bht[..., None]  # the kernels' layout, for this backward pass only
   bs, t_pad, s_pad = resolve_block_sizes(block_sizes, t=t, s=s, dtype=q_bthe.dtype)
   bq, bk = bs.block_q_bwd, bs.block_kv_bwd
   n, m = t_pad // bq, s_pad // bk
