@@ -63,8 +63,11 @@ _SPECS = {
 
 def _per_shard(weights, vocab_major: bool, shards: int):
   """The head as `[shards, vocab / shards, d]` (vocab-major) or `[d, shards, vocab / shards]`:
-  a free reshape whose shards axis is the vocabulary's mesh sharding, so that a block of rows
-  taken at the same offset in every shard stays on its devices (no gather of the head)."""
+  a reshape whose shards axis is the vocabulary's mesh sharding, so that a block of rows taken
+  at the same offset in every shard stays on its devices (no gather of the head). One shard:
+  the head as stored (the reshape's gradient cost XLA:CPU a head-sized copy)."""
+  if shards == 1:
+    return weights
   if vocab_major:
     v, d = weights.shape
     return weights.reshape(shards, v // shards, d)
@@ -72,11 +75,22 @@ def _per_shard(weights, vocab_major: bool, shards: int):
   return weights.reshape(d, shards, v // shards)
 
 
-def _rows(head3, vocab_major: bool, start, size: int):
+def _geometry(head, vocab_major: bool) -> tuple[int, int, int]:
+  """(shards, rows per shard, the axis of rows) of the head as `_per_shard` left it."""
+  if head.ndim == 2:
+    return 1, head.shape[0 if vocab_major else 1], 0 if vocab_major else 1
   axis = 1 if vocab_major else 2
+  return head.shape[axis - 1], head.shape[axis], axis
+
+
+def _rows(head, vocab_major: bool, start, size: int):
+  """Rows `[start, start + size)` of every shard: `[shards, w, d]` or `[d, shards, w]`."""
+  _, _, axis = _geometry(head, vocab_major)
   if isinstance(start, int):
-    return jax.lax.slice_in_dim(head3, start, start + size, axis=axis)
-  return jax.lax.dynamic_slice_in_dim(head3, start, size, axis=axis)
+    rows = jax.lax.slice_in_dim(head, start, start + size, axis=axis)
+  else:
+    rows = jax.lax.dynamic_slice_in_dim(head, start, size, axis=axis)
+  return rows if head.ndim == 3 else jnp.expand_dims(rows, 0 if vocab_major else 1)
 
 
 def _block_logits(h_btd, head3, vocab_major, start, size, temperature, vocab_limit):
@@ -86,7 +100,7 @@ def _block_logits(h_btd, head3, vocab_major, start, size, temperature, vocab_lim
   w_rows = _rows(head3, vocab_major, start, size)
   logits = jnp.einsum(_SPECS[vocab_major][0], h_btd, w_rows.astype(h_btd.dtype))
   logits_btsw = logits.astype(jnp.float32)
-  shards, per_shard = head3.shape[0 if vocab_major else 1], head3.shape[1 if vocab_major else 2]
+  shards, per_shard, _ = _geometry(head3, vocab_major)
   ids_sw = (
     jnp.arange(shards, dtype=jnp.int32)[:, None] * per_shard
     + start
@@ -131,7 +145,7 @@ def _forward(h_btd, head3, targets_bt, temperature, *, vocab_major, vocab_limit,
   shape = targets_bt.shape
   zeros = jnp.zeros(shape, jnp.float32)
   carry = (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, zeros)
-  starts, tail = _starts(head3.shape[1 if vocab_major else 2], rows)
+  starts, tail = _starts(_geometry(head3, vocab_major)[1], rows)
   carry, _ = jax.lax.scan(lambda c, start: (add(c, start, rows), None), carry, starts)
   if tail:
     carry = add(carry, *tail)
@@ -172,7 +186,7 @@ def _logprobs_bwd(vocab_major, vocab_limit, rows, residuals, cotangents):
   logz, entropy, hit = (x[..., None, None] for x in (logz_bt, entropy_bt, targets_bt))
   compute = h_btd.dtype
   _, head_spec, hidden_spec = _SPECS[vocab_major]
-  axis = 1 if vocab_major else 2
+  _, per_shard, axis = _geometry(head3, vocab_major)
 
   def block_grads(start, size):
     """(head gradient of the block's rows, float32 -> the head's dtype; this block's part of
@@ -202,9 +216,11 @@ def _logprobs_bwd(vocab_major, vocab_limit, rows, residuals, cotangents):
     # blocks to concatenate afterwards (a second head-sized buffer).
     d_h_btd, d_head3 = carry
     d_w, d_h = block_grads(start, size)
+    if d_head3.ndim == 2:  # one shard, the head as stored
+      d_w = jnp.squeeze(d_w, 0 if vocab_major else 1)
     return d_h_btd + d_h, jax.lax.dynamic_update_slice_in_dim(d_head3, d_w, start, axis)
 
-  starts, tail = _starts(head3.shape[axis], rows)
+  starts, tail = _starts(per_shard, rows)
   carry = (jnp.zeros(h_btd.shape, jnp.float32), jnp.zeros(head3.shape, head3.dtype))
   carry, _ = jax.lax.scan(lambda c, start: (add(c, start, rows), None), carry, starts)
   if tail:
