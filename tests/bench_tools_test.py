@@ -2,7 +2,6 @@
 (launches counted in XLA's thunk dumps; kernels chosen for a target platform while tracing)
 and the trace summary of `launch/bench_profile.py`."""
 
-import functools
 import os
 import sys
 
@@ -19,6 +18,7 @@ from bench_profile import (  # noqa: E402
   parse_block_sizes,
   summarize,
 )
+from helpers.lowering import TRITON_CALL, export_cuda  # noqa: E402
 
 from jaxrl.kernels import paged_attention  # noqa: E402
 from jaxrl.kernels.common import target_platform  # noqa: E402
@@ -98,19 +98,17 @@ def _exported_for_cuda(platform):
     jax.ShapeDtypeStruct((4,), jnp.int32),
     jax.ShapeDtypeStruct((4, 8), jnp.int32),
   ]
-  # The Triton call has no cross-version guarantee; what matters here is which impl was traced.
-  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  export = functools.partial(jax.export.export, platforms=["cuda"], disabled_checks=[triton])
+  # What matters here is which impl was traced.
   if platform is None:
-    return export(jax.jit(paged_attention))(*shapes).mlir_module()
+    return export_cuda(paged_attention, *shapes).mlir_module()
   with target_platform(platform):
-    return export(jax.jit(paged_attention))(*shapes).mlir_module()
+    return export_cuda(paged_attention, *shapes).mlir_module()
 
 
 def test_target_platform_picks_the_kernel_of_the_target_while_tracing():
   # On this CPU machine "auto" traces the reference; inside target_platform("cuda"), the kernel.
-  assert "__gpu$xla.gpu.triton" not in _exported_for_cuda(None)
-  assert "__gpu$xla.gpu.triton" in _exported_for_cuda("cuda")
+  assert TRITON_CALL not in _exported_for_cuda(None)
+  assert TRITON_CALL in _exported_for_cuda("cuda")
 
 
 def test_target_platform_names_the_known_platforms():

@@ -1,2 +1,2 @@
 """Helpers shared by tests: tiny Hugging Face checkpoints and tokenizers written on the spot,
-and the fp32 tolerance rule (`tolerance`)."""
+the fp32 tolerance rule (`tolerance`), and kernels lowered for CUDA (`lowering`)."""

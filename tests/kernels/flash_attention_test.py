@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tolerance
+from helpers.lowering import export_cuda, triton_modules
 
 from jaxrl.kernels.flash_attention import BlockSizes, flash_attention, reference
 from jaxrl.kernels.flash_attention import pallas_gpu as gpu_kernel
@@ -21,7 +22,6 @@ from jaxrl.kernels.flash_attention import pallas_tpu as tpu_kernel
 
 IMPLS = ("reference", "pallas_tpu", "pallas_gpu")
 KERNELS = ("pallas_tpu", "pallas_gpu")
-TRITON_CALL = "__gpu$xla.gpu.triton"
 # bfloat16 inputs and outputs, products rounded to bfloat16 inside the kernels: a few bf16 ulps
 # (2**-8 relative) of the sums' scale apart.
 BF16_TOL = 3e-2
@@ -389,46 +389,13 @@ def test_tpu_kernels_lower_for_tpu(b, t, s, h, k, e, dtype, blocks):
   assert text.count("tpu_custom_call") == 3  # forward (recomputed for the residuals), dq, dk/dv
 
 
-def _triton_modules(stablehlo_text: str):
-  """Parses the Triton IR embedded in each Pallas GPU custom call and verifies it."""
-  from jax._src.interpreters import mlir
-  from jax._src.lib import triton
-  from jax._src.lib.mlir import ir
-
-  ctx = mlir.make_ir_context()
-  triton.dialect.register_dialect(ctx)
-  ctx.load_all_available_dialects()
-  found = []
-  with ctx:
-    module = ir.Module.parse(stablehlo_text)
-
-    def visit(op):
-      if op.name == "stablehlo.custom_call" and "mhlo.backend_config" in op.attributes:
-        config = ir.DictAttr(op.attributes["mhlo.backend_config"])
-        found.append(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes))
-      return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
-    return [(m.operation.verify(), str(m)) for m in found]
-
-
-def _export_cuda(f, *args):
-  # The Triton custom call carries IR with no cross-version guarantee, so export refuses it
-  # unless told; what we want here is the lowering itself, not a serialised artifact.
-  return jax.export.export(
-    jax.jit(f),
-    platforms=["cuda"],
-    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-  )(*args)
-
-
 @pytest.mark.parametrize("b,t,s,h,k,e,dtype,blocks", LOWERING_CASES)
 def test_gpu_kernels_lower_for_cuda(b, t, s, h, k, e, dtype, blocks):
   fwd, grad = _fwd_and_grad("pallas_gpu", SMALL_BLOCKS["pallas_gpu"] if blocks else None)
   args = _shapes(b, t, s, h, k, e, dtype)
-  exported = _export_cuda(fwd, *args)
+  exported = export_cuda(fwd, *args)
   assert exported.out_avals[0].shape == (b, t, h, e) and exported.out_avals[0].dtype == dtype
-  modules = _triton_modules(_export_cuda(grad, *args).mlir_module())
+  modules = triton_modules(export_cuda(grad, *args).mlir_module())
   assert len(modules) == 3  # forward, dq, dk/dv
   for verified, triton_ir in modules:
     assert verified and "tt.dot" in triton_ir

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tolerance
+from helpers.lowering import TRITON_CALL, export_cuda, triton_modules
 
 from jaxrl.kernels.gmm import BlockSizes, gmm, tgmm
 
 IMPLS = ("reference", "pallas_tpu", "pallas_gpu")
 KERNELS = ("pallas_tpu", "pallas_gpu")
-TRITON_CALL = "__gpu$xla.gpu.triton"
 BF16_TOL = 2e-2  # float32 sums rounded to bfloat16: a bf16 ulp (2**-7 relative) or two apart
 TM = 16  # rows per tile in the multi-tile cases, for both kernels
 
@@ -300,49 +300,16 @@ def test_tpu_kernel_lowers_for_tpu(op, m, k, n, g, dtype, block_sizes):
   assert out.shape == _out_shape(op, m, k, n, g) and out.dtype == dtype
 
 
-def _triton_modules(stablehlo_text: str):
-  """Parses the Triton IR embedded in each Pallas GPU custom call and verifies it."""
-  from jax._src.interpreters import mlir
-  from jax._src.lib import triton
-  from jax._src.lib.mlir import ir
-
-  ctx = mlir.make_ir_context()
-  triton.dialect.register_dialect(ctx)
-  ctx.load_all_available_dialects()
-  found = []
-  with ctx:
-    module = ir.Module.parse(stablehlo_text)
-
-    def visit(op):
-      if op.name == "stablehlo.custom_call" and "mhlo.backend_config" in op.attributes:
-        config = ir.DictAttr(op.attributes["mhlo.backend_config"])
-        found.append(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes))
-      return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
-    return [(m.operation.verify(), str(m)) for m in found]
-
-
-def _export_cuda(f, *args):
-  # The Triton custom call carries IR with no cross-version guarantee, so export refuses it
-  # unless told; what we want here is the lowering itself, not a serialised artifact.
-  return jax.export.export(
-    jax.jit(f),
-    platforms=["cuda"],
-    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-  )(*args)
-
-
 @pytest.mark.parametrize("op", [gmm, tgmm], ids=["gmm", "tgmm"])
 @pytest.mark.parametrize("m,k,n,g,dtype,block_sizes", LOWERING_CASES)
 def test_gpu_kernel_lowers_for_cuda(op, m, k, n, g, dtype, block_sizes):
   f = functools.partial(op, impl="pallas_gpu", block_sizes=block_sizes)
-  exported = _export_cuda(f, *_shapes(op, m, k, n, g, dtype))
+  exported = export_cuda(f, *_shapes(op, m, k, n, g, dtype))
   text = exported.mlir_module()
   assert TRITON_CALL in text
   (out,) = exported.out_avals
   assert out.shape == _out_shape(op, m, k, n, g) and out.dtype == dtype
-  modules = _triton_modules(text)
+  modules = triton_modules(text)
   assert len(modules) == 1
   verified, triton_ir = modules[0]
   assert verified and "tt.dot" in triton_ir
@@ -362,7 +329,7 @@ def test_backward_pass_lowers_to_kernels(impl):
     text = jax.export.export(jax.jit(grad_fn), platforms=["tpu"])(*args).mlir_module()
     assert text.count("tpu_custom_call") == 2
   else:
-    text = _export_cuda(grad_fn, *args).mlir_module()
+    text = export_cuda(grad_fn, *args).mlir_module()
     assert text.count(TRITON_CALL) == 2
   assert "ragged_dot" not in text
 

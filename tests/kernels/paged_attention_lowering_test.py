@@ -12,10 +12,9 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers.lowering import TRITON_CALL, export_cuda, triton_modules
 
 from jaxrl.kernels.paged_attention import BlockSizes, paged_attention
-
-TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 def _shapes(n, h, k, d, p, s, m, dtype):
@@ -46,43 +45,14 @@ def test_tpu_kernel_lowers_for_tpu(n, h, k, d, p, s, m, dtype, block_sizes):
   assert exported.out_avals[0].shape == (n, h, d) and exported.out_avals[0].dtype == dtype
 
 
-def _triton_modules(stablehlo_text: str):
-  """Parses the Triton IR embedded in each Pallas GPU custom call and verifies it."""
-  from jax._src.interpreters import mlir
-  from jax._src.lib import triton
-  from jax._src.lib.mlir import ir
-
-  ctx = mlir.make_ir_context()
-  triton.dialect.register_dialect(ctx)
-  ctx.load_all_available_dialects()
-  found = []
-  with ctx:
-    module = ir.Module.parse(stablehlo_text)
-
-    def visit(op):
-      if op.name == "stablehlo.custom_call" and "mhlo.backend_config" in op.attributes:
-        config = ir.DictAttr(op.attributes["mhlo.backend_config"])
-        found.append(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes))
-      return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
-    return [(m.operation.verify(), str(m)) for m in found]
-
-
 @pytest.mark.parametrize("n,h,k,d,p,s,m,dtype,block_sizes", LOWERING_CASES)
 def test_gpu_kernel_lowers_for_cuda(n, h, k, d, p, s, m, dtype, block_sizes):
   f = functools.partial(paged_attention, impl="pallas_gpu", block_sizes=block_sizes)
-  # The Triton custom call carries IR with no cross-version guarantee, so export refuses it
-  # unless told; what we want here is the lowering itself, not a serialised artifact.
-  exported = jax.export.export(
-    jax.jit(f),
-    platforms=["cuda"],
-    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-  )(*_shapes(n, h, k, d, p, s, m, dtype))
+  exported = export_cuda(f, *_shapes(n, h, k, d, p, s, m, dtype))
   text = exported.mlir_module()
   assert TRITON_CALL in text
   assert exported.out_avals[0].shape == (n, h, d) and exported.out_avals[0].dtype == dtype
-  modules = _triton_modules(text)
+  modules = triton_modules(text)
   assert len(modules) == 1
   verified, triton_ir = modules[0]
   # By default 16-bit pools use tensor-core dots, float32 ones with g <= 4 CUDA-core sums.
@@ -113,12 +83,8 @@ def test_gpu_kernel_dots_in_triton_ir(g, dtype, precision, dot_min_group, dots):
     precision=precision,
     block_sizes=dot_min_group and BlockSizes(dot_min_group=dot_min_group),
   )
-  exported = jax.export.export(
-    jax.jit(f),
-    platforms=["cuda"],
-    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-  )(*_shapes(8, 16, k, 128, 512, 16, 64, dtype))
-  ((verified, triton_ir),) = _triton_modules(exported.mlir_module())
+  exported = export_cuda(f, *_shapes(8, 16, k, 128, 512, 16, 64, dtype))
+  ((verified, triton_ir),) = triton_modules(exported.mlir_module())
   assert verified
   dot_types = r"tt\.dot .*: tensor<(?:\d+x)+(\w+)> \* tensor<(?:\d+x)+(\w+)>"
   found = []

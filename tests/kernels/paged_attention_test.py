@@ -24,7 +24,6 @@ from jaxrl.kernels.paged_attention import BlockSizes, paged_attention
 from jaxrl.kernels.paged_attention import pallas_gpu as gpu_kernel
 
 KERNELS = ("pallas_tpu", "pallas_gpu")
-TRITON_CALL = "__gpu$xla.gpu.triton"
 # bfloat16 inputs and outputs: a few bf16 ulps (2**-7 relative) apart.
 BF16_TOL = 3e-2
 # Error of one float32 product, relative to its size, beyond float32 rounding. 3xTF32 (the GPU

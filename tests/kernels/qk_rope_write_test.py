@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tolerance
+from helpers.lowering import TRITON_CALL
 
 from jaxrl.kernels.qk_rope_write import qk_rope_write
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
 EPS = 1e-6
 
 
