@@ -579,7 +579,8 @@ def _vocab_shards(head: LMHead, mesh: jax.sharding.Mesh) -> int:
   """Devices the LM head's vocabulary axis is sharded over (`head.weights` is its
   `NamedSharding`): the log-probs then take each block's rows from every shard
   (`chunked_token_logprobs`), so that the head is never gathered."""
-  axes = head.weights.spec[0 if head.vocab_major else 1] if head.weights.spec else None
+  spec = (*head.weights.spec, None, None)  # a spec may leave trailing dims out
+  axes = spec[0 if head.vocab_major else 1]
   if axes is None:
     return 1
   return int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))

@@ -203,28 +203,22 @@ def _full_run(full_xy, lo_x, hi_x):
   return reference.full_block_run(full_xy, lo_x, hi_x)
 
 
-def _key_block_ranges(meta_p, bq: int, bk: int, causal: bool) -> list[jax.Array]:
-  """For each (row, query block), flattened: the key blocks it visits `[lo, hi)` and, inside,
-  the run `[first, end)` it visits without a mask."""
-  lo_bn, hi_bn = reference.block_ranges(
-    reference.block_visibility(meta_p, bq=bq, bk=bk, causal=causal)
-  )
+def _walks(meta_p, bq: int, bk: int, causal: bool) -> tuple[list, list]:
+  """The programs' walks, each flattened to `[lo, hi, first, end]`: for each (row, query block)
+  the key blocks it visits `[lo, hi)` and, inside, the run `[first, end)` it visits without a
+  mask; and for each (row, key block) the query blocks that visit it and the run that sees it
+  whole. One pair of block-visibility matrices serves both (the forward pass uses the first;
+  jit drops the second)."""
+  maybe_bnm = reference.block_visibility(meta_p, bq=bq, bk=bk, causal=causal)
   full_bnm = reference.block_full_visibility(meta_p, bq=bq, bk=bk, causal=causal)
-  first_bn, end_bn = _full_run(full_bnm, lo_bn, hi_bn)
-  return [x.reshape(-1) for x in (lo_bn, hi_bn, first_bn, end_bn)]
 
+  def walk(maybe, full):
+    lo, hi = reference.block_ranges(maybe)
+    first, end = _full_run(full, lo, hi)
+    return [x.reshape(-1) for x in (lo, hi, first, end)]
 
-def _query_block_ranges(meta_p, bq: int, bk: int, causal: bool) -> list[jax.Array]:
-  """For each (row, key block), flattened: the query blocks that visit it `[lo, hi)` and,
-  inside, the run `[first, end)` that sees it whole."""
-
-  def by_key_block(visibility):
-    return jnp.swapaxes(visibility(meta_p, bq=bq, bk=bk, causal=causal), 1, 2)
-
-  lo_bm, hi_bm = reference.block_ranges(by_key_block(reference.block_visibility))
-  full_bmn = by_key_block(reference.block_full_visibility)
-  first_bm, end_bm = _full_run(full_bmn, lo_bm, hi_bm)
-  return [x.reshape(-1) for x in (lo_bm, hi_bm, first_bm, end_bm)]
+  by_key_block = walk(jnp.swapaxes(maybe_bnm, 1, 2), jnp.swapaxes(full_bnm, 1, 2))
+  return walk(maybe_bnm, full_bnm), by_key_block
 
 
 def forward(
@@ -249,7 +243,7 @@ def forward(
   t_pad, s_pad = _geometry(q_bthe, k_bske, bs)
   n = t_pad // bq
   q_p, k_p, v_p, meta_p = _padded_inputs(q_bthe, k_bske, v_bske, meta, t_pad, s_pad)
-  ranges = _key_block_ranges(meta_p, bq, bk, causal)
+  ranges, _ = _walks(meta_p, bq, bk, causal)
 
   def kv_head(j):
     return jax.lax.div(j, g)
@@ -427,8 +421,7 @@ def backward(
     precision=jax.lax.Precision.HIGHEST,
   )
   delta_bht = jnp.pad(delta_bht, ((0, 0), (0, 0), (0, t_pad - t)))
-  key_ranges = _key_block_ranges(meta_p, bq, bk, causal)
-  query_ranges = _query_block_ranges(meta_p, bq, bk, causal)
+  key_ranges, query_ranges = _walks(meta_p, bq, bk, causal)
   compiler_params = _TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
   precision = _precision(q_bthe.dtype)
   ids = (

@@ -95,10 +95,10 @@ def test_gpu_kernel_without_masks_on_full_pairs_gives_the_masked_results():
   blocks = BlockSizes(block_q=16, block_kv=32, block_q_bwd=32, block_kv_bwd=16)
   for bq, bk in ((16, 32), (32, 16)):
     padded = reference.pad_metadata(meta, t, t)
-    for ranges in (gpu_kernel._key_block_ranges, gpu_kernel._query_block_ranges):
-      lo, hi, first, end = (np.asarray(x) for x in ranges(padded, bq, bk, True))
+    for which, walks in zip(("key", "query"), gpu_kernel._walks(padded, bq, bk, True), strict=True):
+      lo, hi, first, end = (np.asarray(x) for x in walks)
       run = end > first
-      assert (run & (first > lo)).any() and (run & (hi > end)).any(), ranges.__name__
+      assert (run & (first > lo)).any() and (run & (hi > end)).any(), which
   q = jnp.asarray(rng.standard_normal((b, t, h, e)), jnp.float32)
   kv = [jnp.asarray(rng.standard_normal((b, t, k, e)), jnp.float32) for _ in range(2)]
   cot = jnp.asarray(rng.standard_normal((b, t, h, e)), jnp.float32)
