@@ -9,7 +9,8 @@ backward tiling (`BACKWARD`: block_q_bwd, block_kv_bwd, warps, stages) the gradi
 (forward + dq + dk/dv; the forward at its defaults but with these warps and stages, which the
 two passes share) less that forward's. Also the defaults under
 `pallas_gpu.mask_every_block` (every block pair masked, as before the kernels skipped the
-mask on pairs that see each other whole). Each time: best of 10 calls after a warm-up
+mask on pairs that see each other whole) and under `pallas_gpu.natural_exp` (libdevice's
+expf, as before the softmax worked in base 2). Each time: best of 10 calls after a warm-up
 (`launch/bench_attention.py`'s clock),
 compilation excluded; TFLOP/s = causal attention FLOPs (forward 2 matmuls, backward 5) over
 it. Prints each length's default next to the best found. Needs a GPU.
@@ -54,7 +55,7 @@ BACKWARD = (
 )
 
 
-def _time(length: int, block_sizes, *, backward: bool, masked: bool = False) -> float:
+def _time(length: int, block_sizes, *, backward: bool, setting=None) -> float:
   rng = np.random.default_rng(0)
 
   def put(*shape):
@@ -70,7 +71,7 @@ def _time(length: int, block_sizes, *, backward: bool, masked: bool = False) -> 
     return jnp.sum(attend(q, k, v).astype(jnp.float32) * cot.astype(jnp.float32))
 
   fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if backward else attend)
-  with pallas_gpu.mask_every_block() if masked else contextlib.nullcontext():
+  with setting() if setting else contextlib.nullcontext():
     compiled = fn.lower(q, k, v).compile()
   return _best_seconds(lambda: compiled(q, k, v), repeats=10)
 
@@ -104,10 +105,12 @@ def sweep(length: int) -> dict:
       }
     except Exception as e:  # noqa: BLE001
       out["backward"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-  out["mask_every_block"] = {
-    "forward_ms": _time(length, None, backward=False, masked=True) * 1e3,
-    "fwd_bwd_ms": _time(length, None, backward=True, masked=True) * 1e3,
-  }
+  for name in ("mask_every_block", "natural_exp"):
+    setting = getattr(pallas_gpu, name)
+    out[name] = {
+      "forward_ms": _time(length, None, backward=False, setting=setting) * 1e3,
+      "fwd_bwd_ms": _time(length, None, backward=True, setting=setting) * 1e3,
+    }
   for part in ("forward", "backward"):
     timed = {k: v["ms"] for k, v in out[part].items() if "ms" in v and k != "default"}
     if timed and "ms" in out[part]["default"]:

@@ -16,6 +16,7 @@
                                 [--logprob-chunks 128,1024]
                                 [--remat-policies full,save_attention]
   python launch/bench.py kernels [--json] [--presets qwen3-0.6b]   (the CUDA plugin, no GPU)
+  python launch/bench.py kernel_code [--json] [--flash-blocks "block_kv_bwd=32;..."]   (idem)
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
       [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
       [--attention-blocks "2,,2,1;1,,2,1"]
@@ -54,6 +55,7 @@ from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
 from bench_gmm import bench_gmm, bench_tgmm  # noqa: E402
 from bench_grpo import bench_grpo_step  # noqa: E402
+from bench_kernel_code import bench_kernel_code  # noqa: E402
 from bench_kernels import bench_kernels  # noqa: E402
 from bench_learner import SETTINGS as bench_learner_settings  # noqa: E402
 from bench_learner import bench_learner  # noqa: E402
@@ -442,6 +444,7 @@ BENCHMARKS = {
   "flash_attention": bench_flash_attention,
   "gmm": bench_gmm,
   "grpo_step": bench_grpo_step,
+  "kernel_code": bench_kernel_code,
   "kernels": bench_kernels,
   "learner": bench_learner,
   "logprob_mismatch": bench_logprob_mismatch,
@@ -489,6 +492,11 @@ def main() -> None:
   parser.add_argument("--lengths", default=None, help=lengths_help)
   attentions_help = "learner on an accelerator: attentions to run (flash, dense)"
   parser.add_argument("--attentions", default=None, help=attentions_help)
+  flash_blocks_help = (
+    "kernel_code: flash attention tilings to compile too, BlockSizes fields, e.g. "
+    '"block_q_bwd=32,block_kv_bwd=64,num_warps=4;block_q=64"'
+  )
+  parser.add_argument("--flash-blocks", default=None, help=flash_blocks_help)
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
   if args.rows and args.name == "decode_profile":
@@ -524,6 +532,11 @@ def main() -> None:
     kwargs["reference_ops"] = tuple(args.reference.split(","))
   if args.attention_blocks:
     kwargs["attention_blocks"] = tuple(args.attention_blocks.split(";"))
+  if args.flash_blocks:
+    kwargs["flash_blocks"] = tuple(
+      {k: int(v) for k, v in (field.split("=") for field in tiling.split(","))}
+      for tiling in args.flash_blocks.split(";")
+    )
   if args.faults:
     kwargs["faults"] = tuple(int(n) for n in args.faults.split(","))
   if args.steps:

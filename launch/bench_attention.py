@@ -17,6 +17,8 @@ Implementations, on whatever backend runs this:
 - `flash_pallas_gpu_mask_every_block`: the GPU kernel masking every block pair
   (`pallas_gpu.mask_every_block`), as it did before it skipped the mask on pairs that see
   each other whole: the A/B of that change;
+- `flash_pallas_gpu_natural_exp`: the GPU kernel taking its softmax's exponentials with
+  libdevice's expf (`pallas_gpu.natural_exp`), as it did before it worked in base 2;
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, on a GPU where it works.
 
 Float32 on CPU (XLA:CPU has no fast bf16 matmuls), bfloat16 elsewhere, unless `dtype` says.
@@ -63,9 +65,11 @@ def _implementations(platform: str) -> dict:
   if kernel:
     impls[f"flash_{kernel}"] = lambda q, k, v, pos: flash_attention(q, k, v, impl=kernel)
   if kernel == "pallas_gpu":
-    # The kernel as it was before it skipped the mask where a block pair sees all of itself.
-    # (traced under `pallas_gpu.mask_every_block`: `_tracing_context`)
+    # The kernel as it was before it skipped the mask where a block pair sees all of itself,
+    # and before its softmax worked in base 2 (traced under `pallas_gpu.mask_every_block` and
+    # `pallas_gpu.natural_exp`: `_tracing_context`).
     impls["flash_pallas_gpu_mask_every_block"] = impls["flash_pallas_gpu"]
+    impls["flash_pallas_gpu_natural_exp"] = impls["flash_pallas_gpu"]
   if platform == "gpu":
     impls["cudnn"] = lambda q, k, v, pos: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="cudnn"
@@ -75,11 +79,13 @@ def _implementations(platform: str) -> dict:
 
 def _tracing_context(name: str):
   """What `name`'s traces run under: the GPU kernel's A/B setting, or nothing."""
-  if name == "flash_pallas_gpu_mask_every_block":
-    from jaxrl.kernels.flash_attention.pallas_gpu import mask_every_block
+  from jaxrl.kernels.flash_attention import pallas_gpu
 
-    return mask_every_block()
-  return contextlib.nullcontext()
+  settings = {
+    "flash_pallas_gpu_mask_every_block": pallas_gpu.mask_every_block,
+    "flash_pallas_gpu_natural_exp": pallas_gpu.natural_exp,
+  }
+  return settings[name]() if name in settings else contextlib.nullcontext()
 
 
 def _mib(compiled) -> float:

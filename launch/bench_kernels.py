@@ -298,14 +298,18 @@ def _compile_window(spec: dict) -> dict:
 
 def _run_child(spec: dict, timeout: float) -> dict:
   with tempfile.TemporaryDirectory() as dump:
-    # Only a GPU decode window's count reads XLA's dump (its thunk sequence).
-    wants_dump = spec["target"] not in TPU_TOPOLOGIES and not spec.get("kind")
+    # Only a GPU decode window's count (its thunk sequence) and `bench_kernel_code` (the
+    # kernels' PTX) read XLA's dump.
+    kind = spec.get("kind")
+    dump_flags = ""
+    if spec["target"] not in TPU_TOPOLOGIES and kind in (None, "code"):
+      dump_flags = f" --xla_dump_to={dump}" + (" --xla_gpu_dump_llvmir" if kind else "")
     env = dict(
       os.environ,
       JAX_PLATFORMS="cpu",  # no CUDA client: the plugin only compiles
       JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",  # its check needs a driver
       TPU_SKIP_MDS_QUERY="1",  # libtpu: no TPU VM's metadata server to ask
-      XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + (f" --xla_dump_to={dump}" if wants_dump else ""),
+      XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + dump_flags,
     )
     spec = {**spec, "dump": dump}
     proc = subprocess.run(
@@ -402,9 +406,12 @@ def _bench_target(presets, rows, decode_steps, target, table_pages, timeout, dty
 if __name__ == "__main__":
   if len(sys.argv) == 3 and sys.argv[1] == "--child":
     child_spec = json.loads(sys.argv[2])
-    compile_child = {"training": _compile_training_kernels, "learner": _plan_learner}.get(
-      child_spec.get("kind"), _compile_window
-    )
+    if child_spec.get("kind") == "code":
+      from bench_kernel_code import compile_kernel_code as compile_child
+    else:
+      compile_child = {"training": _compile_training_kernels, "learner": _plan_learner}.get(
+        child_spec.get("kind"), _compile_window
+      )
     print(json.dumps(compile_child(child_spec)))
   else:
     print(json.dumps(bench_kernels()))

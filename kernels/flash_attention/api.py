@@ -242,7 +242,7 @@ def flash_attention(
       `causal` and kv_len != q_len both positions must be given (a prefill chunk after cached
       keys).
     causal: apply the position rule; False attends to the whole segment.
-    sm_scale: logit multiplier, default `head_dim ** -0.5`.
+    sm_scale: logit multiplier (> 0), default `head_dim ** -0.5`.
     impl: `"auto"` (`pallas_tpu` on TPU, `pallas_gpu` on GPU, `reference` elsewhere, from the
       platform of q's devices, or of the default backend while tracing), `"reference"` (jnp,
       blockwise), `"pallas_tpu"` or `"pallas_gpu"`.
@@ -255,8 +255,8 @@ def flash_attention(
 
   Raises:
     ValueError: unknown `impl`, inconsistent shapes or dtypes, missing positions for a causal
-      q_len != kv_len, `interpret` without a kernel, or block sizes the chosen implementation
-      cannot use.
+      q_len != kv_len, `interpret` without a kernel, block sizes the chosen implementation
+      cannot use, or `sm_scale` <= 0.
   """
   if impl not in IMPLS:
     raise ValueError(f"Unknown flash_attention impl {impl!r}; expected one of {IMPLS}.")
@@ -270,6 +270,10 @@ def flash_attention(
   s = k.shape[1]
   if sm_scale is None:
     sm_scale = e**-0.5
+  if not float(sm_scale) > 0:
+    # The GPU kernel takes the running maximum over unscaled logits, which needs a positive
+    # scale; a non-positive one has no use in attention.
+    raise ValueError(f"flash_attention needs sm_scale > 0, got {sm_scale}.")
   if min(b, t, h, e) == 0 or s == 0:
     return jnp.zeros(q.shape, q.dtype)  # nothing to attend to: every query sees no key
   ids = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)

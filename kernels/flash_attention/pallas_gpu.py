@@ -8,7 +8,9 @@ rows the blocks of other segments, and a query block of padding runs no step at 
 the range, the mask (`reference.visible`) handles block pairs that straddle a boundary, and
 only those: the run of pairs that see each other whole (`reference.full_block_run`; in a
 causal row every pair off the diagonal) skips the mask's loads, compares and selects, about
-a third of the elementwise work per score.
+a third of the elementwise work per score. The softmax runs in base 2 (`exp2` of logits
+scaled by `sm_scale * log2(e)`; the log-sum-exp stays natural), and the backward kernels apply
+`sm_scale` once to the sums of dq and dk rather than to every score.
 
 - forward, grid `(b, h, n)`: one query block of one head against the keys of its kv head,
   online softmax in float32; writes the output and the log-sum-exp of each query.
@@ -48,6 +50,12 @@ _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16.
 # do, probabilities and their gradient).
 _DEFAULT_BQ, _DEFAULT_BK = 128, 64
 _DEFAULT_BQ_BWD, _DEFAULT_BK_BWD = 64, 64
+# Softmax in base 2. On CUDA jnp.exp lowers to libdevice's accurate expf, about ten float32
+# instructions a score, jnp.exp2 to one ex2.approx (relative error 2**-22); log2(e) folds into
+# the logits' scale. Compiled for an H100, the kernels' float32 instructions fell by 42-52%
+# (`launch/bench.py kernel_code`; docs/BENCHMARKS.md).
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 def _is_pow2(x: int) -> bool:
@@ -143,21 +151,24 @@ def _fwd_kernel(
   q_qe = q_ref[...]
   bq, e = q_qe.shape
   seg_q, pos_q = seg_q_ref[...][:, None], pos_q_ref[...][:, None]
+  log2_scale = sm_scale * _LOG2E
 
   def body(j, carry, masked):
-    acc_qe, max_q, denom_q = carry
+    acc_qe, max_q, denom_q = carry  # max_q: the running maximum of the unscaled logits
     keys = pl.ds(j * bk, bk)
-    logits_qk = _dot(q_qe, k_ref[keys, :], precision, trans_b=True) * sm_scale
+    logits_qk = _dot(q_qe, k_ref[keys, :], precision, trans_b=True)
     if masked:
       vis_qk = reference.visible(
         seg_q, pos_q, seg_kv_ref[keys][None, :], pos_kv_ref[keys][None, :], causal=causal
       )
       logits_qk = jnp.where(vis_qk, logits_qk, -jnp.inf)
     new_max = jnp.maximum(max_q, jnp.max(logits_qk, axis=1))
-    # A query that has seen no key yet keeps max -inf; a finite stand-in keeps exp() at 0.
-    safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-    probs_qk = jnp.exp(logits_qk - safe_max[:, None])
-    rescale = jnp.exp(max_q - safe_max)
+    # A query that has seen no key yet keeps max -inf; a finite stand-in keeps _exp2() at 0.
+    shift_q = jnp.where(new_max == -jnp.inf, 0.0, new_max * log2_scale)
+    # exp(scale * (x - max)) as exp2(x * log2_scale - shift): one multiply-add and one ex2 a
+    # score (sm_scale > 0, so the maximum of the scaled logits is the scaled maximum).
+    probs_qk = _exp2(logits_qk * log2_scale - shift_q[:, None])
+    rescale = _exp2(max_q * log2_scale - shift_q)
     v_ke = v_ref[keys, :]
     acc_qe = acc_qe * rescale[:, None] + _dot(probs_qk.astype(v_ke.dtype), v_ke, precision)
     return acc_qe, new_max, denom_q * rescale + jnp.sum(probs_qk, axis=1)
@@ -173,7 +184,7 @@ def _fwd_kernel(
   seen = denom_q > 0
   safe_denom = jnp.where(seen, denom_q, 1.0)
   o_ref[...] = (acc_qe * jnp.where(seen, 1.0 / safe_denom, 0.0)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, max_q + jnp.log(safe_denom), jnp.inf)
+  lse_ref[...] = jnp.where(seen, max_q * sm_scale + jnp.log(safe_denom), jnp.inf)
 
 
 def _padded_inputs(q_bthe, k_bske, v_bske, meta, t_pad, s_pad):
@@ -195,6 +206,25 @@ def mask_every_block():
   pairs that see each other whole: for timing the two in one process
   (`launch/bench_attention.py`). Same results."""
   return traced_setting(_MASK_EVERY_BLOCK, True)
+
+
+_NATURAL_EXP: contextvars.ContextVar[bool] = contextvars.ContextVar(
+  "flash_attention_gpu_natural_exp", default=False
+)
+
+
+def natural_exp():
+  """Traces inside take the softmax's exponentials with `jnp.exp` (libdevice's accurate expf),
+  as the kernels did before they worked in base 2: for timing the two in one process
+  (`launch/bench_attention.py`). Same results to rounding."""
+  return traced_setting(_NATURAL_EXP, True)
+
+
+def _exp2(x):
+  """2**x: one ex2.approx a score; under `natural_exp`, libdevice's expf of x ln 2."""
+  if _NATURAL_EXP.get():
+    return jnp.exp(x * _LN2)
+  return jnp.exp2(x)
 
 
 def _full_run(full_xy, lo_x, hi_x):
@@ -299,7 +329,7 @@ def _dq_kernel(
   k_ref,  # [s_pad, e]
   v_ref,  # [s_pad, e]
   do_ref,  # [bq, e]
-  lse_ref,  # f32[bq]
+  lse2_ref,  # f32[bq]: the log-sum-exp in base 2 (times log2(e))
   delta_ref,  # f32[bq]
   seg_q_ref,  # int32[bq]
   pos_q_ref,  # int32[bq]
@@ -313,27 +343,29 @@ def _dq_kernel(
   precision,
 ):
   q_qe, do_qe = q_ref[...], do_ref[...]
-  lse_q1, delta_q1 = lse_ref[...][:, None], delta_ref[...][:, None]
+  lse2_q1, delta_q1 = lse2_ref[...][:, None], delta_ref[...][:, None]
   seg_q, pos_q = seg_q_ref[...][:, None], pos_q_ref[...][:, None]
+  log2_scale = sm_scale * _LOG2E
 
   def body(j, dq_qe, masked):
     keys = pl.ds(j * bk, bk)
     k_ke, v_ke = k_ref[keys, :], v_ref[keys, :]
-    logits_qk = _dot(q_qe, k_ke, precision, trans_b=True) * sm_scale
-    probs_qk = jnp.exp(logits_qk - lse_q1)
+    logits_qk = _dot(q_qe, k_ke, precision, trans_b=True)
+    probs_qk = _exp2(logits_qk * log2_scale - lse2_q1)
     if masked:
       vis_qk = reference.visible(
         seg_q, pos_q, seg_kv_ref[keys][None, :], pos_kv_ref[keys][None, :], causal=causal
       )
       probs_qk = jnp.where(vis_qk, probs_qk, 0.0)
     dprobs_qk = _dot(do_qe, v_ke, precision, trans_b=True)
-    dlogits_qk = probs_qk * (dprobs_qk - delta_q1) * sm_scale
+    # The logits' gradient without its factor sm_scale, applied once to the sum.
+    dlogits_qk = probs_qk * (dprobs_qk - delta_q1)
     return dq_qe + _dot(dlogits_qk.astype(k_ke.dtype), k_ke, precision)
 
   dq_qe = _masked_then_full_then_masked(
     lo_ref, hi_ref, first_ref, end_ref, body, jnp.zeros(q_qe.shape, jnp.float32)
   )
-  dq_ref[...] = dq_qe.astype(dq_ref.dtype)
+  dq_ref[...] = (dq_qe * sm_scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(
@@ -345,7 +377,7 @@ def _dkv_kernel(
   k_ref,  # [bk, e]
   v_ref,  # [bk, e]
   do_ref,  # [t_pad, g, e]
-  lse_ref,  # f32[g, t_pad]
+  lse2_ref,  # f32[g, t_pad]: the log-sum-exp in base 2
   delta_ref,  # f32[g, t_pad]
   seg_q_ref,  # int32[t_pad]
   pos_q_ref,  # int32[t_pad]
@@ -360,32 +392,36 @@ def _dkv_kernel(
   precision,
 ):
   k_ke, v_ke = k_ref[...], v_ref[...]
-  seg_kv, pos_kv = seg_kv_ref[...][None, :], pos_kv_ref[...][None, :]
+  seg_kv, pos_kv = seg_kv_ref[...][:, None], pos_kv_ref[...][:, None]
   g = q_ref.shape[1]
+  log2_scale = sm_scale * _LOG2E
   carry = (jnp.zeros(k_ke.shape, jnp.float32), jnp.zeros(v_ke.shape, jnp.float32))
   for head in range(g):  # static: g is small, and a static index keeps the loads plain
-
+    # Scores are laid out keys by queries ([bk, bq], the transpose of the other kernels'), so
+    # the probabilities and their gradient, computed in registers, are the left operands of
+    # the dv and dk products as they stand: no transpose of a register tile through shared
+    # memory (as with p.T @ do), one each a step.
     def body(i, carry, masked, head=head):
       dk_ke, dv_ke = carry
       queries = pl.ds(i * bq, bq)
       q_qe, do_qe = q_ref[queries, head, :], do_ref[queries, head, :]
-      logits_qk = _dot(q_qe, k_ke, precision, trans_b=True) * sm_scale
-      lse_q1 = lse_ref[head, queries][:, None]
-      probs_qk = jnp.exp(logits_qk - lse_q1)
+      logits_kq = _dot(k_ke, q_qe, precision, trans_b=True)
+      probs_kq = _exp2(logits_kq * log2_scale - lse2_ref[head, queries][None, :])
       if masked:
-        vis_qk = reference.visible(
-          seg_q_ref[queries][:, None], pos_q_ref[queries][:, None], seg_kv, pos_kv, causal=causal
+        vis_kq = reference.visible(
+          seg_q_ref[queries][None, :], pos_q_ref[queries][None, :], seg_kv, pos_kv, causal=causal
         )
-        probs_qk = jnp.where(vis_qk, probs_qk, 0.0)
-      dv_ke += _dot(probs_qk.astype(do_qe.dtype), do_qe, precision, trans_a=True)
-      dprobs_qk = _dot(do_qe, v_ke, precision, trans_b=True)
-      dlogits_qk = probs_qk * (dprobs_qk - delta_ref[head, queries][:, None]) * sm_scale
-      dk_ke += _dot(dlogits_qk.astype(q_qe.dtype), q_qe, precision, trans_a=True)
+        probs_kq = jnp.where(vis_kq, probs_kq, 0.0)
+      dv_ke += _dot(probs_kq.astype(do_qe.dtype), do_qe, precision)
+      dprobs_kq = _dot(v_ke, do_qe, precision, trans_b=True)
+      # Without sm_scale, as in the dq kernel.
+      dlogits_kq = probs_kq * (dprobs_kq - delta_ref[head, queries][None, :])
+      dk_ke += _dot(dlogits_kq.astype(q_qe.dtype), q_qe, precision)
       return dk_ke, dv_ke
 
     carry = _masked_then_full_then_masked(lo_ref, hi_ref, first_ref, end_ref, body, carry)
   dk_ke, dv_ke = carry
-  dk_ref[...] = dk_ke.astype(dk_ref.dtype)
+  dk_ref[...] = (dk_ke * sm_scale).astype(dk_ref.dtype)
   dv_ref[...] = dv_ke.astype(dv_ref.dtype)
 
 
@@ -421,6 +457,7 @@ def backward(
     precision=jax.lax.Precision.HIGHEST,
   )
   delta_bht = jnp.pad(delta_bht, ((0, 0), (0, 0), (0, t_pad - t)))
+  lse2_bht = lse_bht * _LOG2E  # +inf (a query that sees no key) stays +inf: exp2 gives 0
   key_ranges, query_ranges = _walks(meta_p, bq, bk, causal)
   compiler_params = _TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
   precision = _precision(q_bthe.dtype)
@@ -461,7 +498,7 @@ def backward(
     compiler_params=compiler_params,
     interpret=interpret,
     name="flash_attention_dq_gpu",
-  )(*key_ranges, q_p, k_p, v_p, do_p, lse_bht, delta_bht, *ids)
+  )(*key_ranges, q_p, k_p, v_p, do_p, lse2_bht, delta_bht, *ids)
 
   # Queries grouped by kv head, [b, t_pad, k, g, e] (a free reshape): one block holds a group.
   group_spec = pl.BlockSpec((None, t_pad, None, g, e), lambda i, j, y: (i, 0, j, 0, 0))
@@ -500,7 +537,7 @@ def backward(
     k_p,
     v_p,
     do_p.reshape(b, t_pad, kh, g, e),
-    lse_bht.reshape(b, kh, g, t_pad),
+    lse2_bht.reshape(b, kh, g, t_pad),
     delta_bht.reshape(b, kh, g, t_pad),
     *ids,
   )

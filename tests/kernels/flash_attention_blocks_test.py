@@ -84,11 +84,13 @@ def test_full_block_run_is_the_first_run_inside_the_range():
     assert end[i] == hi[i] or not full[i, end[i]]
 
 
-def test_gpu_kernel_without_masks_on_full_pairs_gives_the_masked_results():
-  """On a pair that sees itself whole the mask selects every score, so skipping it changes
-  the same sums only by how XLA compiles the two loop bodies (rounding): the GPU kernels
-  (interpreted) with and without `mask_every_block`, forward and backward, on packed rows
-  where all three parts of a walk (masked, full, masked) occur."""
+@pytest.mark.parametrize("setting", ["mask_every_block", "natural_exp"])
+def test_gpu_kernel_a_b_settings_give_the_same_results(setting):
+  """The GPU kernels (interpreted) with and without each of their timing A/B settings,
+  forward and backward, on packed rows where all three parts of a walk (masked, full, masked)
+  occur. `mask_every_block`: on a pair that sees itself whole the mask selects every score, so
+  skipping it changes the same sums only by how XLA compiles the two loop bodies (rounding).
+  `natural_exp`: exp(x ln 2) for exp2(x), the same numbers to rounding."""
   rng = np.random.default_rng(11)
   b, t, h, k, e = 2, 128, 2, 1, 32
   meta = _metadata(rng, b, t, t)
@@ -114,10 +116,10 @@ def test_gpu_kernel_without_masks_on_full_pairs_gives_the_masked_results():
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, *kv)
     return [np.asarray(x) for x in (out, *grads)]
 
-  unmasked = outputs()
-  with gpu_kernel.mask_every_block():
-    masked = outputs()
-  for name, got, want in zip(("out", "dq", "dk", "dv"), unmasked, masked, strict=True):
+  shipped = outputs()
+  with getattr(gpu_kernel, setting)():
+    baseline = outputs()
+  for name, got, want in zip(("out", "dq", "dk", "dv"), shipped, baseline, strict=True):
     # Scores sum e terms, outputs and gradients t more; a key wrongly seen moves an output
     # by its probability, orders of magnitude more.
     tolerance.assert_close(got, want, n=4 * (e + t), err_msg=name)

@@ -435,6 +435,8 @@ def test_bad_inputs(small):
     ((q[:, :8], k, v), {}, "needs q_positions and kv_positions"),
     ((q[:, :8], k, v), {"q_segment_ids": seg[:, :8]}, "both q_segment_ids and kv_segment_ids"),
     ((q, k, v), {"causal": 1}, "causal must be a bool"),
+    ((q, k, v), {"sm_scale": 0.0}, "sm_scale > 0"),
+    ((q, k, v), {"sm_scale": -0.1}, "sm_scale > 0"),
   ]
   for args, kwargs, match in bad:
     with pytest.raises(ValueError, match=match):
