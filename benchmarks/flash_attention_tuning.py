@@ -5,9 +5,9 @@
 One layer of Qwen3-0.6B attention (16 query heads, 8 kv heads, head_dim 128), bf16, one causal
 row of L tokens (the learner's packed rows at the lengths `launch/bench.py learner` runs). For
 each forward tiling (`FORWARD`: block_q, block_kv, warps, stages) the forward's time; for each
-backward tiling (`BACKWARD`: block_q_bwd, block_kv_bwd, warps, stages) the gradient's time
-(forward + dq + dk/dv; the forward at its defaults but with these warps and stages, which the
-two passes share) less that forward's. Also the defaults under
+backward tiling (`BACKWARD`: block_q_bwd, block_kv_bwd, warps, stages: `num_warps_bwd` and
+`num_stages_bwd`) the gradient's time (forward + dq + dk/dv, the forward at its defaults)
+less the default forward's. Also the defaults under
 `pallas_gpu.mask_every_block` (every block pair masked, as before the kernels skipped the
 mask on pairs that see each other whole) and under `pallas_gpu.natural_exp` (libdevice's
 expf, as before the softmax worked in base 2). Each time: best of 10 calls after a warm-up
@@ -43,15 +43,18 @@ FORWARD = (
   (64, 64, 4, 3),
   (128, 32, 4, 4),
 )
-# (block_q_bwd, block_kv_bwd, warps, stages)
+# (block_q_bwd, block_kv_bwd, warps, stages). Compiled for an H100 without one (`launch/bench.py
+# kernel_code`, docs/BENCHMARKS.md), 32 x 128 with 4 warps spilled 5 KB a thread in dk/dv and
+# 64 x 32 with 4 warps 0.5 KB: left out. Blocks of 32 queries run dq on mma.sync, not wgmma.
 BACKWARD = (
   (None, None, None, None),
+  (64, 64, 8, 3),
   (64, 64, 4, 2),
   (32, 64, 4, 3),
   (64, 128, 8, 2),
-  (32, 128, 4, 3),
+  (32, 128, 8, 3),
+  (32, 128, 8, 2),
   (128, 64, 8, 2),
-  (64, 32, 4, 3),
 )
 
 
@@ -92,7 +95,7 @@ def sweep(length: int) -> dict:
     except Exception as e:  # noqa: BLE001  (a tiling Triton cannot compile: shared memory)
       out["forward"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
   for bq, bk, warps, stages in BACKWARD:
-    blocks = BlockSizes(block_q_bwd=bq, block_kv_bwd=bk, num_warps=warps, num_stages=stages)
+    blocks = BlockSizes(block_q_bwd=bq, block_kv_bwd=bk, num_warps_bwd=warps, num_stages_bwd=stages)
     name = "default" if bq is None else f"{bq}x{bk} w{warps} s{stages}"
     try:
       both = _time(length, blocks, backward=True)

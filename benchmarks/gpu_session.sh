@@ -19,7 +19,7 @@
 # blocks of 1,280 and 4,864 vocabulary rows), sampler (the engine's sampler against Gumbel-max),
 # learner_remat (16k positions with the remat policies "full" and "save_attention"), attn_mask (one
 # layer's flash attention, forward and backward: the GPU kernel against itself masking every block
-# pair, dense and cuDNN), attn_tune (the flash attention kernels' block sizes swept at 4k and 16k
+# pair and against itself with libdevice's expf, dense and cuDNN), attn_tune (the flash attention kernels' block sizes swept at 4k and 16k
 # tokens, forward and backward apart), logprobs (the LM head's log-probs and gradients by vocabulary
 # blocks against chunks of positions, 4k and 16k), tgmm (gmm's weight gradient against XLA's,
 # default and swept tiles), grpo, train (the main job with its defaults), tests (the GPU-marked

@@ -88,7 +88,8 @@ def resolve_impl(op: str, impl: str, interpret, x: jax.Array) -> str:
 
 
 def check_block_fields(block_sizes) -> None:
-  """Every field a positive int or None; `num_warps`, where there is one, a power of two."""
+  """Every field a positive int or None; `num_warps` and `num_warps_bwd`, where there are
+  such fields, powers of two."""
   name = type(block_sizes).__name__
   for field in dataclasses.fields(block_sizes):
     value = getattr(block_sizes, field.name)
@@ -96,6 +97,7 @@ def check_block_fields(block_sizes) -> None:
       continue
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name}.{field.name} must be a positive int or None, got {value!r}.")
-  warps = getattr(block_sizes, "num_warps", None)
-  if warps is not None and warps & (warps - 1):
-    raise ValueError(f"{name}.num_warps must be a power of two, got {warps}.")
+  for field in ("num_warps", "num_warps_bwd"):
+    warps = getattr(block_sizes, field, None)
+    if warps is not None and warps & (warps - 1):
+      raise ValueError(f"{name}.{field} must be a power of two, got {warps}.")

@@ -19,11 +19,13 @@ each Pallas kernel:
 The counts are of the unrolled code, not of executed instructions: compare them between
 settings of one kernel (`natural_exp` against the default, a tiling against another), never
 across kernels. Programs (`PROGRAMS`): flash attention's forward and backward at Qwen3-0.6B's
-heads over one packed row of 4,096 tokens, by default and under each A/B setting of the
-kernel (`pallas_gpu.natural_exp`, `pallas_gpu.mask_every_block`); the grouped matmul and its
-weight gradient at Qwen3-30B-A3B's expert shapes (8,192 rows, 128 groups); the paged decode
-attention at 64 rows. `flash_blocks`: also compile flash attention at each of these tilings
-(`benchmarks/flash_attention_tuning.py`'s candidates, to see which spill before timing them).
+heads over one packed row of 4,096 tokens, by default and under `pallas_gpu.natural_exp` (the
+kernel's A/B setting that changes its code; `mask_every_block` changes only where its loops
+start and end, at run time); the grouped matmul (at the target's default tiles) and its
+weight gradient (at its default tiles and at 64 x 64 x 128) at Qwen3-30B-A3B's expert shapes
+(8,192 rows, 128 groups); the paged decode attention at 64 rows. `flash_blocks`: also compile
+flash attention at each of these tilings (`benchmarks/flash_attention_tuning.py`'s candidates,
+to see which spill before timing them).
 
 Needs the CUDA plugin (`launch/bench_kernels.py` says how to install it), whose
 `nvidia-cuda-nvcc` package holds ptxas; each program compiles in a process of its own.
@@ -40,14 +42,19 @@ import sys
 
 from bench_kernels import TARGETS, _run_child, _target_devices
 
-# name -> (what the program runs, the A/B setting of the flash kernel it is traced under)
+# name -> the program's spec: what it runs, the A/B setting of the flash kernel it is traced
+# under, the `BlockSizes` fields of its kernel.
 PROGRAMS = {
-  "flash_4096": ("flash", None),
-  "flash_4096_natural_exp": ("flash", "natural_exp"),
-  "flash_4096_mask_every_block": ("flash", "mask_every_block"),
-  "gmm_8192x2048x768_128_groups": ("gmm", None),
-  "tgmm_8192x2048x768_128_groups": ("tgmm", None),
-  "paged_attention_64_rows": ("paged_attention", None),
+  "flash_4096": {"program": "flash"},
+  "flash_4096_natural_exp": {"program": "flash", "setting": "natural_exp"},
+  "gmm_8192x2048x768_128_groups": {"program": "gmm"},
+  "tgmm_8192x2048x768_128_groups": {"program": "tgmm"},
+  # A tile Hopper's wgmma takes (64 output rows a warp group), which tgmm's default is not.
+  "tgmm_8192x2048x768_128_groups_64x64x128": {
+    "program": "tgmm",
+    "blocks": {"tm": 64, "tk": 64, "tn": 128, "num_warps": 4, "num_stages": 3},
+  },
+  "paged_attention_64_rows": {"program": "paged_attention"},
 }
 _KERNEL_ENTRY = re.compile(r"^\.(?:visible )?\.?entry (\w+)", re.M)
 _FLOAT_OP = re.compile(
@@ -139,6 +146,7 @@ def _program(spec: dict):
 
   from jaxrl.kernels import gmm, tgmm
   from jaxrl.kernels.flash_attention import BlockSizes, flash_attention
+  from jaxrl.kernels.gmm import BlockSizes as GmmBlockSizes
   from jaxrl.kernels.gmm.pallas_gpu import gmm_block_sizes
   from jaxrl.kernels.paged_attention import paged_attention
 
@@ -170,7 +178,8 @@ def _program(spec: dict):
     fn = lambda lhs, rhs, sizes: gmm(lhs, rhs, sizes, impl="pallas_gpu", block_sizes=tiles)  # noqa: E731
     return fn, (arg((rows, 2048)), arg((groups, 2048, 768)), arg((groups,), jnp.int32))
   if program == "tgmm":
-    fn = lambda lhs, grad, sizes: tgmm(lhs, grad, sizes, impl="pallas_gpu")  # noqa: E731
+    tiles = GmmBlockSizes(**spec["blocks"]) if spec.get("blocks") else None
+    fn = lambda lhs, grad, sizes: tgmm(lhs, grad, sizes, impl="pallas_gpu", block_sizes=tiles)  # noqa: E731
     return fn, (arg((rows, 2048)), arg((rows, 768)), arg((groups,), jnp.int32))
   if program == "paged_attention":
     seqs, pages, page_size = 64, 64, 16  # 1,024 tokens of table a row
@@ -206,7 +215,7 @@ def bench_kernel_code(
   """Each program's Pallas kernels, compiled for `target`: name -> kernel -> figures (or the
   compile's error). `flash_blocks`: `BlockSizes` fields of flash attention tilings to compile
   too (`flash_4096_<fields>`)."""
-  runs = {name: {"program": p, "setting": s} for name, (p, s) in PROGRAMS.items()}
+  runs = dict(PROGRAMS)
   for blocks in flash_blocks:
     label = "_".join(f"{k}{v}" for k, v in sorted(blocks.items()))
     runs[f"flash_4096_{label}"] = {"program": "flash", "blocks": blocks}

@@ -37,6 +37,8 @@ class BlockSizes:
     block_kv_bwd: key tokens per block in the backward pass, rules as `block_kv`.
     num_warps: GPU only: Triton warps per program, a power of two.
     num_stages: GPU only: Triton software-pipelining stages.
+    num_warps_bwd: GPU only: `num_warps` of the backward kernels (default: `num_warps`).
+    num_stages_bwd: GPU only: `num_stages` of the backward kernels (default: `num_stages`).
   """
 
   block_q: int | None = None
@@ -45,6 +47,8 @@ class BlockSizes:
   block_kv_bwd: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
+  num_warps_bwd: int | None = None
+  num_stages_bwd: int | None = None
 
   def __post_init__(self):
     check_block_fields(self)

@@ -84,10 +84,14 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, *, t: int, s: int, e: in
         f"block shapes and dot), got {block}."
       )
     blocks[name] = min(block, max(_MIN_DOT, _next_pow2(dim)))
+  num_warps = bs.num_warps or (4 if e <= 64 else 8)
+  num_stages = bs.num_stages or 2
   return BlockSizes(
     **blocks,
-    num_warps=bs.num_warps or (4 if e <= 64 else 8),
-    num_stages=bs.num_stages or 2,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    num_warps_bwd=bs.num_warps_bwd or num_warps,
+    num_stages_bwd=bs.num_stages_bwd or num_stages,
   )
 
 
@@ -459,7 +463,7 @@ def backward(
   delta_bht = jnp.pad(delta_bht, ((0, 0), (0, 0), (0, t_pad - t)))
   lse2_bht = lse_bht * _LOG2E  # +inf (a query that sees no key) stays +inf: exp2 gives 0
   key_ranges, query_ranges = _walks(meta_p, bq, bk, causal)
-  compiler_params = _TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+  compiler_params = _TritonParams(num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd)
   precision = _precision(q_bthe.dtype)
   ids = (
     meta_p.q_segment_ids_bt,

@@ -60,12 +60,7 @@ def _tile(requested: tuple[int, ...], dim: int, unit: int, names: tuple[str, ...
 def resolve_block_sizes(block_sizes: BlockSizes | None, *, t: int, s: int, dtype):
   """(BlockSizes with every block set, t_pad, s_pad); rejects the GPU-only fields."""
   bs = block_sizes or BlockSizes()
-  for name in ("num_warps", "num_stages"):
-    if getattr(bs, name) is not None:
-      raise ValueError(
-        f"BlockSizes.{name}={getattr(bs, name)} is a GPU setting; impl='pallas_tpu' takes only "
-        "block_q, block_kv, block_q_bwd and block_kv_bwd."
-      )
+  reference.reject_gpu_settings(bs, "pallas_tpu")
   # Query blocks are second-minor: 8 rows of 32 bits, packed two to a row for 16-bit dtypes.
   sublanes = 32 // min(jnp.dtype(dtype).itemsize, 4)
   (bq, bq_bwd), t_pad = _tile(

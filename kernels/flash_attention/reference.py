@@ -157,16 +157,25 @@ def _block(requested: int | None, length: int) -> int:
   return -(-length // -(-length // _DEFAULT_BLOCK))
 
 
+# `BlockSizes` fields only the Triton kernels have.
+GPU_SETTINGS = ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd")
+
+
+def reject_gpu_settings(block_sizes, impl: str) -> None:
+  """A clear error for a GPU-only `BlockSizes` field given to `impl`."""
+  for name in GPU_SETTINGS:
+    if getattr(block_sizes, name) is not None:
+      raise ValueError(
+        f"BlockSizes.{name}={getattr(block_sizes, name)} is a GPU setting; impl={impl!r} "
+        "takes only block_q, block_kv, block_q_bwd and block_kv_bwd."
+      )
+
+
 def resolve_block_sizes(block_sizes, *, t: int, s: int, backward: bool) -> tuple[int, int]:
   """(bq, bk) for one pass; the reference takes any size and no GPU setting."""
   if block_sizes is None:
     return _block(None, t), _block(None, s)
-  for name in ("num_warps", "num_stages"):
-    if getattr(block_sizes, name) is not None:
-      raise ValueError(
-        f"BlockSizes.{name}={getattr(block_sizes, name)} is a GPU setting; impl='reference' "
-        "takes only block_q, block_kv, block_q_bwd and block_kv_bwd."
-      )
+  reject_gpu_settings(block_sizes, "reference")
   if backward:
     return _block(block_sizes.block_q_bwd, t), _block(block_sizes.block_kv_bwd, s)
   return _block(block_sizes.block_q, t), _block(block_sizes.block_kv, s)

@@ -7,6 +7,7 @@ dim.
 """
 
 import functools
+import re
 import zlib
 
 import jax
@@ -401,6 +402,25 @@ def test_gpu_kernels_lower_for_cuda(b, t, s, h, k, e, dtype, blocks):
     assert verified and "tt.dot" in triton_ir
 
 
+def test_gpu_backward_takes_its_own_warps_and_stages():
+  """`num_warps_bwd` / `num_stages_bwd` reach the dq and dk/dv Triton calls, the forward keeps
+  `num_warps` / `num_stages`, and the backward defaults to the forward's."""
+
+  def launch_settings(block_sizes):
+    _, grad = _fwd_and_grad("pallas_gpu", block_sizes)
+    text = export_cuda(grad, *_shapes(1, 256, 256, 4, 2, 64, jnp.bfloat16)).mlir_module()
+    pattern = r'name = "(flash_attention_\w+)", num_stages = (\d+) : i32, num_warps = (\d+)'
+    found = re.findall(pattern, text)
+    return {name: (int(stages), int(warps)) for name, stages, warps in found}
+
+  assert launch_settings(BlockSizes(num_warps=4, num_warps_bwd=8, num_stages_bwd=3)) == {
+    "flash_attention_fwd_gpu": (2, 4),
+    "flash_attention_dq_gpu": (3, 8),
+    "flash_attention_dkv_gpu": (3, 8),
+  }
+  assert set(launch_settings(BlockSizes(num_warps=4, num_stages=3)).values()) == {(3, 4)}
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -458,6 +478,8 @@ def test_empty_shapes_give_zeros(small):
     ({"block_q_bwd": 64.0}, "positive int"),
     ({"block_kv_bwd": True}, "positive int"),
     ({"num_warps": 3}, "power of two"),
+    ({"num_warps_bwd": 6}, "num_warps_bwd must be a power of two"),
+    ({"num_stages_bwd": 0}, "positive int"),
   ],
 )
 def test_bad_block_sizes(fields, match):
@@ -474,6 +496,10 @@ def test_block_sizes_an_impl_cannot_use():
     run(impl="pallas_tpu", interpret=True, block_sizes=BlockSizes(num_warps=4))
   with pytest.raises(ValueError, match="GPU setting"):
     run(impl="reference", block_sizes=BlockSizes(num_stages=3))
+  with pytest.raises(ValueError, match="num_warps_bwd=8 is a GPU setting; impl='pallas_tpu'"):
+    run(impl="pallas_tpu", interpret=True, block_sizes=BlockSizes(num_warps_bwd=8))
+  with pytest.raises(ValueError, match="num_stages_bwd=3 is a GPU setting; impl='reference'"):
+    run(impl="reference", block_sizes=BlockSizes(num_stages_bwd=3))
   with pytest.raises(ValueError, match="block_q to be a multiple of 16"):
     run(impl="pallas_tpu", interpret=True, block_sizes=BlockSizes(block_q=8))
   with pytest.raises(ValueError, match="block_kv_bwd to be a multiple of 128"):
