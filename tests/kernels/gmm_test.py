@@ -165,6 +165,21 @@ def test_tgmm_kernel_matches_reference(impl, dtype, tiled):
   _assert_zero_empty_groups(out, sizes)
 
 
+@pytest.mark.parametrize("impl", KERNELS)
+def test_kernels_never_read_rows_past_the_groups(impl):
+  """Rows past the groups may hold anything (a capacity buffer's unused tail): NaN there
+  reaches neither gmm's nor tgmm's results."""
+  m, k, n = TILED_SHAPE[impl]
+  lhs, rhs, grad, sizes = _inputs(_rng("tail", impl), m, k, n, 6, jnp.float32)
+  used = int(np.sum(sizes))
+  lhs, grad = lhs.at[used:].set(jnp.nan), grad.at[used:].set(jnp.nan)
+  out = gmm(lhs, rhs, sizes, **_kwargs(impl))
+  _assert_close(out, _numpy_gmm(lhs, rhs, sizes), jnp.float32, _gmm_sums(lhs, rhs, sizes))
+  _assert_zero_past_groups(out, sizes)
+  out = tgmm(lhs, grad, sizes, **_kwargs(impl))
+  _assert_close(out, _numpy_tgmm(lhs, grad, sizes), jnp.float32, _tgmm_sums(lhs, grad, sizes))
+
+
 # Layouts the random sizes rarely hit: nothing at all, one group taking every row, groups
 # aligned to the row tiles, all rows in the last group, and trailing empty groups.
 EDGE_SIZES = [(0, 0, 0, 0), (64, 0, 0, 0), (16, 16, 16, 16), (0, 0, 0, 63), (3, 17, 0, 0)]
