@@ -6,8 +6,8 @@ One layer of Qwen3-0.6B attention (16 query heads, 8 kv heads, head_dim 128), bf
 row of L tokens (the learner's packed rows at the lengths `launch/bench.py learner` runs). For
 each forward tiling (`FORWARD`: block_q, block_kv, warps, stages) the forward's time; for each
 backward tiling (`BACKWARD`: block_q_bwd, block_kv_bwd, warps, stages: `num_warps_bwd` and
-`num_stages_bwd`) the gradient's time (forward + dq + dk/dv, the forward at its defaults)
-less the default forward's. Also the defaults under
+`num_stages_bwd`, and for some `block_q_dq` and `block_kv_dq`) the gradient's time (forward +
+dq + dk/dv, the forward at its defaults) less the default forward's. Also the defaults under
 `pallas_gpu.mask_every_block` (every block pair masked, as before the kernels skipped the
 mask on pairs that see each other whole) and under `pallas_gpu.natural_exp` (libdevice's
 expf, as before the softmax worked in base 2). Each time: best of 10 calls after a warm-up
@@ -43,9 +43,12 @@ FORWARD = (
   (64, 64, 4, 3),
   (128, 32, 4, 4),
 )
-# (block_q_bwd, block_kv_bwd, warps, stages). Compiled for an H100 without one (`launch/bench.py
-# kernel_code`, docs/BENCHMARKS.md), 32 x 128 with 4 warps spilled 5 KB a thread in dk/dv and
-# 64 x 32 with 4 warps 0.5 KB: left out. Blocks of 32 queries run dq on mma.sync, not wgmma.
+# (block_q_bwd, block_kv_bwd, warps, stages[, block_q_dq, block_kv_dq]: dq tiled apart from
+# dk/dv). Compiled for an H100 without one (`launch/bench.py kernel_code`,
+# docs/BENCHMARKS.md), 32 x 128 with 4 warps spilled 5 KB a thread in dk/dv and 64 x 32 with
+# 4 warps 0.5 KB: left out. Blocks of 32 queries run dq on mma.sync, not wgmma, hence the
+# 32 x 128 dk/dv tilings with dq at 64 x 64 or 128 x 32 (the tiles of Triton's own fused
+# attention tutorial for Hopper: small query blocks for dk/dv, large ones for dq).
 BACKWARD = (
   (None, None, None, None),
   (64, 64, 8, 3),
@@ -55,6 +58,8 @@ BACKWARD = (
   (32, 128, 8, 3),
   (32, 128, 8, 2),
   (128, 64, 8, 2),
+  (32, 128, 8, 3, 64, 64),
+  (32, 128, 8, 3, 128, 32),
 )
 
 
@@ -94,9 +99,13 @@ def sweep(length: int) -> dict:
       out["forward"][name] = {"ms": seconds * 1e3, "tflops": _flops(length, 2) / seconds / 1e12}
     except Exception as e:  # noqa: BLE001  (a tiling Triton cannot compile: shared memory)
       out["forward"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-  for bq, bk, warps, stages in BACKWARD:
-    blocks = BlockSizes(block_q_bwd=bq, block_kv_bwd=bk, num_warps_bwd=warps, num_stages_bwd=stages)
+  for bq, bk, warps, stages, *dq in BACKWARD:
+    blocks = BlockSizes(
+      block_q_bwd=bq, block_kv_bwd=bk, num_warps_bwd=warps, num_stages_bwd=stages,
+      block_q_dq=dq[0] if dq else None, block_kv_dq=dq[1] if dq else None,
+    )  # fmt: skip
     name = "default" if bq is None else f"{bq}x{bk} w{warps} s{stages}"
+    name += f" dq {dq[0]}x{dq[1]}" if dq else ""
     try:
       both = _time(length, blocks, backward=True)
       forward = _time(length, blocks, backward=False)

@@ -117,7 +117,7 @@ for spec in "$@"; do
     attn_mask) run_part attn_mask "${limit:-120}" python3 launch/bench.py flash_attention --json ;;
     tgmm) run_part tgmm "${limit:-150}" python3 launch/bench.py tgmm --json ;;
     logprobs) run_part logprobs "${limit:-150}" python3 launch/bench.py logprobs --json ;;
-    attn_tune) JAX_PLATFORMS=cuda run_part attn_tune "${limit:-300}" python3 \
+    attn_tune) JAX_PLATFORMS=cuda run_part attn_tune "${limit:-360}" python3 \
       benchmarks/flash_attention_tuning.py --json ;;
     learner_profile) run_part learner_profile "${limit:-300}" python3 launch/bench.py learner \
       --json --profile ;;

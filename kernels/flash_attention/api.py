@@ -39,6 +39,10 @@ class BlockSizes:
     num_stages: GPU only: Triton software-pipelining stages.
     num_warps_bwd: GPU only: `num_warps` of the backward kernels (default: `num_warps`).
     num_stages_bwd: GPU only: `num_stages` of the backward kernels (default: `num_stages`).
+    block_q_dq: GPU only: query tokens per block of the dq kernel (default: `block_q_bwd`),
+      so that dq and dk/dv can be tiled apart: the dk/dv kernel keeps `block_q_bwd` x
+      `block_kv_bwd`.
+    block_kv_dq: GPU only: key tokens per block of the dq kernel (default: `block_kv_bwd`).
   """
 
   block_q: int | None = None
@@ -49,6 +53,8 @@ class BlockSizes:
   num_stages: int | None = None
   num_warps_bwd: int | None = None
   num_stages_bwd: int | None = None
+  block_q_dq: int | None = None
+  block_kv_dq: int | None = None
 
   def __post_init__(self):
     check_block_fields(self)

@@ -14,7 +14,8 @@ scaled by `sm_scale * log2(e)`; the log-sum-exp stays natural), and the backward
 
 - forward, grid `(b, h, n)`: one query block of one head against the keys of its kv head,
   online softmax in float32; writes the output and the log-sum-exp of each query.
-- dq, grid `(b, h, n)`: the same walk, recomputing the probabilities from the log-sum-exp.
+- dq, grid `(b, h, n)`: the same walk, recomputing the probabilities from the log-sum-exp;
+  its blocks may differ from dk/dv's (`BlockSizes.block_q_dq`, `block_kv_dq`).
 - dk and dv, grid `(b, k, m)`: one key block against the query blocks that see it, for every
   query head of its group (a static loop over the g heads), so the group's sum needs no
   atomics and no second pass.
@@ -75,6 +76,9 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, *, t: int, s: int, e: in
     "block_q_bwd": (_DEFAULT_BQ_BWD, t),
     "block_kv_bwd": (_DEFAULT_BK_BWD, s),
   }
+  # The dq kernel's blocks default to the backward's, whatever those resolve to.
+  fields["block_q_dq"] = (bs.block_q_bwd or _DEFAULT_BQ_BWD, t)
+  fields["block_kv_dq"] = (bs.block_kv_bwd or _DEFAULT_BK_BWD, s)
   blocks = {}
   for name, (default, dim) in fields.items():
     block = getattr(bs, name) or default
@@ -115,10 +119,10 @@ def _dot(a, b, precision, *, trans_a=False, trans_b=False):
 
 
 def _geometry(q_bthe, k_bske, bs: BlockSizes):
-  """Padded lengths: multiples of both passes' blocks (powers of two, so of the larger)."""
+  """Padded lengths: multiples of every kernel's blocks (powers of two, so of the largest)."""
   t, s = q_bthe.shape[1], k_bske.shape[1]
-  t_pad = reference.round_up(t, max(bs.block_q, bs.block_q_bwd))
-  s_pad = reference.round_up(s, max(bs.block_kv, bs.block_kv_bwd))
+  t_pad = reference.round_up(t, max(bs.block_q, bs.block_q_bwd, bs.block_q_dq))
+  s_pad = reference.round_up(s, max(bs.block_kv, bs.block_kv_bwd, bs.block_kv_dq))
   return t_pad, s_pad
 
 
@@ -448,9 +452,10 @@ def backward(
   s, kh = k_bske.shape[1:3]
   g = h // kh
   bs = resolve_block_sizes(block_sizes, t=t, s=s, e=e)
-  bq, bk = bs.block_q_bwd, bs.block_kv_bwd
+  bq, bk = bs.block_q_bwd, bs.block_kv_bwd  # the dk/dv kernel's blocks
+  bq_dq, bk_dq = bs.block_q_dq, bs.block_kv_dq
   t_pad, s_pad = _geometry(q_bthe, k_bske, bs)
-  n, m = t_pad // bq, s_pad // bk
+  n, m = t_pad // bq_dq, s_pad // bk
   q_p, k_p, v_p, meta_p = _padded_inputs(q_bthe, k_bske, v_bske, meta, t_pad, s_pad)
   do_p = reference.pad_tokens(do_bthe, t_pad)
   # delta_i = sum_j p_ij dp_ij = do_i . o_i: the softmax's backward, one number per query.
@@ -463,6 +468,8 @@ def backward(
   delta_bht = jnp.pad(delta_bht, ((0, 0), (0, 0), (0, t_pad - t)))
   lse2_bht = lse_bht * _LOG2E  # +inf (a query that sees no key) stays +inf: exp2 gives 0
   key_ranges, query_ranges = _walks(meta_p, bq, bk, causal)
+  if (bq_dq, bk_dq) != (bq, bk):
+    key_ranges, _ = _walks(meta_p, bq_dq, bk_dq, causal)
   compiler_params = _TritonParams(num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd)
   precision = _precision(q_bthe.dtype)
   ids = (
@@ -475,14 +482,17 @@ def backward(
   def kv_head(j):
     return jax.lax.div(j, g)
 
-  q_spec = pl.BlockSpec((None, bq, None, e), lambda i, j, x: (i, x, j, 0))
+  q_spec = pl.BlockSpec((None, bq_dq, None, e), lambda i, j, x: (i, x, j, 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, e), lambda i, j, x: (i, 0, kv_head(j), 0))
-  row_spec = pl.BlockSpec((None, None, bq), lambda i, j, x: (i, j, x))
+  row_spec = pl.BlockSpec((None, None, bq_dq), lambda i, j, x: (i, j, x))
   q_range_spec = pl.BlockSpec((1,), lambda i, j, x: (i * n + x,))
-  q_ids_spec = pl.BlockSpec((None, bq), lambda i, j, x: (i, x))
+  q_ids_spec = pl.BlockSpec((None, bq_dq), lambda i, j, x: (i, x))
   kv_ids_spec = pl.BlockSpec((None, s_pad), lambda i, j, x: (i, 0))
+  dq_kernel = functools.partial(
+    _dq_kernel, bk=bk_dq, sm_scale=sm_scale, causal=causal, precision=precision
+  )
   dq_bthe = pl.pallas_call(
-    functools.partial(_dq_kernel, bk=bk, sm_scale=sm_scale, causal=causal, precision=precision),
+    dq_kernel,
     grid=(b, h, n),
     in_specs=[
       *[q_range_spec] * 4,

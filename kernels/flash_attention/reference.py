@@ -158,7 +158,14 @@ def _block(requested: int | None, length: int) -> int:
 
 
 # `BlockSizes` fields only the Triton kernels have.
-GPU_SETTINGS = ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd")
+GPU_SETTINGS = (
+  "num_warps",
+  "num_stages",
+  "num_warps_bwd",
+  "num_stages_bwd",
+  "block_q_dq",
+  "block_kv_dq",
+)
 
 
 def reject_gpu_settings(block_sizes, impl: str) -> None:

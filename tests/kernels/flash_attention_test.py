@@ -264,7 +264,10 @@ KERNEL_CASES = [
     "packed_long",
     {
       "pallas_tpu": BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128),
-      "pallas_gpu": BlockSizes(block_q=64, block_kv=32, block_q_bwd=32, block_kv_bwd=64),
+      # dq tiled apart from dk/dv (transposed blocks: its walks differ from dk/dv's)
+      "pallas_gpu": BlockSizes(
+        block_q=64, block_kv=32, block_q_bwd=32, block_kv_bwd=64, block_q_dq=64, block_kv_dq=32
+      ),
     },
   ),
   (
@@ -331,6 +334,11 @@ def test_interpret_really_runs_the_pallas_kernels(impl):
 def test_gpu_default_block_sizes():
   bs = gpu_kernel.resolve_block_sizes(None, t=4096, s=4096, e=128)
   assert (bs.block_q, bs.block_kv, bs.num_warps) == (128, 64, 8)
+  assert (bs.block_q_dq, bs.block_kv_dq) == (bs.block_q_bwd, bs.block_kv_bwd) == (64, 64)
+  apart = gpu_kernel.resolve_block_sizes(
+    BlockSizes(block_q_bwd=32, block_kv_bwd=128, block_kv_dq=32), t=4096, s=4096, e=128
+  )
+  assert (apart.block_q_dq, apart.block_kv_dq) == (32, 32)
   small = gpu_kernel.resolve_block_sizes(None, t=5, s=3, e=64)
   assert (small.block_q, small.block_kv, small.block_q_bwd, small.num_warps) == (16, 16, 16, 4)
 
@@ -375,7 +383,9 @@ LOWERING_CASES = [
 ]
 SMALL_BLOCKS = {
   "pallas_tpu": BlockSizes(block_q=128, block_kv=256, block_q_bwd=64, block_kv_bwd=128),
-  "pallas_gpu": BlockSizes(block_q=64, block_kv=32, block_q_bwd=32, block_kv_bwd=32, num_warps=4),
+  "pallas_gpu": BlockSizes(
+    block_q=64, block_kv=32, block_q_bwd=32, block_kv_bwd=32, num_warps=4, block_q_dq=64
+  ),
 }
 
 
@@ -500,6 +510,10 @@ def test_block_sizes_an_impl_cannot_use():
     run(impl="pallas_tpu", interpret=True, block_sizes=BlockSizes(num_warps_bwd=8))
   with pytest.raises(ValueError, match="num_stages_bwd=3 is a GPU setting; impl='reference'"):
     run(impl="reference", block_sizes=BlockSizes(num_stages_bwd=3))
+  with pytest.raises(ValueError, match="block_q_dq=64 is a GPU setting; impl='pallas_tpu'"):
+    run(impl="pallas_tpu", interpret=True, block_sizes=BlockSizes(block_q_dq=64))
+  with pytest.raises(ValueError, match="block_kv_dq to be a power of two >= 16"):
+    run(impl="pallas_gpu", interpret=True, block_sizes=BlockSizes(block_kv_dq=48))
   with pytest.raises(ValueError, match="block_q to be a multiple of 16"):
     run(impl="pallas_tpu", interpret=True, block_sizes=BlockSizes(block_q=8))
   with pytest.raises(ValueError, match="block_kv_bwd to be a multiple of 128"):
