@@ -545,13 +545,29 @@ def test_interpret_needs_a_kernel(small):
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
 
 
+# The defaults, and the backward tiled as the tuning sweep's candidates do: dk/dv at 32 x 128
+# with warps and stages of its own, dq apart at 128 x 32.
+GPU_TILINGS = {
+  "default": None,
+  "dq_apart": BlockSizes(
+    block_q_bwd=32,
+    block_kv_bwd=128,
+    num_warps_bwd=8,
+    num_stages_bwd=3,
+    block_q_dq=128,
+    block_kv_dq=32,
+  ),  # fmt: skip
+}
+
+
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("tiling", list(GPU_TILINGS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_kernel_compiled_matches_oracle(dtype):
+def test_gpu_kernel_compiled_matches_oracle(dtype, tiling):
   qkv, ids, cot = _make_inputs(
     _rng("gpu", dtype), b=2, t=512, s=512, h=16, k=8, e=128, dtype=dtype, layout="packed"
   )
-  got = _outputs(qkv, ids, cot, impl="pallas_gpu")
+  got = _outputs(qkv, ids, cot, impl="pallas_gpu", block_sizes=GPU_TILINGS[tiling])
   oracle = _oracle(qkv, ids, cot)
   _assert_matches(got, oracle[0], oracle, dtype, exact=True)
