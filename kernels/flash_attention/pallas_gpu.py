@@ -173,8 +173,8 @@ def _fwd_kernel(
     new_max = jnp.maximum(max_q, jnp.max(logits_qk, axis=1))
     # A query that has seen no key yet keeps max -inf; a finite stand-in keeps _exp2() at 0.
     shift_q = jnp.where(new_max == -jnp.inf, 0.0, new_max * log2_scale)
-    # exp(scale * (x - max)) as exp2(x * log2_scale - shift): one multiply-add and one ex2 a
-    # score (sm_scale > 0, so the maximum of the scaled logits is the scaled maximum).
+    # exp(scale * (x - max)) as exp2(x * log2_scale - shift): a multiply, a subtract and one
+    # ex2 a score (sm_scale > 0, so the maximum of the scaled logits is the scaled maximum).
     probs_qk = _exp2(logits_qk * log2_scale - shift_q[:, None])
     rescale = _exp2(max_q * log2_scale - shift_q)
     v_ke = v_ref[keys, :]
