@@ -462,6 +462,25 @@ BENCHMARKS = {
 }
 
 
+def _flash_blocks(text: str) -> tuple[dict, ...]:
+  """`--flash-blocks "block_q=64,num_warps=4;block_kv_bwd=128"` -> BlockSizes fields per
+  tiling; a clear exit for anything else."""
+  from jaxrl.kernels.flash_attention import BlockSizes
+
+  tilings = []
+  for tiling in text.split(";"):
+    try:
+      fields = {k.strip(): int(v) for k, v in (field.split("=") for field in tiling.split(","))}
+      BlockSizes(**fields)
+    except (ValueError, TypeError) as e:
+      raise SystemExit(
+        f"--flash-blocks: {tiling!r} is not BlockSizes fields as name=int separated by commas "
+        f'(tilings by semicolons), e.g. "block_q_bwd=32,block_kv_bwd=128": {e}'
+      ) from None
+    tilings.append(fields)
+  return tuple(tilings)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -533,10 +552,7 @@ def main() -> None:
   if args.attention_blocks:
     kwargs["attention_blocks"] = tuple(args.attention_blocks.split(";"))
   if args.flash_blocks:
-    kwargs["flash_blocks"] = tuple(
-      {k: int(v) for k, v in (field.split("=") for field in tiling.split(","))}
-      for tiling in args.flash_blocks.split(";")
-    )
+    kwargs["flash_blocks"] = _flash_blocks(args.flash_blocks)
   if args.faults:
     kwargs["faults"] = tuple(int(n) for n in args.faults.split(","))
   if args.steps:
