@@ -19,13 +19,13 @@ each Pallas kernel:
 The counts are of the unrolled code, not of executed instructions: compare them between
 settings of one kernel (`natural_exp` against the default, a tiling against another), never
 across kernels. Programs (`PROGRAMS`): flash attention's forward and backward at Qwen3-0.6B's
-heads over one packed row of 4,096 tokens, by default and under `pallas_gpu.natural_exp` (the
-kernel's A/B setting that changes its code; `mask_every_block` changes only where its loops
-start and end, at run time); the grouped matmul (at the target's default tiles) and its
-weight gradient (at its default tiles and at 64 x 64 x 128) at Qwen3-30B-A3B's expert shapes
-(8,192 rows, 128 groups); the paged decode attention at 64 rows. `flash_blocks`: also compile
-flash attention at each of these tilings (`benchmarks/flash_attention_tuning.py`'s candidates,
-to see which spill before timing them).
+heads over one packed row of 4,096 tokens, in bf16 by default and under
+`pallas_gpu.natural_exp` (the kernel's A/B setting that changes its code; `mask_every_block`
+changes only where its loops start and end, at run time), and in float32; the grouped matmul
+(at the target's default tiles) and its weight gradient (at its default tiles and at 64 x 64 x
+128) at Qwen3-30B-A3B's expert shapes (8,192 rows, 128 groups); the paged decode attention at
+64 rows. `flash_blocks`: also compile flash attention at each of these tilings
+(`benchmarks/flash_attention_tuning.py`'s candidates, to see which spill before timing them).
 
 Needs the CUDA plugin (`launch/bench_kernels.py` says how to install it), whose
 `nvidia-cuda-nvcc` package holds ptxas; each program compiles in a process of its own.
@@ -47,6 +47,7 @@ from bench_kernels import TARGETS, _run_child, _target_devices
 PROGRAMS = {
   "flash_4096": {"program": "flash"},
   "flash_4096_natural_exp": {"program": "flash", "setting": "natural_exp"},
+  "flash_4096_float32": {"program": "flash", "dtype": "float32"},
   "gmm_8192x2048x768_128_groups": {"program": "gmm"},
   "tgmm_8192x2048x768_128_groups": {"program": "tgmm"},
   # A tile Hopper's wgmma takes (64 output rows a warp group), which tgmm's default is not.
@@ -160,6 +161,7 @@ def _program(spec: dict):
   if program == "flash":
     n = 4096
     blocks = BlockSizes(**spec["blocks"]) if spec.get("blocks") else None
+    dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
 
     def attention_loss(q, k, v, segments, positions):
       out = flash_attention(
@@ -170,7 +172,8 @@ def _program(spec: dict):
 
     shapes = ((1, n, 16, 128), (1, n, 8, 128), (1, n, 8, 128))
     ids = (arg((1, n), jnp.int32), arg((1, n), jnp.int32))
-    return jax.grad(attention_loss, argnums=(0, 1, 2)), (*map(arg, shapes), *ids)
+    qkv = (arg(shape, dtype) for shape in shapes)
+    return jax.grad(attention_loss, argnums=(0, 1, 2)), (*qkv, *ids)
   rows, groups = 8192, 128
   if program == "gmm":
     # Without a device gmm cannot ask the GPU's compute capability: give it the target's tiles.

@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxrl.kernels.common import traced_setting
 from jaxrl.kernels.flash_attention import reference
 from jaxrl.kernels.flash_attention.api import BlockSizes
+from jaxrl.kernels.tf32 import split_dot, tf32_parts
 
 # The Triton compiler-params class was `TritonCompilerParams` before it became
 # `CompilerParams`; take whichever this jax has.
@@ -51,6 +52,10 @@ _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16.
 # do, probabilities and their gradient).
 _DEFAULT_BQ, _DEFAULT_BK = 128, 64
 _DEFAULT_BQ_BWD, _DEFAULT_BK_BWD = 64, 64
+# Float32 inputs: split-precision dots stage each operand's two TF32 parts, so the 16-bit
+# tiles ask for more shared memory than an H100 has (263 KB forward, compiled without one);
+# these fit it (and spill 0.5-1.4 KB a thread, where IEEE float32 dots spilled 55-97 KB).
+_DEFAULT_F32 = (64, 64, 64, 32)  # block_q, block_kv, block_q_bwd, block_kv_bwd
 # Softmax in base 2. On CUDA jnp.exp lowers to libdevice's accurate expf, about ten float32
 # instructions a score, jnp.exp2 to one ex2.approx (relative error 2**-22); log2(e) folds into
 # the logits' scale. Compiled for an H100, the kernels' float32 instructions fell by 42-52%
@@ -67,18 +72,24 @@ def _next_pow2(x: int) -> int:
   return 1 << max(0, x - 1).bit_length()
 
 
-def resolve_block_sizes(block_sizes: BlockSizes | None, *, t: int, s: int, e: int) -> BlockSizes:
-  """Fills the None fields, clips blocks to the dims (rounded up to a power of two >= 16)."""
+def resolve_block_sizes(
+  block_sizes: BlockSizes | None, *, t: int, s: int, e: int, itemsize: int = 2
+) -> BlockSizes:
+  """Fills the None fields (defaults by the inputs' `itemsize`), clips blocks to the dims
+  (rounded up to a power of two >= 16)."""
   bs = block_sizes or BlockSizes()
+  bq, bk, bq_bwd, bk_bwd = (
+    _DEFAULT_F32 if itemsize >= 4 else (_DEFAULT_BQ, _DEFAULT_BK, _DEFAULT_BQ_BWD, _DEFAULT_BK_BWD)
+  )
   fields = {
-    "block_q": (_DEFAULT_BQ, t),
-    "block_kv": (_DEFAULT_BK, s),
-    "block_q_bwd": (_DEFAULT_BQ_BWD, t),
-    "block_kv_bwd": (_DEFAULT_BK_BWD, s),
+    "block_q": (bq, t),
+    "block_kv": (bk, s),
+    "block_q_bwd": (bq_bwd, t),
+    "block_kv_bwd": (bk_bwd, s),
   }
   # The dq kernel's blocks default to the backward's, whatever those resolve to.
-  fields["block_q_dq"] = (bs.block_q_bwd or _DEFAULT_BQ_BWD, t)
-  fields["block_kv_dq"] = (bs.block_kv_bwd or _DEFAULT_BK_BWD, s)
+  fields["block_q_dq"] = (bs.block_q_bwd or bq_bwd, t)
+  fields["block_kv_dq"] = (bs.block_kv_bwd or bk_bwd, s)
   blocks = {}
   for name, (default, dim) in fields.items():
     block = getattr(bs, name) or default
@@ -108,14 +119,32 @@ def _check_head_dim(e: int) -> None:
 
 
 def _precision(dtype) -> jax.lax.Precision | None:
-  # Triton runs float32 dots in TF32 by default (about 1e-3 relative error); the reference
-  # is full float32. A no-op for bf16.
-  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+  """The kernels' dot precision for inputs of `dtype`: None (a plain dot) for 16-bit inputs;
+  for float32, `HIGH`: split precision (3xTF32, `jaxrl.kernels.tf32`), each product within
+  3 * 2**-22 of exact on tensor cores. (Triton's TF32 default is about 1e-3 off; its IEEE
+  dots, used until 2026-11-26, ran on CUDA cores and spilled tens of KB a thread, compiled for
+  an H100.)"""
+  return jax.lax.Precision.HIGH if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _operand(x, precision):
+  """`x` as `_dot` takes it: its TF32 parts under split precision (split once, used by every
+  dot it enters), else itself."""
+  return tf32_parts(x, 2) if precision == jax.lax.Precision.HIGH else (x,)
 
 
 def _dot(a, b, precision, *, trans_a=False, trans_b=False):
-  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-  return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+  """a @ b (or with a or b transposed) with float32 accumulation; `a` and `b` are arrays or
+  `_operand`s of them."""
+  a_parts = a if isinstance(a, tuple) else _operand(a, precision)
+  b_parts = b if isinstance(b, tuple) else _operand(b, precision)
+  contract = ((0 if trans_a else 1,), (1 if trans_b else 0,))
+  if precision == jax.lax.Precision.HIGH:
+    return split_dot(a_parts, b_parts, contract, 2)
+  dims = (contract, ((), ()))
+  return jax.lax.dot_general(
+    a_parts[0], b_parts[0], dims, precision=precision, preferred_element_type=jnp.float32
+  )
 
 
 def _geometry(q_bthe, k_bske, bs: BlockSizes):
@@ -156,8 +185,8 @@ def _fwd_kernel(
   causal: bool,
   precision,
 ):
-  q_qe = q_ref[...]
-  bq, e = q_qe.shape
+  bq, e = q_ref.shape
+  q_qe = _operand(q_ref[...], precision)
   seg_q, pos_q = seg_q_ref[...][:, None], pos_q_ref[...][:, None]
   log2_scale = sm_scale * _LOG2E
 
@@ -177,8 +206,8 @@ def _fwd_kernel(
     # ex2 a score (sm_scale > 0, so the maximum of the scaled logits is the scaled maximum).
     probs_qk = _exp2(logits_qk * log2_scale - shift_q[:, None])
     rescale = _exp2(max_q * log2_scale - shift_q)
-    v_ke = v_ref[keys, :]
-    acc_qe = acc_qe * rescale[:, None] + _dot(probs_qk.astype(v_ke.dtype), v_ke, precision)
+    probs_qk_in = probs_qk.astype(v_ref.dtype)
+    acc_qe = acc_qe * rescale[:, None] + _dot(probs_qk_in, v_ref[keys, :], precision)
     return acc_qe, new_max, denom_q * rescale + jnp.sum(probs_qk, axis=1)
 
   init = (
@@ -276,7 +305,7 @@ def forward(
   s, kh = k_bske.shape[1:3]
   g = h // kh
   _check_head_dim(e)
-  bs = resolve_block_sizes(block_sizes, t=t, s=s, e=e)
+  bs = resolve_block_sizes(block_sizes, t=t, s=s, e=e, itemsize=q_bthe.dtype.itemsize)
   bq, bk = bs.block_q, bs.block_kv
   t_pad, s_pad = _geometry(q_bthe, k_bske, bs)
   n = t_pad // bq
@@ -350,14 +379,14 @@ def _dq_kernel(
   causal: bool,
   precision,
 ):
-  q_qe, do_qe = q_ref[...], do_ref[...]
+  q_qe, do_qe = _operand(q_ref[...], precision), _operand(do_ref[...], precision)
   lse2_q1, delta_q1 = lse2_ref[...][:, None], delta_ref[...][:, None]
   seg_q, pos_q = seg_q_ref[...][:, None], pos_q_ref[...][:, None]
   log2_scale = sm_scale * _LOG2E
 
   def body(j, dq_qe, masked):
     keys = pl.ds(j * bk, bk)
-    k_ke, v_ke = k_ref[keys, :], v_ref[keys, :]
+    k_ke = _operand(k_ref[keys, :], precision)
     logits_qk = _dot(q_qe, k_ke, precision, trans_b=True)
     probs_qk = _exp2(logits_qk * log2_scale - lse2_q1)
     if masked:
@@ -365,13 +394,13 @@ def _dq_kernel(
         seg_q, pos_q, seg_kv_ref[keys][None, :], pos_kv_ref[keys][None, :], causal=causal
       )
       probs_qk = jnp.where(vis_qk, probs_qk, 0.0)
-    dprobs_qk = _dot(do_qe, v_ke, precision, trans_b=True)
+    dprobs_qk = _dot(do_qe, v_ref[keys, :], precision, trans_b=True)
     # The logits' gradient without its factor sm_scale, applied once to the sum.
     dlogits_qk = probs_qk * (dprobs_qk - delta_q1)
-    return dq_qe + _dot(dlogits_qk.astype(k_ke.dtype), k_ke, precision)
+    return dq_qe + _dot(dlogits_qk.astype(k_ref.dtype), k_ke, precision)
 
   dq_qe = _masked_then_full_then_masked(
-    lo_ref, hi_ref, first_ref, end_ref, body, jnp.zeros(q_qe.shape, jnp.float32)
+    lo_ref, hi_ref, first_ref, end_ref, body, jnp.zeros(q_ref.shape, jnp.float32)
   )
   dq_ref[...] = (dq_qe * sm_scale).astype(dq_ref.dtype)
 
@@ -399,11 +428,11 @@ def _dkv_kernel(
   causal: bool,
   precision,
 ):
-  k_ke, v_ke = k_ref[...], v_ref[...]
+  k_ke, v_ke = _operand(k_ref[...], precision), _operand(v_ref[...], precision)
   seg_kv, pos_kv = seg_kv_ref[...][:, None], pos_kv_ref[...][:, None]
   g = q_ref.shape[1]
   log2_scale = sm_scale * _LOG2E
-  carry = (jnp.zeros(k_ke.shape, jnp.float32), jnp.zeros(v_ke.shape, jnp.float32))
+  carry = (jnp.zeros(k_ref.shape, jnp.float32), jnp.zeros(v_ref.shape, jnp.float32))
   for head in range(g):  # static: g is small, and a static index keeps the loads plain
     # Scores are laid out keys by queries ([bk, bq], the transpose of the other kernels'), so
     # the probabilities and their gradient, computed in registers, are the left operands of
@@ -412,7 +441,8 @@ def _dkv_kernel(
     def body(i, carry, masked, head=head):
       dk_ke, dv_ke = carry
       queries = pl.ds(i * bq, bq)
-      q_qe, do_qe = q_ref[queries, head, :], do_ref[queries, head, :]
+      q_qe = _operand(q_ref[queries, head, :], precision)
+      do_qe = _operand(do_ref[queries, head, :], precision)
       logits_kq = _dot(k_ke, q_qe, precision, trans_b=True)
       probs_kq = _exp2(logits_kq * log2_scale - lse2_ref[head, queries][None, :])
       if masked:
@@ -420,11 +450,11 @@ def _dkv_kernel(
           seg_q_ref[queries][None, :], pos_q_ref[queries][None, :], seg_kv, pos_kv, causal=causal
         )
         probs_kq = jnp.where(vis_kq, probs_kq, 0.0)
-      dv_ke += _dot(probs_kq.astype(do_qe.dtype), do_qe, precision)
+      dv_ke += _dot(probs_kq.astype(do_ref.dtype), do_qe, precision)
       dprobs_kq = _dot(v_ke, do_qe, precision, trans_b=True)
       # Without sm_scale, as in the dq kernel.
       dlogits_kq = probs_kq * (dprobs_kq - delta_ref[head, queries][None, :])
-      dk_ke += _dot(dlogits_kq.astype(q_qe.dtype), q_qe, precision)
+      dk_ke += _dot(dlogits_kq.astype(q_ref.dtype), q_qe, precision)
       return dk_ke, dv_ke
 
     carry = _masked_then_full_then_masked(lo_ref, hi_ref, first_ref, end_ref, body, carry)
@@ -451,7 +481,7 @@ def backward(
   b, t, h, e = q_bthe.shape
   s, kh = k_bske.shape[1:3]
   g = h // kh
-  bs = resolve_block_sizes(block_sizes, t=t, s=s, e=e)
+  bs = resolve_block_sizes(block_sizes, t=t, s=s, e=e, itemsize=q_bthe.dtype.itemsize)
   bq, bk = bs.block_q_bwd, bs.block_kv_bwd  # the dk/dv kernel's blocks
   bq_dq, bk_dq = bs.block_q_dq, bs.block_kv_dq
   t_pad, s_pad = _geometry(q_bthe, k_bske, bs)

@@ -61,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrl.kernels.paged_attention.api import BlockSizes
+from jaxrl.kernels.tf32 import TF32_PARTS, split_dot, tf32_parts
 
 # The Triton compiler-params class was `TritonCompilerParams` before it became
 # `CompilerParams`; take whichever this jax has, so every version lowers with the same values.
@@ -81,15 +82,6 @@ _TARGET_PROGRAMS = 256  # about two waves on a 132-SM H100.
 # a ragged batch the longest sequences are split over several programs instead of leaving one
 # program working long after the others are done; parts past a sequence's length exit at once.
 _MAX_TOKENS_PER_SPLIT = 1024
-_IEEE = jax.lax.Precision.HIGHEST  # Triton `inputPrecision = ieee` for float32 operands
-# Triton `inputPrecision = tf32`; on a CPU (interpret mode) a float32 dot, exact on TF32 values.
-_TF32 = jax.lax.Precision.DEFAULT
-# TF32 parts per float32 operand of a dot, by precision; 0: the operands as they are.
-_TF32_PARTS = {
-  jax.lax.Precision.DEFAULT: 1,
-  jax.lax.Precision.HIGH: 2,
-  jax.lax.Precision.HIGHEST: 0,
-}
 
 
 def _is_pow2(x: int) -> bool:
@@ -162,39 +154,6 @@ def _check_shapes(*, page_size: int, head_dim: int, pages_per_block: int, dot: b
     )
 
 
-def _round_to_tf32(x_f32):
-  """The nearest TF32 value (ties away from zero), as float32 with the low 13 bits clear."""
-  bits = jax.lax.bitcast_convert_type(x_f32, jnp.int32)
-  bits = (bits + 0x1000) & -0x2000
-  return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _tf32_parts(x, parts: int) -> tuple[jax.Array, ...]:
-  """`x` as the sum of `parts` TF32 values (hi, then lo), or as itself for parts=0."""
-  if parts == 0:
-    return (x,)
-  hi = _round_to_tf32(x)
-  return (hi,) if parts == 1 else (hi, _round_to_tf32(x - hi))
-
-
-def _dot(a_parts, b_parts, contract, parts: int):
-  """a @ b in float32 from `_tf32_parts` of both: hi*hi, plus lo*hi + hi*lo for 2 parts."""
-
-  def dot(a, b):
-    return jax.lax.dot_general(
-      a,
-      b,
-      (contract, ((), ())),
-      precision=_IEEE if parts == 0 else _TF32,
-      preferred_element_type=jnp.float32,
-    )
-
-  out = dot(a_parts[0], b_parts[0])
-  if parts == 2:
-    out = (dot(a_parts[1], b_parts[0]) + dot(a_parts[0], b_parts[1])) + out
-  return out
-
-
 def _repeat_rows(x_rd, b: int):
   """`[r, ...]` rows repeated to `b` rows (row i is row i % r): a dot's 16 rows from fewer heads,
   in registers, instead of a padded copy of q in memory."""
@@ -241,7 +200,7 @@ def _kernel(
   end = jnp.minimum(first + blocks_per_split, jax.lax.div(length + t - 1, t))
   b = compute_rows
   q_bd = _repeat_rows(q_ref[...], b)
-  q_parts = _tf32_parts(q_bd, parts)  # split once, used by every block
+  q_parts = tf32_parts(q_bd, parts)  # split once, used by every block
 
   def body(i, carry):
     o_bd, max_b, denom_b = carry
@@ -257,7 +216,7 @@ def _kernel(
     v_td = jnp.where(valid_t[:, None], v_td, jnp.zeros_like(v_td))
 
     if dot:
-      logits_bt = _dot(q_parts, _tf32_parts(k_td, parts), ((1,), (1,)), parts)
+      logits_bt = split_dot(q_parts, tf32_parts(k_td, parts), ((1,), (1,)), parts)
     else:
       k_td = k_td.astype(jnp.float32)
       logits_bt = jnp.sum(q_bd[:, None, :] * k_td[None, :, :], axis=2)
@@ -267,7 +226,8 @@ def _kernel(
     probs_bt = jnp.exp(logits_bt - new_max_b[:, None])
     if dot:
       probs_bt_in = probs_bt if parts else probs_bt.astype(v_td.dtype)
-      pv_bd = _dot(_tf32_parts(probs_bt_in, parts), _tf32_parts(v_td, parts), ((1,), (0,)), parts)
+      probs_parts = tf32_parts(probs_bt_in, parts)
+      pv_bd = split_dot(probs_parts, tf32_parts(v_td, parts), ((1,), (0,)), parts)
     else:
       pv_bd = jnp.sum(probs_bt[:, :, None] * v_td.astype(jnp.float32)[None, :, :], axis=1)
     o_bd = o_bd * rescale_b[:, None] + pv_bd
@@ -325,7 +285,7 @@ def paged_attention(
     pool_dtype, precision
   )
   dot = g >= dot_min_group
-  parts = _TF32_PARTS[precision] if dot and pool_dtype == jnp.float32 else 0
+  parts = TF32_PARTS[precision] if dot and pool_dtype == jnp.float32 else 0
   if dot:
     b = min(max(_MIN_DOT, _next_pow2(g)), _MAX_HEADS_PER_PROGRAM)
     target = _TARGET_BLOCK_TOKENS_F32 if wide else _TARGET_BLOCK_TOKENS

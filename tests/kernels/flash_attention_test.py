@@ -339,6 +339,9 @@ def test_gpu_default_block_sizes():
     BlockSizes(block_q_bwd=32, block_kv_bwd=128, block_kv_dq=32), t=4096, s=4096, e=128
   )
   assert (apart.block_q_dq, apart.block_kv_dq) == (32, 32)
+  f32 = gpu_kernel.resolve_block_sizes(None, t=4096, s=4096, e=128, itemsize=4)
+  assert (f32.block_q, f32.block_kv, f32.block_q_bwd, f32.block_kv_bwd) == (64, 64, 64, 32)
+  assert (f32.block_q_dq, f32.block_kv_dq) == (64, 32)
   small = gpu_kernel.resolve_block_sizes(None, t=5, s=3, e=64)
   assert (small.block_q, small.block_kv, small.block_q_bwd, small.num_warps) == (16, 16, 16, 4)
 
@@ -410,6 +413,35 @@ def test_gpu_kernels_lower_for_cuda(b, t, s, h, k, e, dtype, blocks):
   assert len(modules) == 3  # forward, dq, dk/dv
   for verified, triton_ir in modules:
     assert verified and "tt.dot" in triton_ir
+
+
+def _triton_dots(dtype) -> list[list[tuple[str, str]]]:
+  """(operand type, input precision) of each tt.dot in each Triton kernel of the gradient."""
+  _, grad = _fwd_and_grad("pallas_gpu", None)
+  text = export_cuda(grad, *_shapes(1, 256, 256, 4, 2, 64, dtype)).mlir_module()
+  kernels = []
+  for verified, triton_ir in triton_modules(text):
+    assert verified
+    dots = []
+    for line in triton_ir.splitlines():
+      if match := re.search(r"tt\.dot .*: tensor<(?:\d+x)+(\w+)> \*", line):
+        precision = re.search(r"inputPrecision = (\w+)", line)
+        # The printer leaves out the default, ieee.
+        dots.append((match[1], precision[1] if precision else "ieee"))
+    kernels.append(dots)
+  return kernels
+
+
+def test_gpu_float32_dots_are_split_tf32_on_tensor_cores():
+  """Float32 inputs: every product is three TF32 tensor-core dots (3xTF32), none an IEEE dot on
+  CUDA cores (which spilled tens of KB a thread, compiled for an H100); bf16 inputs: one
+  bf16 dot a product."""
+  f32, bf16 = _triton_dots(jnp.float32), _triton_dots(jnp.bfloat16)
+  assert len(f32) == len(bf16) == 3  # forward, dq, dk/dv
+  for split, plain in zip(f32, bf16, strict=True):
+    assert plain and all(operand == "bf16" for operand, _ in plain), plain
+    assert split and all(dot == ("f32", "tf32") for dot in split), split
+    assert len(split) == 3 * len(plain)
 
 
 def test_gpu_backward_takes_its_own_warps_and_stages():
@@ -562,8 +594,11 @@ GPU_TILINGS = {
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("tiling", list(GPU_TILINGS))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize(
+  "dtype,tiling",
+  # The dq-apart tiling is a bf16 one: float32's TF32 parts take twice the shared memory.
+  [(jnp.bfloat16, "default"), (jnp.bfloat16, "dq_apart"), (jnp.float32, "default")],
+)
 def test_gpu_kernel_compiled_matches_oracle(dtype, tiling):
   qkv, ids, cot = _make_inputs(
     _rng("gpu", dtype), b=2, t=512, s=512, h=16, k=8, e=128, dtype=dtype, layout="packed"
