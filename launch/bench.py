@@ -70,6 +70,7 @@ from bench_profile import bench_decode_profile, decode_step_seconds  # noqa: E40
 from bench_sampler import bench_sampler  # noqa: E402
 from bench_scheduler import bench_calibrate, bench_plan  # noqa: E402
 
+from jaxrl.kernels.flash_attention import BlockSizes  # noqa: E402
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxrl.model import Model, get_preset  # noqa: E402
 from jaxrl.rl.experience import logprob_mismatch  # noqa: E402
@@ -465,8 +466,6 @@ BENCHMARKS = {
 def _flash_blocks(text: str) -> tuple[dict, ...]:
   """`--flash-blocks "block_q=64,num_warps=4;block_kv_bwd=128"` -> BlockSizes fields per
   tiling; a clear exit for anything else."""
-  from jaxrl.kernels.flash_attention import BlockSizes
-
   tilings = []
   for tiling in text.split(";"):
     try:

@@ -34,6 +34,7 @@ Needs the CUDA plugin (`launch/bench_kernels.py` says how to install it), whose
 from __future__ import annotations
 
 import collections
+import contextlib
 import pathlib
 import re
 import shutil
@@ -198,8 +199,6 @@ def _program(spec: dict):
 def compile_kernel_code(spec: dict) -> dict:
   """In a fresh process started by `_run_child` (XLA dumping PTX to `spec["dump"]`): compiles
   `spec["program"]` for `spec["target"]` and returns each Pallas kernel's figures."""
-  import contextlib
-
   import jax
 
   from jaxrl.kernels.common import target_platform
