@@ -22,7 +22,9 @@
 # pair and against itself with libdevice's expf, dense and cuDNN), attn_tune (the flash attention kernels' block sizes swept at 4k and 16k
 # tokens, forward and backward apart), logprobs (the LM head's log-probs and gradients by vocabulary
 # blocks against chunks of positions, 4k and 16k), tgmm (gmm's weight gradient against XLA's,
-# default and swept tiles), grpo, train (the main job with its defaults), tests (the GPU-marked
+# default and swept tiles), learner_cudnn (the learner at 4k and 16k with the Pallas kernel and
+# with cuDNN's packed attention, `model.attention=cudnn`), tests_cudnn (cuDNN's packed attention
+# against the oracle), grpo, train (the main job with its defaults), tests (the GPU-marked
 # kernel tests, in one process), tests_qk (those of qk_rope_write alone). Each part runs under its
 # own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line {"part", "rc",
 # "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings it finished, for a
@@ -119,6 +121,10 @@ for spec in "$@"; do
     logprobs) run_part logprobs "${limit:-150}" python3 launch/bench.py logprobs --json ;;
     attn_tune) JAX_PLATFORMS=cuda run_part attn_tune "${limit:-360}" python3 \
       benchmarks/flash_attention_tuning.py --json ;;
+    learner_cudnn) run_part learner_cudnn "${limit:-300}" python3 launch/bench.py learner --json \
+      --lengths 4096,16384 --attentions flash,cudnn ;;
+    tests_cudnn) JAX_PLATFORMS=cuda run_part tests_cudnn "${limit:-90}" python3 -m pytest -q -n 0 \
+      -m gpu -p no:cacheprovider tests/kernels/flash_attention_cudnn_test.py ;;
     learner_profile) run_part learner_profile "${limit:-300}" python3 launch/bench.py learner \
       --json --profile ;;
     grpo) run_part grpo "${limit:-200}" python3 launch/bench.py grpo_step --json \

@@ -508,7 +508,7 @@ def main() -> None:
   parser.add_argument("--remat-policies", default=None, help=remat_help)
   lengths_help = "learner on an accelerator: packed row lengths to run (4096, 16384)"
   parser.add_argument("--lengths", default=None, help=lengths_help)
-  attentions_help = "learner on an accelerator: attentions to run (flash, dense)"
+  attentions_help = "learner on an accelerator: attentions to run (flash, cudnn, dense)"
   parser.add_argument("--attentions", default=None, help=attentions_help)
   flash_blocks_help = (
     "kernel_code: flash attention tilings to compile too, BlockSizes fields, e.g. "

@@ -21,6 +21,12 @@ Implementations, on whatever backend runs this:
   libdevice's expf (`pallas_gpu.natural_exp`), as it did before it worked in base 2;
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, on a GPU where it works.
 
+And the same row packed with `PACKED_SEGMENTS` sequences of L / 4 tokens (segment ids, positions
+restarting at 0), as the learner packs its rows: `dense_packed4` (`dot_attention` with segment
+ids), `flash_reference_packed4`, `flash_pallas_gpu_packed4` and `cudnn_packed4`
+(`flash_attention(impl="cudnn")`: cuDNN's packed layout); their differences are taken against
+`dense_packed4`.
+
 Float32 on CPU (XLA:CPU has no fast bf16 matmuls), bfloat16 elsewhere, unless `dtype` says.
 """
 
@@ -40,6 +46,7 @@ from jaxrl.kernels.flash_attention import flash_attention
 from jaxrl.model.cache import dot_attention
 
 LENGTHS = (1024, 4096)
+PACKED_SEGMENTS = 4
 # Qwen3-0.6B attention.
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
@@ -74,7 +81,27 @@ def _implementations(platform: str) -> dict:
     impls["cudnn"] = lambda q, k, v, pos: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="cudnn"
     )
+
+  def packed(impl):
+    def attention(q, k, v, pos):
+      seg, pos = _packed_ids(pos)
+      if impl == "dense":
+        return dot_attention(q, k, v, pos, pos, seg, seg)
+      return flash_attention(q, k, v, q_segment_ids=seg, q_positions=pos, impl=impl)
+
+    return attention
+
+  packed_impls = ["dense", "reference"] + (["pallas_gpu", "cudnn"] if platform == "gpu" else [])
+  for impl in packed_impls:
+    name = impl if impl in ("dense", "cudnn") else f"flash_{impl}"
+    impls[f"{name}_packed{PACKED_SEGMENTS}"] = packed(impl)
   return impls
+
+
+def _packed_ids(pos_bt):
+  """(segment ids, positions) of rows of `PACKED_SEGMENTS` equal sequences."""
+  length = pos_bt.shape[1] // PACKED_SEGMENTS
+  return pos_bt // length, pos_bt % length
 
 
 def _tracing_context(name: str):
@@ -128,8 +155,9 @@ def bench_flash_attention(
     k, v = put((batch, length, kv_heads, head_dim)), put((batch, length, kv_heads, head_dim))
     cot = put((batch, length, heads, head_dim))
     pos = jax.device_put(np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)))
-    dense_out = None
+    dense_out = {}  # "" and "_packed4": the dense rows each variant is compared with
     for name, attn in impls.items():
+      variant = f"_packed{PACKED_SEGMENTS}" if name.endswith(f"_packed{PACKED_SEGMENTS}") else ""
       row = {}
       try:
         fwd = jax.jit(attn)
@@ -144,10 +172,10 @@ def bench_flash_attention(
         row["fwd_temp_MiB"] = _mib(fwd_compiled)
         row["fwd_bwd_temp_MiB"] = _mib(step_compiled)
         y = fwd_compiled(q, k, v, pos).astype(jnp.float32)
-        if name == "dense":
-          dense_out = y
+        if name == f"dense{variant}":
+          dense_out[variant] = y
         else:
-          row["max_abs_diff_vs_dense"] = float(jnp.max(jnp.abs(y - dense_out)))
+          row["max_abs_diff_vs_dense"] = float(jnp.max(jnp.abs(y - dense_out[variant])))
         row["fwd_bwd_ms"] = 1e3 * _best_seconds(
           functools.partial(step_compiled, q, k, v, pos, cot), repeats
         )

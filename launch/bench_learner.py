@@ -5,7 +5,8 @@ moment and gradient sums, remat, chunked log-probs: `configs/grpo_hf.py`'s learn
 Qwen3-0.6B shapes, random weights, on one device. Each micro-batch is one packed row of
 `length` positions (4k and 16k) holding one sequence that fills it (a 256-token prompt and its
 response: the reasoning-length case, where attention costs most); `rows` micro-batches per
-update. Attention `flash` (`jaxrl.kernels.flash_attention`) at both lengths, and `dense` at 16k
+update. Attention `flash` (`jaxrl.kernels.flash_attention`, the Pallas kernel) and `cudnn`
+(the same through cuDNN's fused attention, packed layout) at both lengths, and `dense` at 16k
 for its memory (`SETTINGS`).
 
 Each setting runs in a process of its own, so that its peak device memory
@@ -160,7 +161,10 @@ def _profile_update(learner, batch) -> dict:
   return out
 
 
-SETTINGS = ((4096, "flash"), (16384, "flash"), (16384, "dense"))  # (positions, attention)
+# (positions, attention)
+SETTINGS = (
+  (4096, "flash"), (4096, "cudnn"), (16384, "flash"), (16384, "cudnn"), (16384, "dense"),
+)  # fmt: skip
 
 
 def bench_learner(
@@ -198,7 +202,7 @@ def bench_learner(
       "profile": profile, "logprob_chunk": chunk, "remat_policy": policy,
     }  # fmt: skip
     name = f"{preset}/{length}/{attention}" + (f"/chunk{chunk}" if len(logprob_chunks) > 1 else "")
-    if policy != "full" and attention != "flash":
+    if policy != "full" and attention == "dense":
       continue  # the policies save flash attention's residuals: dense rows would repeat "full"
     name += f"/remat-{policy}" if len(remat_policies) > 1 else ""
     try:

@@ -102,18 +102,25 @@ def dot_attention(
   return out_btkge.reshape(b, t, h, e)
 
 
-def attend(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None, flash=False):
+# `ModelConfig.attention` -> `flash_attention`'s impl ("dense" is `dot_attention`).
+FLASH_IMPL = {"flash": "auto", "cudnn": "cudnn"}
+
+
+def attend(
+  q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None, attention: str = "dense"
+):
   """Writes this call's keys/values into `cache` (if any) and attends; returns (out, cache).
 
   `segment_ids_bt` (no cache only): packed rows, where a token attends to the earlier (or
   equal) positions of its own segment; `positions_bt` then restart at 0 in every segment.
-  `flash` (no cache only): `flash_attention` instead of `dot_attention`, the same rule."""
+  `attention` (`ModelConfig.attention`; no cache only): "dense" (`dot_attention`), or "flash"
+  or "cudnn", `flash_attention` through the kernel of the platform or cuDNN: the same rule."""
   if cache is None:
-    if flash:
+    if attention in FLASH_IMPL:
       out = flash_attention(
         q_bthe, k_btke, v_btke,
         q_segment_ids=segment_ids_bt, kv_segment_ids=segment_ids_bt,
-        q_positions=positions_bt, kv_positions=positions_bt,
+        q_positions=positions_bt, kv_positions=positions_bt, impl=FLASH_IMPL[attention],
       )  # fmt: skip
       return out, None
     out = dot_attention(
@@ -124,7 +131,7 @@ def attend(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None, fla
     if segment_ids_bt is None:
       raise ValueError("A PackedPrefillCache (packed prefill rows) needs segment_ids_bt.")
     return _attend_packed_prefill(
-      q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, flash
+      q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention
     )
   if segment_ids_bt is not None:
     raise ValueError(
@@ -147,7 +154,7 @@ def _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache: LayerCache):
   return out, LayerCache(keys, values)
 
 
-def _attend_packed_prefill(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, flash):
+def _attend_packed_prefill(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention):
   """Every sequence of a packed row starts at position 0 here: its keys are all in the row, so
   attention reads them from the row (cast to the cache's dtype first, as a chunked prefill
   reads them back from the pages) and the pages are only written."""
@@ -159,7 +166,7 @@ def _attend_packed_prefill(q_bthe, k_btke, v_btke, positions_bt, cache, segment_
   k_pages = write_pages(cache.k_pages_kpze, keys_btke, page_bt, slot_bt)
   v_pages = write_pages(cache.v_pages_kpze, values_btke, page_bt, slot_bt)
   new_cache = PackedPrefillCache(k_pages, v_pages, cache.token_pages_bt)
-  out, _ = attend(q_bthe, keys_btke, values_btke, positions_bt, None, segment_ids_bt, flash)
+  out, _ = attend(q_bthe, keys_btke, values_btke, positions_bt, None, segment_ids_bt, attention)
   return out, new_cache
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 DTYPES = ("float32", "bfloat16")
-ATTENTIONS = ("dense", "flash")
+ATTENTIONS = ("dense", "flash", "cudnn")
 ROPE_SCALINGS = ("", "llama3")
 # What a rematerialised block keeps for the backward pass (`ModelConfig.remat_policy`).
 REMAT_POLICIES = ("full", "save_attention", "save_dots")
@@ -51,7 +51,8 @@ class ModelConfig:
       (training memory grows with one block, not with depth, for one more forward pass).
     remat_policy: with `remat`, what each block keeps for the backward pass besides its input:
       "full" nothing (the whole block's forward runs again); "save_attention" flash
-      attention's output and log-sum-exp (`t * h * e` values and `h * t` floats a layer), so
+      attention's output and log-sum-exp (`t * h * e` values and `h * t` floats a layer;
+      cuDNN's statistics are `max_segments` times as many floats with packed rows), so
       the backward does not run the attention forward again, the costliest part of long rows
       (with `attention="dense"` nothing is saved: its backward needs the `[t, t]`
       probabilities, which are recomputed); "save_dots" that and every projection's output
@@ -60,9 +61,11 @@ class ModelConfig:
     attention: the attention of forward passes without a KV cache (training, log-probs):
       "dense" materialises `[t, t]` scores per head; "flash" runs
       `jaxrl.kernels.flash_attention` (blockwise, memory linear in t; the Pallas kernel on a
-      GPU or TPU, the jnp reference on CPU), same result to rounding. Cached passes (rollout)
-      are unaffected. (An experiment config may say "auto": flash on Hopper GPUs, dense elsewhere;
-      `jaxrl.config.auto_settings`.)
+      GPU or TPU, the jnp reference on CPU), same result to rounding; "cudnn" runs it through
+      cuDNN's fused attention (`impl="cudnn"`: an NVIDIA GPU, bf16, Hopper or later for
+      packed rows; a batch whose packed rows cuDNN cannot take runs the Pallas kernel).
+      Cached passes (rollout) are unaffected. (An experiment config may say "auto": flash on
+      Hopper GPUs, dense elsewhere; `jaxrl.config.auto_settings`.)
   """
 
   vocab_size: int = 64
@@ -152,6 +155,11 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")
+    if self.attention == "cudnn" and self.dtype != "bfloat16":
+      raise ValueError(
+        f"model.attention='cudnn' computes in bfloat16 (cuDNN's fused attention), got "
+        f"model.dtype={self.dtype!r}: set model.dtype=bfloat16, or model.attention=flash."
+      )
 
   def _check_llama3_scaling(self):
     if self.rope_factor < 1:

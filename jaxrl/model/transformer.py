@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl.kernels.flash_attention import FLASH_RESIDUAL_NAMES
+from jaxrl.kernels.flash_attention import save_attention_policy
 from jaxrl.kernels.qk_rope_write import apply_rope, rms_norm
 from jaxrl.model.cache import PagedLayerCache, attend, attend_paged_decode
 from jaxrl.model.config import ModelConfig
@@ -23,14 +23,14 @@ from jaxrl.model.moe import MoEInputs, MoEMLP, param
 
 
 def remat_policy(name: str):
-  """The `jax.checkpoint` policy of `ModelConfig.remat_policy` (None: save nothing)."""
-  save_attention = jax.checkpoint_policies.save_only_these_names(*FLASH_RESIDUAL_NAMES)
+  """The `jax.checkpoint` policy of `ModelConfig.remat_policy` (None: save nothing).
+  "save_attention" keeps flash attention's (or cuDNN's) output and softmax statistics."""
   if name == "save_attention":
-    return save_attention
+    return save_attention_policy
   if name == "save_dots":
     # Projections are dots without batch dimensions; attention's einsums have (b, h) ones.
     return jax.checkpoint_policies.save_from_both_policies(
-      jax.checkpoint_policies.dots_with_no_batch_dims_saveable, save_attention
+      jax.checkpoint_policies.dots_with_no_batch_dims_saveable, save_attention_policy
     )
   return None
 
@@ -115,8 +115,9 @@ class Attention(nnx.Module):
       if cfg.qk_norm:
         q, k = self.q_norm(q), self.k_norm(k)
       q, k = apply_rope(q, cos_btf, sin_btf), apply_rope(k, cos_btf, sin_btf)
-      flash = cfg.attention == "flash"
-      out_bthe, cache = attend(q, k, v, positions_bt, cache, segment_ids_bt, flash=flash)
+      out_bthe, cache = attend(
+        q, k, v, positions_bt, cache, segment_ids_bt, attention=cfg.attention
+      )
     return jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt)), cache
 
 

@@ -1,8 +1,21 @@
 """Causal grouped-query attention for training and prefill, with segment ids for packed rows
 and positions for chunks after cached keys: blockwise jnp reference, Pallas TPU and GPU
-kernels, forward and backward."""
+kernels, forward and backward; and cuDNN's fused attention behind the same rule."""
 
 from jaxrl.kernels.common import IMPLS
-from jaxrl.kernels.flash_attention.api import FLASH_RESIDUAL_NAMES, BlockSizes, flash_attention
+from jaxrl.kernels.flash_attention.api import (
+  FLASH_IMPLS,
+  FLASH_RESIDUAL_NAMES,
+  BlockSizes,
+  flash_attention,
+  save_attention_policy,
+)
 
-__all__ = ["FLASH_RESIDUAL_NAMES", "IMPLS", "BlockSizes", "flash_attention"]
+__all__ = [
+  "FLASH_IMPLS",
+  "FLASH_RESIDUAL_NAMES",
+  "IMPLS",
+  "BlockSizes",
+  "flash_attention",
+  "save_attention_policy",
+]

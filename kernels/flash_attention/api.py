@@ -14,11 +14,24 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.kernels.common import IMPLS, check_block_fields, resolve_impl
-from jaxrl.kernels.flash_attention import reference
+from jaxrl.kernels.flash_attention import cudnn, reference
 
 # The `checkpoint_name`s of what the backward pass needs from the forward: the output and the
 # log-sum-exp residual.
 FLASH_RESIDUAL_NAMES = ("flash_attention_out", "flash_attention_lse")
+# The kernels' impls, and cuDNN's fused attention (`cudnn.py`; GPU only, never chosen by "auto").
+FLASH_IMPLS = (*IMPLS, "cudnn")
+_SAVE_NAMED = jax.checkpoint_policies.save_only_these_names(*FLASH_RESIDUAL_NAMES)
+
+
+def save_attention_policy(prim, *avals, **params) -> bool:
+  """A `jax.checkpoint` policy that keeps what attention's backward pass needs from its
+  forward: the Pallas kernels' and the reference's output and log-sum-exp (by
+  `FLASH_RESIDUAL_NAMES`), and cuDNN's forward outputs (by primitive, since jax names nothing
+  inside its cuDNN custom_vjp: `cudnn.CUDNN_FORWARD_PRIMITIVES`)."""
+  if prim.name in cudnn.CUDNN_FORWARD_PRIMITIVES:
+    return True
+  return _SAVE_NAMED(prim, *avals, **params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +56,9 @@ class BlockSizes:
       so that dq and dk/dv can be tiled apart: the dk/dv kernel keeps `block_q_bwd` x
       `block_kv_bwd`.
     block_kv_dq: GPU only: key tokens per block of the dq kernel (default: `block_kv_bwd`).
+    max_segments: `impl="cudnn"` only: segments a row may hold in cuDNN's packed layout
+      (default 16, at least 2); a batch with a row of more runs the Pallas GPU kernel. cuDNN
+      keeps `max_segments` float32 softmax statistics per query and head for the backward.
   """
 
   block_q: int | None = None
@@ -55,6 +71,7 @@ class BlockSizes:
   num_stages_bwd: int | None = None
   block_q_dq: int | None = None
   block_kv_dq: int | None = None
+  max_segments: int | None = None
 
   def __post_init__(self):
     check_block_fields(self)
@@ -210,6 +227,20 @@ def _run(q, k, v, ids, *, cfg):
   return _flash(q, k, v, meta, cfg)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "max_segments"))
+def _run_cudnn(q, k, v, ids, *, cfg, max_segments):
+  """cuDNN where the batch's layout allows, else the kernel of `cfg` (`cudnn.attention`)."""
+  _, causal, sm_scale, _, _ = cfg
+  b, t = q.shape[:2]
+
+  def fallback(q, k, v):
+    return _flash(q, k, v, _metadata(b, t, k.shape[1], *ids), cfg)
+
+  return cudnn.attention(
+    q, k, v, ids, causal=causal, sm_scale=sm_scale, max_segments=max_segments, fallback=fallback
+  )
+
+
 def flash_attention(
   q: jax.Array,
   k: jax.Array,
@@ -255,10 +286,14 @@ def flash_attention(
     sm_scale: logit multiplier (> 0), default `head_dim ** -0.5`.
     impl: `"auto"` (`pallas_tpu` on TPU, `pallas_gpu` on GPU, `reference` elsewhere, from the
       platform of q's devices, or of the default backend while tracing), `"reference"` (jnp,
-      blockwise), `"pallas_tpu"` or `"pallas_gpu"`.
+      blockwise), `"pallas_tpu"`, `"pallas_gpu"`, or `"cudnn"`: cuDNN's fused attention
+      through jax (bf16/fp16, q_len == kv_len, an NVIDIA GPU; packed rows on Hopper or later
+      in cuDNN's packed layout), with the `pallas_gpu` kernel for a batch whose rows are not
+      laid out as that layout needs (`jaxrl.kernels.flash_attention.cudnn`).
     block_sizes: tiling, None for defaults derived from the shapes.
     interpret: run the Pallas kernel in interpret mode (on CPU). True, or for `pallas_tpu` a
-      `pltpu.InterpretParams`; it needs a kernel `impl`, since the reference has no kernel.
+      `pltpu.InterpretParams`; it needs a kernel `impl`, since the reference has no kernel
+      (with `"cudnn"`: the fallback kernel's).
 
   Returns:
     `[batch, q_len, num_q_heads, head_dim]` in q's dtype.
@@ -268,14 +303,25 @@ def flash_attention(
       q_len != kv_len, `interpret` without a kernel, block sizes the chosen implementation
       cannot use, or `sm_scale` <= 0.
   """
-  if impl not in IMPLS:
-    raise ValueError(f"Unknown flash_attention impl {impl!r}; expected one of {IMPLS}.")
+  if impl not in FLASH_IMPLS:
+    raise ValueError(f"Unknown flash_attention impl {impl!r}; expected one of {FLASH_IMPLS}.")
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes)}.")
   if not isinstance(causal, bool):
     raise ValueError(f"causal must be a bool, got {causal!r}.")
   _check_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal)
-  impl = resolve_impl("flash_attention", impl, interpret, q)
+  max_segments = block_sizes.max_segments if block_sizes is not None else None
+  if impl == "cudnn":
+    max_segments = max_segments or cudnn.DEFAULT_MAX_SEGMENTS
+    cudnn.check_inputs(q, k, max_segments=max_segments)
+    if block_sizes is not None:  # the fallback kernel's tiling
+      block_sizes = dataclasses.replace(block_sizes, max_segments=None)
+  else:
+    if max_segments is not None:
+      raise ValueError(
+        f"BlockSizes.max_segments={max_segments} applies to impl='cudnn' only, got impl={impl!r}."
+      )
+    impl = resolve_impl("flash_attention", impl, interpret, q)
   b, t, h, e = q.shape
   s = k.shape[1]
   if sm_scale is None:
@@ -287,5 +333,8 @@ def flash_attention(
   if min(b, t, h, e) == 0 or s == 0:
     return jnp.zeros(q.shape, q.dtype)  # nothing to attend to: every query sees no key
   ids = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+  if impl == "cudnn":
+    cfg = ("pallas_gpu", causal, float(sm_scale), block_sizes, interpret)
+    return _run_cudnn(q, k, v, ids, cfg=cfg, max_segments=max_segments)
   cfg = (impl, causal, float(sm_scale), block_sizes, interpret)
   return _run(q, k, v, ids, cfg=cfg)

@@ -98,6 +98,7 @@ def test_qwen3_preset_shapes():
     (dict(head_dim=31), "even"),
     (dict(num_experts=4, experts_per_token=5, moe_mlp_dim=8), "experts_per_token"),
     (dict(dtype="float16"), "model.dtype"),
+    (dict(attention="cudnn"), "model.attention='cudnn' computes in bfloat16"),
   ],
 )
 def test_config_errors(bad, match):
@@ -178,3 +179,39 @@ def test_flash_attention_gives_the_dense_logits_and_gradients(packed):
     tolerance.assert_close(g, w, n=terms * 8, scale=scale)
   with pytest.raises(ValueError, match="model.attention"):
     ModelConfig(attention="paged")
+
+
+def test_cudnn_attention_runs_in_every_layer_without_a_cache(monkeypatch):
+  """`model.attention="cudnn"` sends each layer's attention without a cache to cuDNN (traced,
+  not run: jax's cuDNN version and GPU checks stubbed; on a GPU `tests/kernels/
+  flash_attention_cudnn_test.py` runs it), packed rows included; decoding with a cache does not
+  use it."""
+  from jaxrl.kernels.flash_attention import cudnn
+
+  jax.clear_caches()
+  monkeypatch.setattr(cudnn._cudnn, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(cudnn._cudnn, "check_compute_capability", lambda capability: True)
+  monkeypatch.setattr(cudnn._cudnn, "is_cuda_compute_capability_equal", lambda c: False)
+  cfg = dataclasses.replace(VARIANTS["tiny"], dtype="bfloat16", attention="cudnn")
+  model = Model(cfg)
+  params = model.init(0)
+  tokens = jnp.zeros((2, 16), jnp.int32)
+  positions = jnp.asarray(np.tile(np.r_[np.arange(10), np.arange(6)], (2, 1)), jnp.int32)
+  segments = jnp.asarray(np.tile(np.r_[np.zeros(10), np.ones(6)], (2, 1)), jnp.int32)
+
+  def cudnn_calls(fn, *args):
+    def count(jaxpr):
+      return sum(
+        (eqn.primitive.name in cudnn.CUDNN_FORWARD_PRIMITIVES)
+        + sum(count(sub) for sub in jax.core.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+      )
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+  packed = lambda p: model.apply(p, tokens, positions, segment_ids_bt=segments)[0]  # noqa: E731
+  assert cudnn_calls(packed, params) == cfg.num_layers
+  assert cudnn_calls(lambda p: model.apply(p, tokens)[0], params) == cfg.num_layers
+  cache = model.init_cache(2, 32)
+  assert cudnn_calls(lambda p: model.apply(p, tokens, None, cache)[0], params) == 0
+  jax.clear_caches()
