@@ -13,6 +13,7 @@ import pytest
 from helpers import cudnn_emulator
 
 from jaxrl.kernels.flash_attention import BlockSizes, cudnn, flash_attention, save_attention_policy
+from jaxrl.kernels.flash_attention import api as flash_api
 
 from .flash_attention_test import (  # noqa: TID252
   _assert_matches,
@@ -109,15 +110,16 @@ def test_packed_layout_serves_only_what_cudnn_computes_alike(case, servable):
 @pytest.fixture
 def stand_in(monkeypatch):
   """`stand_in(fn)` puts `fn` where jax's cuDNN attention is, and admits float32 (the stand-ins
-  compute in float32). jax's trace caches do not know of the swap: they are cleared around it."""
+  compute in float32). `_run_cudnn`'s trace cache does not know of the swap: it is cleared
+  around it (only it, so that other tests' compilations stay cached)."""
 
   def swap(fn):
-    jax.clear_caches()
+    flash_api._run_cudnn.clear_cache()
     monkeypatch.setattr(cudnn._cudnn, "dot_product_attention", fn)
     monkeypatch.setattr(cudnn, "_DTYPES", (*cudnn._DTYPES, "float32"))
 
   yield swap
-  jax.clear_caches()
+  flash_api._run_cudnn.clear_cache()
 
 
 def _sorted_packed(b: int, t: int):
@@ -216,7 +218,7 @@ def test_save_attention_policy_keeps_the_cudnn_forward(monkeypatch, policy, reco
   """jax's cuDNN attention traced (not run: its version and GPU checks stubbed) inside a
   rematerialised block: without a policy the backward runs its forward again, under
   `save_attention_policy` it keeps the forward's outputs."""
-  jax.clear_caches()  # traces of other tests' stand-ins
+  flash_api._run_cudnn.clear_cache()  # traces of other tests' stand-ins
   monkeypatch.setattr(cudnn._cudnn, "check_cudnn_version", lambda: 91000)
   monkeypatch.setattr(cudnn._cudnn, "check_compute_capability", lambda capability: True)
   monkeypatch.setattr(cudnn._cudnn, "is_cuda_compute_capability_equal", lambda c: False)
