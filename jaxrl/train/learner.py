@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
 from jaxrl.model import ExpertParallel, LMHead, Model, MoEInputs, Params
 from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
@@ -361,7 +362,11 @@ class Learner:
         "least %d to keep one shape.",
         longest, self.pack_length, length, longest,
       )  # fmt: skip
-    layout = pack_layout(batch.mask_bt, length, self.micro_batch_size)
+    # cuDNN's packed attention holds a fixed number of sequences a row; a row with more would
+    # run the Pallas kernel instead (`jaxrl.kernels.flash_attention.cudnn`).
+    cudnn = self.model.config.attention == "cudnn"
+    max_segments = CUDNN_MAX_SEGMENTS if cudnn else None
+    layout = pack_layout(batch.mask_bt, length, self.micro_batch_size, max_segments)
     packed = pack_batch(
       layout,
       batch.tokens_bt,

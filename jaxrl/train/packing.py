@@ -90,13 +90,18 @@ def sequence_lengths(mask_nt: np.ndarray) -> np.ndarray:
   return np.where(mask_nt.any(axis=1), last_n, 0)
 
 
-def first_fit_decreasing(lengths_n: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+def first_fit_decreasing(
+  lengths_n: np.ndarray, capacity: int, max_per_row: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
   """Places sequences of these lengths in rows of `capacity` positions: longest first, each in
-  the first row with room. Returns (row, offset) of each sequence; row -1 for length 0.
+  the first row with room (and, with `max_per_row`, fewer than that many sequences). Returns
+  (row, offset) of each sequence; row -1 for length 0.
 
   Raises:
-    ValueError: a sequence is longer than `capacity`.
+    ValueError: a sequence is longer than `capacity`, or `max_per_row` < 1.
   """
+  if max_per_row is not None and max_per_row < 1:
+    raise ValueError(f"max_per_row must be >= 1 or None, got {max_per_row}.")
   lengths_n = np.asarray(lengths_n, np.int64)
   if lengths_n.size and lengths_n.max() > capacity:
     raise ValueError(
@@ -106,16 +111,19 @@ def first_fit_decreasing(lengths_n: np.ndarray, capacity: int) -> tuple[np.ndarr
   row_n = np.full(lengths_n.shape, -1, np.int64)
   offset_n = np.zeros(lengths_n.shape, np.int64)
   used_r = np.zeros(lengths_n.shape, np.int64)  # never more rows than sequences
+  count_r = np.zeros(lengths_n.shape, np.int64)
+  room = np.iinfo(np.int64).max if max_per_row is None else max_per_row
   rows = 0
   for i in np.argsort(-lengths_n, kind="stable"):
     length = lengths_n[i]
     if length == 0:
       break  # the rest are empty too
-    fits = np.flatnonzero(used_r[:rows] + length <= capacity)
+    fits = np.flatnonzero((used_r[:rows] + length <= capacity) & (count_r[:rows] < room))
     r = int(fits[0]) if fits.size else rows
     rows = max(rows, r + 1)
     row_n[i], offset_n[i] = r, used_r[r]
     used_r[r] += length
+    count_r[r] += 1
   return row_n, offset_n
 
 
@@ -170,10 +178,14 @@ class PackLayout:
     return out.reshape(self.padded_shape)
 
 
-def pack_layout(mask_nt: np.ndarray, pack_length: int, rows: int) -> PackLayout:
+def pack_layout(
+  mask_nt: np.ndarray, pack_length: int, rows: int, max_segments: int | None = None
+) -> PackLayout:
   """The layout of a padded batch, given its target mask `[n, t]`, in micro-batches of `rows`
   rows of `pack_length` positions (first-fit decreasing; the last micro-batch is filled up with
-  empty rows). Its sequences end at their last trained target (`sequence_lengths`).
+  empty rows), at most `max_segments` sequences a row if given (cuDNN's packed attention has
+  that many slots a row: `jaxrl.kernels.flash_attention.cudnn`). Its sequences end at their
+  last trained target (`sequence_lengths`).
 
   Raises:
     ValueError: a sequence needs more than `pack_length` positions, or a size is < 1.
@@ -182,7 +194,7 @@ def pack_layout(mask_nt: np.ndarray, pack_length: int, rows: int) -> PackLayout:
     raise ValueError(f"pack_length and rows must be >= 1, got {pack_length} and {rows}.")
   n, t = np.shape(mask_nt)
   lengths_n = sequence_lengths(mask_nt)
-  row_n, offset_n = first_fit_decreasing(lengths_n, pack_length)
+  row_n, offset_n = first_fit_decreasing(lengths_n, pack_length, max_segments)
   num_rows = int(row_n.max(initial=-1)) + 1
   m = -(-num_rows // rows)
   kept = np.flatnonzero(lengths_n)

@@ -10,8 +10,10 @@ from jaxrl.kernels.flash_attention.api import (
   flash_attention,
   save_attention_policy,
 )
+from jaxrl.kernels.flash_attention.cudnn import DEFAULT_MAX_SEGMENTS as CUDNN_MAX_SEGMENTS
 
 __all__ = [
+  "CUDNN_MAX_SEGMENTS",
   "FLASH_IMPLS",
   "FLASH_RESIDUAL_NAMES",
   "IMPLS",

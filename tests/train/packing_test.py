@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import tolerance
 
+from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS, cudnn
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import pad_sequences
 from jaxrl.sharding import TRAIN_RULES, make_mesh
@@ -68,6 +69,47 @@ def test_first_fit_decreasing_fills_rows_without_overlap():
   assert rows <= 11 / 9 * np.ceil(lengths.sum() / capacity) + 1
   with pytest.raises(ValueError, match="train.pack_length"):
     first_fit_decreasing(np.array([3, 33]), capacity)
+
+
+def test_rows_hold_at_most_max_segments_and_cudnn_takes_every_one():
+  """With `max_segments` (the learner's, under `model.attention="cudnn"`) no row holds more
+  sequences than cuDNN's packed layout has slots, so cuDNN, not the Pallas fallback, runs every
+  micro-batch; without it, short sequences crowd rows past that."""
+  rng = np.random.default_rng()
+  lengths = rng.integers(1, 9, 300)
+  row, _ = first_fit_decreasing(lengths, 128, max_per_row=5)
+  assert np.bincount(row).max() == 5
+  assert np.bincount(first_fit_decreasing(lengths, 128)[0]).max() > 5
+  with pytest.raises(ValueError, match="max_per_row"):
+    first_fit_decreasing(lengths, 128, max_per_row=0)
+  batch = random_padded(rng, size=40, response=(1, 4))
+  layout = pack_layout(batch.mask_bt, 256, rows=2, max_segments=CUDNN_MAX_SEGMENTS)
+  seg = layout.segment_ids_mbp.reshape(-1, 256)
+  pos = layout.positions_mbp.reshape(-1, 256)
+  assert seg.max() + 1 == CUDNN_MAX_SEGMENTS  # the cap binds here
+  cudnn_layout = cudnn.packed_layout(
+    jnp.asarray(seg), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(pos),
+    max_segments=CUDNN_MAX_SEGMENTS, causal=True,
+  )  # fmt: skip
+  assert bool(cudnn_layout.servable)
+  crowded = pack_layout(batch.mask_bt, 256, rows=2).segment_ids_mbp
+  assert crowded.max() + 1 > CUDNN_MAX_SEGMENTS
+
+
+def test_a_cudnn_learner_packs_at_most_cudnn_max_segments_a_row():
+  """The learner of a `model.attention="cudnn"` model caps its rows' sequences (host side
+  only: nothing here runs cuDNN); another learner does not."""
+  rng = np.random.default_rng()
+  batch = random_padded(rng, size=40, response=(1, 4))
+  behaviour = batch.old_logp_bt
+  cfg = get_preset("tiny", max_seq_len=40, dtype="bfloat16", attention="cudnn")
+  segments = {}
+  for attention in ("cudnn", "flash"):
+    model = Model(dataclasses.replace(cfg, attention=attention))
+    learner = make_learner(model, 256, LossConfig(), abstract=True)
+    _, packed = learner._pack(batch, behaviour)
+    segments[attention] = int(packed.segment_ids_bt.max()) + 1
+  assert segments["cudnn"] == CUDNN_MAX_SEGMENTS < segments["flash"]
 
 
 def test_layout_restarts_positions_per_segment_and_round_trips():
