@@ -71,6 +71,26 @@ def test_packed_layout_gives_each_segments_first_token_and_length():
   np.testing.assert_array_equal(layout.in_segment_bt, seg >= 0)
 
 
+def test_jax_turns_the_layout_into_each_segments_span_of_the_batch():
+  """jax's private wrapper rewrites the per-row layout into cuDNN's (lengths of the batch's
+  segments in order; offsets into the flattened `[b * t, heads * e]` tokens, then the end):
+  run on the layout, that gives every segment's global span, and nothing for padding or for a
+  row of padding only."""
+  t, heads, e = 20, 2, 8
+  seg, pos = _batch(t, [([(0, 5), (5, 12), (14, 20)],), ([(2, 9)],), ([],)])
+  layout = _layout(seg, pos, max_segments=4)
+  q = jnp.zeros((3, t, heads, e), jnp.bfloat16)
+  lengths, _, offsets, _ = cudnn._cudnn._fix_seqlen_offsets(
+    layout.seqlen_bm, layout.seqlen_bm, layout.offsets_bm, layout.offsets_bm, q, q
+  )
+  lengths, offsets = np.ravel(lengths), np.ravel(offsets)
+  spans = [(0, 5), (5, 12), (14, 20), (t + 2, t + 9)]  # tokens of the flattened batch
+  np.testing.assert_array_equal(lengths[:4], [end - first for first, end in spans])
+  np.testing.assert_array_equal(lengths[4:], 0)
+  np.testing.assert_array_equal(offsets[:4], [first * heads * e for first, _ in spans])
+  np.testing.assert_array_equal(offsets[4:], 3 * t * heads * e)
+
+
 @pytest.mark.parametrize(
   "case, servable",
   [
