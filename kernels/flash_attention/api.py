@@ -232,13 +232,15 @@ def _run_cudnn(q, k, v, ids, *, cfg, max_segments):
   """cuDNN where the batch's layout allows, else the kernel of `cfg` (`cudnn.attention`)."""
   _, causal, sm_scale, _, _ = cfg
   b, t = q.shape[:2]
-
-  def fallback(q, k, v):
-    return _flash(q, k, v, _metadata(b, t, k.shape[1], *ids), cfg)
-
+  meta = _metadata(b, t, k.shape[1], *ids)
+  q_seg, kv_seg, q_pos, kv_pos = ids
   return cudnn.attention(
-    q, k, v, ids, causal=causal, sm_scale=sm_scale, max_segments=max_segments, fallback=fallback
-  )
+    q, k, v, meta,
+    segments=q_seg is not None or kv_seg is not None,
+    positions=q_pos is not None or kv_pos is not None,
+    causal=causal, sm_scale=sm_scale, max_segments=max_segments,
+    fallback=lambda q, k, v: _flash(q, k, v, meta, cfg),
+  )  # fmt: skip
 
 
 def flash_attention(

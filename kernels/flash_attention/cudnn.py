@@ -14,9 +14,11 @@ visibility rule when a batch is laid out as `jaxrl.train.packing` lays it out:
 - queries and keys have the same ids and positions (self-attention, q_len == kv_len);
 - a row holds at most M runs (`BlockSizes.max_segments`).
 `packed_layout` checks these on the device and builds the offsets; a batch that fails any of
-them runs the fallback (the Pallas GPU kernel) instead, through one `lax.cond` (no host sync),
-so the result always follows this package's rule. Rows without segment ids are one sequence
-each: cuDNN's plain causal mask, positions (if given) checked to increase along the row.
+them runs the fallback (the Pallas GPU kernel) instead, through one `lax.cond`, so the result
+always follows this package's rule. (XLA's GPU runtime picks a conditional's branch on the
+host: each call waits for the device once; docs/BENCHMARKS.md.) Rows without segment ids are
+one sequence each: cuDNN's plain causal mask, positions (if given) checked to increase along
+the row.
 
 Padding: cuDNN neither reads nor writes the tokens outside the segments, so their outputs and
 gradients are whatever the buffers held. They are selected away: q, k and v are zeroed there
@@ -178,33 +180,28 @@ def attention(
   q_bthe: jax.Array,
   k_bske: jax.Array,
   v_bske: jax.Array,
-  ids: tuple,
+  meta,
   *,
+  segments: bool,
+  positions: bool,
   causal: bool,
   sm_scale: float,
   max_segments: int,
   fallback: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
 ) -> jax.Array:
   """`flash_attention`'s rule through cuDNN where the batch's layout allows (module
-  docstring), else `fallback(q, k, v)`; `ids` = (q segment ids, kv segment ids, q positions,
-  kv positions) as given (None: not given). Differentiable."""
+  docstring), else `fallback(q, k, v)`. `meta`: the segment ids and positions with their
+  defaults filled in (`reference.Metadata`); `segments` / `positions`: whether the caller gave
+  any (without segment ids a row is one sequence: cuDNN's plain mask). Differentiable."""
   check_inputs(q_bthe, k_bske, max_segments=max_segments)
-  q_seg, kv_seg, q_pos, kv_pos = ids
-  b, t = q_bthe.shape[:2]
-  if q_seg is None and kv_seg is None:
+  q_seg, kv_seg, q_pos, kv_pos = meta
+  if not segments:
     plain = _cudnn.MaskType.CAUSAL if causal else _cudnn.MaskType.NO_MASK
     run = functools.partial(_call, sm_scale=sm_scale, mask_type=plain, layout=None)
-    if not causal or (q_pos is None and kv_pos is None):
+    if not (causal and positions):
       return run(q_bthe, k_bske, v_bske)
-    q_pos = q_pos if q_pos is not None else kv_pos
-    kv_pos = kv_pos if kv_pos is not None else q_pos
     servable = jnp.all(_increases(q_pos)) & jnp.all(kv_pos == q_pos)
     return jax.lax.cond(servable, run, fallback, q_bthe, k_bske, v_bske)
-  q_seg = q_seg if q_seg is not None else kv_seg
-  kv_seg = kv_seg if kv_seg is not None else q_seg
-  arange_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  q_pos = q_pos if q_pos is not None else (kv_pos if kv_pos is not None else arange_bt)
-  kv_pos = kv_pos if kv_pos is not None else q_pos
   layout = packed_layout(q_seg, kv_seg, q_pos, kv_pos, max_segments=max_segments, causal=causal)
   packed = functools.partial(_packed, causal=causal, sm_scale=sm_scale)
   return jax.lax.cond(

@@ -190,6 +190,26 @@ def test_matches_the_oracle_through_emulated_cudnn(stand_in, case):
   _assert_matches(got, oracle[0], oracle, jnp.float32, exact=True)
 
 
+@pytest.mark.parametrize("given", ["kv ids", "kv positions", "q ids and kv positions"])
+def test_ids_given_on_one_side_take_the_packages_defaults(stand_in, given):
+  """Ids or positions given for one side only: the other side takes `flash_attention`'s
+  defaults (query ids 0, query positions `arange`), as the reference does, not the given side's."""
+  stand_in(cudnn_emulator.dot_product_attention)
+  b, t = 2, 40
+  qkv, _, _ = _make_inputs(
+    _rng("one side", given), b=b, t=t, s=t, h=4, k=2, e=16, dtype=jnp.float32, layout="packed"
+  )
+  seg, pos = _sorted_packed(b, t)[::2]
+  kwargs = {
+    "kv ids": {"kv_segment_ids": seg},
+    "kv positions": {"kv_positions": pos},
+    "q ids and kv positions": {"q_segment_ids": seg, "kv_positions": pos},
+  }[given]
+  got = flash_attention(*qkv, impl="cudnn", interpret=True, **kwargs)
+  want = flash_attention(*qkv, impl="reference", **kwargs)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_cudnn_runs_exactly_where_it_serves(stand_in, case):
   """A stand-in for cuDNN that returns 7 everywhere shows which branch ran: 7 at every token
