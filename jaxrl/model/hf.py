@@ -247,8 +247,14 @@ def _tensor_index(root: str) -> tuple[dict[str, TensorInfo], str]:
     weight_map = _read_json(root, INDEX_FILE).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
       raise CheckpointError(f"{index_path}: has no weight_map naming the tensors' shards.")
+    files = list(dict.fromkeys(weight_map.values()))
+    if os.path.exists(single) and not all(os.path.exists(os.path.join(root, f)) for f in files):
+      # A stale index: transformers' re-save of a sharded checkpoint as one file deletes the
+      # shards but not the index, and transformers then reads the one file. (With every shard
+      # present the index wins: a re-save the other way round leaves an old single file.)
+      return read_header(single), single
     tensors: dict[str, TensorInfo] = {}
-    for file in dict.fromkeys(weight_map.values()):
+    for file in files:
       shard = os.path.join(root, file)
       if not os.path.exists(shard):
         first = next(name for name, f in weight_map.items() if f == file)

@@ -524,6 +524,34 @@ def test_missing_shard(tmp_path):
     load_pretrained(path)
 
 
+def test_stale_index_beside_one_file(tmp_path):
+  # transformers saving a sharded checkpoint again as one file removes the shards but keeps
+  # the index; it loads the one file, and so must jaxrl.
+  path = tmp_path / "resaved"
+  hf_model = hc.make_model("qwen3")
+  hf_model.save_pretrained(path, max_shard_size="40KB")
+  hf_model.save_pretrained(path)
+  files = os.listdir(path)
+  assert "model.safetensors.index.json" in files and "model.safetensors" in files
+  tokens = _tokens(np.random.default_rng())
+  want = hc.logits(hc.load_model(path), tokens)
+  model, params = load_pretrained(path, dtype="float32")
+  assert _rel_err(_logits(model, params, tokens), want) < 1e-4
+
+
+def test_complete_shards_win_over_an_old_single_file(tmp_path):
+  # The other way round: one file, then shards of other weights. Every shard is there, so the
+  # index (the newer save) is read.
+  path = tmp_path / "resaved"
+  hc.make_model("qwen3").save_pretrained(path)
+  newer = hc.make_model("qwen3", seed=1)
+  newer.save_pretrained(path, max_shard_size="40KB")
+  tokens = _tokens(np.random.default_rng())
+  want = hc.logits(newer, tokens)
+  model, params = load_pretrained(path, dtype="float32")
+  assert _rel_err(_logits(model, params, tokens), want) < 1e-4
+
+
 def test_pytorch_pickles_are_refused_unread(checkpoints, tmp_path):
   path = tmp_path / "pickles"
   path.mkdir()
