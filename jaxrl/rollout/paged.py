@@ -36,12 +36,7 @@ import jax
 import numpy as np
 
 from jaxrl.model import Model, Params
-from jaxrl.rollout.decode_loop import (
-  DeviceBatch,
-  RowStart,
-  WindowOutput,
-  dead_rows,
-)
+from jaxrl.rollout.decode_loop import DeviceBatch, RowStart, WindowOutput, dead_rows
 from jaxrl.rollout.engine import Completion, bucket, place_params
 from jaxrl.rollout.kv_park import KVPark
 from jaxrl.rollout.paged_calls import PagedCalls
@@ -253,7 +248,7 @@ class PagedEngine:
     rid, limit = record.request_id, self.model.config.max_seq_len
     if record.finish_reason is not None:
       raise ValueError(f"Request {rid} is already finished ({record.finish_reason}).")
-    if rid in self.running or any(r.request_id == rid for r in self.waiting):
+    if rid in self.running or any(r.request_id == rid for r in [*self.waiting, *self._finished]):
       raise ValueError(f"Request id {rid} is already in this engine.")
     check_request(record, limit, self.cfg.page_size, self.cfg.num_pages)
 
@@ -289,23 +284,23 @@ class PagedEngine:
     tokens of the window in flight (this waits for it). A request that finished in that window
     comes back finished (`finish_reason` set): call `drain` first to collect those apart."""
     self._read_back()
+    held = [*self.running, *(r.request_id for r in [*self._finished, *self.waiting])]
+    unknown = [rid for rid in request_ids if rid not in held]
+    if unknown or len(set(request_ids)) != len(request_ids):  # checked before removing any
+      raise KeyError(
+        f"Requests {unknown or list(request_ids)} are not each once running, waiting or "
+        "finished unreturned in this engine; nothing was aborted."
+      )
     out = []
     for rid in request_ids:
       if rid in self.running:
-        state = self.running[rid]
-        self._remove(state)
-        out.append(state.record)
+        out.append(self.running[rid].record)
+        self._remove(self.running[rid])
         continue
-      done = [r for r in self._finished if r.request_id == rid]
-      if done:
-        self._finished.remove(done[0])
-        out.append(done[0])
-        continue
-      match = [r for r in self.waiting if r.request_id == rid]
-      if not match:
-        raise KeyError(f"Request {rid} is not running or waiting in this engine.")
-      self.waiting.remove(match[0])
-      out.append(match[0])
+      done = any(r.request_id == rid for r in self._finished)
+      queue = self._finished if done else self.waiting
+      out.append(next(r for r in queue if r.request_id == rid))
+      queue.remove(out[-1])
     return out
 
   # -- the loop ----------------------------------------------------------------------------------
@@ -325,8 +320,8 @@ class PagedEngine:
       self._admit()
     window = self._window() if self.running else 0
     if window:
-      self._grow_pages(window)
-      previous = self._dispatch(window)
+      self._grow_pages(window)  # its read-back, if any, may end every running request
+      previous = self._dispatch(window) if self.running else None
       if previous is not None:
         self._consume(previous, waited=False)  # the device runs the window just dispatched
     elif self.waiting and not self.running and self._inflight is None:
@@ -375,6 +370,11 @@ class PagedEngine:
       full = reused // z
       own = self.park.allocate(pages_for(len(tokens), z) - full)
       if own is None:
+        if kept is not None and not self.running:
+          # Only its own parked pages stand in the way (the page past the shared ones is held
+          # until after the allocation): drop them and prefill it whole.
+          self.allocator.free(kept.pages)
+          continue
         if kept is not None:
           self.park.park(record.request_id, kept)
         break

@@ -116,22 +116,39 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 def check_request(record: RequestRecord, max_seq_len: int, page_size: int, num_pages: int) -> None:
-  """Raises, saying what to change, if the request could never run: an empty prompt, one
-  longer than the model's `max_seq_len`, or a longest sequence over the page budget."""
-  rid = record.request_id
+  """Raises, saying what to change, if the request could never run: an empty prompt, no room
+  for a new token (the model's `max_seq_len`, or `max_new_tokens` already generated), a seed
+  outside uint32, or a longest sequence over the page budget."""
+  rid, n = record.request_id, record.num_tokens
   if not record.prompt_ids:
     raise ValueError(f"Request {rid} has an empty prompt; give it at least one token.")
-  if len(record.prompt_ids) > max_seq_len:
+  if n >= max_seq_len:
+    what = "prompt" if not record.token_ids else "prompt and response so far"
     raise ValueError(
-      f"Request {rid}: prompt of {len(record.prompt_ids)} tokens exceeds the "
-      f"model's max_seq_len={max_seq_len}; shorten the prompt."
+      f"Request {rid}: {what} of {n} tokens leaves no room for a new token under the "
+      f"model's max_seq_len={max_seq_len}; shorten it to at most {max_seq_len - 1} tokens."
     )
-  longest = min(len(record.prompt_ids) + record.sampling.max_new_tokens, max_seq_len)
-  if pages_for(longest, page_size) > num_pages:
+  if len(record.token_ids) >= record.sampling.max_new_tokens:
     raise ValueError(
-      f"Request {rid} may reach {longest} tokens = {pages_for(longest, page_size)} "
-      f"pages of {page_size}, more than the page budget of {num_pages}; "
-      "raise rollout.paged.num_pages or lower max_new_tokens."
+      f"Request {rid} already holds {len(record.token_ids)} generated tokens, its "
+      f"max_new_tokens={record.sampling.max_new_tokens}; raise max_new_tokens to continue it."
+    )
+  if not 0 <= record.seed < 2**32:
+    raise ValueError(f"Request {rid}: seed must be in [0, 2**32), got {record.seed}.")
+  # Every token but the final one is cached (the last sampled token is never attended to).
+  prompt_pages = pages_for(len(record.prompt_ids), page_size)
+  longest = min(len(record.prompt_ids) + record.sampling.max_new_tokens, max_seq_len)
+  pages = pages_for(longest - 1, page_size)
+  if pages > num_pages:
+    fix = (
+      "raise rollout.paged.num_pages or shorten the prompt"
+      if prompt_pages > num_pages
+      else "raise rollout.paged.num_pages or lower max_new_tokens to at most "
+      f"{num_pages * page_size - len(record.prompt_ids) + 1}"
+    )
+    raise ValueError(
+      f"Request {rid} may cache {longest - 1} tokens = {pages} pages of {page_size}, more "
+      f"than the page budget of {num_pages}; {fix}."
     )
 
 

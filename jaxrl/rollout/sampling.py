@@ -43,6 +43,9 @@ class SamplingParams:
       raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+    bad = [t for t in self.stop_token_ids if not 0 <= t < 2**31]
+    if bad:
+      raise ValueError(f"stop_token_ids must be token ids (>= 0), got {bad}.")
 
 
 NO_FILTER = 0  # no row uses top-k or top-p

@@ -129,3 +129,17 @@ def test_keep_kv_round_trips_and_old_records_load_without_it():
   old = r.to_dict()
   del old["keep_kv"]
   assert RequestRecord.from_dict(old).keep_kv is False
+
+
+def test_a_next_turn_filling_the_pool_is_not_held_up_by_its_own_parked_pages(mesh, params):
+  """Admitting a next turn holds its parked pages until the allocation: where its tokens fill
+  the pool exactly, those pages are given up and the turn prefilled whole."""
+  e = engine(mesh, params, page_size=4, num_pages=4, decode_steps=4)
+  first = run(e, [turn("t", [5, 6, 7, 8, 9], seed=0, new=2)])["t"]
+  assert e.park.num_pages == 2  # 6 cached tokens: a whole page and a partial one
+  tokens = first.prompt_ids + first.token_ids + [11] * (15 - first.num_tokens)
+  second = run(e, [turn("t", tokens, seed=1, new=1)])["t"]  # 15 tokens cached: the 4 pages
+  assert second.finish_reason == "length" and len(second.token_ids) == 1
+  unkept = engine(mesh, params, page_size=4, num_pages=4, keep_turn_kv=False)
+  again = run(unkept, [turn("t", tokens, seed=1, new=1)])["t"]
+  assert again.token_ids == second.token_ids

@@ -234,6 +234,39 @@ def test_stream_yields_short_requests_first_and_abort_returns_partials(mesh, par
   assert not e.has_work and e.allocator.num_free == e.cfg.num_pages
 
 
+def test_abort_of_an_unknown_id_aborts_nothing(mesh, params):
+  e = engine(mesh, params)
+  long = SamplingParams(max_new_tokens=40, ignore_eos=True)
+  e.submit([5, 6, 7], long, request_id="a")
+  e.step()
+  e.submit([5, 6], long, request_id="w")
+  for ids in (["a", "typo"], ["w", "w"]):
+    with pytest.raises(KeyError, match="nothing was aborted"):
+      e.abort(ids)
+  assert set(e.running) == {"a"} and [r.request_id for r in e.waiting] == ["w"]
+  partial = {r.request_id: r for r in e.abort(["w", "a"])}
+  assert len(partial["a"].token_ids) > 0 and partial["w"].token_ids == []
+  assert not e.has_work and e.allocator.num_free == e.cfg.num_pages
+
+
+def test_every_request_ending_in_the_window_read_back_for_pages(mesh, params):
+  """Out of pages, the engine reads the window in flight back; when that ends every running
+  request, no window is dispatched over an empty batch and both come back."""
+  sp = SamplingParams(temperature=0.0, max_new_tokens=13)
+  roomy = engine(mesh, params, page_size=4, num_pages=16, decode_steps=4)
+  ahead = roomy.generate([[5, 6, 7]], sp, seed=0)[0].token_ids
+  # A stops at its second token; B ends by length; A would need a third page for the next
+  # window, which the 4 pages (2 each) do not have: `_grow_pages` reads the window back.
+  stop = SamplingParams(temperature=0.0, max_new_tokens=13, stop_token_ids=(int(ahead[1]),))
+  e = engine(mesh, params, page_size=4, num_pages=4, decode_steps=4)
+  e.submit([5, 6, 7], stop, request_id="A")
+  e.submit([9, 10, 11, 12, 13], SamplingParams(temperature=0.0, max_new_tokens=4), request_id="B")
+  done = {r.request_id: r for r in e.stream()}
+  assert done["A"].token_ids == list(ahead[: list(ahead).index(ahead[1]) + 1])
+  assert done["A"].finish_reason == "stop" and done["B"].finish_reason == "length"
+  assert len(done["B"].token_ids) == 4 and e.allocator.num_free == 4
+
+
 @pytest.mark.parametrize("decode_steps", [1, 2])
 def test_weight_update_takes_effect_at_the_next_window(mesh, params, decode_steps):
   rng = np.random.default_rng()
@@ -298,10 +331,22 @@ def test_logprobs_match_the_learner(mesh, params):
 
 def test_bad_requests_are_rejected_at_submit(mesh, params):
   e = engine(mesh, params, page_size=8, num_pages=4)
-  with pytest.raises(ValueError, match="page budget"):
+  with pytest.raises(ValueError, match="page budget.*lower max_new_tokens to at most 23"):
     e.submit([5] * 10, SamplingParams(max_new_tokens=30))
+  with pytest.raises(ValueError, match="page budget.*shorten the prompt"):
+    e.submit([5] * 33, SamplingParams(max_new_tokens=1))
   with pytest.raises(ValueError, match="max_seq_len"):
     e.submit([5] * 65, SamplingParams(max_new_tokens=1))
+  # A prompt of max_seq_len tokens has no room for a token (it used to wait forever).
+  with pytest.raises(ValueError, match="no room for a new token.*at most 63"):
+    e.submit([5] * 64, SamplingParams(max_new_tokens=1))
+  done = RequestRecord("done", [5], SamplingParams(max_new_tokens=2), token_ids=[6, 7])
+  with pytest.raises(ValueError, match="already holds 2 generated tokens"):
+    e.submit(done)
+  with pytest.raises(ValueError, match="seed"):  # it used to fail after taking pages
+    e.submit([5], SamplingParams(), seed=-1)
+  with pytest.raises(ValueError, match="stop_token_ids"):
+    SamplingParams(stop_token_ids=(-1,))
   with pytest.raises(ValueError, match="empty prompt"):
     e.submit([], SamplingParams())
   with pytest.raises(ValueError, match="top_k"):
@@ -309,6 +354,9 @@ def test_bad_requests_are_rejected_at_submit(mesh, params):
   e.submit([5, 6], SamplingParams(max_new_tokens=3), request_id="x")
   with pytest.raises(ValueError, match="already"):
     e.submit([5, 6], SamplingParams(max_new_tokens=3), request_id="x")
+  # Every token but the last is cached: 32 tokens and 1 new fill the 4 pages exactly.
+  full = e.generate([[5] * 32], SamplingParams(max_new_tokens=1), seed=0)[0]
+  assert len(full.token_ids) == 1
   with pytest.raises(ValueError, match="num_pages"):
     PagedConfig(num_pages=0)
 
