@@ -54,11 +54,16 @@ class VersionedStore(Protocol):
 
 class PolicyLearner(Protocol):
   """What the loop needs of the learner (`train.Learner` here, the learner actor's handle
-  `ray_backend.RayLearner`). `params` and `opt_state` read as arrays the caller may keep and
-  may be assigned (a checkpoint restore)."""
+  `ray_backend.RayLearner`). `params`, `opt_state` and `ref_params` (the KL reference, None
+  without a KL term) read as arrays the caller may keep and may be assigned (a checkpoint
+  restore)."""
 
   params: Params
   opt_state: Any
+  ref_params: Params | None
+
+  def reset_reference(self) -> None:
+    """Makes the current parameters the KL reference (no-op without a KL term)."""
 
   def update(self, batch: TrainBatch) -> dict:
     """The optimizer updates of one step on `batch`; their metrics."""

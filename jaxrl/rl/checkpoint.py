@@ -19,41 +19,55 @@ class Checkpointer:
     )
 
   def save(
-    self, step: int, *, params, opt_state, loader_state: dict, controller_state: dict
+    self,
+    step: int,
+    *,
+    params,
+    opt_state,
+    loader_state: dict,
+    controller_state: dict,
+    reference=None,
   ) -> None:
-    self._manager.save(
-      step,
-      args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params),
-        opt_state=ocp.args.StandardSave(opt_state),
-        loader=ocp.args.JsonSave(loader_state),
-        controller=ocp.args.JsonSave(controller_state),
-      ),
-      force=True,
+    """`reference`: the KL term's reference parameters, where the loss has one (they are the
+    weights RL started from, which a resumed run cannot rebuild once step 0 is pruned)."""
+    items = dict(
+      params=ocp.args.StandardSave(params),
+      opt_state=ocp.args.StandardSave(opt_state),
+      loader=ocp.args.JsonSave(loader_state),
+      controller=ocp.args.JsonSave(controller_state),
     )
+    if reference is not None:
+      items["reference"] = ocp.args.StandardSave(reference)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     self._manager.wait_until_finished()
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def restore(self, step: int, *, params, opt_state) -> dict[str, Any]:
+  def has_reference(self, step: int) -> bool:
+    """Whether checkpoint `step` holds KL reference parameters (saved with `reference`)."""
+    return os.path.isdir(os.path.join(self.directory, str(step), "reference"))
+
+  def restore(self, step: int, *, params, opt_state, reference=None) -> dict[str, Any]:
     """Restores onto the shardings of `params`/`opt_state` (arrays or abstract arrays); host
-    (numpy) leaves restore as host arrays (a remote learner's state, read on this host)."""
+    (numpy) leaves restore as host arrays (a remote learner's state, read on this host).
+    `reference` (laid out like `params`): also restore the KL reference, under the key
+    "reference", where the checkpoint has one (`has_reference`)."""
     abstract = lambda tree: jax.tree.map(  # noqa: E731
       lambda x: (
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if hasattr(x, "sharding") else x
       ),
       tree,
     )
-    return self._manager.restore(
-      step,
-      args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract(params)),
-        opt_state=ocp.args.StandardRestore(abstract(opt_state)),
-        loader=ocp.args.JsonRestore(),
-        controller=ocp.args.JsonRestore(),
-      ),
+    items = dict(
+      params=ocp.args.StandardRestore(abstract(params)),
+      opt_state=ocp.args.StandardRestore(abstract(opt_state)),
+      loader=ocp.args.JsonRestore(),
+      controller=ocp.args.JsonRestore(),
     )
+    if reference is not None and self.has_reference(step):
+      items["reference"] = ocp.args.StandardRestore(abstract(reference))
+    return self._manager.restore(step, args=ocp.args.Composite(**items))
 
   def close(self) -> None:
     self._manager.close()

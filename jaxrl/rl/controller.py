@@ -101,6 +101,7 @@ class Controller(WorkerPool):
     share devices, so the workers' engines (and the eval engine after evaluating) drop their
     weights and KV pages while the learner trains (sync mode only, where nothing decodes then)."""
     self.cfg = cfg
+    self._kl = cfg.train.loss.kl_weight > 0  # checkpoints then hold the KL reference too
     self.loop = cfg.loop
     self.sampling = training_sampling(cfg, tokenizer)
     self.eval_sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
@@ -437,14 +438,25 @@ class Controller(WorkerPool):
         opt_state=self.learner.opt_state,
         loader_state=self.loader.get_state(),
         controller_state=self.controller_state(),
+        reference=self.learner.ref_params if self._kl else None,
       )
 
   def restore(self, step: int) -> None:
+    reference = self.learner.ref_params if self._kl else None
     restored = self.checkpointer.restore(
-      step, params=self.learner.params, opt_state=self.learner.opt_state
+      step, params=self.learner.params, opt_state=self.learner.opt_state, reference=reference
     )
     self.learner.params = restored["params"]
     self.learner.opt_state = restored["opt_state"]
+    if "reference" in restored:
+      self.learner.ref_params = restored["reference"]
+    elif self._kl:
+      log.warning(
+        "Checkpoint %d holds no KL reference (written before references were saved): the KL "
+        "term's reference is the weights the learner was built with, not those RL started "
+        "from.",
+        step,
+      )
     self.loader.set_state(restored["loader"])
     self.load_controller_state(dict(restored["controller"]))
 

@@ -193,6 +193,8 @@ def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = 
     metrics = trainer.step(tokens_bt, mask_bt)
     if (i + 1) % 50 == 0 or i + 1 == w.steps:
       controller.writer.write(i + 1, "warmup", {"loss": metrics["loss"]})
+  # The KL term pulls towards the policy RL starts from, which is the warmed-up one.
+  controller.learner.reset_reference()
 
 
 def _restart(

@@ -162,7 +162,7 @@ class LearnerActor:
   def get(self, name: str):
     return _host_copy(getattr(self.learner, name))
 
-  def set_state(self, params=None, opt_state=None) -> None:
+  def set_state(self, params=None, opt_state=None, ref_params=None) -> None:
     """Host arrays onto the shardings of the learner's own (a checkpoint restore); every rank
     is given the whole arrays and keeps its shards."""
     onto_current = lambda new, current: jax.tree.map(  # noqa: E731
@@ -172,6 +172,11 @@ class LearnerActor:
       self.learner.params = onto_current(params, self.learner.params)
     if opt_state is not None:
       self.learner.opt_state = onto_current(opt_state, self.learner.opt_state)
+    if ref_params is not None:
+      self.learner.ref_params = ref_params  # its setter puts them on the parameters' shardings
+
+  def reset_reference(self) -> None:
+    self.learner.reset_reference()
 
   def supervised_step(self, learning_rate: float, tokens_bt, mask_bt) -> dict:
     from jaxrl.train.sft import SupervisedTrainer
@@ -311,6 +316,19 @@ class RayLearner:
   def params(self, params) -> None:
     params_ref = ray.put(params)
     self._all(lambda a: a.set_state.remote(params=params_ref))
+
+  @property
+  def ref_params(self):
+    return self._all(lambda a: a.get.remote("ref_params"))
+
+  @ref_params.setter
+  def ref_params(self, ref_params) -> None:
+    ref = ray.put(ref_params)
+    self._all(lambda a: a.set_state.remote(ref_params=ref))
+
+  def reset_reference(self) -> None:
+    """The actors' current parameters become their KL reference (no round trip of weights)."""
+    self._all(lambda a: a.reset_reference.remote())
 
   @property
   def opt_state(self):

@@ -173,10 +173,12 @@ class Learner:
     else:
       init = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
       self.opt_state = init(self.params)
-    # No reference copy unless the KL term needs one.
-    self.ref_params = None
+    # No reference copy unless the KL term needs one. It starts as the parameters the learner
+    # was built with; a run moves it to the weights RL starts from (`reset_reference` after a
+    # warm-up, the checkpoint's reference on a resume).
+    self._ref_params = None
     if loss.kl_weight > 0:
-      self.ref_params = self.params if abstract else jax.tree.map(jnp.copy, self.params)
+      self._ref_params = self.params if abstract else jax.tree.map(jnp.copy, self.params)
     state_out = (self.param_shardings, self.opt_shardings, replicated)
     options = training_compiler_options(mesh)
     self._update = jax.jit(
@@ -326,6 +328,27 @@ class Learner:
     # Effective sample size of the behaviour weights, as a fraction of the tokens.
     ess = out["behaviour_weight_mean"] ** 2 / jnp.maximum(out["behaviour_weight_sq_mean"], 1e-30)
     return out | {"skipped": sum(m["skipped"] for m in all_metrics), "behaviour_ess": ess}
+
+  @property
+  def ref_params(self) -> Params | None:
+    """The KL term's reference policy; None when `loss.kl_weight` is 0."""
+    return self._ref_params
+
+  @ref_params.setter
+  def ref_params(self, params: Params) -> None:
+    """A new reference (host or device arrays, e.g. a checkpoint's), copied onto the
+    parameters' shardings: the updates donate `params`, never the reference."""
+    if self._ref_params is None:
+      raise ValueError("This learner has no KL reference: its loss.kl_weight is 0.")
+    self._ref_params = jax.tree.map(
+      lambda x, sharding: jax.device_put(x, sharding, may_alias=False), params, self.param_shardings
+    )
+
+  def reset_reference(self) -> None:
+    """Makes the current parameters the KL reference (the weights RL starts from, after a
+    supervised warm-up); nothing to do without a KL term."""
+    if self._ref_params is not None:
+      self.ref_params = self.params
 
   def _plan(self, routes_mbtlk: np.ndarray | None):
     """Expert placements per micro-batch (expert-parallel routing replay), or (None, None)."""

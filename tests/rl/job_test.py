@@ -7,11 +7,13 @@ import types
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxrl.config import ConfigError, load_config
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
+from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.placement import make_placement, place_stages
 from jaxrl.rl.timeline import load_segments
 from jaxrl.scheduler.local import plan_for_experiment
@@ -203,15 +205,17 @@ def test_published_weights_land_on_the_rollout_mesh(tmp_path):
 
 
 def test_resume_reproduces_the_next_step(tmp_path):
-  full = tiny_config(**{"train.steps": 3, "checkpoint.every": 1, "eval.every": 0})
+  # With a KL term: its reference is the warmed-up policy of step 0, which every checkpoint
+  # keeps, so the resumed run's KL is the uninterrupted run's.
+  run = {"checkpoint.every": 1, "checkpoint.max_to_keep": 4, "eval.every": 0}
+  run["train.loss.kl_weight"] = 0.05
+  full = tiny_config(**{"train.steps": 3, **run})
   job.run(full, str(tmp_path / "full"), show_progress=False)
   with pytest.raises(ConfigError, match="resume=True"):  # existing checkpoints need resume
     job.run(full, str(tmp_path / "full"), show_progress=False)
-  first = tiny_config(**{"train.steps": 2, "checkpoint.every": 1, "eval.every": 0})
+  first = tiny_config(**{"train.steps": 2, **run})
   job.run(first, str(tmp_path / "resumed"), show_progress=False)
-  resumed = tiny_config(
-    **{"train.steps": 3, "checkpoint.every": 1, "eval.every": 0, "resume": True}
-  )
+  resumed = tiny_config(**{"train.steps": 3, "resume": True, **run})
   job.run(resumed, str(tmp_path / "resumed"), show_progress=False)
 
   def step3(workdir):
@@ -224,8 +228,19 @@ def test_resume_reproduces_the_next_step(tmp_path):
     return rows[0]
 
   a, b = step3("full"), step3("resumed")
-  for key in ("reward_mean", "response_length", "loss", "grad_norm", "clip_frac", "ratio_mean"):
+  keys = ("reward_mean", "response_length", "loss", "grad_norm", "clip_frac", "ratio_mean", "kl")
+  for key in keys:
     assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+  assert a["kl"] > 0
+  # Step 0 (after the warm-up) holds the reference, and it is that step's policy.
+  directory = tmp_path / "full" / "checkpoints"
+  checkpoints = Checkpointer(str(directory), max_to_keep=4)
+  assert all(checkpoints.has_reference(step) for step in range(4))
+  checkpoints.close()
+  read = ocp.StandardCheckpointer()
+  params, reference = (read.restore(directory / "0" / item) for item in ("params", "reference"))
+  for p, r in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(r))
 
 
 def test_mesh_sizes_that_do_not_fit_are_reported():

@@ -1,5 +1,7 @@
 """Learner tests on a 4-device training mesh: accumulation, NaN handling, KL reference."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -131,6 +133,44 @@ def test_reference_copy_only_with_kl():
   first = jax.device_get(learner.update(batch))
   second = jax.device_get(learner.update(batch))
   assert first["kl"] >= 0 and second["kl"] > 0
+
+
+def test_reset_reference_makes_the_current_policy_the_reference():
+  """After a supervised warm-up the KL term must pull towards the warmed-up policy (the one RL
+  starts from), not the weights the learner was built with; the reference is a copy, which the
+  updates (donating the parameters) leave alone."""
+  from jaxrl.train import SupervisedTrainer
+
+  rng = np.random.default_rng()
+  learner = make_learner(8, kl_weight=0.1)
+  batch = random_batch(rng)
+  sft = SupervisedTrainer(learner, 1e-2)
+  for _ in range(3):
+    sft.step(batch.tokens_bt, batch.mask_bt)
+  leaves = lambda tree: [np.asarray(x) for x in jax.tree.leaves(tree)]  # noqa: E731
+  assert any(
+    not np.array_equal(p, r)
+    for p, r in zip(leaves(learner.params), leaves(learner.ref_params), strict=True)
+  )
+  learner.reset_reference()
+  warmed = leaves(learner.params)
+  for p, r in zip(warmed, leaves(learner.ref_params), strict=True):
+    np.testing.assert_array_equal(p, r)
+  # The first update sees the reference policy itself: its KL is 0 (the old log-probs are the
+  # current policy's, so the ratio is 1).
+  old = np.asarray(learner.logprobs(learner.params, batch.tokens_bt)) * (batch.mask_bt > 0)
+  metrics = jax.device_get(learner.update(dataclasses.replace(batch, old_logp_bt=old)))
+  assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+  for w, r in zip(warmed, leaves(learner.ref_params), strict=True):
+    np.testing.assert_array_equal(w, r)  # the update moved the parameters, not the reference
+  # Assigned (a checkpoint's host arrays): copied onto the parameters' shardings.
+  learner.ref_params = jax.tree.map(np.zeros_like, jax.device_get(learner.params))
+  for r, p in zip(
+    jax.tree.leaves(learner.ref_params), jax.tree.leaves(learner.params), strict=True
+  ):
+    assert r.sharding == p.sharding and not np.any(np.asarray(r))
+  with pytest.raises(ValueError, match="kl_weight is 0"):
+    make_learner(8).ref_params = learner.params
 
 
 def test_batch_size_checks():
