@@ -112,6 +112,21 @@ def test_clipping_bounds_the_update():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), clipped, rescaled)
 
 
+def test_bf16_gradient_norm_squares_and_sums_in_fp32():
+  # Many bf16 leaves: squared and summed in bf16 (optax's norm) they miss the float64 norm by
+  # about 1e-3; in fp32 by rounding only.
+  rng = np.random.default_rng(0)
+  leaves = [rng.normal(size=(64, 33)) * rng.uniform(0.1, 10) for _ in range(200)]
+  grads = [jnp.asarray(x, jnp.bfloat16) for x in leaves]
+  exact = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads))
+  np.testing.assert_allclose(float(optimizer.global_norm(grads)), exact, rtol=1e-5)
+  clip = optimizer.clip_by_global_norm(1.0)
+  clipped, _ = clip.update(grads, clip.init(grads))
+  assert all(c.dtype == jnp.bfloat16 for c in clipped)
+  got = np.sqrt(sum(np.sum(np.asarray(c, np.float64) ** 2) for c in clipped))
+  assert got == pytest.approx(1.0, rel=4e-3)  # each clipped value rounded to bf16 (2**-9)
+
+
 def test_small_gradients_are_not_clipped():
   grads_d = jax.random.normal(jax.random.key(4), (6,)) * 0.01
   params_d = jnp.zeros(6)
