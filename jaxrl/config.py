@@ -406,6 +406,17 @@ class ExperimentConfig:
         f"{self.rollout.group_size}) must split into config.train.updates_per_step={updates} "
         f"updates of whole micro-batches; make updates_per_step x micro_batch_size divide {batch}."
       )
+    sampling, loss = self.rollout.sampling, self.train.loss
+    corrected = loss.proximal == "recompute" and loss.behaviour_correction != "none"
+    if (sampling.top_k or sampling.top_p < 1.0) and not corrected:
+      raise ConfigError(
+        f"config.rollout.sampling.top_k={sampling.top_k}, top_p={sampling.top_p}: responses "
+        "are then sampled from a truncated distribution and carry its log-probs, while the "
+        "learner scores the whole one, so the policy ratio starts below 1 and clipping drops "
+        "gradients from the first update. Sample from the whole distribution (top_k=0, "
+        "top_p=1.0), or correct for the truncation as for any behaviour policy: "
+        "train.loss.proximal='recompute' with train.loss.behaviour_correction='truncate'."
+      )
     if self.env.name and self.train.moe.routing_replay:
       raise ConfigError(
         "config.train.moe.routing_replay=True with config.env.name set: multi-turn trajectories "

@@ -102,6 +102,8 @@ BAD_VALUES = [
   ("placement.train_mesh.tensor", 0, "config.placement.train_mesh.tensor must be >= 1, or -1"),
   ("placement.rollout_mesh.expert", -2, "config.placement.rollout_mesh.expert must be >= 1"),
   ("placement.rollout_mesh.tensor", -1, "config.placement.rollout_mesh: data and tensor are"),
+  ("rollout.sampling.top_k", 20, "config.rollout.sampling.top_k=20, top_p=1.0: responses"),
+  ("rollout.sampling.top_p", 0.9, "config.rollout.sampling.top_k=0, top_p=0.9: responses"),
   ("loop.max_staleness", -1, "config.loop.max_staleness must be >= 0, got -1."),
   ("loop.rollout_workers", -1, "config.loop.rollout_workers must be >= 0"),
 ]
@@ -133,6 +135,14 @@ def test_boundary_values_are_accepted():
   cd.placement.train_mesh.fsdp = 1
   cd.placement.train_mesh.tensor = -1
   from_config_dict(cd)
+
+
+def test_truncated_sampling_trains_only_with_a_behaviour_correction():
+  cd = default_config()
+  cd.rollout.sampling.top_p = 0.9
+  cd.train.loss.proximal = "recompute"
+  cd.train.loss.behaviour_correction = "truncate"
+  assert from_config_dict(cd).rollout.sampling.top_p == 0.9
 
 
 def test_locked_config_rejects_unknown_override():
