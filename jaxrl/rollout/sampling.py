@@ -35,8 +35,8 @@ class SamplingParams:
   ignore_eos: bool = False
 
   def __post_init__(self):
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+    if not 0 <= self.temperature < float("inf"):
+      raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}.")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
     if self.top_k < 0:
@@ -93,7 +93,8 @@ def filter_logits(
   log_norm_b1 = jax.nn.logsumexp(top_k_logits_bv, axis=-1, keepdims=True)
   probs_bc = jnp.where(in_top_k, jnp.exp(candidates_bc - log_norm_b1), 0.0)
   mass_before = jnp.cumsum(probs_bc, axis=-1) - probs_bc
-  keep_bc = in_top_k & (mass_before < top_p_b[:, None])
+  # top_p = 1 keeps the whole top-k set, also where the mass before a token rounds to 1.
+  keep_bc = in_top_k & ((mass_before < top_p_b[:, None]) | (top_p_b[:, None] >= 1.0))
   # The smallest logit still kept is the threshold for the unsorted row.
   threshold_b1 = jnp.min(jnp.where(keep_bc, candidates_bc, jnp.inf), axis=-1, keepdims=True)
   unfiltered_b1 = ((top_k_b <= 0) & (top_p_b >= 1.0))[:, None]
@@ -137,11 +138,18 @@ def sample_block(vocab: int) -> int:
 
 
 def _first_above(cumulative_bn: jax.Array, target_b: jax.Array, mass_bn: jax.Array) -> jax.Array:
-  """Per row, the first index whose running sum exceeds the target (the inverse CDF), moved
-  back to the last index with mass where rounding put the target at or past the total."""
-  index_b = jnp.sum(cumulative_bn <= target_b[:, None], axis=-1).astype(jnp.int32)
+  """Per row, the first index with mass whose running sum exceeds the target (the inverse
+  CDF), or the last index with mass where rounding put the target at or past the total.
+
+  Only indices with mass count: XLA's cumsum does not add in order, so the running sum may
+  step down or up by a rounding unit across entries of no mass (a filtered-out token, a
+  block of them), and counting entries `<= target` would then land on one of them (a token
+  of -inf log-prob, drawn about 3e-7 of the time with top-k at Qwen3's vocabulary)."""
   positions = jnp.arange(mass_bn.shape[-1], dtype=jnp.int32)
-  last_b = jnp.max(jnp.where(mass_bn > 0, positions, 0), axis=-1)
+  has_mass = mass_bn > 0
+  above = has_mass & (cumulative_bn > target_b[:, None])
+  index_b = jnp.min(jnp.where(above, positions, mass_bn.shape[-1]), axis=-1)
+  last_b = jnp.max(jnp.where(has_mass, positions, 0), axis=-1)
   return jnp.minimum(index_b, last_b)
 
 

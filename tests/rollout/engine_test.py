@@ -14,6 +14,7 @@ from jaxrl.rollout.sampling import (
   SAMPLE_BLOCK,
   SORT_ALL,
   TOP_K_CANDIDATES,
+  _first_above,
   draw_from_logits,
   filter_width,
   first_argmax,
@@ -172,6 +173,32 @@ def test_inverse_cdf_draw_keeps_to_tokens_with_mass_at_the_uniforms_ends():
     assert tokens[0] == (3 if u == 0 else 700) and tokens[1] == 3 * block + 4
     assert tokens[2] == (0 if u == 0 else logits.shape[1] - 1)
     tolerance.assert_close(lse, jax.nn.logsumexp(logits, axis=-1), n=logits.shape[1])
+
+
+def test_inverse_cdf_draw_never_lands_on_a_token_without_mass():
+  # XLA's cumsum adds out of order: across entries of no mass the running sum may step down
+  # by a rounding unit. A target inside such a step must still pick an entry with mass.
+  cumulative = jnp.asarray([[1.0, np.nextafter(np.float32(1), np.float32(0)), 2.0]], jnp.float32)
+  mass = jnp.asarray([[1.0, 0.0, 1.0]], jnp.float32)
+  target = jnp.asarray([np.nextafter(np.float32(1), np.float32(0))], jnp.float32)
+  assert int(_first_above(cumulative, target, mass)[0]) == 0
+  assert int(_first_above(cumulative, jnp.asarray([1.5]), mass)[0]) == 2
+  assert int(_first_above(cumulative, jnp.asarray([2.5]), mass)[0]) == 2  # past the total
+
+
+def test_top_k_with_top_p_one_keeps_all_k_next_to_a_dominant_token():
+  # The mass before the 2nd..8th tokens rounds to 1.0 beside a logit 40 above the rest; top_p
+  # = 1 must still keep the k of top-k.
+  logits = jnp.asarray([[40.0, *np.linspace(1.0, -1.0, 49)]], jnp.float32)
+  for width in (TOP_K_CANDIDATES, SORT_ALL):
+    kept = filter_logits(logits, jnp.array([8]), jnp.array([1.0]), width=width)
+    assert int(np.isfinite(np.asarray(kept)).sum()) == 8, width
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), -1.0])
+def test_temperature_must_be_finite_and_non_negative(temperature):
+  with pytest.raises(ValueError, match="temperature must be finite and >= 0"):
+    SamplingParams(temperature=temperature)
 
 
 def test_first_argmax_breaks_ties_low():
