@@ -14,6 +14,8 @@ import os
 import re
 from collections.abc import Iterator
 
+from jaxrl.data.verify import answer_part
+
 REQUIRED_FIELDS = ("question", "answer")
 PROMPT_SUFFIX = "\nAnswer:"
 
@@ -87,15 +89,32 @@ def _number_text(match: re.Match) -> str:
 
 
 def extract_final_answer(text: str) -> str | None:
-  """Returns the final numeric answer in `text`, normalised, or None if there is none.
+  """Returns the final numeric answer of a reference, normalised, or None if there is none.
 
   For a GSM8K reference (with a `#### 72` line) this is the first number after the last `####`;
-  for a model's response it is the last number in the text. Thousands commas and `$` are
-  dropped: `"#### $1,000"` gives `"1000"`, `"... so -3.5 degrees."` gives `"-3.5"`.
+  otherwise the last number in the text. Thousands commas and `$` are dropped: `"#### $1,000"`
+  gives `"1000"`, `"... so -3.5 degrees."` gives `"-3.5"`. A model's response: `response_answer`.
   """
   if _FINAL_MARK in text:
     match = _NUMBER.search(text.rsplit(_FINAL_MARK, 1)[1])
     return None if match is None else _number_text(match)
+  return _last_number(text)
+
+
+def response_answer(text: str) -> str | None:
+  """The final numeric answer of a model's response: after its reasoning (`answer_part`), the
+  number right after the last `####` where one follows it directly (`"#### 72"`), else the
+  last number. A `####` followed by words is a Markdown heading (`"#### Step 2: ..."`), whose
+  step number is not the answer."""
+  text = answer_part(text)
+  if _FINAL_MARK in text:
+    match = _NUMBER.match(text.rsplit(_FINAL_MARK, 1)[1].lstrip())
+    if match:
+      return _number_text(match)
+  return _last_number(text)
+
+
+def _last_number(text: str) -> str | None:
   matches = list(_NUMBER.finditer(text))
   return _number_text(matches[-1]) if matches else None
 
@@ -114,7 +133,7 @@ def reward(reference: str, response: str) -> float:
     response: the model's generated text.
   """
   ref = extract_final_answer(reference)
-  got = extract_final_answer(response)
+  got = response_answer(response)
   if ref is None or got is None:
     return 0.0
   return float(numbers_equal(ref, got))

@@ -12,7 +12,9 @@ boxed if it has a box, else plain). The task then checks that math-verify parses
 answer, so that a bad row fails here, with its file and line, not as a reward of 0 later.
 """
 
+import decimal
 import hashlib
+import math
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -114,6 +116,12 @@ def gold_answer(value: Any, answer_format: str, where: str, field: str) -> str:
   """
   numeric = isinstance(value, int | float) and not isinstance(value, bool)
   if numeric and answer_format in ("auto", "plain"):
+    if isinstance(value, float):
+      if not math.isfinite(value):
+        raise DatasetError(f"{where}: field {field!r} is {value}, not a final answer.")
+      # Positional digits: str() writes 1e-05 and 9e+16, which math-verify reads as products
+      # with Euler's e, so every correct response would score 0.
+      return format(decimal.Decimal(repr(value)), "f")
     return str(value)
   if not isinstance(value, str):
     raise DatasetError(f"{where}: field {field!r} must be a string, got {type(value).__name__}.")

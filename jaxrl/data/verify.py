@@ -87,9 +87,21 @@ def last_boxed(text: str) -> str | None:
   return None
 
 
+def answer_part(response: str) -> str:
+  """What a response answers with: the text after its reasoning, that is after the last
+  `</think>`; "" when a `<think>` never closes (cut off while thinking: no answer); the whole
+  response when it has neither. A guess boxed while thinking is not the answer, and scoring
+  it would teach the model to box guesses there. (A template that opens `<think>` in the
+  prompt leaves a response cut off mid-thought with no tag: that one is scored whole.)"""
+  if "</think>" in response:
+    return response.rsplit("</think>", 1)[1]
+  return "" if "<think>" in response else response
+
+
 def has_boxed_answer(response: str) -> bool:
-  """The format check: the response's last `\\boxed{}` is closed and not empty."""
-  content = last_boxed(response)
+  """The format check: the last `\\boxed{}` of the response's answer (`answer_part`) is closed
+  and not empty."""
+  content = last_boxed(answer_part(response))
   return content is not None and bool(content.strip())
 
 
@@ -118,14 +130,16 @@ _gold = functools.lru_cache(maxsize=4096)(parse_gold)  # each gold is checked gr
 
 
 def answer_is_correct(answer: str, response: str) -> bool:
-  """Whether the final answer in `response` equals the gold `answer` (math-verify)."""
+  """Whether the final answer in `response` (after its reasoning, `answer_part`) equals the
+  gold `answer` (math-verify)."""
   from math_verify import parse, verify
 
   try:
     gold = _gold(answer)
   except ValueError:
     return False
-  return bool(verify(gold, parse(response, parsing_timeout=None), timeout_seconds=None))
+  answer = parse(answer_part(response), parsing_timeout=None)
+  return bool(verify(gold, answer, timeout_seconds=None))
 
 
 # -- the worker (this file run as a script) ----------------------------------------------------

@@ -50,6 +50,9 @@ class PythonToolEnv(ToolEnvironment):
       system message if it has one); "" for none.
     tool_format: how the model writes tool calls ("hermes" for Qwen, "llama3").
     max_calls_per_turn: tool calls run per turn; the rest are answered with an error.
+    turn_time_s: no call starts once the turn's calls have run this long (the rest are
+      answered with an error); with `timeout_s`, 25 s at most a turn, under the episode's
+      default step timeout of 30 s (`EpisodeLimits.step_timeout_s`): keep it so.
     end_episode_on: failure kinds that end the episode instead of being reported to the model,
       e.g. ("timeout", "memory_limit", "malformed_call").
   """
@@ -66,6 +69,7 @@ class PythonToolEnv(ToolEnvironment):
     tool_format: str = "hermes",
     max_calls_per_turn: int = 4,
     end_episode_on: Sequence[str] = (),
+    turn_time_s: float = 15.0,
   ):
     if answer_check not in ANSWER_CHECKS:
       raise ValueError(f"answer_check {answer_check!r} is not one of {ANSWER_CHECKS}")
@@ -82,6 +86,7 @@ class PythonToolEnv(ToolEnvironment):
       tool_format=tool_format,
       max_calls_per_turn=max_calls_per_turn,
       end_episode_on=end_episode_on,
+      turn_time_s=turn_time_s,
     )
     self._record: dict[str, Any] | None = None
     self._workdir: str | None = None
@@ -113,7 +118,7 @@ class PythonToolEnv(ToolEnvironment):
     if self.answer_check == "math_verify":
       correct = verify.answer_is_correct(gold, text)
     else:
-      boxed = verify.last_boxed(text)
+      boxed = verify.last_boxed(verify.answer_part(text))
       correct = gsm8k.reward(gold, boxed if boxed is not None else text) == 1.0
     return Step([], float(correct), True, {"correct": bool(correct)})
 

@@ -114,6 +114,27 @@ def test_reward_is_numeric():
   assert gsm8k.reward("-4", "4") == 0.0
 
 
+@pytest.mark.parametrize(
+  ("response", "expected"),
+  [
+    # A Markdown heading is not a final-answer line: the last number is the answer.
+    ("#### Step 1: eggs laid\n16 - 3 - 4 = 9\n#### Step 2: money\n9 * 2 = 18.", "18"),
+    ("#### Final answer (2 steps)\nShe makes $18 every day.", "18"),
+    ("#### Step 18\nSo she earns 20 dollars.", "20"),
+    # A number right after `####` is the answer, as in a reference.
+    ("9 * 2 = 18 dollars\n#### 18", "18"),
+    ("#### $1,000 in all, from 3 boxes", "1000"),
+    ("#### -15 dollars", "-15"),
+    # The reasoning is not the answer: only what follows `</think>` counts.
+    ("<think>maybe 20? no: 9 * 2 = 18</think>The answer is 18.", "18"),
+    ("<think>It could be 18, but I keep going", None),
+  ],
+)
+def test_response_answer(response, expected):
+  assert gsm8k.response_answer(response) == expected
+  assert gsm8k.reward("18", response) == float(expected == "18")
+
+
 def test_prompt_records_and_missing_final_answer(tmp_path):
   rows = _invented_rows(np.random.default_rng(1), 5)
   path = tmp_path / "data.jsonl"

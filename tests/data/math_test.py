@@ -399,6 +399,36 @@ def test_rewards_of_fractions_and_expressions(pool):
   assert task.reward({"answer": "1,000"}, "1000") == 1.0
 
 
+def test_only_the_answer_after_the_reasoning_is_scored(pool):
+  task = _task(pool, SAMPLE, format_reward_weight=0.25)
+  record = {"answer": "18"}
+  responses = {
+    "<think>Is it \\boxed{18}? Let me check again.</think>So it is \\boxed{20}.": 0.25,
+    "<think>Is it \\boxed{20}? No.</think>So it is \\boxed{18}.": 1.0,
+    "<think>It may be \\boxed{18}, but let me": 0.0,  # cut off while thinking: no answer
+    "<think>Done.</think>The answer is 18.": 0.75,  # correct, not boxed
+  }
+  batch = task.submit_rewards([record] * len(responses), list(responses)).result()
+  np.testing.assert_allclose(batch.rewards_b, list(responses.values()))
+  assert verify.answer_part("no reasoning at all") == "no reasoning at all"
+
+
+@pytest.mark.parametrize(
+  ("value", "gold"),
+  [(1e-05, "0.00001"), (9e16, "90000000000000000"), (0.5, "0.5"), (-2.0, "-2.0"), (7, "7")],
+)
+def test_numeric_gold_answers_are_written_in_positional_digits(pool, tmp_path, value, gold):
+  # str(1e-05) is "1e-05", which math-verify reads as 1 * e - 5 (Euler's e): every correct
+  # response would score 0.
+  path = tmp_path / "numbers.jsonl"
+  _write_jsonl(path, [{"question": "How much?", "answer": value}])
+  task = _task(pool, path)
+  (record,) = task.records("train") + task.records("test", num=None)
+  assert record["answer"] == gold
+  assert task.reward(record, f"\\boxed{{{gold}}}") == 1.0
+  assert task.reward(record, "\\boxed{e-5}") == 0.0
+
+
 def test_format_reward(pool):
   task = _task(pool, SAMPLE, format_reward_weight=0.25)
   record = {"answer": "72"}
