@@ -217,6 +217,12 @@ class Episode:
     if not self.done:
       self._end(reason, None)
 
+  def fail(self, reason: str, error: str) -> None:
+    """Ends the episode as failed from outside, with the failure reward, as a step that broke
+    the contract would (its messages could not be rendered into ids)."""
+    if not self.done:
+      self._fail(reason, error)
+
   def close(self) -> None:
     """Closes the environment (once; `step` does it when the episode ends)."""
     self._close()

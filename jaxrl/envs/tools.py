@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ UNKNOWN_TOOL = "unknown_tool"
 BAD_ARGUMENTS = "bad_arguments"
 TOOL_RAISED = "tool_raised"
 TOO_MANY_CALLS = "too_many_calls"
+TURN_TIME_SPENT = "turn_time_spent"
 
 
 class ToolError(Exception):
@@ -355,6 +357,10 @@ class ToolEnvironment(Environment):
   reward is 0 and the episode goes on (`info["tool_calls"]` counts them, `info["tool_errors"]`
   lists the failures). When it has none, `answer(text)` scores it. A failure whose kind is in
   `end_episode_on` ends the episode instead (`EndEpisode("tool_<kind>")`, the failure reward).
+  `turn_time_s`: no call starts once the turn's calls have taken this long (they are answered
+  with an error): keep it plus one call's longest time under the episode's step timeout
+  (`EpisodeLimits.step_timeout_s`), so that slow tools are reported to the model rather than
+  ending the episode as a step timeout. None: no bound.
 
   Subclasses define `reset` and `answer`, and pass their tools to `__init__`.
   """
@@ -366,6 +372,7 @@ class ToolEnvironment(Environment):
     tool_format: str = "hermes",
     max_calls_per_turn: int = 4,
     end_episode_on: Sequence[str] = (),
+    turn_time_s: float | None = None,
   ):
     if tool_format not in TOOL_CALL_FORMATS:
       raise ValueError(f"tool_format {tool_format!r} is not one of {sorted(TOOL_CALL_FORMATS)}")
@@ -378,6 +385,9 @@ class ToolEnvironment(Environment):
     self.tool_format = tool_format
     self.max_calls_per_turn = max_calls_per_turn
     self.end_episode_on = tuple(end_episode_on)
+    if turn_time_s is not None and not turn_time_s > 0:
+      raise ValueError(f"turn_time_s must be > 0 or None, got {turn_time_s}")
+    self.turn_time_s = turn_time_s
 
   @property
   def tools(self) -> list[dict[str, Any]]:
@@ -392,14 +402,22 @@ class ToolEnvironment(Environment):
     if not parsed.calls:
       return self.answer(action)
     messages, errors = [], []
+    start = time.monotonic()
     for i, call in enumerate(parsed.calls):
-      if i < self.max_calls_per_turn:
-        outcome = call_tool(self._tools, call)
-      else:
+      spent = time.monotonic() - start
+      if i >= self.max_calls_per_turn:
         text = (
           f"Error: at most {self.max_calls_per_turn} tool calls per turn; this one was not run."
         )
         outcome = ToolOutcome(tool_message(text), TOO_MANY_CALLS)
+      elif self.turn_time_s is not None and spent >= self.turn_time_s:
+        text = (
+          f"Error: this turn's tool calls took {spent:.0f} s, the most a turn may spend is "
+          f"{self.turn_time_s:g} s; this one was not run."
+        )
+        outcome = ToolOutcome(tool_message(text), TURN_TIME_SPENT)
+      else:
+        outcome = call_tool(self._tools, call)
       if outcome.error_kind in self.end_episode_on:
         raise EndEpisode(f"tool_{outcome.error_kind}", outcome.message["content"])
       if outcome.error_kind is not None:

@@ -57,7 +57,7 @@ from jaxrl.rl.multi_turn import (
 from jaxrl.rollout.paged import PagedEngine
 from jaxrl.rollout.requests import RequestRecord
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.train.learner import TrainBatch
+from jaxrl.train.batch import TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +197,15 @@ class EpisodeDriver:
       self._end(state, None)
       return EventOutcome(ended=[ev.index])
     kwargs = dict(tools=state.episode.tools, template_kwargs=self.template_kwargs)
-    if not append_answer(
-      state.trajectory, step.messages, self.tokenizer, **kwargs, max_tokens=self.max_tokens
-    ):
+    try:
+      fits = append_answer(
+        state.trajectory, step.messages, self.tokenizer, **kwargs, max_tokens=self.max_tokens
+      )
+    except EnvError as e:
+      state.episode.fail("env_error", str(e))
+      self._end(state, None)
+      return EventOutcome(ended=[ev.index])
+    if not fits:
       self._end(state, "max_tokens")
       return EventOutcome(ended=[ev.index])
     records[ev.index] = self._turn(records[ev.index], state)

@@ -46,7 +46,7 @@ from jaxrl.rl.experience import batch_length
 from jaxrl.rollout.paged import PagedEngine
 from jaxrl.rollout.requests import RequestRecord
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.train.learner import TrainBatch
+from jaxrl.train.batch import TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +152,12 @@ def end_turn(
   trajectory: Trajectory, record: RequestRecord, tokenizer: Tokenizer, max_tokens: int
 ) -> str | None:
   """Appends a finished turn's ids as sampled; returns its text for the environment (stop id
-  left out), or None when the trajectory has no room for more (the episode ends "max_tokens")."""
+  left out), or None when the turn was cut off with no room for more (the episode ends
+  "max_tokens"). A turn that ends on its stop id in the last slot is complete: the
+  environment gets it (an answer scores; anything it asks for then finds no room)."""
   trajectory.append(record.token_ids, list(record.logprobs), list(record.versions))
   trajectory.turns += 1
-  if len(trajectory.token_ids) >= max_tokens:
+  if len(trajectory.token_ids) >= max_tokens and record.finish_reason != "stop":
     return None
   ids = record.token_ids
   ended_on_stop = record.finish_reason == "stop"  # the engine's stop ids, EOS unless ignored
@@ -176,14 +178,22 @@ def append_answer(
 ) -> bool:
   """Appends the environment's messages as template ids (not sampled); False, appending
   nothing, when they and a turn after them would not fit `max_tokens` (nothing would be
-  trained on them: the episode ends "max_tokens")."""
-  ids = continuation_ids(
-    tokenizer,
-    messages,
-    stop_id=trajectory.last_stop,
-    tools=tools,
-    template_kwargs=template_kwargs,
-  )
+  trained on them: the episode ends "max_tokens").
+
+  Raises:
+    EnvError: the messages cannot be rendered (the tokenizer or the chat template refuses
+      them): the environment's fault, which ends its episode only.
+  """
+  try:
+    ids = continuation_ids(
+      tokenizer,
+      messages,
+      stop_id=trajectory.last_stop,
+      tools=tools,
+      template_kwargs=template_kwargs,
+    )
+  except Exception as e:
+    raise EnvError(f"its messages cannot be rendered: {type(e).__name__}: {e}") from e
   if len(trajectory.token_ids) + len(ids) >= max_tokens:
     return False
   trajectory.append(ids)
@@ -275,7 +285,7 @@ class _Run:
             f"its first prompt has {len(ids)} ids, no room for a turn under max_tokens="
             f"{r.max_tokens}"
           )
-      except EnvError as e:
+      except Exception as e:  # EnvError from the episode, or the tokenizer or template
         log.warning("record %r skipped: %s", record.get("id", "?"), e)
         skipped.append((record, str(e)))
         episode.close()
@@ -319,9 +329,15 @@ class _Run:
       self._finish(index, None)
       return
     kwargs = dict(tools=episode.tools, template_kwargs=self.r.template_kwargs)
-    if not append_answer(
-      trajectory, step.messages, self.r.tokenizer, **kwargs, max_tokens=self.r.max_tokens
-    ):
+    try:
+      fits = append_answer(
+        trajectory, step.messages, self.r.tokenizer, **kwargs, max_tokens=self.r.max_tokens
+      )
+    except EnvError as e:
+      episode.fail("env_error", str(e))
+      self._finish(index, None)
+      return
+    if not fits:
       self._finish(index, "max_tokens")
       return
     self._next_turn(index)

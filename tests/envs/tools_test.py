@@ -3,6 +3,7 @@
 import json
 import random
 import re
+import time
 
 import pytest
 
@@ -232,6 +233,28 @@ def test_a_tool_environment_runs_calls_and_scores_a_turn_without_one():
   assert [e["kind"] for e in step.info["tool_errors"]] == ["malformed_call", "too_many_calls"]
   assert env.step("7") == Step([], 1.0, True)
   assert env.tools == [schema()]
+
+
+class SlowCalculator(Calculator):
+  def __init__(self, **kwargs):
+    def slow_add(a, b):
+      time.sleep(0.3)
+      return a + b
+
+    ToolEnvironment.__init__(self, [Tool("add", "adds", ADD, slow_add)], **kwargs)
+
+
+def test_no_call_starts_once_the_turn_has_spent_its_time():
+  """Slow calls are reported to the model, not left to run into the episode's step timeout."""
+  env = SlowCalculator(max_calls_per_turn=4, turn_time_s=0.5)
+  env.reset({"question": "?", "answer": "2"})
+  step = env.step(" ".join(hermes("add", {"a": 1, "b": i}) for i in range(4)))
+  contents = [m["content"] for m in step.messages]
+  assert contents[:2] == ["1", "2"]  # started at 0 s and 0.3 s; the third would at 0.6 s
+  assert all("the most a turn may spend is 0.5 s; this one was not run" in c for c in contents[2:])
+  assert [e["kind"] for e in step.info["tool_errors"]] == ["turn_time_spent"] * 2
+  with pytest.raises(ValueError, match="turn_time_s"):
+    Calculator(turn_time_s=0)
 
 
 def test_a_tool_environment_can_end_the_episode_on_a_failure_kind():

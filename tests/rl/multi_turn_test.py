@@ -1,11 +1,13 @@
 """Multi-turn rollouts on the paged engine: token in, token out, across turns and a weight update;
 failing environments end their own episode only."""
 
+import os
 import threading
 
 import jax
 import numpy as np
 import pytest
+from helpers.scripted_multi_turn import ScriptedEngine, UnrenderableGuessEnv
 
 from jaxrl.data.guess_number import make_record
 from jaxrl.data.tokenizer import CharTokenizer
@@ -16,6 +18,7 @@ from jaxrl.rl.multi_turn import MultiTurnRollout, trajectory_batch
 from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
 from jaxrl.sharding import ROLLOUT_RULES, make_mesh
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = CharTokenizer()
 # Rows past the char vocabulary are masked out of sampling, so every sampled id decodes.
 MODEL = Model(get_preset("tiny", vocab_limit=TOKENIZER.vocab_size, max_seq_len=256))
@@ -196,3 +199,72 @@ def test_a_trajectory_out_of_tokens_ends_with_max_tokens(engine):
     if t.summary.end_reason == "max_tokens":
       assert t.summary.truncated
   assert any(t.summary.end_reason == "max_tokens" for t in result.trajectories)
+
+
+def test_a_complete_turn_in_the_last_slot_is_scored():
+  """A turn that ends on its stop id exactly at max_tokens is complete: the environment gets
+  it (it used to end the episode "max_tokens" unscored)."""
+  record = make_record(0, 6, 4)
+  prompt = prompt_ids(TOKENIZER, GuessNumberEnv().reset(record))
+  for room, reason in ((1, "max_tokens"), (2, "solved"), (3, "solved")):  # "4" + EOS is 2 ids
+    rollout = MultiTurnRollout(
+      ScriptedEngine(lambda rid, turn, ids: "4", TOKENIZER),
+      TOKENIZER,
+      lambda: GuessNumberEnv(max_guesses=4),
+      EpisodeLimits(max_turns=4),
+      max_tokens=len(prompt) + room,
+    )
+    (t,) = rollout.run([record], SamplingParams(max_new_tokens=8), seed=0).trajectories
+    assert t.summary.end_reason == reason, room
+    assert t.reward == (1.0 if reason == "solved" else 0.0) and t.turns == 1
+
+
+def test_messages_the_tokenizer_cannot_render_end_that_episode_only():
+  rollout = MultiTurnRollout(
+    ScriptedEngine(lambda rid, turn, ids: "3", TOKENIZER),
+    TOKENIZER,
+    lambda: UnrenderableGuessEnv(max_guesses=4),
+    EpisodeLimits(max_turns=4, failure_reward=-1.0),
+    max_tokens=200,
+  )
+  recs = [make_record(0, 7, target) for target in (3, 5, 6)]
+  result = rollout.run(recs, SamplingParams(max_new_tokens=8), seed=0)
+  assert [r["target"] for r, _ in result.skipped] == [6]
+  by_target = {t.record["target"]: t for t in result.trajectories}
+  assert by_target[3].summary.end_reason == "solved"
+  assert by_target[5].summary.end_reason == "env_error" and by_target[5].reward == -1.0
+
+
+def test_the_training_driver_ends_an_episode_whose_messages_cannot_be_rendered(tmp_path):
+  """The RL loop's driver (`EpisodeDriver`): the episode ends "env_error" with the failure
+  reward; the controller's event loop goes on (it used to raise out of `on_event`)."""
+  import queue
+
+  from jaxrl.config import load_config
+  from jaxrl.rl.episodes import EpisodeDriver
+  from jaxrl.rl.groups import Group
+  from jaxrl.rollout.requests import RequestRecord
+
+  overrides = {"env.name": "helpers.scripted_multi_turn:UnrenderableGuessEnv", "env.kwargs": {}}
+  overrides["env.limits.failure_reward"] = -1.0
+  cfg = load_config(os.path.join(REPO, "configs", "grpo_agent.py"), "test", overrides)
+  sampling = SamplingParams(max_new_tokens=4)
+  driver = EpisodeDriver(
+    cfg, TOKENIZER, sampling, queue.Queue(), max_tokens=160, template_kwargs={}
+  )
+  try:
+    record = RequestRecord("g0.0", [], sampling, seed=1)
+    group = Group(0, make_record(0, 7, 5), 0, [record], [False])
+    driver.start(group)
+    assert driver.on_event(driver.events.get(timeout=60), group).queued == [0]
+    turn = group.records[0]
+    turn.token_ids, turn.logprobs = [*TOKENIZER.encode("3"), TOKENIZER.eos_id], [-1.0, -1.0]
+    turn.versions, turn.finish_reason = [0, 0], "stop"
+    assert not driver.turn_ended(group, 0, turn)
+    outcome = driver.on_event(driver.events.get(timeout=60), group)
+    assert outcome.ended == [0]
+    summary = group.episodes[0].trajectory.summary
+    assert summary.end_reason == "env_error" and summary.reward == -1.0
+    assert "cannot be rendered" in summary.error
+  finally:
+    driver.close()
