@@ -25,7 +25,7 @@ from jaxrl.rl.stages import JobParts, make_learner, rollout_device_groups
 from jaxrl.rl.weights import WeightStore
 from jaxrl.rl.workers import LocalWorker, RolloutWorker
 from jaxrl.scheduler.local import worker_tokens_per_s
-from jaxrl.train.learner import TrainBatch
+from jaxrl.train.batch import TrainBatch
 from jaxrl.train.sft import SupervisedTrainer
 
 

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxrl.rollout.engine import Completion
-from jaxrl.train.learner import Learner, TrainBatch
+from jaxrl.train.batch import TrainBatch
+from jaxrl.train.learner import Learner
 from jaxrl.train.routing import routes_from_completions
 
 LENGTH_MULTIPLE = 8  # short batch lengths round up to this, so that jit shapes repeat

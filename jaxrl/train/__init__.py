@@ -1,7 +1,8 @@
 """The learner: token log-probs, advantages, policy losses, optimizer and the update step."""
 
 from jaxrl.train.advantages import ADVANTAGE_MODES, group_advantages, zero_variance_groups
-from jaxrl.train.learner import Learner, TrainBatch
+from jaxrl.train.batch import TrainBatch
+from jaxrl.train.learner import Learner
 from jaxrl.train.losses import LossConfig, kl_k3, policy_loss, token_logprobs
 from jaxrl.train.optimizer import OptimizerConfig, apply_if_finite, make_optimizer, make_schedule
 from jaxrl.train.packing import MicroBatch, PackLayout, pack_batch, pack_layout

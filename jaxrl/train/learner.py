@@ -33,6 +33,7 @@ from jaxrl.model import ExpertParallel, LMHead, Model, MoEInputs, Params
 from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train import update_plan
+from jaxrl.train.batch import TrainBatch
 from jaxrl.train.losses import LossConfig, chunked_token_logprobs, policy_loss
 from jaxrl.train.optimizer import (
   apply_if_finite,
@@ -51,30 +52,6 @@ from jaxrl.train.packing import (
 from jaxrl.train.routing import MoEConfig, fill_padding, plan_micro_batches
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class TrainBatch:
-  """Host arrays of one RL batch; position t of every `_bt` array scores token t + 1.
-
-  Attributes:
-    tokens_bt: [b, t + 1] prompt + response ids, right-padded.
-    mask_bt: [b, t] 1 where the target (token t + 1) is a response token.
-    old_logp_bt: [b, t] behaviour log-probs of the targets (the rollout's), 0 off the mask.
-    advantages_b: [b] one advantage per sequence.
-    routes_btlk: MoE: int32 [b, t, layers, k] the experts rollout routed each input token to
-      (for routing replay; -1 at padding positions), or None.
-  """
-
-  tokens_bt: np.ndarray
-  mask_bt: np.ndarray
-  old_logp_bt: np.ndarray
-  advantages_b: np.ndarray
-  routes_btlk: np.ndarray | None = None
-
-  @property
-  def size(self) -> int:
-    return self.tokens_bt.shape[0]
 
 
 def _add_gradient(sum_, grad):

@@ -1,0 +1,31 @@
+"""One RL batch as the learner takes it, on the host."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class TrainBatch:
+  """Host arrays of one RL batch; position t of every `_bt` array scores token t + 1.
+
+  Attributes:
+    tokens_bt: [b, t + 1] prompt + response ids, right-padded.
+    mask_bt: [b, t] 1 where the target (token t + 1) is a response token.
+    old_logp_bt: [b, t] behaviour log-probs of the targets (the rollout's), 0 off the mask.
+    advantages_b: [b] one advantage per sequence.
+    routes_btlk: MoE: int32 [b, t, layers, k] the experts rollout routed each input token to
+      (for routing replay; -1 at padding positions), or None.
+  """
+
+  tokens_bt: np.ndarray
+  mask_bt: np.ndarray
+  old_logp_bt: np.ndarray
+  advantages_b: np.ndarray
+  routes_btlk: np.ndarray | None = None
+
+  @property
+  def size(self) -> int:
+    return self.tokens_bt.shape[0]
