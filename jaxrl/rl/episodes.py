@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.tokenizer import Tokenizer
-from jaxrl.envs import EnvError, Episode, check_tools_render, prompt_ids
+from jaxrl.envs import EnvError, Episode, Step, check_tools_render, prompt_ids
 from jaxrl.envs.remote import EnvWorkers
 from jaxrl.envs.runner import EnvRunner
 from jaxrl.rl.backends import init_ray
@@ -148,11 +148,23 @@ class EpisodeDriver:
     state = group.episodes[index]
     text = end_turn(state.trajectory, record, self.tokenizer, self.max_tokens)
     if text is None:
+      if state.replayed is not None and not state.replayed.done():
+        # A resumed episode whose environment is still being rebuilt: end it after the
+        # replay, so that its summary holds the replayed steps' rewards.
+        state.phase = "env"
+        self._submit(group.gid, index, "step", self._end_after_replay(state, "max_tokens"))
+        return False
       self._end(state, "max_tokens")
       return True
     state.phase = "env"
     self._submit(group.gid, index, "step", self._after_replay(state, state.episode.step(text)))
     return False
+
+  @staticmethod
+  async def _end_after_replay(state: EpisodeState, reason: str) -> Step:
+    await asyncio.wrap_future(state.replayed)
+    state.episode.end(reason)
+    return Step([], 0.0, True, {"end_reason": reason})
 
   @staticmethod
   async def _after_replay(state: EpisodeState, coroutine):

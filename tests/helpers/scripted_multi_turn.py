@@ -3,6 +3,7 @@ makes: submit, step, has_work, drop_kept, model.config.max_seq_len), each turn's
 a policy, so that trajectories have exact, chosen lengths; and a guessing game whose messages
 the char tokenizer cannot render (env name "helpers.scripted_multi_turn:UnrenderableGuessEnv")."""
 
+import time
 import types
 
 from jaxrl.data.tokenizer import CharTokenizer
@@ -53,3 +54,13 @@ class UnrenderableGuessEnv(GuessNumberEnv):
     if self._target == 5 and not step.done:
       return Step([{"role": "user", "content": "Higher \u00e9"}], 0.0, False, step.info)
     return step
+
+
+class SlowShapedGuessEnv(GuessNumberEnv):
+  """A slow plain step (a tool that takes time) with a reward of 0.1 for each step that goes on
+  (env name "helpers.scripted_multi_turn:SlowShapedGuessEnv")."""
+
+  def step(self, action):
+    time.sleep(0.3)
+    step = super().step(action)
+    return step if step.done else Step(step.messages, 0.1, False, step.info)

@@ -268,3 +268,47 @@ def test_the_training_driver_ends_an_episode_whose_messages_cannot_be_rendered(t
     assert "cannot be rendered" in summary.error
   finally:
     driver.close()
+
+
+def test_a_resumed_episode_ending_before_its_replay_keeps_the_replayed_rewards():
+  """Resumed with three steps played, its turn fills max_tokens at once, while the slow replay
+  of those steps still runs: the episode ends after the replay, with their rewards."""
+  import queue
+
+  from helpers.scripted_multi_turn import SlowShapedGuessEnv
+
+  from jaxrl.config import load_config
+  from jaxrl.rl.episodes import EpisodeDriver
+  from jaxrl.rl.groups import EpisodeState, Group
+  from jaxrl.rl.multi_turn import Trajectory, turn_request
+
+  name = "helpers.scripted_multi_turn:SlowShapedGuessEnv"
+  cfg = load_config(os.path.join(REPO, "configs", "grpo_agent.py"), "test", {"env.name": name})
+  sampling, limit = SamplingParams(max_new_tokens=40), 80
+  driver = EpisodeDriver(
+    cfg, TOKENIZER, sampling, queue.Queue(), max_tokens=limit, template_kwargs={}
+  )
+  try:
+    record, env = make_record(0, 14, 13), SlowShapedGuessEnv(max_guesses=6)
+    trajectory = Trajectory.start(record, prompt_ids(TOKENIZER, env.reset(record)))
+    for guess in ("1", "2", "3"):  # what the run before the resume played
+      ids = [*TOKENIZER.encode(guess), TOKENIZER.eos_id]
+      trajectory.append(ids, [-1.0] * len(ids), [0] * len(ids))
+      trajectory.turns += 1
+      trajectory.actions.append(guess)
+      trajectory.last_stop = TOKENIZER.eos_id
+      messages = env.step(guess).messages
+      trajectory.append(continuation_ids(TOKENIZER, messages, stop_id=TOKENIZER.eos_id))
+    turn = turn_request(trajectory, "g0.0", sampling, 7, limit)
+    group = Group(0, record, 0, [turn], [False], episodes=[EpisodeState("turn", trajectory)])
+    assert driver.restore(group) == [0]
+    turn.token_ids = TOKENIZER.encode("9") * (limit - len(trajectory.token_ids))
+    turn.logprobs, turn.versions = [-1.0] * len(turn.token_ids), [0] * len(turn.token_ids)
+    turn.finish_reason = "length"
+    assert not driver.turn_ended(group, 0, turn)  # ended once the replay is done
+    assert driver.on_event(driver.events.get(timeout=60), group).ended == [0]
+    summary = group.episodes[0].trajectory.summary
+    assert summary.end_reason == "max_tokens" and summary.turns == 3
+    assert summary.reward == pytest.approx(0.3)
+  finally:
+    driver.close()
