@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from jaxrl.envs.base import EnvError
-from jaxrl.envs.remote import EnvHost, EnvWorkers, Worker, encode_error, limit_memory
+from jaxrl.envs.remote import EnvHost, EnvWorkers, Worker, encode_error
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class EnvActor:
     from jaxrl.envs.registry import env_factory
 
     self.host = EnvHost(env_factory(name, kwargs), threads)
-    limit_memory(memory_mb)
+    self.host.limit_memory(memory_mb)
 
   async def call(self, op: str, env_id: int, arg: Any) -> tuple[bool, Any]:
     try:

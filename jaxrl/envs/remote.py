@@ -51,9 +51,18 @@ class EnvHost:
 
   def __init__(self, make_env: Callable[[], Environment], threads: int):
     self.make_env = make_env
+    self.threads = threads
     self.executor = concurrent.futures.ThreadPoolExecutor(threads, "env-call")
     self.envs: dict[int, Environment] = {}
     self._tasks: dict[int, set[asyncio.Task]] = {}
+
+  def limit_memory(self, memory_mb: int) -> None:
+    """Caps the process's memory (`limit_memory`) after starting every thread of the pool, so
+    that the cap bounds what environments allocate, not the threads' stacks and arenas (with
+    the threads started under it, concurrent steps failed with "can't start new thread")."""
+    barrier = threading.Barrier(self.threads)
+    concurrent.futures.wait([self.executor.submit(barrier.wait, 30) for _ in range(self.threads)])
+    limit_memory(memory_mb)
 
   async def call(self, op: str, env_id: int, arg: Any) -> Any:
     """Runs one call: "reset" (makes the environment; returns its first messages and its tool
@@ -305,11 +314,7 @@ def _serve(conn, name: str, kwargs: dict, memory_mb: int, threads: int) -> None:
 
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the RL process decides when a worker stops
   host = EnvHost(env_factory(name, kwargs), threads)
-  # Start the pool's threads before the cap, so that it bounds what environments allocate,
-  # not the threads' stacks.
-  barrier = threading.Barrier(threads)
-  concurrent.futures.wait([host.executor.submit(barrier.wait, 30) for _ in range(threads)])
-  limit_memory(memory_mb)
+  host.limit_memory(memory_mb)
   loop = asyncio.new_event_loop()
   threading.Thread(target=loop.run_forever, name="env-loop", daemon=True).start()
 

@@ -125,3 +125,29 @@ def test_an_environment_that_fails_in_its_worker_is_a_clear_error():
 def test_bad_worker_settings_are_clear_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
     EnvConfig(name=MISBEHAVING, **kwargs)
+
+
+_HOST_UNDER_A_CAP = """
+import concurrent.futures, sys, threading
+from jaxrl.envs import GuessNumberEnv
+from jaxrl.envs.remote import EnvHost
+host = EnvHost(GuessNumberEnv, threads=16)
+host.limit_memory(256)
+gate = threading.Barrier(16)  # every thread busy at once, as 16 concurrent plain steps are
+futures = [host.executor.submit(gate.wait, 30) for _ in range(16)]
+concurrent.futures.wait(futures)
+print(sum(f.exception() is None for f in futures))
+"""
+
+
+def test_a_capped_host_runs_every_thread_of_its_pool():
+  """The cap comes after the pool's threads start (`EnvHost.limit_memory`); threads started
+  under it failed with "can't start new thread" (a Ray environment actor did that)."""
+  import subprocess
+  import sys
+
+  out = subprocess.run(
+    [sys.executable, "-c", _HOST_UNDER_A_CAP], capture_output=True, text=True, timeout=120
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split()[-1] == "16"
