@@ -231,16 +231,25 @@ def test_resume_reproduces_the_next_step(tmp_path):
   keys = ("reward_mean", "response_length", "loss", "grad_norm", "clip_frac", "ratio_mean", "kl")
   for key in keys:
     assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
-  assert a["kl"] > 0
-  # Step 0 (after the warm-up) holds the reference, and it is that step's policy.
-  directory = tmp_path / "full" / "checkpoints"
-  checkpoints = Checkpointer(str(directory), max_to_keep=4)
-  assert all(checkpoints.has_reference(step) for step in range(4))
-  checkpoints.close()
+  # Every checkpoint holds the reference: step 0's policy (after the warm-up), and the resumed
+  # run's is the uninterrupted run's (a resume without it pulled towards the initial weights).
   read = ocp.StandardCheckpointer()
-  params, reference = (read.restore(directory / "0" / item) for item in ("params", "reference"))
-  for p, r in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
-    np.testing.assert_array_equal(np.asarray(p), np.asarray(r))
+
+  for workdir in ("full", "resumed"):
+    checkpoints = Checkpointer(str(tmp_path / workdir / "checkpoints"), max_to_keep=4)
+    assert all(checkpoints.has_reference(step) for step in range(4))
+    checkpoints.close()
+
+  def item(workdir, step, name):
+    return jax.tree.leaves(read.restore(tmp_path / workdir / "checkpoints" / str(step) / name))
+
+  pairs = [
+    (item("full", 0, "params"), item("full", 0, "reference")),
+    (item("full", 3, "reference"), item("resumed", 3, "reference")),
+  ]
+  for want, got in pairs:
+    for x, y in zip(want, got, strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_mesh_sizes_that_do_not_fit_are_reported():
