@@ -576,8 +576,10 @@ class Controller(WorkerPool):
       evals["eval_reward_end"] = self._eval_and_write()
       postfix["eval"] = f"{evals['eval_reward_end']:.3f}"
     bar.set_postfix(postfix)
-    if (cfg.checkpoint.every and self.state.step % cfg.checkpoint.every == 0) or last:
-      self.save()
+    # Export first: a checkpoint then implies its step's export, so a run killed while
+    # exporting (the final one included) exports again when it resumes.
     out_dir = self.exporter and self.exporter.due(self.state.step, last)
     if out_dir:
       self.exporter.export(self.learner.params, out_dir)
+    if (cfg.checkpoint.every and self.state.step % cfg.checkpoint.every == 0) or last:
+      self.save()

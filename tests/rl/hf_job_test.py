@@ -64,6 +64,35 @@ def _leaves(tree):
   return jax.tree.leaves(tree)
 
 
+def test_a_run_killed_while_exporting_exports_again_when_resumed(checkpoint, tmp_path, monkeypatch):
+  from jaxrl.rl import policy
+
+  class Killed(BaseException):
+    pass
+
+  real = policy.save_pretrained
+
+  def dies_in_final(model, params, out_dir, **kwargs):
+    if out_dir.endswith("final"):
+      os.makedirs(out_dir, exist_ok=True)
+      with open(os.path.join(out_dir, "model.safetensors"), "wb") as f:
+        f.write(b"\0" * 100)  # part-written
+      raise Killed
+    return real(model, params, out_dir, **kwargs)
+
+  workdir = str(tmp_path / "run")
+  monkeypatch.setattr(policy, "save_pretrained", dies_in_final)
+  with pytest.raises(Killed):
+    job.run(
+      load_config(CONFIG, "test", {"pretrained.path": checkpoint}), workdir, show_progress=False
+    )
+  monkeypatch.setattr(policy, "save_pretrained", real)
+  resumed = load_config(CONFIG, "test", {"pretrained.path": checkpoint, "resume": True})
+  assert job.run(resumed, workdir, show_progress=False)["steps"] == 2
+  model, _ = load_pretrained(os.path.join(workdir, "hf", "final"), dtype="float32")
+  assert model.config.num_layers > 0
+
+
 def test_tokenizer_key_errors_name_the_key(checkpoint, tmp_path):
   with pytest.raises(ConfigError, match="config.tokenizer"):
     job.run(
