@@ -118,8 +118,9 @@ class PythonToolEnv(ToolEnvironment):
     if self.answer_check == "math_verify":
       correct = verify.answer_is_correct(gold, text)
     else:
-      boxed = verify.last_boxed(verify.answer_part(text))
-      correct = gsm8k.reward(gold, boxed if boxed is not None else text) == 1.0
+      answer = verify.answer_part(text)  # as gsm8k.reward would take it
+      boxed = verify.last_boxed(answer)
+      correct = gsm8k.reward(gold, boxed if boxed is not None else answer) == 1.0
     return Step([], float(correct), True, {"correct": bool(correct)})
 
   def close(self) -> None:

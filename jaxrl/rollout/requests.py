@@ -136,13 +136,12 @@ def check_request(record: RequestRecord, max_seq_len: int, page_size: int, num_p
   if not 0 <= record.seed < 2**32:
     raise ValueError(f"Request {rid}: seed must be in [0, 2**32), got {record.seed}.")
   # Every token but the final one is cached (the last sampled token is never attended to).
-  prompt_pages = pages_for(len(record.prompt_ids), page_size)
   longest = min(len(record.prompt_ids) + record.sampling.max_new_tokens, max_seq_len)
   pages = pages_for(longest - 1, page_size)
   if pages > num_pages:
     fix = (
       "raise rollout.paged.num_pages or shorten the prompt"
-      if prompt_pages > num_pages
+      if pages_for(len(record.prompt_ids), page_size) > num_pages
       else "raise rollout.paged.num_pages or lower max_new_tokens to at most "
       f"{num_pages * page_size - len(record.prompt_ids) + 1}"
     )
