@@ -328,6 +328,13 @@ class LoopConfig:
     learner_restarts: times a run goes on after a learner process is lost (a node gone, a
       process killed): a new learner (and workers) from the last checkpoint, the groups it
       held coming back with their tokens; then it stops with the error.
+    worker_restarts: times in a run a rollout worker that crashed (an error in its engine; its
+      devices are still there) is replaced by a new one on the same devices; its requests
+      continue from their streamed tokens meanwhile. A worker gone without a word (a lost
+      node) is replaced by re-planning (ray) instead.
+    no_worker_timeout_s: how long the loop waits with no rollout worker at all (every one
+      crashed, was lost or withdrawn, and none was restarted) for one to be added (re-planning
+      for a changed Ray cluster, `Controller.add_worker`) before it stops with an error.
     ray_pin_cores: ray only: pin the learner's actor to the first half of this machine's CPU
       cores and the rollout workers' actors to the rest (one core each, shared round-robin
       when there are more workers than cores), so that on a CPU machine the stages compute on
@@ -349,6 +356,8 @@ class LoopConfig:
   ray_address: str = ""
   ray_cluster: str = ""
   learner_restarts: int = 3
+  worker_restarts: int = 3
+  no_worker_timeout_s: float = 60.0
   ray_pin_cores: bool = False
   rollout_workers: int = 0
 
@@ -364,7 +373,11 @@ class LoopConfig:
         f"config.loop.rollout_workers must be >= 0 (0: chosen by the mode), got "
         f"{self.rollout_workers}."
       )
-    _check_at_least("loop", self, 0, "learner_restarts")
+    _check_at_least("loop", self, 0, "learner_restarts", "worker_restarts")
+    if not self.no_worker_timeout_s > 0:
+      raise ConfigError(
+        f"config.loop.no_worker_timeout_s must be > 0 (seconds), got {self.no_worker_timeout_s}."
+      )
 
 
 LOOP_MODES = ("sync", "async", "auto")

@@ -141,6 +141,8 @@ class Controller(WorkerPool):
       max_staleness=0 if sync else cfg.loop.max_staleness,
       skew_aware_dispatch=cfg.loop.skew_aware_dispatch,
       measured_rates=cfg.loop.measured_rates,
+      worker_restarts=cfg.loop.worker_restarts,
+      no_worker_timeout_s=cfg.loop.no_worker_timeout_s,
     )
     # Multi-turn runs: each response is an episode of `config.env` (`episodes.py`).
     self.episodes = None
@@ -544,6 +546,7 @@ class Controller(WorkerPool):
         self._handle_events(block=True)
         self._check_workers()
         self.follow_cluster()
+        self.check_workers_left()
         self._dispatch()
         groups = self._choose_batch()
         if groups is None:

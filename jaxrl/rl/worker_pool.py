@@ -25,6 +25,10 @@ from jaxrl.rollout.requests import RequestRecord
 log = logging.getLogger(__name__)
 
 
+class RolloutWorkersLost(RuntimeError):
+  """The loop had no rollout worker for `config.loop.no_worker_timeout_s` and none came back."""
+
+
 class WorkerPool:
   """The rollout workers of one controller and the requests they hold."""
 
@@ -39,7 +43,11 @@ class WorkerPool:
     max_staleness: int,
     skew_aware_dispatch: bool,
     measured_rates: bool,
+    worker_restarts: int = 0,
+    no_worker_timeout_s: float = 60.0,
   ):
+    """`worker_restarts`, `no_worker_timeout_s`: `config.loop`'s (a crashed worker's
+    replacements in a run; how long the loop goes on with no worker before it stops)."""
     self.backend = backend
     self.weights = weights
     self.timeline = timeline
@@ -61,6 +69,11 @@ class WorkerPool:
     self.min_version = -max_staleness  # the oldest weights a worker may still decode with
     self.slot_of: dict[str, object] = {}  # worker -> the devices or planned slot it runs on
     self._names = itertools.count(len(backend.worker_slots()))  # for workers added later
+    self.restarts_left = worker_restarts
+    self.no_worker_timeout_s = no_worker_timeout_s
+    self._workers_gone_at: float | None = None  # when the last worker went (None: one runs)
+    self._last_failure = ""  # the last crash or loss, for the error once none is left
+    self._stopping = False  # in `stop_workers`: a crash reported now is not restarted
     # The workers the next `run` starts with (each call of `run` stops its workers on return;
     # the next one makes a fresh set).
     self.initial_workers: list[RolloutWorker] = self.fresh_workers()
@@ -143,9 +156,9 @@ class WorkerPool:
     self._handle_events(block=False)
     self._drop_worker(name, "killed")
 
-  def _drop_worker(self, name: str, why: str) -> None:
+  def _drop_worker(self, name: str, why: str, detail: str = "") -> None:
     self.leaving.discard(name)
-    self.slot_of.pop(name, None)
+    slot = self.slot_of.pop(name, None)
     worker = self.workers.pop(name, None)
     if worker is None:
       return
@@ -161,16 +174,53 @@ class WorkerPool:
     self.counters["requests_redispatched"] += len(lost)
     self.counters["tokens_kept_on_redispatch"] += sum(map(self._tokens_so_far, lost))
     log.info("Rollout worker %s %s; %d requests go back to the queue.", name, why, len(lost))
+    if why in ("crashed", "lost"):
+      self._last_failure = f"{name} {why}" + (f": {detail}" if detail else "")
+    if why == "crashed" and self.restarts_left > 0 and not self._stopping:
+      # An error in the worker, not a lost machine: its devices are still there.
+      self.restarts_left -= 1
+      self.counters["workers_restarted"] += 1
+      new = f"w{next(self._names)}"
+      log.warning("Restarting crashed rollout worker %s as %s on its devices.", name, new)
+      self.add_worker(self.make_worker(new, slot))
+
+  def check_workers_left(self) -> None:
+    """Raises `RolloutWorkersLost` once no worker has run for `no_worker_timeout_s` (nothing
+    would ever decode the queued requests: the loop would wait forever)."""
+    if self.workers:
+      self._workers_gone_at = None
+      return
+    now = time.monotonic()
+    if self._workers_gone_at is None:
+      self._workers_gone_at = now
+      log.warning(
+        "No rollout worker is left (last: %s); waiting up to %.0f s for one to be added.",
+        self._last_failure or "withdrawn",
+        self.no_worker_timeout_s,
+      )
+    if now - self._workers_gone_at >= self.no_worker_timeout_s:
+      raise RolloutWorkersLost(
+        f"No rollout worker ran for {self.no_worker_timeout_s:.0f} s "
+        f"(config.loop.no_worker_timeout_s), so no request could be decoded; the last one "
+        f"went: {self._last_failure or 'withdrawn (its weight store was unreachable)'}. "
+        f"Crashed workers were restarted {self.counters['workers_restarted']} times "
+        f"(config.loop.worker_restarts). Fix the cause (the workers' errors are logged above) "
+        f"and resume with --config.resume=True."
+      )
 
   def stop_workers(self) -> None:
     """Stops every worker; their requests go back to the queue as last streamed."""
-    for worker in self.workers.values():
-      worker.kill()
-    for worker in self.workers.values():
-      worker.join()
-    self._handle_events(block=False)  # what they streamed before they stopped
-    for name in list(self.workers):
-      self._drop_worker(name, "stopped")
+    self._stopping = True
+    try:
+      for worker in self.workers.values():
+        worker.kill()
+      for worker in self.workers.values():
+        worker.join()
+      self._handle_events(block=False)  # what they streamed before they stopped
+      for name in list(self.workers):
+        self._drop_worker(name, "stopped")
+    finally:
+      self._stopping = False
 
   def _check_workers(self) -> None:
     for name, worker in list(self.workers.items()):
@@ -197,7 +247,7 @@ class WorkerPool:
       return  # a late event of a worker already dropped: its requests went elsewhere
     if ev.kind == "crashed":
       log.warning("Rollout worker %s crashed: %s", ev.worker, ev.detail)
-      self._drop_worker(ev.worker, "crashed")
+      self._drop_worker(ev.worker, "crashed", ev.detail)
       return
     if ev.kind == "store_unreachable":
       # Its weights are too old to generate with and it cannot get newer ones: withdraw it so

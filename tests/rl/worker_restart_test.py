@@ -1,0 +1,100 @@
+"""Rollout workers that crash: a crashed worker is restarted on its devices (up to
+`config.loop.worker_restarts` times), and a loop left with no worker stops with a clear error
+after `config.loop.no_worker_timeout_s` instead of waiting forever.
+
+The sync loop runs one worker over all rollout devices: a single crash leaves it none.
+"""
+
+import time
+
+import pytest
+
+from jaxrl.rl import job
+from jaxrl.rl.worker_pool import RolloutWorkersLost
+
+from .job_test import tiny_config  # noqa: TID252
+
+
+def sync_config(**overrides):
+  base = {
+    "warmup.steps": 0,
+    "eval.every": 0,
+    "loop.mode": "sync",
+    "rollout.sampling.max_new_tokens": 8,
+    "rollout.paged.decode_steps": 2,
+    "rollout.paged.page_size": 32,
+    "checkpoint.every": 0,
+  }
+  return tiny_config("test", **(base | overrides))
+
+
+def crash_engine_steps(worker, *, after: int, times: float):
+  """Makes `worker`'s engine raise at its `after`-th decode step, `times` times in a row."""
+  engine = worker.engine
+  step, calls = engine.step, iter(range(10**9))
+
+  def failing_step():
+    n = next(calls)
+    if after <= n < after + times:
+      raise RuntimeError("test: device lost")
+    return step()
+
+  engine.step = failing_step
+
+
+def give_up_after(seconds: float):
+  """A loop hook that fails the test instead of letting a loop that never ends hang CI."""
+  start = time.monotonic()
+
+  def check(controller):
+    assert time.monotonic() - start < seconds, f"still at step {controller.state.step}"
+
+  return check
+
+
+def test_a_crashed_sync_worker_is_restarted_and_the_run_completes(tmp_path):
+  cfg = sync_config(**{"train.steps": 2, "loop.worker_restarts": 1})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  (worker,) = controller.initial_workers
+  crash_engine_steps(worker, after=1, times=1)
+  controller.hooks.append(give_up_after(300))
+  controller.run()
+  assert controller.state.step == 2
+  assert controller.counters["workers_crashed"] == 1
+  assert controller.counters["workers_restarted"] == 1
+  assert controller.counters["requests_redispatched"] > 0  # the crashed worker's requests
+
+
+def test_a_loop_left_without_workers_stops_with_a_clear_error(tmp_path):
+  cfg = sync_config(
+    **{"train.steps": 2, "loop.worker_restarts": 0, "loop.no_worker_timeout_s": 0.5}
+  )
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  (worker,) = controller.initial_workers
+  crash_engine_steps(worker, after=1, times=float("inf"))
+  controller.hooks.append(give_up_after(120))
+  with pytest.raises(RolloutWorkersLost, match=r"w0 crashed: RuntimeError\('test: device lost'\)"):
+    controller.run()
+  assert controller.state.step == 0
+  assert controller.counters["workers_restarted"] == 0
+  assert not controller.workers
+
+
+def test_a_worker_crashing_at_every_restart_uses_up_the_restarts_then_stops(tmp_path):
+  cfg = sync_config(
+    **{"train.steps": 2, "loop.worker_restarts": 2, "loop.no_worker_timeout_s": 0.5}
+  )
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  backend_make = controller.backend.make_worker
+
+  def make_crashing_worker(name, devices, store):
+    worker = backend_make(name, devices, store)
+    crash_engine_steps(worker, after=0, times=float("inf"))
+    return worker
+
+  controller.backend.make_worker = make_crashing_worker
+  controller.initial_workers = controller.fresh_workers()
+  controller.hooks.append(give_up_after(300))
+  with pytest.raises(RolloutWorkersLost, match="restarted 2 times"):
+    controller.run()
+  assert controller.counters["workers_crashed"] == 3
