@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from jaxrl.model.safetensors_io import (
   read_tensor,
   write_file,
 )
+from jaxrl.model.staged_dir import staged_directory
 from jaxrl.sharding.rules import STAGE_RULES, Rules, tree_shardings
 
 SINGLE_FILE = "model.safetensors"
@@ -63,6 +64,7 @@ TOKENIZER_FILES = (
   "tokenizer.model",
 )
 """Files save_pretrained copies from its source (besides `*.tiktoken`)."""
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 # Buffers some older checkpoints saved beside the weights; RoPE is recomputed, never read.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -422,33 +424,35 @@ def _hub_arrays(leaves: list[_Leaf], params: Params) -> Iterator[tuple[str, np.n
     del value
 
 
-def _remove_stale(root: str, keep: list[str]) -> None:
-  """Removes weight files of an earlier save that this one does not overwrite (as transformers
-  does), so that no stale shard sits beside the new ones."""
-  for name in os.listdir(root):
-    stale = name in (SINGLE_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(name)
-    if stale and name not in keep:
-      os.remove(os.path.join(root, name))
-
-
 def _write_json(path: str, value: Any) -> None:
   with open(path, "w") as f:
     json.dump(value, f, indent=2, sort_keys=True)
     f.write("\n")
 
 
-def _copy_files(src: str, dst: str) -> list[str]:
-  """Copies the generation config and tokenizer files `src` has; returns their names."""
-  tiktoken = map(os.path.basename, glob.glob(os.path.join(src, "*.tiktoken")))
+def _copy_files(src: str, dst: str, names) -> list[str]:
+  """Copies those of `names` that `src` has into `dst`; returns their names."""
   copied = []
-  for name in ("generation_config.json", *TOKENIZER_FILES, *tiktoken):
-    a, b = os.path.join(src, name), os.path.join(dst, name)
-    if not os.path.exists(a):
-      continue
-    if not (os.path.exists(b) and os.path.samefile(a, b)):
-      shutil.copyfile(a, b)
-    copied.append(name)
+  for name in names:
+    if os.path.exists(os.path.join(src, name)):
+      shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+      copied.append(name)
   return copied
+
+
+def _tokenizer_files(src: str) -> list[str]:
+  tiktoken = map(os.path.basename, glob.glob(os.path.join(src, "*.tiktoken")))
+  return [*TOKENIZER_FILES, *tiktoken]
+
+
+def _written_by_save(name: str) -> bool:
+  """Whether `name` is a file `save_pretrained` writes (a rewrite replaces or removes these and
+  keeps any other file of the directory)."""
+  return (
+    name in (SINGLE_FILE, INDEX_FILE, "config.json", "generation_config.json", *TOKENIZER_FILES)
+    or bool(_SHARD_NAME.fullmatch(name))
+    or name.endswith(".tiktoken")
+  )
 
 
 def save_pretrained(
@@ -459,8 +463,15 @@ def save_pretrained(
   max_shard_size: int | str = "5GB",
   source: str | None = None,
   dtype: str | None = None,
+  tokenizer_source: str | Literal[False] | None = None,
+  token_ids: Mapping[str, int] | None = None,
 ) -> None:
   """Writes `params` as a Hugging Face checkpoint that transformers and vLLM load.
+
+  The directory is written whole or not at all (`staged_dir`): a process killed while saving
+  leaves an earlier save at `path` as it was. Files of an earlier save that this one does not
+  write (shards of another split, tokenizer files the new source lacks) are gone afterwards;
+  files no save writes (a README) are kept.
 
   Args:
     model: the model the params belong to.
@@ -473,6 +484,11 @@ def save_pretrained(
       config.json from the model's config (architecture from its options) and a minimal
       generation_config.json.
     dtype: "bfloat16" or "float32" for the written tensors; None keeps the parameter dtype.
+    tokenizer_source: a directory (or Hub id) whose tokenizer files are copied instead of
+      `source`'s (a run whose tokenizer is not its checkpoint's); False copies none.
+    token_ids: `bos_token_id`, `eos_token_id`, `pad_token_id` for config.json and the
+      generation config where `source` does not set them (without a source, the model's config
+      knows no token ids: pass the tokenizer's, or generation never stops at an EOS).
 
   Raises:
     ValueError: a `source` whose config.json describes another model, or a model no Hub
@@ -490,6 +506,15 @@ def save_pretrained(
     hub_config = with_dtype(hub_config, dtype)
   else:
     hub_config = config_to_hf(cfg, dtype)
+  for key, value in (token_ids or {}).items():
+    if key not in _TOKEN_ID_KEYS:
+      raise ValueError(f"token_ids: {key!r} is not one of {_TOKEN_ID_KEYS}.")
+    if hub_config.get(key) is None:
+      hub_config[key] = int(value)
+  if tokenizer_source is None:
+    tokenizer_source = src or False
+  elif tokenizer_source is not False:
+    tokenizer_source = resolve_pretrained(tokenizer_source)
   leaves = _leaves(cfg)
   _check_coverage(leaves, params)
   target = np.dtype(jnp.dtype(dtype))
@@ -500,23 +525,23 @@ def save_pretrained(
   files = (
     [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
   )
-  os.makedirs(path, exist_ok=True)
-  _remove_stale(path, files)
   arrays = _hub_arrays(leaves, params)
-  with tqdm.tqdm(
-    total=sum(sizes.values()), unit="B", unit_scale=True, desc="save", disable=None
-  ) as bar:
-    for file, names in zip(files, shards, strict=True):
-      written = write_file(
-        os.path.join(path, file), [(name, target, shapes[name]) for name in names], arrays
-      )
-      bar.update(written)
-  if n > 1:
-    weight_map = {name: file for file, names in zip(files, shards, strict=True) for name in names}
-    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-    _write_json(os.path.join(path, INDEX_FILE), index)
-  _write_json(os.path.join(path, "config.json"), hub_config)
-  copied = _copy_files(src, path) if src is not None else []
-  if "generation_config.json" not in copied:
-    ids = {k: hub_config[k] for k in ("bos_token_id", "eos_token_id") if k in hub_config}
-    _write_json(os.path.join(path, "generation_config.json"), {"_from_model_config": True, **ids})
+  with staged_directory(path, _written_by_save) as out:
+    with tqdm.tqdm(
+      total=sum(sizes.values()), unit="B", unit_scale=True, desc="save", disable=None
+    ) as bar:
+      for file, names in zip(files, shards, strict=True):
+        written = write_file(
+          os.path.join(out, file), [(name, target, shapes[name]) for name in names], arrays
+        )
+        bar.update(written)
+    if n > 1:
+      weight_map = {name: file for file, names in zip(files, shards, strict=True) for name in names}
+      index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+      _write_json(os.path.join(out, INDEX_FILE), index)
+    _write_json(os.path.join(out, "config.json"), hub_config)
+    if tokenizer_source:
+      _copy_files(tokenizer_source, out, _tokenizer_files(tokenizer_source))
+    if not (src and _copy_files(src, out, ["generation_config.json"])):
+      ids = {k: hub_config[k] for k in _TOKEN_ID_KEYS if k in hub_config}
+      _write_json(os.path.join(out, "generation_config.json"), {"_from_model_config": True, **ids})

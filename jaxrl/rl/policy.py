@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+from typing import Literal
 
 import jax
 
@@ -163,10 +164,27 @@ def initial_params(cfg: ExperimentConfig, model: Model, mesh: jax.sharding.Mesh)
   return params
 
 
+def tokenizer_files_dir(cfg: ExperimentConfig) -> str | Literal[False]:
+  """Where the run's tokenizer files are (`config.tokenizer`): the checkpoint's for
+  "pretrained", the named directory, or False for jaxrl's own ("char", "byte": no files)."""
+  if cfg.tokenizer in TOKENIZERS:
+    return False
+  if cfg.tokenizer == "pretrained":
+    return pretrained_dir(cfg) or False
+  return resolve_pretrained(cfg.tokenizer)
+
+
 def export_policy(cfg: ExperimentConfig, model: Model, params: Params, out_dir: str) -> str:
-  """Writes the policy in Hugging Face layout to `out_dir` (tokenizer files and configs copied
-  from the checkpoint it started from); returns `out_dir`."""
-  save_pretrained(model, params, out_dir, source=pretrained_dir(cfg), dtype=cfg.checkpoint.hf_dtype)
+  """Writes the policy in Hugging Face layout to `out_dir` (configs copied from the checkpoint
+  it started from, the tokenizer files of the run's tokenizer); returns `out_dir`."""
+  save_pretrained(
+    model,
+    params,
+    out_dir,
+    source=pretrained_dir(cfg),
+    dtype=cfg.checkpoint.hf_dtype,
+    tokenizer_source=tokenizer_files_dir(cfg),
+  )
   log.info("policy written in Hugging Face format to %s", out_dir)
   return out_dir
 
@@ -191,6 +209,13 @@ class PolicyExporter:
     self.cfg = cfg
     self.model = model
     self.root = os.path.join(workdir, "hf")
+    if tokenizer_files_dir(cfg) is False:
+      log.warning(
+        "config.tokenizer=%r is jaxrl's own, with no Hugging Face files: the policy exported "
+        "to %s will have no tokenizer.",
+        cfg.tokenizer,
+        self.root,
+      )
 
   def due(self, step: int, last: bool) -> str | None:
     """The directory to export to after `step` (`last`: the run's end), or None if not due:
