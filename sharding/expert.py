@@ -60,7 +60,8 @@ class ExpertParallelConfig:
   Attributes:
     capacity_factor: None for dropless (buffers sized for the worst case). A number > 0 gives
       every (sender, receiver) pair of devices room for `ceil(capacity_factor * n * k / e)`
-      assignments (1.0: exactly a receiver's even share) and drops the rest. A sender fills
+      assignments (1.0: exactly a receiver's even share; n: the sender's rows, not counting
+      padding rows, `valid_t`) and drops the rest. A sender fills
       each receiver's rows in order (k, token), every token's first choice before any second
       choice, so first choices are dropped last; which assignments drop is deterministic.
     gmm_impl: the `jaxrl.kernels.gmm` implementation for the expert matmuls.
@@ -165,6 +166,7 @@ class _Static(NamedTuple):
   norm_topk_prob: bool
   tokens: int  # n, per device
   capacity: int  # rows per (sender, receiver) pair
+  capacity_factor: float | None
   token_axes: tuple[str, ...]  # the axes that split the tokens, expert included
   gmm_impl: str
   exchange: str
@@ -184,6 +186,7 @@ def moe_expert_parallel(
   placement_layer: PlacementLayer | None = None,
   routes_tk: jax.Array | None = None,
   token_axes: Sequence[str] | None = None,
+  valid_t: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """Top-k softmax-routed SwiGLU experts, expert-parallel over the mesh's `expert` axis.
 
@@ -225,11 +228,15 @@ def moe_expert_parallel(
       when missing: each device of the expert axis routes its own tokens. Tokens sharded over
       ("data", "fsdp") enter by a local slice (no communication), and the output comes back
       sharded over the expert axis too.
+    valid_t: bool [t], False for padding rows (a batch's padding, rows added to split the
+      tokens evenly): they are sent nowhere, so they take no capacity from real tokens, their
+      output is zero, and the stats leave them out. None: every row is a token.
 
   Returns:
     `(out_td, ids_tk, stats)`: the layer output [t, d] in x's dtype, the expert ids used
     (int32 [t, k]), and int32 stats summed over all devices:
       dropped: (token, k) assignments dropped for capacity (0 in dropless mode).
+      routed: (token, k) assignments of valid rows (what `dropped` is a part of).
       max_received: the most rows any device ran through its experts.
       expert_loads: [x] assignments per expert before drops (planner input, `plan_placement`).
       slot_loads: [e * s] assignments each slot served (`device * s + slot`), after drops.
@@ -252,6 +259,8 @@ def moe_expert_parallel(
     slots = _check_placement(placement_layer, num_devices, num_experts)
   if routes_tk is not None:
     routes_tk = check_routes(routes_tk, x_td.shape[0], top_k, num_experts)
+  if valid_t is not None and valid_t.shape != x_td.shape[:1]:
+    raise ValueError(f"valid_t must be [t={x_td.shape[0]}] (one per row), got {valid_t.shape}.")
   static = _Static(
     num_experts=num_experts,
     num_devices=num_devices,
@@ -259,7 +268,8 @@ def moe_expert_parallel(
     top_k=top_k,
     norm_topk_prob=bool(norm_topk_prob),
     tokens=tokens,
-    capacity=_capacity(tokens, top_k, num_devices, slots, config.capacity_factor),
+    capacity=int(_capacity(tokens, top_k, num_devices, slots, config.capacity_factor)),
+    capacity_factor=config.capacity_factor,
     token_axes=token_axes,
     gmm_impl=config.gmm_impl,
     exchange=config.exchange,
@@ -273,10 +283,13 @@ def moe_expert_parallel(
     extras["placement"] = placement_layer
   if routes_tk is not None:
     extras["routes_tk"] = routes_tk
+  if valid_t is not None:
+    extras["valid_t"] = valid_t.astype(bool)
   token_spec = P(token_axes, None)
   extra_specs = {
     "placement": PlacementLayer(P(), P(), P()),
     "routes_tk": token_spec,
+    "valid_t": P(token_axes),
   }
   shard = jax.shard_map(
     functools.partial(_device_layer, static),
@@ -301,18 +314,18 @@ def _slot_weights(w_x__: jax.Array, slot_expert_m: jax.Array) -> jax.Array:
   return jnp.where(held_m[:, None, None], w_m__, jnp.zeros((), w_x__.dtype))
 
 
-def _capacity(
-  tokens: int, top_k: int, num_devices: int, slots: int, capacity_factor: float | None
-) -> int:
-  """Rows one device may send another.
+def _capacity(tokens, top_k: int, num_devices: int, slots: int, capacity_factor: float | None):
+  """Rows one device may send another, for `tokens` rows of it (an int or a numpy array).
 
   A token's k experts are distinct and a device holds at most one replica of an expert, so a
   token sends one device at most min(k, s) rows: dropless needs `n * min(k, s)`.
   """
+  tokens = np.asarray(tokens, np.int64)
   dropless = tokens * min(top_k, slots)
   if capacity_factor is None:
-    return max(dropless, 1)
-  return max(1, min(dropless, math.ceil(capacity_factor * tokens * top_k / num_devices)))
+    return np.maximum(dropless, 1)
+  share = np.ceil(capacity_factor * tokens * top_k / num_devices).astype(np.int64)
+  return np.maximum(1, np.minimum(dropless, share))
 
 
 def _device_layer(static: _Static, x_nd, router_dx, w_gate_sdf, w_up_sdf, w_down_sfd, extras):
@@ -326,20 +339,29 @@ def _device_layer(static: _Static, x_nd, router_dx, w_gate_sdf, w_up_sdf, w_down
   # Assignments in order (k, token), so that a capacity drops first choices last.
   expert_a = ids_nk.T.reshape(-1)
   token_a = jnp.tile(jnp.arange(n, dtype=jnp.int32), k)
+  valid_a = None if "valid_t" not in extras else jnp.tile(extras["valid_t"], k)
   if "placement" in extras:
-    slot_a = _choose_replicas(expert_a, extras["placement"], static.num_experts)
+    slot_a = _choose_replicas(expert_a, extras["placement"], static.num_experts, valid_a)
   else:
     slot_a = expert_a
   dest_a = slot_a // s
-  pos_a, count_e = _rank_in_group(dest_a, e)
-  keep_a = pos_a < c
+  if valid_a is None:
+    pos_a, count_e = _rank_in_group(dest_a, e)
+    cap, keep_a = c, pos_a < c
+  else:  # padding rows rank in a group of their own (e), behind no real assignment
+    pos_a, count_g = _rank_in_group(jnp.where(valid_a, dest_a, e), e + 1)
+    count_e = count_g[:e]
+    # The capacity of this device's real rows: the same rule, so padding changes no drop.
+    by_rows = _capacity(np.arange(n + 1), k, e, s, static.capacity_factor).astype(np.int32)
+    cap = jnp.asarray(by_rows)[jnp.sum(extras["valid_t"])]
+    keep_a = valid_a & (pos_a < cap)
   row_a = jnp.where(keep_a, dest_a * c + pos_a, e * c)  # e * c: no row (a zero row on return)
 
   # Send buffers: row dest * c + pos holds the token of that assignment and its slot there.
   token_m = jnp.full((e * c,), n, jnp.int32).at[row_a].set(token_a, mode="drop")
   slot_m = jnp.full((e * c,), s, jnp.int32).at[row_a].set(slot_a % s, mode="drop")
   x_md = _with_zero_row(x_nd)[token_m]
-  send_e = jnp.minimum(count_e, c)
+  send_e = jnp.minimum(count_e, cap)
 
   exchange = _EXCHANGES[static.exchange]
   x_md, slot_m, back = exchange(x_md, slot_m, send_e, me, static)
@@ -350,10 +372,12 @@ def _device_layer(static: _Static, x_nd, router_dx, w_gate_sdf, w_up_sdf, w_down
   out_nd = jnp.einsum("knd,kn->nd", y_knd, weights_nk.T.astype(dtype))
 
   axes = static.token_axes
+  routed_a = jnp.ones_like(keep_a) if valid_a is None else valid_a
   stats = {
-    "dropped": lax.psum(jnp.sum(~keep_a, dtype=jnp.int32), axes),
+    "dropped": lax.psum(jnp.sum(routed_a & ~keep_a, dtype=jnp.int32), axes),
+    "routed": lax.psum(jnp.sum(routed_a, dtype=jnp.int32), axes),
     "max_received": lax.pmax(jnp.sum(slot_m < s, dtype=jnp.int32), axes),
-    "expert_loads": lax.psum(_counts(expert_a, static.num_experts), axes),
+    "expert_loads": lax.psum(_counts(expert_a, static.num_experts, valid_a), axes),
     "slot_loads": lax.psum(_counts(slot_a, e * s, keep_a), axes),
   }
   return out_nd, ids_nk, stats
@@ -387,15 +411,20 @@ def _rank_in_group(group_a, num_groups: int):
   return jnp.zeros_like(index_a).at[order_a].set(rank_sorted_a), count_g
 
 
-def _choose_replicas(expert_a, placement: PlacementLayer, num_experts: int):
+def _choose_replicas(expert_a, placement: PlacementLayer, num_experts: int, valid_a=None):
   """The flat slot that serves each assignment.
 
   The assignments of expert x on this device, ranked in order, are cut by the cumulative
   shares: rank q goes to the first replica r with q < cumshare[r] * count. The shares are
   normalised by their float32 sum so the last replica's bound is exactly count; padding
-  replicas (share 0) get empty ranges.
+  replicas (share 0) get empty ranges. Assignments of padding rows (`valid_a` False) are
+  not counted (their slot is a valid one that they never use).
   """
-  rank_a, count_x = _rank_in_group(expert_a, num_experts)
+  if valid_a is None:
+    rank_a, count_x = _rank_in_group(expert_a, num_experts)
+  else:
+    rank_a, count_g = _rank_in_group(jnp.where(valid_a, expert_a, num_experts), num_experts + 1)
+    count_x = count_g[:num_experts]
   cum_ar = jnp.cumsum(placement.replica_share_xr.astype(jnp.float32)[expert_a], axis=-1)
   total_a = cum_ar[:, -1:]
   cum_ar = cum_ar / jnp.where(total_a > 0, total_a, 1)

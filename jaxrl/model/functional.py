@@ -61,20 +61,30 @@ class Model:
     moe: MoEInputs | None = None,
     return_hidden: bool = False,
     segment_ids_bt: jax.Array | None = None,
+    return_moe_counts: bool = False,
   ):
-    """Forward pass; returns (logits_btv in fp32, updated cache or None[, routing_btlk]).
+    """Forward pass; returns (logits_btv in fp32, updated cache or None[, routing_btlk][,
+    moe counts]).
 
     With `return_routing`, also the expert ids every token was routed to per layer (MoE), or
     None for a dense model; `moe` selects expert parallelism, routing replay and an expert
     placement; `return_hidden` gives the final hidden states instead of the logits (for
     `lm_head` applied in chunks); `segment_ids_bt` packs several sequences in a row (training,
-    or a packed prefill); see `Transformer.__call__`.
+    or a packed prefill); `return_moe_counts` adds the assignments the MoE layers routed and
+    dropped for capacity; see `Transformer.__call__`.
     """
     state = jax.tree.map(lambda x: x, self._abstract_state)
     nnx.replace_by_pure_dict(state, params)
     module = nnx.merge(self.graphdef, state)
     return module(
-      tokens_bt, positions_bt, cache, return_routing, moe, return_hidden, segment_ids_bt
+      tokens_bt,
+      positions_bt,
+      cache,
+      return_routing,
+      moe,
+      return_hidden,
+      segment_ids_bt,
+      return_moe_counts,
     )
 
   def lm_head(self, params: Params) -> LMHead:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,11 +86,15 @@ class MoEInputs:
       to route with the router.
     placement: the expert placement of every layer (`placement_arrays(p)`, a leading layer
       dim), or None for the home layout; expert-parallel path only.
+    valid_bt: bool [b, t], False at padding positions (right padding, a packed row's tail):
+      with a capacity they take none from real tokens, and the counts leave them out; None:
+      every position is a token.
   """
 
   expert_parallel: ExpertParallel | None = None
   routes_btlk: jax.Array | None = None
   placement: PlacementLayer | None = None
+  valid_bt: jax.Array | None = None
 
   def layer(self, i: int) -> tuple[jax.Array | None, PlacementLayer | None]:
     routes = None if self.routes_btlk is None else self.routes_btlk[:, :, i]
@@ -97,8 +102,18 @@ class MoEInputs:
     return routes, placement
 
 
+class MoERouting(NamedTuple):
+  """What one MoE layer routed: the expert ids each token chose (int32 `[b, t, k]`), and how
+  many (token, k) assignments of real tokens it routed and dropped for capacity (int32
+  scalars; none drop in dropless mode or in the reference dispatch)."""
+
+  ids_btk: jax.Array
+  routed: jax.Array
+  dropped: jax.Array
+
+
 class MoEMLP(nnx.Module):
-  """Top-k softmax router over SwiGLU experts; returns (output, expert ids_btk chosen)."""
+  """Top-k softmax router over SwiGLU experts; returns (output, `MoERouting`)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.top_k = cfg.experts_per_token
@@ -113,7 +128,7 @@ class MoEMLP(nnx.Module):
     moe = moe or MoEInputs()
     routes_btk, placement = moe.layer(layer)
     if moe.expert_parallel is not None:
-      return self._expert_parallel(x_btd, moe.expert_parallel, routes_btk, placement)
+      return self._expert_parallel(x_btd, moe.expert_parallel, routes_btk, placement, moe.valid_bt)
     if placement is not None:
       raise ValueError(
         "An expert placement needs the expert-parallel path (a mesh with an "
@@ -134,15 +149,18 @@ class MoEMLP(nnx.Module):
     out_btxd = jnp.einsum(
       "btxf,xfd->btxd", jax.nn.silu(gate) * up, self.w_down_xfd.get_value().astype(dt)
     )
-    return jnp.einsum("btxd,btx->btd", out_btxd, combine_btx.astype(dt)), ids_btk
+    out_btd = jnp.einsum("btxd,btx->btd", out_btxd, combine_btx.astype(dt))
+    routed = ids_btk.size if moe.valid_bt is None else jnp.sum(moe.valid_bt) * self.top_k
+    return out_btd, MoERouting(ids_btk, jnp.asarray(routed, jnp.int32), jnp.zeros((), jnp.int32))
 
-  def _expert_parallel(self, x_btd, ep: ExpertParallel, routes_btk, placement):
+  def _expert_parallel(self, x_btd, ep: ExpertParallel, routes_btk, placement, valid_bt):
     b, t, d = x_btd.shape
     dt = x_btd.dtype
     x_td = x_btd.reshape(b * t, d)
     routes_tk = None if routes_btk is None else routes_btk.reshape(b * t, -1).astype(jnp.int32)
-    # The tokens split evenly over the devices that share them: pad to a whole number each
-    # (padding rows are computed and dropped; they route like any token).
+    valid_t = None if valid_bt is None else valid_bt.reshape(b * t).astype(bool)
+    # The tokens split evenly over the devices that share them: pad to a whole number each.
+    # Padding rows are marked invalid: they take no expert capacity from real tokens.
     share = math.prod(ep.mesh.shape[a] for a in TOKEN_AXES if ep.mesh.shape.get(a, 1) > 1)
     pad = -(b * t) % share
     if pad:
@@ -150,7 +168,8 @@ class MoEMLP(nnx.Module):
       if routes_tk is not None:
         spread = (jnp.arange(pad)[:, None] + jnp.arange(routes_tk.shape[1])) % self.num_experts
         routes_tk = jnp.concatenate([routes_tk, spread.astype(jnp.int32)])
-    out_td, ids_tk, _ = moe_expert_parallel(
+      valid_t = jnp.arange(b * t + pad) < b * t if valid_t is None else jnp.pad(valid_t, (0, pad))
+    out_td, ids_tk, stats = moe_expert_parallel(
       x_td,
       self.router_dx.get_value().astype(dt),
       self.w_gate_xdf.get_value().astype(dt),
@@ -162,8 +181,10 @@ class MoEMLP(nnx.Module):
       config=ep.config,
       placement_layer=placement,
       routes_tk=routes_tk,
+      valid_t=valid_t,
     )
-    return out_td[: b * t].reshape(b, t, d), ids_tk[: b * t].reshape(b, t, -1)
+    routing = MoERouting(ids_tk[: b * t].reshape(b, t, -1), stats["routed"], stats["dropped"])
+    return out_td[: b * t].reshape(b, t, d), routing
 
   @property
   def num_experts(self) -> int:

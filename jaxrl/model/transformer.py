@@ -122,7 +122,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU feed-forward; returns (output, None) to match `MoEMLP`'s (output, expert ids)."""
+  """SwiGLU feed-forward; returns (output, None) to match `MoEMLP`'s (output, routing)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f, pd = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
@@ -150,11 +150,11 @@ class Block(nnx.Module):
   def __call__(
     self, x_btd, positions_bt, cache, moe: MoEInputs | None, layer: int, segment_ids_bt=None
   ):
-    """Returns (output, cache, expert ids_btk chosen by an MoE MLP or None)."""
+    """Returns (output, cache, an MoE MLP's `MoERouting` or None)."""
     attn_out, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, segment_ids_bt)
     x_btd = x_btd + attn_out
-    mlp_out, expert_ids_btk = self.mlp(self.mlp_norm(x_btd), moe, layer)
-    return x_btd + mlp_out, cache, expert_ids_btk
+    mlp_out, routing = self.mlp(self.mlp_norm(x_btd), moe, layer)
+    return x_btd + mlp_out, cache, routing
 
 
 class Transformer(nnx.Module):
@@ -183,6 +183,7 @@ class Transformer(nnx.Module):
     moe: MoEInputs | None = None,
     return_hidden: bool = False,
     segment_ids_bt: jax.Array | None = None,
+    return_moe_counts: bool = False,
   ):
     """Runs the model.
 
@@ -204,11 +205,15 @@ class Transformer(nnx.Module):
         to nothing); a token attends only to earlier-or-equal positions of its own segment,
         and `positions_bt` restart at 0 in each segment (`jaxrl.train.packing`). None: each
         row is one sequence.
+      return_moe_counts: also return the (token, k) assignments of real tokens the MoE layers
+        routed and dropped for capacity (`ExpertParallelConfig.capacity_factor`), summed over
+        the layers.
 
     Returns:
       (logits_btv in fp32, or hidden_btd with `return_hidden`; updated cache or None), plus,
       with `return_routing`, the expert ids each token was routed to, int32
-      `[b, t, layers, top_k]` (None for a dense model).
+      `[b, t, layers, top_k]` (None for a dense model), plus, with `return_moe_counts`,
+      `{"routed": int32, "dropped": int32}` (zeros for a dense model).
     """
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
@@ -216,7 +221,7 @@ class Transformer(nnx.Module):
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     embed_vd = self.embed_vd.get_value()
     x_btd = embed_vd[tokens_bt].astype(dt)
-    new_cache, routing = [], []
+    new_cache, routing, routed, dropped = [], [], jnp.int32(0), jnp.int32(0)
     for i, block in enumerate(self.blocks):
       layer_cache = None if cache is None else cache[i]
       if cfg.remat and cache is None:
@@ -227,13 +232,15 @@ class Transformer(nnx.Module):
           lambda blk, x, pos, seg, i=i: blk(x, pos, None, moe, i, seg),
           policy=remat_policy(cfg.remat_policy),
         )
-        x_btd, layer_cache, expert_ids_btk = run(block, x_btd, positions_bt, segment_ids_bt)
+        x_btd, layer_cache, layer_routing = run(block, x_btd, positions_bt, segment_ids_bt)
       else:
-        x_btd, layer_cache, expert_ids_btk = block(
+        x_btd, layer_cache, layer_routing = block(
           x_btd, positions_bt, layer_cache, moe, i, segment_ids_bt
         )
       new_cache.append(layer_cache)
-      routing.append(expert_ids_btk)
+      if layer_routing is not None:
+        routing.append(layer_routing.ids_btk)
+        routed, dropped = routed + layer_routing.routed, dropped + layer_routing.dropped
     x_btd = self.final_norm(x_btd)
     if return_hidden:
       out = x_btd, (None if cache is None else tuple(new_cache))
@@ -241,9 +248,11 @@ class Transformer(nnx.Module):
       logits_btv = self.lm_head().logits(x_btd)
       logits_btv = vocab_mask(logits_btv.astype(jnp.float32), cfg.vocab_limit)
       out = logits_btv, (None if cache is None else tuple(new_cache))
-    if not return_routing:
-      return out
-    return *out, (jnp.stack(routing, axis=2).astype(jnp.int32) if cfg.is_moe else None)
+    if return_routing:
+      out = *out, (jnp.stack(routing, axis=2).astype(jnp.int32) if cfg.is_moe else None)
+    if return_moe_counts:
+      out = *out, {"routed": routed, "dropped": dropped}
+    return out
 
   def lm_head(self) -> LMHead:
     """The LM head as stored: the embedding when tied, else `lm_head_dv`."""

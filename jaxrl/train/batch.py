@@ -26,6 +26,19 @@ class TrainBatch:
   advantages_b: np.ndarray
   routes_btlk: np.ndarray | None = None
 
+  @classmethod
+  def blank(cls, batch_size: int, length: int, routes_lk: tuple[int, int] | None = None):
+    """`batch_size` sequences of `length` tokens, none trained on (all padding), for compiling
+    an update's shapes; `routes_lk` (layers, k): with routes, all -1 (padding)."""
+    routes = None if routes_lk is None else np.full((batch_size, length - 1, *routes_lk), -1)
+    return cls(
+      tokens_bt=np.zeros((batch_size, length), np.int32),
+      mask_bt=np.zeros((batch_size, length - 1), np.float32),
+      old_logp_bt=np.zeros((batch_size, length - 1), np.float32),
+      advantages_b=np.zeros((batch_size,), np.float32),
+      routes_btlk=routes,
+    )
+
   @property
   def size(self) -> int:
     return self.tokens_bt.shape[0]

@@ -44,12 +44,11 @@ from jaxrl.train.optimizer import (
 from jaxrl.train.packing import (
   MicroBatch,
   PackLayout,
-  pack_batch,
-  pack_layout,
+  input_positions,
+  pack_train_batch,
   row_length,
-  sequence_lengths,
 )
-from jaxrl.train.routing import MoEConfig, fill_padding, plan_micro_batches
+from jaxrl.train.routing import MoEConfig, plan_micro_batches, replayed_routes
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +108,8 @@ class Learner:
       mesh,
       ExpertParallelConfig(moe.capacity_factor or None, moe.gmm_impl, moe.exchange),
     )
+    # With an expert capacity, padding positions are kept out of it and drops are reported.
+    self._capacity = self.expert_parallel is not None and bool(moe.capacity_factor)
     if model.config.is_moe and moe.placement != "static" and self.expert_parallel is None:
       raise ValueError(
         f"train.moe.placement={moe.placement!r} places experts on the training mesh's expert "
@@ -208,14 +209,22 @@ class Learner:
       )
 
   def logprobs(
-    self, params: Params, tokens_bt: np.ndarray, routes_btlk: np.ndarray | None = None
+    self,
+    params: Params,
+    tokens_bt: np.ndarray,
+    routes_btlk: np.ndarray | None = None,
+    mask_bt: np.ndarray | None = None,
   ) -> jax.Array:
     """Log-probs [b, t] of tokens 1..t+1 under `params` at the rollout temperature (MoE: with
-    these routes replayed, when given)."""
-    return self._logprobs(params, jnp.asarray(tokens_bt), routes_btlk)
+    these routes replayed, when given). `mask_bt`, the targets trained on: with an expert
+    capacity, the positions after a row's last target are padding that takes none (as in
+    `update`); None: every position is a token."""
+    valid_bt = None if mask_bt is None or not self._capacity else input_positions(mask_bt)
+    return self._logprobs(params, jnp.asarray(tokens_bt), routes_btlk, valid_bt)
 
-  def _logprobs_impl(self, params, tokens_bt, routes_btlk=None, placement=None):
-    return self._token_stats(params, tokens_bt[:, :-1], tokens_bt[:, 1:], routes_btlk, placement)[0]
+  def _logprobs_impl(self, params, tokens_bt, routes_btlk=None, valid_bt=None):
+    inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:]
+    return self._token_stats(params, inputs_bt, targets_bt, routes_btlk, valid_bt=valid_bt)[0]
 
   def _packed_logprobs_impl(self, params, micro: MicroBatch):
     return self._token_stats(
@@ -226,7 +235,17 @@ class Learner:
       None,
       micro.positions_bt,
       micro.segment_ids_bt,
+      self._valid_positions(micro),
     )[0]
+
+  def _valid_positions(self, micro: MicroBatch):
+    """With an expert capacity: the micro-batch's real input positions (False at padding),
+    else None."""
+    if not self._capacity:
+      return None
+    if micro.segment_ids_bt is not None:
+      return micro.segment_ids_bt >= 0
+    return input_positions(micro.mask_bt)
 
   def _token_stats(
     self,
@@ -237,13 +256,25 @@ class Learner:
     placement=None,
     positions_bt=None,
     segment_ids_bt=None,
+    valid_bt=None,
+    moe_counts: dict | None = None,
   ):
-    """(log-probs, entropies) `[b, t]` of the targets at the rollout temperature."""
+    """(log-probs, entropies) `[b, t]` of the targets at the rollout temperature. `valid_bt`:
+    MoE, the positions that are tokens (`MoEInputs.valid_bt`); `moe_counts`, a dict, gets the
+    MoE layers' routed and dropped assignments."""
     cfg = self.model.config
-    moe = MoEInputs(self.expert_parallel, routes_btlk, placement) if cfg.is_moe else None
-    hidden_btd, _ = self.model.apply(
-      params, inputs_bt, positions_bt, moe=moe, return_hidden=True, segment_ids_bt=segment_ids_bt
+    moe = MoEInputs(self.expert_parallel, routes_btlk, placement, valid_bt) if cfg.is_moe else None
+    hidden_btd, _, *counts = self.model.apply(
+      params,
+      inputs_bt,
+      positions_bt,
+      moe=moe,
+      return_hidden=True,
+      segment_ids_bt=segment_ids_bt,
+      return_moe_counts=moe_counts is not None,
     )
+    if moe_counts is not None:
+      moe_counts.update(counts[0])
     return chunked_token_logprobs(
       hidden_btd,
       self.model.lm_head(params),
@@ -257,17 +288,7 @@ class Learner:
   def _replayed_routes(self, batch: TrainBatch) -> np.ndarray | None:
     if not (self.model.config.is_moe and self.moe_cfg.routing_replay):
       return None
-    if batch.routes_btlk is None:
-      raise ValueError(
-        "train.moe.routing_replay needs the rollout's routing trace with the batch; the paged "
-        "engine records it, the static engine does not."
-      )
-    if batch.routes_btlk.shape[:2] != batch.mask_bt.shape:
-      raise ValueError(
-        f"routes_btlk has shape {batch.routes_btlk.shape}; it must be [b, t, layers, k] with "
-        f"[b, t] = {batch.mask_bt.shape}, like the batch's targets."
-      )
-    return fill_padding(batch.routes_btlk, self.model.config.num_experts)
+    return replayed_routes(batch.routes_btlk, batch.mask_bt.shape, self.model.config.num_experts)
 
   def update(self, batch: TrainBatch) -> dict[str, jax.Array]:
     """Runs `updates_per_step` optimizer updates over the batch; returns averaged metrics.
@@ -300,6 +321,9 @@ class Learner:
       if planned is not None:
         placement_metrics.append(planned)
     out = jax.tree.map(lambda *xs: sum(xs) / len(xs), *all_metrics)
+    if "moe_routed" in out:  # MoE with a capacity: the share of assignments it dropped
+      routed, dropped = out.pop("moe_routed"), out.pop("moe_dropped")
+      out["moe_dropped_frac"] = dropped / jnp.maximum(routed, 1)
     if placement_metrics:
       out |= {k: float(np.mean([m[k] for m in placement_metrics])) for k in placement_metrics[0]}
     # Effective sample size of the behaviour weights, as a fraction of the tokens.
@@ -352,35 +376,18 @@ class Learner:
 
   def _pack(self, batch: TrainBatch, behaviour_bt: np.ndarray) -> tuple[PackLayout, MicroBatch]:
     """The batch packed into micro-batches of `micro_batch_size` rows (routes filled)."""
-    longest = int(sequence_lengths(batch.mask_bt).max(initial=0))
-    length = row_length(longest, self.pack_length)
-    if length != self.pack_length and length not in self._warned_lengths:
-      self._warned_lengths.add(length)
-      log.warning(
-        "A sequence needs %d positions, more than train.pack_length=%d: its batch packs into "
-        "rows of %d, a training shape of its own (compiled now). Raise train.pack_length to at "
-        "least %d to keep one shape.",
-        longest, self.pack_length, length, longest,
-      )  # fmt: skip
     # cuDNN's packed attention holds a fixed number of sequences a row; a row with more would
     # run the Pallas kernel instead (`jaxrl.kernels.flash_attention.cudnn`).
     cudnn = self.model.config.attention == "cudnn"
-    max_segments = CUDNN_MAX_SEGMENTS if cudnn else None
-    layout = pack_layout(batch.mask_bt, length, self.micro_batch_size, max_segments)
-    packed = pack_batch(
-      layout,
-      batch.tokens_bt,
-      batch.mask_bt,
-      batch.old_logp_bt,
+    return pack_train_batch(
+      batch,
       behaviour_bt,
-      batch.advantages_b,
-      batch.routes_btlk,
+      pack_length=self.pack_length,
+      micro_batch_size=self.micro_batch_size,
+      max_segments=CUDNN_MAX_SEGMENTS if cudnn else None,
+      num_experts=self.model.config.num_experts,
+      warned_lengths=self._warned_lengths,
     )
-    if packed.routes_btlk is not None:
-      routes = packed.routes_btlk.reshape(-1, *packed.routes_btlk.shape[2:])
-      routes = fill_padding(routes, self.model.config.num_experts)
-      packed = packed._replace(routes_btlk=routes.reshape(packed.routes_btlk.shape))
-    return layout, packed
 
   def _packed_update(self, part: TrainBatch, behaviour_bt: np.ndarray):
     """One optimizer update over packed micro-batches: a jitted micro-step per micro-batch,
@@ -458,18 +465,10 @@ class Learner:
     return len(lengths)
 
   def _blank_batch(self, batch_size: int, length: int) -> TrainBatch:
-    """`batch_size` sequences of `length` tokens, none trained on (all padding)."""
     cfg = self.model.config
-    routes = None
-    if cfg.is_moe and self.moe_cfg.routing_replay:
-      routes = np.full((batch_size, length - 1, cfg.num_layers, cfg.experts_per_token), -1)
-    return TrainBatch(
-      tokens_bt=np.zeros((batch_size, length), np.int32),
-      mask_bt=np.zeros((batch_size, length - 1), np.float32),
-      old_logp_bt=np.zeros((batch_size, length - 1), np.float32),
-      advantages_b=np.zeros((batch_size,), np.float32),
-      routes_btlk=routes,
-    )
+    replay = cfg.is_moe and self.moe_cfg.routing_replay  # then routes too, all -1
+    routes_lk = (cfg.num_layers, cfg.experts_per_token) if replay else None
+    return TrainBatch.blank(batch_size, length, routes_lk)
 
   def proximal_logprobs(self, batch: TrainBatch) -> np.ndarray:
     """The current weights' log-probs of the batch's targets (0 off the mask), computed one
@@ -504,8 +503,10 @@ class Learner:
       placement=placement,
       positions_bt=micro.positions_bt,
       segment_ids_bt=micro.segment_ids_bt,
+      valid_bt=self._valid_positions(micro),
     )
-    logp_bt, entropy_bt = stats(params)
+    counts = {} if self._capacity else None
+    logp_bt, entropy_bt = stats(params, moe_counts=counts)
     ref_logp_bt = None if ref_params is None else jax.lax.stop_gradient(stats(ref_params)[0])
     loss, metrics = policy_loss(
       logp_bt,
@@ -521,7 +522,10 @@ class Learner:
     )
     # Mean entropy of the policy over the trained tokens: a collapse shows here first.
     entropy_sum = jnp.sum(jax.lax.stop_gradient(entropy_bt) * micro.mask_bt)
-    return loss, metrics | {"entropy": entropy_sum / jnp.maximum(num_tokens, 1)}
+    metrics = metrics | {"entropy": entropy_sum / jnp.maximum(num_tokens, 1)}
+    if counts:  # summed over the micro-batches like the rest; `update` divides them
+      metrics |= {f"moe_{k}": v.astype(jnp.float32) for k, v in counts.items()}
+    return loss, metrics
 
   def _micro_step_impl(self, params, ref_params, sums, micro, num_tokens, num_seqs, placement):
     grad_sums, metric_sums = sums

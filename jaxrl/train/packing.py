@@ -22,9 +22,16 @@ b packed rows per micro-batch, p positions per packed row, l layers, k experts p
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
+
+from jaxrl.train.batch import TrainBatch
+from jaxrl.train.routing import fill_padding
+
+log = logging.getLogger(__name__)
 
 PACK_MULTIPLE = 8  # packed row lengths are multiples of this
 
@@ -254,3 +261,50 @@ def pack_batch(
     segment_ids_bt=layout.segment_ids_mbp,
     routes_btlk=None if routes_ntlk is None else layout.gather(routes_ntlk, -1).astype(np.int32),
   )
+
+
+def pack_train_batch(
+  batch: TrainBatch,
+  behaviour_bt: np.ndarray,
+  *,
+  pack_length: int,
+  micro_batch_size: int,
+  max_segments: int | None,
+  num_experts: int,
+  warned_lengths: set[int],
+) -> tuple[PackLayout, MicroBatch]:
+  """`batch` packed into micro-batches of `micro_batch_size` rows of `pack_length` positions
+  (longer when a sequence needs it: warned once per length, recorded in `warned_lengths`), at
+  most `max_segments` sequences a row; replayed routes at padding filled (`fill_padding`)."""
+  longest = int(sequence_lengths(batch.mask_bt).max(initial=0))
+  length = row_length(longest, pack_length)
+  if length != pack_length and length not in warned_lengths:
+    warned_lengths.add(length)
+    log.warning(
+      "A sequence needs %d positions, more than train.pack_length=%d: its batch packs into "
+      "rows of %d, a training shape of its own (compiled now). Raise train.pack_length to at "
+      "least %d to keep one shape.",
+      longest, pack_length, length, longest,
+    )  # fmt: skip
+  layout = pack_layout(batch.mask_bt, length, micro_batch_size, max_segments)
+  packed = pack_batch(
+    layout,
+    batch.tokens_bt,
+    batch.mask_bt,
+    batch.old_logp_bt,
+    behaviour_bt,
+    batch.advantages_b,
+    batch.routes_btlk,
+  )
+  if packed.routes_btlk is not None:
+    routes = packed.routes_btlk.reshape(-1, *packed.routes_btlk.shape[2:])
+    routes = fill_padding(routes, num_experts)
+    packed = packed._replace(routes_btlk=routes.reshape(packed.routes_btlk.shape))
+  return layout, packed
+
+
+def input_positions(mask_bt):
+  """The input positions of right-padded rows that hold tokens, from the target mask: up to
+  each row's last trained target (prompt and response; what follows is padding, as packing
+  cuts it). A jax array, for use inside jit."""
+  return jnp.flip(jnp.cumsum(jnp.flip(jnp.asarray(mask_bt), 1), 1), 1) > 0

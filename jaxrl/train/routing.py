@@ -83,6 +83,24 @@ def routes_from_completions(completions: Sequence, length: int) -> np.ndarray | 
   return routes
 
 
+def replayed_routes(
+  routes_btlk: np.ndarray | None, targets_shape: tuple[int, int], num_experts: int
+) -> np.ndarray:
+  """A batch's routes for routing replay (`[b, t, layers, k]`, `[b, t]` like its targets),
+  with the padding positions filled (`fill_padding`)."""
+  if routes_btlk is None:
+    raise ValueError(
+      "train.moe.routing_replay needs the rollout's routing trace with the batch; the paged "
+      "engine records it, the static engine does not."
+    )
+  if routes_btlk.shape[:2] != tuple(targets_shape):
+    raise ValueError(
+      f"routes_btlk has shape {routes_btlk.shape}; it must be [b, t, layers, k] with "
+      f"[b, t] = {tuple(targets_shape)}, like the batch's targets."
+    )
+  return fill_padding(routes_btlk, num_experts)
+
+
 def fill_padding(routes_btlk: np.ndarray, num_experts: int) -> np.ndarray:
   """Routes with the -1 entries (padding positions) replaced by experts spread round-robin,
   so that padding loads every expert alike."""

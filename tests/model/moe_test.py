@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tolerance
+from helpers import moe_capacity, tolerance
 
 from jaxrl.model import ExpertParallel, Model, MoEInputs, get_preset
 from jaxrl.sharding import make_mesh, plan_placement
-from jaxrl.sharding.expert import placement_arrays
+from jaxrl.sharding.expert import ExpertParallelConfig, placement_arrays
 
 CFG = get_preset("tiny-moe", num_layers=2)  # 8 experts, top-2
 # The sums behind the loss and its gradients, float32 at HIGHEST precision, which the
@@ -114,3 +114,73 @@ def test_expert_parallel_is_chosen_only_for_moe_models_on_an_expert_axis():
   assert ExpertParallel.for_mesh(CFG, mesh) is not None
   assert ExpertParallel.for_mesh(CFG, flat) is None
   assert ExpertParallel.for_mesh(get_preset("tiny"), mesh) is None
+
+
+# -- capacity: padding takes none, drops are counted ---------------------------------------------
+
+
+def _capacity_inputs(mesh, routes=None, valid_bt=None):
+  config = ExpertParallelConfig(capacity_factor=1.0)
+  return MoEInputs(
+    expert_parallel=ExpertParallel(mesh, config),
+    routes_btlk=None if routes is None else jnp.asarray(routes),
+    valid_bt=None if valid_bt is None else jnp.asarray(valid_bt),
+  )
+
+
+def test_right_padding_changes_no_real_tokens_logits_or_drops_under_a_capacity():
+  """8 rows on 8 devices (one row each): the same rows with 5 more padding positions give the
+  real positions the same logits and drop the same assignments."""
+  rng = np.random.default_rng()
+  model = Model(CFG)
+  params = _params(model, rng)
+  mesh = make_mesh(jax.devices()[:8], {"data": 2, "expert": 4})
+  lengths = rng.integers(3, 9, 8)
+  valid_bt = np.arange(8) < lengths[:, None]
+  tokens_bt = rng.integers(0, CFG.vocab_size, (8, 8)) * valid_bt
+  padded_bt = np.pad(tokens_bt, ((0, 0), (0, 5)))
+
+  @jax.jit
+  def apply(params, tokens_bt, valid_bt):
+    moe = _capacity_inputs(mesh, valid_bt=valid_bt)
+    return model.apply(params, tokens_bt, moe=moe, return_moe_counts=True)
+
+  with jax.default_matmul_precision("highest"):
+    logits, _, counts = apply(params, tokens_bt, valid_bt)
+    padded, _, padded_counts = apply(params, padded_bt, np.pad(valid_bt, ((0, 0), (0, 5))))
+  assert int(counts["routed"]) == int(valid_bt.sum()) * CFG.experts_per_token * CFG.num_layers
+  assert int(counts["dropped"]) > 0, "the test wants drops at capacity factor 1"
+  assert {k: int(v) for k, v in padded_counts.items()} == {k: int(v) for k, v in counts.items()}
+  tolerance.assert_close(np.asarray(padded)[:, :8][valid_bt], logits[valid_bt], n=LOSS_TERMS)
+
+
+def test_rows_the_layer_pads_take_no_capacity_and_drops_are_counted():
+  """4 x 15 tokens over 8 token shards of 8: the layer pads 4 rows onto the last shard, beside 4
+  real ones, and their first choices come before the real tokens' second choices there."""
+  rng = np.random.default_rng(0)  # a draw where counting the padding drops other assignments
+  model = Model(CFG)
+  params = _params(model, rng)
+  mesh = make_mesh(jax.devices()[:8], {"data": 2, "expert": 4})
+  b, t, k, layers, pad = 4, 15, CFG.experts_per_token, CFG.num_layers, 4
+  # Skewed routes (low experts favoured, as the padding's are), so that a capacity factor of 1
+  # drops some.
+  scores = rng.gumbel(size=(b * t * layers, CFG.num_experts)) - 2 * np.log(
+    np.arange(1, CFG.num_experts + 1)
+  )
+  routes = np.argsort(-scores, axis=1)[:, :k].reshape(b, t, layers, k).astype(np.int32)
+  tokens_bt = rng.integers(0, CFG.vocab_size, (b, t))
+  moe = _capacity_inputs(mesh, routes)
+  apply = jax.jit(lambda p, x: model.apply(p, x, moe=moe, return_moe_counts=True))
+  _, _, counts = apply(params, tokens_bt)
+  valid_t = np.arange(b * t + pad) < b * t
+  want = naive = 0
+  for layer in range(layers):
+    routes_tk = routes[:, :, layer].reshape(b * t, k)
+    spread = (np.arange(pad)[:, None] + np.arange(k)) % CFG.num_experts  # the layer's padding
+    padded_tk = np.concatenate([routes_tk, spread])
+    slots = CFG.num_experts // 4
+    want += int((~moe_capacity.kept(padded_tk, 8, slots, 4, 1.0, valid_t))[valid_t].sum())
+    naive += int((~moe_capacity.kept(padded_tk, 8, slots, 4, 1.0))[valid_t].sum())
+  assert want > 0 and naive != want, "the test wants drops that padding would change"
+  assert int(counts["routed"]) == b * t * k * layers
+  assert int(counts["dropped"]) == want

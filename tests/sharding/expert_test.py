@@ -7,14 +7,13 @@ e devices on the expert axis, s slots of a device, r replicas.
 """
 
 import functools
-import math
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tolerance
+from helpers import moe_capacity, tolerance
 
 from jaxrl.model.moe import route
 from jaxrl.sharding import (
@@ -211,30 +210,13 @@ def test_bfloat16():
   np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, rtol=0.05, atol=0.05)
 
 
-def _numpy_keep(routes_tk, shards, slots, e, capacity_factor):
-  """The documented drop rule, independently: each device (a contiguous block of tokens) takes
-  its assignments in order (k, token) and keeps the first `capacity` for each receiver."""
-  tokens, k = routes_tk.shape
-  n = tokens // shards
-  capacity = min(n * min(k, slots), max(1, math.ceil(capacity_factor * n * k / e)))
-  keep_tk = np.zeros(routes_tk.shape, bool)
-  for shard in range(shards):
-    sent = np.zeros(e, int)
-    for kk in range(k):
-      for t in range(shard * n, (shard + 1) * n):
-        dest = routes_tk[t, kk] // slots
-        keep_tk[t, kk] = sent[dest] < capacity
-        sent[dest] += 1
-  return keep_tk
-
-
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 16.0])
 def test_capacity_drops(capacity_factor):
   rng = _rng("capacity", capacity_factor)
   params = _params(rng)
   e = 4
   routes = _distinct_routes(rng, TOKENS, skew=2.0)
-  keep_tk = _numpy_keep(routes, 8, X // e, e, capacity_factor)
+  keep_tk = moe_capacity.kept(routes, 8, X // e, e, capacity_factor)
   dropped = int((~keep_tk).sum())
   assert (dropped > 0) == (capacity_factor < 16)
   routes_tk = jnp.asarray(routes)
@@ -250,6 +232,50 @@ def test_capacity_drops(capacity_factor):
   _check_loads(stats, routes, None, dropped=dropped)
   kept_x = np.bincount(routes[keep_tk], minlength=X)
   np.testing.assert_array_equal(stats["slot_loads"], kept_x)
+
+
+@pytest.mark.parametrize("method", [None, "replicate_pack"])
+def test_invalid_rows_take_no_capacity_and_are_not_counted(method):
+  """Padding rows (valid_t False) come before real tokens' second choices in the (k, token)
+  order; they must not take the capacity those would get."""
+  rng = _rng("valid", method)
+  params = _params(rng)
+  e, capacity_factor = 4, 1.0
+  placement = _placement(rng, e, method)
+  routes = _distinct_routes(rng, TOKENS, skew=2.0)
+  valid_t = rng.random(TOKENS) < 0.6
+  keep_tk = moe_capacity.kept(routes, 8, X // e, e, capacity_factor, valid_t)
+  if method is None:  # with a placement, replicas hold more slots than the rule models
+    assert int((~keep_tk & valid_t[:, None]).sum()) > 0
+  ep = functools.partial(
+    moe_expert_parallel,
+    mesh=_mesh(e),
+    top_k=K,
+    routes_tk=jnp.asarray(routes),
+    placement_layer=placement,
+    valid_t=jnp.asarray(valid_t),
+    config=ExpertParallelConfig(capacity_factor=capacity_factor),
+  )
+  with jax.default_matmul_precision("highest"):
+    out, ids, stats = jax.jit(ep)(*params)
+    if method is None:
+      keep = jnp.asarray(keep_tk)
+      ref_out, _ = _reference(*params, routes_tk=jnp.asarray(routes), keep_tk=keep)
+      _assert_close(out, ref_out)
+  np.testing.assert_array_equal(np.asarray(out)[~valid_t], 0)
+  np.testing.assert_array_equal(ids, routes)
+  assert int(stats["routed"]) == K * int(valid_t.sum())
+  loads_x = np.bincount(routes[valid_t].ravel(), minlength=X)
+  np.testing.assert_array_equal(stats["expert_loads"], loads_x)
+  assert int(np.asarray(stats["slot_loads"]).sum()) == loads_x.sum() - int(stats["dropped"])
+  if method is None:
+    assert int(stats["dropped"]) == int((~keep_tk & valid_t[:, None]).sum())
+  # All rows valid is the same as no mask.
+  everything = jax.jit(functools.partial(ep, valid_t=jnp.ones(TOKENS, bool)))(*params)
+  unmasked = jax.jit(functools.partial(ep, valid_t=None))(*params)
+  _assert_close(everything[0], unmasked[0])
+  for name in unmasked[2]:
+    np.testing.assert_array_equal(everything[2][name], unmasked[2][name], err_msg=name)
 
 
 def _emulated_ragged_all_to_all(

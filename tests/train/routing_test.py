@@ -120,3 +120,36 @@ def test_loads_and_bad_settings():
         np.ones(8, np.float32),
       )
     )  # fmt: skip
+
+
+def test_a_capacity_reports_its_drops_and_ignores_right_padding(rollout):
+  """With an expert capacity, padding positions take none of it: the same batch with more
+  padding columns gives the same log-probs and drops the same share of assignments (2 rows a
+  token shard, so the rows stay whole on their devices)."""
+  params, _, batch = rollout
+  moe = MoEConfig(routing_replay=True, capacity_factor=0.5)
+  more = 7
+  wider = TrainBatch(
+    np.pad(batch.tokens_bt, ((0, 0), (0, more))),
+    np.pad(batch.mask_bt, ((0, 0), (0, more))),
+    np.pad(batch.old_logp_bt, ((0, 0), (0, more))),
+    batch.advantages_b,
+    np.pad(batch.routes_btlk, ((0, 0), (0, more), (0, 0), (0, 0)), constant_values=-1),
+  )
+  metrics, logps = [], []
+  with jax.default_matmul_precision("highest"):
+    for b in (batch, wider):
+      ep = learner({"fsdp": 2, "expert": 2}, params, moe=moe)
+      logps.append(
+        np.asarray(ep.logprobs(ep.params, b.tokens_bt, ep._replayed_routes(b), b.mask_bt))
+      )
+      metrics.append(ep.update(b))
+  mask = batch.mask_bt > 0
+  t = mask.shape[1]
+  tolerance.assert_close(
+    logps[1][:, :t][mask], logps[0][mask], n=tolerance.model_terms(MODEL.config)
+  )
+  dropped = [float(m["moe_dropped_frac"]) for m in metrics]
+  assert 0 < dropped[0] < 1
+  assert dropped[1] == dropped[0]
+  assert "moe_dropped_frac" not in learner({"fsdp": 2, "expert": 2}, params).update(batch)
