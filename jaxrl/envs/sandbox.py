@@ -109,7 +109,8 @@ class SandboxResult:
     output: stdout and stderr interleaved, truncated to the limit (a marker says how much was
       cut from the middle).
     status: "ok", "error", "timeout", "cpu_limit" or "memory_limit".
-    exit_code: the code's exit status, -N for signal N, None when it was killed at the timeout.
+    exit_code: the code's exit status, -N for signal N, None when it was killed at the timeout
+      (under namespaces a shell runs the code, and an exit status of 128 + N reads as -N).
     truncated: output was cut.
     elapsed_s: wall-clock seconds.
   """
@@ -255,14 +256,30 @@ def run_python(
     # its group id cannot have been reused by an unrelated process.
     with contextlib.suppress(ProcessLookupError, PermissionError):
       os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    cpu_s = _reap(proc)
     proc.stdout.close()
   elapsed = time.monotonic() - start
   exit_code = None if timed_out else _exit_code(proc.returncode, namespaced)
   if namespaced and exit_code is not None and exit_code < 0:
     head, tail = _drop_shell_report(head, tail, -exit_code)
   output, truncated = _truncate(head, tail, total, limits.max_output_chars)
-  return SandboxResult(output, _status(exit_code, output, timed_out), exit_code, truncated, elapsed)
+  # A kill counts as the CPU limit only if the CPU time was used up: under namespaces the
+  # shell reports `sys.exit(137)` as it would SIGKILL, and the OOM killer sends SIGKILL too.
+  used_up = cpu_s is None or cpu_s >= 0.9 * math.ceil(limits.cpu_s)
+  status = _status(exit_code, output, timed_out, used_up)
+  return SandboxResult(output, status, exit_code, truncated, elapsed)
+
+
+def _reap(proc: subprocess.Popen) -> float | None:
+  """Waits for `proc` and sets its returncode; returns the CPU seconds it and the descendants
+  it waited for used (None if something else reaped it)."""
+  try:
+    _, status, usage = os.wait4(proc.pid, 0)
+  except ChildProcessError:
+    proc.wait()
+    return None
+  proc.returncode = os.waitstatus_to_exitcode(status)
+  return usage.ru_utime + usage.ru_stime
 
 
 def _read(
@@ -335,12 +352,12 @@ def _exit_code(returncode: int, namespaced: bool) -> int:
   return returncode
 
 
-def _status(exit_code: int | None, output: str, timed_out: bool) -> str:
+def _status(exit_code: int | None, output: str, timed_out: bool, cpu_used_up: bool) -> str:
   if timed_out:
     return "timeout"
   if exit_code == 0:
     return "ok"
-  if exit_code in (-signal.SIGXCPU, -signal.SIGKILL):  # SIGKILL: the hard CPU limit
+  if cpu_used_up and exit_code in (-signal.SIGXCPU, -signal.SIGKILL):  # SIGKILL: the hard limit
     return "cpu_limit"
   end = output.rstrip().splitlines()[-_TAIL_LINES:]
   if any("MemoryError" in line or "Cannot allocate memory" in line for line in end):

@@ -43,6 +43,19 @@ def test_an_infinite_loop_stops_at_the_cpu_limit():
   assert result.text(LIMITS).endswith("[stopped: it used up its 1 s of CPU time]")
 
 
+@pytest.mark.parametrize(
+  "code",
+  ["import sys; sys.exit(137)", "import sys; sys.exit(152)", "import os; os.kill(os.getpid(), 9)"],
+  ids=["exit137", "exit152", "sigkill"],
+)
+def test_a_kill_or_exit_status_without_the_cpu_used_up_is_an_error(code):
+  """Under namespaces a shell reports 137 and 152 as it would SIGKILL and SIGXCPU; a kill with
+  CPU time to spare (the OOM killer's) is not the CPU limit either."""
+  result = run_python(code, LIMITS)
+  assert result.status == "error", result
+  assert "CPU time" not in result.text(LIMITS)
+
+
 def test_a_sleeping_run_stops_at_the_wall_clock_limit():
   limits = SandboxLimits(timeout_s=1.0, cpu_s=5.0, memory_mb=256)
   result = run_python("import time\nprint('start', flush=True)\ntime.sleep(60)", limits)
