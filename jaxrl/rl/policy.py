@@ -134,13 +134,16 @@ def make_rollout_engine(
   `cfg.rollout`). The RL loop streams, moves and preempts requests, which only the paged engine
   can; the static engine (`rollout.StaticEngine`) is the benchmarks' baseline."""
   rollout = rollout or cfg.rollout
+  paged = rollout.paged
+  if not cfg.env.name:  # single-turn: no request keeps its pages, so precompile skips that case
+    paged = dataclasses.replace(paged, keep_turn_kv=False)
   return PagedEngine(
     model,
     mesh,
     STAGE_RULES["rollout"],
     eos_id=tokenizer.eos_id,
     pad_id=tokenizer.pad_id,
-    config=rollout.paged,
+    config=paged,
   )
 
 

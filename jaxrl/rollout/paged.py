@@ -36,11 +36,12 @@ import jax
 import numpy as np
 
 from jaxrl.model import Model, Params
-from jaxrl.rollout.decode_loop import DeviceBatch, RowStart, WindowOutput, dead_rows
+from jaxrl.rollout.decode_loop import DeviceBatch, RowStart, WindowOutput
 from jaxrl.rollout.engine import Completion, bucket, place_params
 from jaxrl.rollout.kv_park import KVPark
 from jaxrl.rollout.paged_calls import PagedCalls
 from jaxrl.rollout.paged_config import PagedConfig
+from jaxrl.rollout.precompile import precompile_engine
 from jaxrl.rollout.prefill import (
   chunk_rows,
   chunk_spans,
@@ -170,7 +171,7 @@ class PagedEngine:
     filter_widths: Sequence[int] = (NO_FILTER, TOP_K_CANDIDATES, SORT_ALL),
     max_tokens: int | None = None,
   ) -> int:
-    """Compiles every decode window and prefill call this engine can make, by running each
+    """Compiles every decode window, prefill call and page copy this engine can make, running each
     shape once on padding rows (position -1: they read and write no cache), so that none
     compiles mid-run. `stop_widths`: the stop-id list widths to cover (1: the end token only);
     `filter_widths`: the sampler variants to cover (`sampling.filter_width`); `max_tokens`:
@@ -181,40 +182,7 @@ class PagedEngine:
     Needs weights. Returns the number of shapes run."""
     if self.params is None:
       raise ValueError("PagedEngine.precompile needs weights first: call update_weights.")
-    cfg, mc = self.cfg, self.model.config
-    max_tokens = max_tokens or (cfg.max_tokens if cfg.max_tokens > 0 else mc.max_seq_len)
-    max_tokens = min(max_tokens, mc.max_seq_len)
-    row_counts = sorted({self._rows(n) for n in range(1, cfg.max_running + 1)})
-    max_pages = pages_for(max_tokens, cfg.page_size)
-    widths = sorted({self._table_width(p) for p in range(1, max_pages + 1)})
-    # Prefill caches every token but the last: chunks of up to `max_tokens - 1`.
-    longest_chunk = max(1, min(cfg.prefill_chunk, max_tokens - 1))
-    chunks = sorted({self._chunk_width(c) for c in range(1, longest_chunk + 1)})
-    # Packed, sequences of up to `prefill_chunk + 1` tokens never meet the chunked call.
-    chunked = not cfg.pack_prefill or max_tokens > cfg.prefill_chunk + 1
-    shapes = 0
-    for rows, width in itertools.product(row_counts, widths):
-      table = np.zeros((rows, width), np.int32)
-      for stops, filters in itertools.product(stop_widths, filter_widths):
-        state, sampling = self._calls.put(
-          dead_rows(rows, stops, self.pad_id), self._calls.row_state_shardings
-        )
-        *_, self._kv = self._calls.decoder(filters)(self.params, self._kv, state, sampling, table)
-        shapes += 1
-      for chunk in chunks if chunked else ():
-        tokens = np.full((rows, chunk), self.pad_id, np.int32)
-        positions = np.full((rows, chunk), -1, np.int32)
-        self._kv, _ = self._calls.prefill(self.params, self._kv, tokens, positions, table)
-        shapes += 1
-    for rows, chunk in itertools.product(row_counts, chunks if cfg.pack_prefill else ()):
-      tokens = np.full((rows, chunk), self.pad_id, np.int32)
-      padding = np.full((rows, chunk), -1, np.int32)  # positions and segment ids
-      pages = np.full((rows, chunk), cfg.num_pages, np.int32)
-      self._kv, _ = self._calls.prefill_packed(
-        self.params, self._kv, tokens, padding, padding, pages
-      )
-      shapes += 1
-    jax.block_until_ready(self._kv)
+    shapes = precompile_engine(self, stop_widths, filter_widths, max_tokens)
     self._precompiled = True
     return shapes
 

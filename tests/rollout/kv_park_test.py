@@ -143,3 +143,22 @@ def test_a_next_turn_filling_the_pool_is_not_held_up_by_its_own_parked_pages(mes
   unkept = engine(mesh, params, page_size=4, num_pages=4, keep_turn_kv=False)
   again = run(unkept, [turn("t", tokens, seed=1, new=1)])["t"]
   assert again.token_ids == second.token_ids
+
+
+def test_a_precompiled_engine_compiles_nothing_for_a_next_turn_on_kept_pages(mesh, params):
+  """Sequences that fit one packed prefill row still meet the chunked prefill as a next turn
+  (its new tokens after the kept pages), and a kept page filled part-way is copied:
+  precompile covers both when turns keep their pages."""
+  rng = np.random.default_rng()
+  small = dict(page_size=4, num_pages=64, prefill_chunk=32, decode_steps=2, max_running=2)
+  e = engine(mesh, params, precompile=True, max_tokens=32, **small)
+
+  def compiled():  # decode windows, prefills, page copies (row updates are not precompiled)
+    return [f._cache_size() for f in e._calls.jitted]
+
+  before = compiled()
+  first = run(e, [turn("a", rng.integers(3, 60, 6), 0, new=4)])["a"]  # caches 9: 2 pages + 1
+  tokens = [*first.prompt_ids, *first.token_ids, *rng.integers(3, 60, 6)]
+  run(e, [turn("a", tokens, 1, new=4)])
+  assert e.num_kept_prefill_tokens > 0
+  assert compiled() == before

@@ -470,11 +470,12 @@ def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row
   assert decoded <= len(row_counts) < bucketed._calls.decoders[NO_FILTER]._cache_size()
   assert sized._calls._prefill._cache_size() <= len(row_counts)
   assert sized._calls._prefill_packed._cache_size() <= len(row_counts)
-  # A precompiled engine sized so: one program per row count and filter, and one prefill of
-  # each kind (packed rows; chunks, for sequences longer than `prefill_chunk`) per row count.
+  # A precompiled engine sized so: one program per row count and filter, one prefill of each
+  # kind (packed rows; chunks, for sequences longer than `prefill_chunk` or after a kept
+  # turn's pages) per row count, and a page copy per bucket of copies (1, 2 or 4).
   fresh = engine(mesh, params, max_tokens=32, **cfg)
   shapes = fresh.precompile(filter_widths=(NO_FILTER,))
-  assert shapes == 3 * len(row_counts)
+  assert shapes == 3 * len(row_counts) + 3
   fresh.generate(ps, sp, seed=3)
   assert fresh._calls.decoders[NO_FILTER]._cache_size() == len(row_counts)
   assert fresh._calls._prefill._cache_size() == len(row_counts)
