@@ -32,7 +32,7 @@ from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
 from jaxrl.model import ExpertParallel, LMHead, Model, MoEInputs, Params
 from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
-from jaxrl.train import update_plan
+from jaxrl.train import proximal, update_plan
 from jaxrl.train.batch import TrainBatch
 from jaxrl.train.losses import LossConfig, chunked_token_logprobs, policy_loss
 from jaxrl.train.optimizer import (
@@ -222,17 +222,18 @@ class Learner:
     valid_bt = None if mask_bt is None or not self._capacity else input_positions(mask_bt)
     return self._logprobs(params, jnp.asarray(tokens_bt), routes_btlk, valid_bt)
 
-  def _logprobs_impl(self, params, tokens_bt, routes_btlk=None, valid_bt=None):
+  def _logprobs_impl(self, params, tokens_bt, routes_btlk=None, valid_bt=None, placement=None):
     inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:]
-    return self._token_stats(params, inputs_bt, targets_bt, routes_btlk, valid_bt=valid_bt)[0]
+    stats = self._token_stats
+    return stats(params, inputs_bt, targets_bt, routes_btlk, placement, valid_bt=valid_bt)[0]
 
-  def _packed_logprobs_impl(self, params, micro: MicroBatch):
+  def _packed_logprobs_impl(self, params, micro: MicroBatch, placement=None):
     return self._token_stats(
       params,
       micro.inputs_bt,
       micro.targets_bt,
       micro.routes_btlk,
-      None,
+      placement,
       micro.positions_bt,
       micro.segment_ids_bt,
       self._valid_positions(micro),
@@ -399,7 +400,7 @@ class Learner:
     num_seqs = np.float32(part.size)
     acc = self._zero_sums(self.params)
     for i, micro in enumerate(self._put_micro_batches(packed)):
-      placement = None if placement_m is None else jax.tree.map(lambda x, i=i: x[i], placement_m)
+      placement = proximal.micro_placement(placement_m, i)
       acc = self._micro_step(
         self.params, self.ref_params, acc, micro, num_tokens, num_seqs, placement
       )
@@ -471,26 +472,9 @@ class Learner:
     return TrainBatch.blank(batch_size, length, routes_lk)
 
   def proximal_logprobs(self, batch: TrainBatch) -> np.ndarray:
-    """The current weights' log-probs of the batch's targets (0 off the mask), computed one
-    micro-batch at a time: the proximal policy of decoupled PPO."""
-    routes_btlk = self._replayed_routes(batch)
-    if self.pack_length:
-      packable = dataclasses.replace(batch, routes_btlk=routes_btlk)
-      layout, packed = self._pack(packable, batch.old_logp_bt)
-      chunks = [
-        self._packed_logprobs(self.params, micro) for micro in self._put_micro_batches(packed)
-      ]  # all dispatched before any is read
-      packed_logp = np.stack([np.asarray(c) for c in chunks]) if chunks else np.zeros(layout.shape)
-      return layout.scatter(packed_logp.astype(np.float32)) * (batch.mask_bt > 0)
-    chunks = [
-      self.logprobs(
-        self.params,
-        batch.tokens_bt[i : i + self.micro_batch_size],
-        None if routes_btlk is None else routes_btlk[i : i + self.micro_batch_size],
-      )
-      for i in range(0, batch.size, self.micro_batch_size)
-    ]
-    return np.concatenate([np.asarray(c) for c in chunks]) * (batch.mask_bt > 0)
+    """The current weights' log-probs of the batch's targets (0 off the mask), as the update
+    computes them (`proximal.proximal_logprobs`): the proximal policy of decoupled PPO."""
+    return proximal.proximal_logprobs(self, batch)
 
   def _micro_loss(self, params, ref_params, micro: MicroBatch, num_tokens, num_seqs, placement):
     """(loss, metrics) of one micro-batch, padded or packed, each normalised by the whole

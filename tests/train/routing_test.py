@@ -156,3 +156,23 @@ def test_a_capacity_reports_its_drops_and_ignores_right_padding(rollout):
   dropped = [float(m["moe_dropped_frac"]) for m in metrics]
   assert 0 < dropped[0] < 1
   assert dropped[1] == dropped[0]
+
+
+def test_the_proximal_policy_is_computed_as_the_update_computes_it_under_a_capacity(rollout):
+  """Decoupled PPO recomputes the proximal log-probs with the current weights: with an expert
+  capacity they must see the update's real positions and placements (the same drops), or the
+  first update starts away from ratio 1. Learning rate 0: the ratio stays exactly 1."""
+  params, _, whole = rollout
+  batch = TrainBatch(*(None if x is None else x[:8] for x in dataclasses.astuple(whole)))
+  mesh = make_mesh(jax.devices()[4:], {"fsdp": 2, "expert": 2})
+  ep = Learner(
+    MODEL, mesh, TRAIN_RULES,
+    loss=LossConfig(proximal="recompute", behaviour_correction="truncate"),
+    optimizer=OptimizerConfig(learning_rate=0.0), updates_per_step=1, micro_batch_size=8,
+    temperature=1.0, params=params,
+    moe=dataclasses.replace(REPLAY, capacity_factor=0.5),
+  )  # fmt: skip
+  metrics = jax.device_get(ep.update(batch))
+  assert metrics["moe_dropped_frac"] > 0
+  assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+  assert metrics["clip_frac"] == 0
