@@ -13,7 +13,7 @@ ADVANTAGE_MODES = ("grpo", "drgrpo")
 
 
 def _rewards_by_group(rewards_b: ArrayLike, group_size: int) -> np.ndarray:
-  """Checks the group layout and reshapes flat rewards to `[num_groups, group_size]` in fp32."""
+  """Checks the group layout and reshapes flat rewards to `[num_groups, group_size]` in fp64."""
   rewards_b = np.asarray(rewards_b)
   if rewards_b.ndim != 1:
     raise ValueError(
@@ -28,7 +28,7 @@ def _rewards_by_group(rewards_b: ArrayLike, group_size: int) -> np.ndarray:
       f"rewards_b has {rewards_b.shape[0]} entries, not divisible by group_size={group_size}; "
       "rewards must be [num_groups * group_size] with each group contiguous."
     )
-  return rewards_b.astype(np.float32).reshape(-1, group_size)
+  return rewards_b.astype(np.float64).reshape(-1, group_size)
 
 
 def group_advantages(
@@ -57,8 +57,12 @@ def group_advantages(
   centred_gk = rewards_gk - rewards_gk.mean(axis=1, keepdims=True)
   if mode == "grpo":
     std_g1 = np.std(rewards_gk, axis=1, ddof=1, keepdims=True)
-    centred_gk = centred_gk / (std_g1 + np.float32(eps))
-  return centred_gk.reshape(-1).astype(np.float32)
+    centred_gk = centred_gk / (std_g1 + eps)
+  # All-equal rewards: exactly 0. A mean rounds away from the common value (0.9 * 12 / 12 is
+  # not 0.9 in floating point), and divided by a std of the same rounding, plus eps, that
+  # residue became a uniform push of up to 0.1 on the whole group.
+  equal_g1 = np.all(rewards_gk == rewards_gk[:, :1], axis=1, keepdims=True)
+  return np.where(equal_g1, 0.0, centred_gk).reshape(-1).astype(np.float32)
 
 
 def zero_variance_groups(rewards_b: ArrayLike, group_size: int) -> np.ndarray:

@@ -77,6 +77,18 @@ def test_zero_variance_group_gets_zero_advantage():
   np.testing.assert_array_equal(advantages.zero_variance_groups(rewards, 2), [True, False, True])
 
 
+@pytest.mark.parametrize("mode", ["grpo", "drgrpo"])
+@pytest.mark.parametrize("reward,size", [(0.9, 12), (0.7, 7), (0.6, 6), (0.3, 64), (0.2, 64)])
+def test_equal_rewards_that_do_not_average_exactly_get_zero_advantage(mode, reward, size):
+  """A partial or format reward shared by the whole group (0.9 * 12 / 12 is not 0.9 in float32)
+  must not leave a residue that the std division turns into a push on every response."""
+  other = [1.0, 0.0] * (size // 2) + [0.5] * (size % 2)
+  rewards = np.array([reward] * size + other, np.float32)
+  adv = advantages.group_advantages(rewards, size, mode=mode)
+  np.testing.assert_array_equal(adv[:size], 0.0)
+  assert np.abs(adv[size:]).max() > 0.1
+
+
 def test_zero_variance_groups_random():
   rewards_gk = jax.random.bernoulli(jax.random.key(1), 0.5, (64, 3)).astype(jnp.float32)
   expected_g = np.asarray(rewards_gk).min(axis=1) == np.asarray(rewards_gk).max(axis=1)
