@@ -35,6 +35,23 @@ class MetricsWriter:
         if k not in ("step", "kind") and isinstance(v, float) and math.isfinite(v):
           self._tb.add_scalar(f"{kind}/{k}", v, step)
 
+  def truncate_after(self, step: int) -> None:
+    """Drops the train and eval records past `step`: a run resumed from the checkpoint of
+    `step` writes them again (warm-up records stay). TensorBoard's event files keep theirs."""
+    self._file.close()
+    records = read_metrics(self.path)  # without a last record cut short by a kill
+    kept = [r for r in records if r["kind"] not in ("train", "eval") or r["step"] <= step]
+    partial = self.path + ".partial"
+    with open(partial, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(partial, self.path)  # a kill now leaves the old file or the new one
+    self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+
+  def recorded(self, kind: str, step: int) -> dict | None:
+    """The last record of `kind` at `step` written so far (a resumed run's), or None."""
+    found = [r for r in read_metrics(self.path) if r["kind"] == kind and r["step"] == step]
+    return found[-1] if found else None
+
   def close(self) -> None:
     self._file.close()
     if self._tb is not None:
@@ -48,8 +65,20 @@ def _scalar(value):
 
 
 def read_metrics(path: str) -> list[dict]:
+  """The records of a metrics.jsonl (none if it does not exist); a last line cut short by a
+  killed process is left out."""
+  if not os.path.exists(path):
+    return []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [line for line in f if line.strip()]
+  records = []
+  for i, line in enumerate(lines):
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      if i < len(lines) - 1:
+        raise ValueError(f"{path}:{i + 1}: not a JSON record: {line[:80]!r}") from None
+  return records
 
 
 def plot_reward_curve(metrics_path: str, png_path: str, title: str = "GRPO") -> None:

@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrl.config import ConfigError
+
 
 class Checkpointer:
   """Saves and restores everything a run needs to continue exactly where it stopped."""
@@ -67,7 +69,16 @@ class Checkpointer:
     )
     if reference is not None and self.has_reference(step):
       items["reference"] = ocp.args.StandardRestore(abstract(reference))
-    return self._manager.restore(step, args=ocp.args.Composite(**items))
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(**items))
+    except ValueError as e:  # orbax: stored shapes or tree structure unlike the run's
+      detail = str(e).strip().splitlines()[0][:300]
+      raise ConfigError(
+        f"Checkpoint {os.path.join(self.directory, str(step))} does not fit this run's model "
+        f"or optimizer: it was written with another config (a changed config.model, "
+        f"config.pretrained.path or config.optimizer). Resume with the config it was written "
+        f"with, or start a new run in an empty --workdir. (orbax: {detail})"
+      ) from None
 
   def close(self) -> None:
     self._manager.close()

@@ -42,6 +42,7 @@ from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.metrics import MetricsWriter
 from jaxrl.rl.backends import Backend, PolicyLearner, VersionedStore
 from jaxrl.rl.checkpoint import Checkpointer
+from jaxrl.rl.controller_checkpoint import CheckpointedController, ControllerState
 from jaxrl.rl.dispatch import LengthPredictor
 from jaxrl.rl.episodes import EnvEvent, EpisodeDriver, episode_metrics, trajectory_max_tokens
 from jaxrl.rl.experience import build_batch
@@ -58,15 +59,7 @@ from jaxrl.train.advantages import group_advantages
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class ControllerState:
-  """Host-side state saved with every checkpoint."""
-
-  step: int = 0
-  version: int = 0
-
-
-class Controller(WorkerPool):
+class Controller(CheckpointedController, WorkerPool):
   """The RL loop: rollout on workers (threads or Ray actors), the learner on the calling thread.
 
   `self.rollout` (an engine on the learner's mesh) serves only evaluation. Workers come from
@@ -275,9 +268,12 @@ class Controller(WorkerPool):
       if not self.prompts:  # the loader gives a step's prompts at a time
         self.prompts.extend(next(self.loader))
       prompt = self.prompts.popleft()
+      ids = [] if self.episodes is not None else self.encode_prompts([prompt])[0]
+      if len(ids) >= self.rollout.model.config.max_seq_len:  # no room for one token: skipped
+        self._skip_long_prompt(prompt, len(ids))
+        continue
       gid = self.next_group
       self.next_group += 1
-      ids = [] if self.episodes is not None else self.encode_prompts([prompt])[0]
       records = [
         RequestRecord(
           request_id=request_id(gid, j),
@@ -299,6 +295,15 @@ class Controller(WorkerPool):
     self.pending.extend(released)
 
   # -- training ----------------------------------------------------------------------------------
+
+  def _skip_long_prompt(self, prompt: dict, length: int) -> None:
+    self.counters["prompts_too_long"] += 1
+    log.warning(
+      "Skipped a training prompt of %d tokens, no fewer than the model's max_seq_len=%d (%d "
+      "skipped so far): %.80r",
+      length, self.rollout.model.config.max_seq_len, self.counters["prompts_too_long"],
+      prompt.get("prompt", prompt),
+    )  # fmt: skip
 
   def _choose_batch(self) -> list[Group] | None:
     """The groups of the next step, or None while the learner must wait (`choose_batch`)."""
@@ -425,76 +430,13 @@ class Controller(WorkerPool):
     }
 
   def _eval_and_write(self) -> float:
-    """Evaluates, writes the eval record; returns its mean reward."""
+    """Evaluates, writes the eval record; returns its mean reward (a resumed run's, written
+    before the checkpoint it resumed from, where there is one)."""
+    if recorded := self.writer.recorded("eval", self.state.step):
+      return recorded["eval_reward"]
     metrics = self.evaluate()
     self.writer.write(self.state.step, "eval", metrics)
     return metrics["eval_reward"]
-
-  # -- checkpoints -------------------------------------------------------------------------------
-
-  def save(self) -> None:
-    if self.checkpointer is not None:
-      self.checkpointer.save(
-        self.state.step,
-        params=self.learner.params,
-        opt_state=self.learner.opt_state,
-        loader_state=self.loader.get_state(),
-        controller_state=self.controller_state(),
-        reference=self.learner.ref_params if self._kl else None,
-      )
-
-  def restore(self, step: int) -> None:
-    reference = self.learner.ref_params if self._kl else None
-    restored = self.checkpointer.restore(
-      step, params=self.learner.params, opt_state=self.learner.opt_state, reference=reference
-    )
-    self.learner.params = restored["params"]
-    self.learner.opt_state = restored["opt_state"]
-    if "reference" in restored:
-      self.learner.ref_params = restored["reference"]
-    elif self._kl:
-      log.warning(
-        "Checkpoint %d holds no KL reference (written before references were saved): the KL "
-        "term's reference is the weights the learner was built with, not those RL started "
-        "from.",
-        step,
-      )
-    self.loader.set_state(restored["loader"])
-    self.load_controller_state(dict(restored["controller"]))
-
-  def controller_state(self) -> dict:
-    """The step and version, plus every released, untrained group with its tokens so far
-    (JSON-serialisable)."""
-    return dataclasses.asdict(self.state) | {
-      "next_group": self.next_group,
-      "prompts": list(self.prompts),
-      "replacements": self.replacements,
-      "dropped_this_step": self.dropped_this_step,
-      "groups": [g.to_dict() for g in self.groups.values()],
-      "ready": list(self.ready),
-      "lengths": self.lengths.state(),
-    }
-
-  def load_controller_state(self, state: dict) -> None:
-    self.next_group = state.pop("next_group", 0)
-    self.prompts = collections.deque(state.pop("prompts", []))
-    self.replacements = state.pop("replacements", 0)
-    self.dropped_this_step = state.pop("dropped_this_step", 0)
-    groups = [Group.from_dict(d) for d in state.pop("groups", [])]
-    ready = state.pop("ready", [])
-    self.lengths.load(state.pop("lengths", {}))
-    self.state = ControllerState(**state)
-    self.groups = {g.gid: g for g in groups}
-    self.assigned.clear()
-    self.pending = collections.deque()
-    for g in groups:
-      if g.episodes is not None:  # environments rebuilt by replaying their actions
-        self.pending.extend(request_id(g.gid, j) for j in self.episodes.restore(g))
-      else:
-        self.pending.extend(request_id(g.gid, j) for j, done in enumerate(g.done) if not done)
-    self.ready = []
-    for gid in ready:
-      self._score(self.groups[gid], may_drop=False)  # kept once: not dropped on resume
 
   def close(self) -> None:
     """Closes the task (the math task's answer-checking processes) and the environments'

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl.config import ConfigError
 from jaxrl.envs import Episode
 from jaxrl.rl.multi_turn import Trajectory
 from jaxrl.rollout.requests import RequestRecord
@@ -90,6 +91,22 @@ class Group:
       done=list(d["done"]),
       episodes=None if episodes is None else [EpisodeState.from_dict(e) for e in episodes],
     )
+
+  @classmethod
+  def load_all(cls, state: dict, group_size: int) -> list[Group]:
+    """The groups of a checkpoint's controller state (popped from `state`, with the group size
+    it was written with), which must be `group_size` (`config.rollout.group_size`) responses
+    each: their advantages would be computed over the wrong groups."""
+    saved = state.pop("group_size", None)  # None: an older checkpoint, which had no record
+    dicts = state.pop("groups", [])
+    sizes = {saved} if saved is not None else {len(d["records"]) for d in dicts}
+    if sizes - {group_size}:
+      raise ConfigError(
+        f"config.rollout.group_size is {group_size}, but the checkpoint's groups have "
+        f"{', '.join(map(str, sorted(sizes)))} responses. Resume with "
+        f"--config.rollout.group_size={min(sizes)}, or start a new run in an empty --workdir."
+      )
+    return [cls.from_dict(d) for d in dicts]
 
 
 def request_id(gid: int, j: int) -> str:

@@ -19,7 +19,7 @@ from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.pipeline import PromptLoader
 from jaxrl.data.prompts import encode_prompt
 from jaxrl.data.tasks import make_task
-from jaxrl.metrics import MetricsWriter, plot_reward_curve
+from jaxrl.metrics import MetricsWriter, plot_reward_curve, read_metrics
 from jaxrl.model import Model
 from jaxrl.rl.backends import LearnerLost, make_backend
 from jaxrl.rl.checkpoint import Checkpointer
@@ -267,8 +267,11 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
     "wall_time_s": round(time.perf_counter() - start, 1),
     **evals,
   }
-  if "eval_reward_start" in evals and "eval_reward_end" in evals:
-    summary["eval_reward_gain"] = evals["eval_reward_end"] - evals["eval_reward_start"]
+  first = [r for r in read_metrics(metrics_path) if r["kind"] == "eval" and r["step"] == 0]
+  if first and "eval_reward_start" in evals:  # resumed: the start of RL, not of this process
+    summary["eval_reward_start"] = first[-1]["eval_reward"]
+  if "eval_reward_start" in summary and "eval_reward_end" in summary:
+    summary["eval_reward_gain"] = summary["eval_reward_end"] - summary["eval_reward_start"]
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   return summary

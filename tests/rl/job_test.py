@@ -250,6 +250,12 @@ def test_resume_reproduces_the_next_step(tmp_path):
   for want, got in pairs:
     for x, y in zip(want, got, strict=True):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # A resume with another group size or model is refused, naming what differs.
+  again = {**run, "train.steps": 4, "resume": True}
+  with pytest.raises(ConfigError, match=r"config.rollout.group_size is 8.*group_size=4"):
+    job.run(tiny_config(**again, **{"rollout.group_size": 8}), str(tmp_path / "full"))
+  with pytest.raises(ConfigError, match=r"checkpoints/3 does not fit this run's model"):
+    job.run(tiny_config(**again, **{"model.mlp_dim": 256}), str(tmp_path / "full"))
 
 
 def test_mesh_sizes_that_do_not_fit_are_reported():
@@ -327,3 +333,22 @@ def test_pinned_cores_split_in_halves_and_need_two(monkeypatch):
   monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
   with pytest.raises(ConfigError, match="at least 2 CPU cores"):
     core_split()
+
+
+def test_a_training_prompt_too_long_for_the_model_is_skipped_and_counted(tmp_path, caplog):
+  """The workers would refuse it (no room for a token): it must not crash them, again and
+  again, until the run stops; it is skipped with a warning and the next prompt released."""
+  cfg = tiny_config(**{"warmup.steps": 0, "eval.every": 0})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  records = [dict(r) for r in next(controller.loader)]
+  max_seq_len = controller.rollout.model.config.max_seq_len
+  records[1]["prompt"] = "7" * (max_seq_len + 5)
+  records[1].pop("messages", None)
+  controller.prompts.extend(records)
+  controller._release()
+  assert controller.counters["prompts_too_long"] == 1
+  assert "Skipped a training prompt" in caplog.text
+  released = [g.records[0].prompt_ids for g in controller.groups.values()]
+  assert len(released) == cfg.rollout.prompts_per_step  # the next batch's first took its place
+  assert max(map(len, released)) < max_seq_len
+  controller.close()
