@@ -32,13 +32,25 @@ class DatasetError(ValueError):
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
-  """Yields (line number, object) for each non-blank line of a JSONL file.
+  """Yields (line number, object) for each non-blank line of a UTF-8 JSONL file (a byte order
+  mark at its start is skipped).
 
   Raises:
-    DatasetError: a line that is not a JSON object; the message starts with `path:line:`.
+    DatasetError: a line that is not UTF-8 or not a JSON object; the message starts with
+      `path:line:`.
   """
-  with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, start=1):
+  with open(path, "rb") as f:  # decoded a line at a time, so that bad bytes have a line
+    for line_number, raw in enumerate(f, start=1):
+      try:
+        # utf-8-sig on the first line: some editors and exports open UTF-8 with a byte order
+        # mark, which is not part of the JSON.
+        line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        kind = " (it is a Parquet file)" if raw.startswith(b"PAR1") else ""
+        raise DatasetError(
+          f"{path}:{line_number}: not UTF-8 text{kind}: {e.reason} at byte {e.start} of the "
+          "line; a JSONL file is UTF-8 text with one JSON object a line."
+        ) from None
       if not line.strip():
         continue
       try:

@@ -60,6 +60,18 @@ def test_load_jsonl_errors_name_file_and_line(tmp_path, bad_line, expected):
   assert isinstance(e.value, ValueError)
 
 
+def test_load_jsonl_reads_a_byte_order_mark_and_names_a_line_that_is_not_utf8(tmp_path):
+  rows = _invented_rows(np.random.default_rng(3), 3)
+  path = tmp_path / "bom.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8-sig")
+  assert gsm8k.load_jsonl(path) == rows
+  lines = [json.dumps(r).encode() for r in rows]
+  lines[1] = lines[1].replace(b"Ana", b"An\xe1")  # Latin-1, not UTF-8
+  path.write_bytes(b"\n".join(lines))
+  with pytest.raises(gsm8k.DatasetError, match=f"^{path}:2: not UTF-8 text: .* at byte"):
+    gsm8k.load_jsonl(path)
+
+
 @pytest.mark.parametrize(
   ("text", "expected"),
   [
