@@ -69,6 +69,13 @@ class Gsm8k(_FileTask):
 
   name = "gsm8k"
   path_kinds = "a GSM8K-style JSONL file"
+  # GSM8K's Hub form is Parquet; the math task reads it, with the same fields and answers.
+  other_formats = dict.fromkeys(
+    (".parquet", ".arrow"),
+    "set config.task.name='math' with config.task.answer_format='gsm8k', which reads Parquet "
+    "and Arrow (GSM8K's question and answer fields are its defaults) and checks answers with "
+    "math-verify; or convert the file to JSONL",
+  )
 
   def _load_splits(self) -> dict[str, list[dict[str, Any]]]:
     return self._hash_split(gsm8k.load_prompt_records(self.cfg.path))

@@ -65,6 +65,8 @@ class Task:
   reads_path: ClassVar[bool] = False  # `cfg.path` must name an existing file (or directory)
   reads_directories: ClassVar[bool] = False
   path_kinds: ClassVar[str] = ""  # what `cfg.path` may name, for messages
+  # File suffixes `cfg.path` must not have, each with what to do instead (for the message).
+  other_formats: ClassVar[dict[str, str]] = {}
 
   def __init__(self, cfg: TaskConfig):
     self.cfg = cfg

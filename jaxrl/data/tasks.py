@@ -172,6 +172,12 @@ class TaskConfig:
       raise ValueError(
         f"config.task.path={self.path!r} is a directory; task {self.name!r} reads {what}."
       )
+    for suffix, instead in task_cls.other_formats.items():
+      if self.path.lower().endswith(suffix):
+        raise ValueError(
+          f"config.task.path={self.path!r} is a {suffix} file; task {self.name!r} reads "
+          f"{what}: {instead}."
+        )
 
 
 class Arithmetic(Task):

@@ -58,6 +58,15 @@ def test_path_kinds_are_checked(tmp_path):
   assert TaskConfig(name="digit_sort", path="/nonexistent").path == "/nonexistent"  # unused
 
 
+@pytest.mark.parametrize("name", ["train-00000-of-00001.parquet", "data-00000-of-00001.arrow"])
+def test_gsm8k_given_parquet_or_arrow_says_the_math_task_reads_it(tmp_path, name):
+  path = tmp_path / name
+  path.write_bytes(b"PAR1\x15\x04\x90")  # GSM8K's Hub form; never read as text
+  with pytest.raises(ValueError, match=r"is a \.(parquet|arrow) file; .*task.name='math'"):
+    TaskConfig(name="gsm8k", path=str(path))
+  assert TaskConfig(name="math", path=str(path)).path == str(path)
+
+
 def test_synthetic_tasks_score_batches():
   task = make_task(SYNTHETIC["arithmetic"])
   records = task.records("test", 20)
