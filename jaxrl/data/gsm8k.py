@@ -19,10 +19,14 @@ from jaxrl.data.verify import answer_part
 REQUIRED_FIELDS = ("question", "answer")
 PROMPT_SUFFIX = "\nAnswer:"
 
-# A number with optional sign, dollar sign, thousands commas and decimals: "-$1,000.50".
+# A number with optional sign, dollar sign, thousands commas and decimals: "-$1,000.50", ".5".
 # The minus must not follow a word character or ")" so that "7-5" reads as 7 and 5, not -5;
-# thousands groups must have exactly three digits so that "1,2,3" reads as three numbers.
-_NUMBER = re.compile(r"((?<![\w)])-)?\$?([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(\.[0-9]+)?")
+# thousands groups must have exactly three digits so that "1,2,3" reads as three numbers; a
+# number without whole digits (".5", read as 0.5, not 5) must not follow a digit or "." so that
+# "1.2.3" reads as 1.2 and 3, as before.
+_NUMBER = re.compile(
+  r"((?<![\w)])-)?\$?([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+|(?<![0-9.])(?=\.[0-9]))(\.[0-9]+)?"
+)
 _FINAL_MARK = "####"
 
 
@@ -97,7 +101,19 @@ def load_jsonl(path: str | os.PathLike) -> list[dict]:
 
 def _number_text(match: re.Match) -> str:
   sign, whole, frac = match.groups()
-  return (sign or "") + whole.replace(",", "") + (frac or "")
+  return (sign or "") + (whole.replace(",", "") or "0") + (frac or "")
+
+
+def gold_number(reference: str) -> str | None:
+  """The number of a reference's last `####` line, normalised, or None when that line is not
+  a plain number: `"#### $1,000."` gives `"1000"`, `"#### .5"` `"0.5"`; `"#### 1/2"`,
+  `"#### 1.5e3"` and `"#### 2 1/2"` give None (their first number is not the answer)."""
+  if _FINAL_MARK not in reference:
+    return None
+  lines = reference.rsplit(_FINAL_MARK, 1)[1].strip().splitlines()
+  # A trailing "." ends a sentence ("#### 72.") and is not part of the number.
+  match = _NUMBER.fullmatch(lines[0].strip().removesuffix(".")) if lines else None
+  return None if match is None else _number_text(match)
 
 
 def extract_final_answer(text: str) -> str | None:
@@ -163,15 +179,26 @@ def load_prompt_records(path: str | os.PathLike) -> list[dict]:
   "question"}`, in file order. A row's `id` field, when present, is used as the record id.
 
   Raises:
-    DatasetError: a malformed row, or a reference answer without a number after `####`.
+    DatasetError: a malformed row, or a reference answer whose last `####` is not followed by a
+      plain number (`gold_number`).
   """
   records = []
   for line_number, row in _iter_rows(path):
-    final = extract_final_answer(row["answer"]) if _FINAL_MARK in row["answer"] else None
-    if final is None:
+    answer = row["answer"]
+    after = answer.rsplit(_FINAL_MARK, 1)[1].strip() if _FINAL_MARK in answer else ""
+    if not after:
       raise DatasetError(
         f"{path}:{line_number}: the answer has no final line '#### <number>' "
-        f"(answer ends with {row['answer'][-40:]!r}); GSM8K references end with e.g. '#### 72'."
+        f"(answer ends with {answer[-40:]!r}); GSM8K references end with e.g. '#### 72'."
+      )
+    final = gold_number(answer)
+    if final is None:
+      # Reading the first number of "1/2" or "1.5e3" would train towards a wrong answer.
+      raise DatasetError(
+        f"{path}:{line_number}: the answer after '####' is {after.splitlines()[0][:40]!r}, not "
+        "a plain number (such as '72', '-3.5', '.5' or '$1,000'), which is all the gsm8k task "
+        "compares; for other answers (fractions, expressions) set config.task.name='math' "
+        "with config.task.answer_format='gsm8k', which checks them with math-verify."
       )
     records.append(
       {

@@ -86,6 +86,10 @@ def test_load_jsonl_reads_a_byte_order_mark_and_names_a_line_that_is_not_utf8(tm
     ("so 7-5", "5"),
     ("The answer is -$40", "-40"),
     ("counts 1,2,3", "3"),
+    ("#### .5", "0.5"),  # not "5"
+    ("She drank .75 of it", "0.75"),
+    ("It is -.5 now", "-0.5"),
+    ("version 1.2.3", "3"),  # "1.2" then "3": a "." after a digit starts no number
     ("no digits at all", None),
     ("#### unknown", None),
     ("", None),
@@ -124,6 +128,8 @@ def test_reward_is_numeric():
   assert gsm8k.reward("72", "72 or maybe 7") == 0.0  # the last number counts.
   assert gsm8k.reward("72", "I do not know") == 0.0
   assert gsm8k.reward("-4", "4") == 0.0
+  assert gsm8k.reward("0.5", "so it is .5") == 1.0
+  assert gsm8k.reward("5", "so it is .5") == 0.0
 
 
 @pytest.mark.parametrize(
@@ -158,6 +164,35 @@ def test_prompt_records_and_missing_final_answer(tmp_path):
   rows[3]["answer"] = "It is 5 because 2 + 3 = 5."
   _write(path, rows)
   with pytest.raises(gsm8k.DatasetError, match=f"^{path}:4: .*####"):
+    gsm8k.load_prompt_records(path)
+
+
+@pytest.mark.parametrize(
+  ("answer", "gold"),
+  [
+    ("so 3 + 4 = 7\n#### 7", "7"),
+    ("#### $1,000.", "1000"),
+    ("#### -3", "-3"),
+    ("#### .5", "0.5"),
+    ("#### -$0.25\n", "-0.25"),
+  ],
+)
+def test_prompt_records_read_plain_gold_numbers(tmp_path, answer, gold):
+  path = tmp_path / "data.jsonl"
+  _write(path, [{"question": "q", "answer": answer}])
+  (record,) = gsm8k.load_prompt_records(path)
+  assert record["answer"] == gold
+  assert gsm8k.reward(record["answer"], f"The answer is {gold}.") == 1.0
+
+
+@pytest.mark.parametrize("gold", ["1/2", "1.5e3", "2 1/2", "1,2", "\\frac{1}{2}", "72 or 73"])
+def test_prompt_records_refuse_gold_answers_that_are_not_plain_numbers(tmp_path, gold):
+  # Their first number ("1" of "1/2") is not the answer: the task would train towards it.
+  rows = _invented_rows(np.random.default_rng(4), 3)
+  rows[1]["answer"] = f"Half of it.\n#### {gold}"
+  path = tmp_path / "data.jsonl"
+  _write(path, rows)
+  with pytest.raises(gsm8k.DatasetError, match=f"^{path}:2: .*not a plain number.*'math'"):
     gsm8k.load_prompt_records(path)
 
 
