@@ -4,6 +4,7 @@ worker processes). What they read and how they score: `jaxrl.data.tasks`'s docst
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -16,6 +17,8 @@ from jaxrl.data.task_base import SPLITS, RewardBatch, Task, check_lengths, check
 
 if TYPE_CHECKING:  # for annotations only: `tasks` imports this module
   from jaxrl.data.tasks import TaskConfig
+
+log = logging.getLogger(__name__)
 
 
 class _FileTask(Task):
@@ -90,7 +93,8 @@ class Math(_FileTask):
   Records come from `math_data.load_records` (fields, answer format, prompt and chat messages
   as `TaskConfig` sets them); every gold answer is parsed by math-verify when the data loads.
   The train and test splits are the files' when the path is a directory with both (files named
-  otherwise, such as `validation-*`, are then left out), else the hash split of every row. A
+  otherwise, such as `validation-*`, are then left out; train rows whose problem is in the test
+  files are dropped, with a warning), else the hash split of every row. A
   response scores 1 when math-verify finds its final answer equal to the gold (0 when it has
   none, or its check times out), mixed with the format check by `format_reward_weight`. The
   checks run in a `verify.VerifierPool`, given or made at first use with `reward_workers`
@@ -128,8 +132,30 @@ class Math(_FileTask):
       instruction=c.instruction,
     )
     if "train" in by_file and "test" in by_file:
-      return {split: by_file[split] for split in SPLITS}
+      return {"train": self._without_test_problems(by_file), "test": by_file["test"]}
     return self._hash_split([r for records in by_file.values() for r in records])
+
+  def _without_test_problems(self, by_file: dict[Any, list[dict[str, Any]]]):
+    """The train files' records less those whose problem is also in the test files: trained
+    on, it would be evaluated as held out (datasets' splits do overlap, and so may files put
+    together by hand)."""
+    test_keys = {self.problem_key(r) for r in by_file["test"]}
+    train = [r for r in by_file["train"] if self.problem_key(r) not in test_keys]
+    dropped = len(by_file["train"]) - len(train)
+    if not train:
+      raise gsm8k.DatasetError(
+        f"{self.cfg.path}: every one of the {dropped} train rows is a problem of the test "
+        "files; give train files with other problems (config.task.path)."
+      )
+    if dropped:
+      log.warning(
+        "%s: dropped %d of %d train rows whose problem is also in the test files, so that "
+        "evaluation measures problems the policy did not train on.",
+        self.cfg.path,
+        dropped,
+        len(by_file["train"]),
+      )
+    return train
 
   def reward(self, record: dict[str, Any], response: str) -> float:
     return float(self.rewards([record], [response])[0])

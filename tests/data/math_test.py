@@ -224,6 +224,22 @@ def test_sharded_directory_with_named_splits(pool, tmp_path):
   assert sorted(r["question"] for r in train) == sorted(r["question"] for r in train_rows)
 
 
+def test_train_rows_whose_problem_is_in_the_test_files_are_dropped(pool, tmp_path, caplog):
+  rows = _word_rows(np.random.default_rng(6), 20)
+  _write_jsonl(tmp_path / "train.jsonl", rows)
+  # The same problems, spaced otherwise: one problem key.
+  _write_jsonl(tmp_path / "test.jsonl", [{**r, "question": "  " + r["question"]} for r in rows[:5]])
+  task = _task(pool, tmp_path, eval_size=1000)
+  with caplog.at_level("WARNING"):
+    train = task.records("train")
+  assert sorted(r["question"] for r in train) == sorted(r["question"] for r in rows[5:])
+  assert len(task.records("test")) == 5
+  assert "dropped 5 of 20 train rows whose problem is also in the test files" in caplog.text
+  _write_jsonl(tmp_path / "train.jsonl", rows[:5])
+  with pytest.raises(DatasetError, match="every one of the 5 train rows .*config.task.path"):
+    _task(pool, tmp_path).records("train")
+
+
 def test_arrow_directory_as_save_to_disk_leaves_it(pool, tmp_path):
   rng = np.random.default_rng(4)
   splits = {"train": _fraction_rows(rng, 9), "test": _word_rows(rng, 5)}
