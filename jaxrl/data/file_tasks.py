@@ -44,7 +44,8 @@ class _FileTask(Task):
     """Returns records of `split`: test in file order, train shuffled by `seed`.
 
     Raises:
-      ValueError: an unknown split, or `num` larger than the split.
+      ValueError: an unknown split, or `num` larger than the train split (a larger test `num`
+        gives the whole test split, with a warning).
       gsm8k.DatasetError: a malformed file.
     """
     check_split(split)
@@ -55,6 +56,13 @@ class _FileTask(Task):
       pool = [pool[i] for i in np.random.default_rng(seed).permutation(len(pool))]
     if num is None:
       num = min(len(pool), self.cfg.eval_size) if split == "test" else len(pool)
+    if num > len(pool) and split == "test":  # `config.eval.num_prompts`: evaluate on them all
+      log.warning(
+        "config.eval.num_prompts=%d asks for more test problems than %s has (%d): evaluating on "
+        "all %d.",
+        num, self.cfg.path, len(pool), len(pool),
+      )  # fmt: skip
+      num = len(pool)
     if num > len(pool):
       raise ValueError(
         f"{self.cfg.path} has {len(pool)} {split} problems, fewer than the {num} asked for."

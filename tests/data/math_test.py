@@ -96,6 +96,16 @@ def test_sample_file_loads_and_every_gold_answer_verifies(pool):
   assert not task.rewards(records, ["I cannot tell."] * len(records)).any()
 
 
+def test_more_eval_prompts_than_test_problems_evaluates_on_all_of_them(pool, caplog):
+  """configs/grpo_hf.py asks for 128 (a real dataset's eval) and ships a 64-row sample."""
+  task = _task(pool, SAMPLE)
+  everything = task.records("test", num=None)
+  assert task.records("test", num=10_000) == everything
+  assert f"config.eval.num_prompts=10000 asks for more test problems than {SAMPLE}" in caplog.text
+  with pytest.raises(ValueError, match="train problems, fewer than"):
+    task.records("train", num=10_000)
+
+
 # -- reading --------------------------------------------------------------------------------------
 
 
