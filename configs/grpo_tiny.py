@@ -62,7 +62,7 @@ def get_config(arg: str | None = None):
   config.train.loss.aggregation = "token-mean"
   config.train.optimizer.learning_rate = 1e-4
   config.train.optimizer.warmup_steps = 10  # Adam's first steps are sign-like: ease in.
-  config.train.optimizer.total_steps = 1000  # optimizer updates: steps * updates_per_step
+  config.train.optimizer.total_steps = 1200  # optimizer updates: steps * updates_per_step
 
   config.eval.every = 50
   config.eval.num_prompts = 256

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import importlib.util
+import math
 import os
 import types
 import typing
@@ -408,6 +409,16 @@ class ExperimentConfig:
   pretrained: PretrainedConfig = PretrainedConfig()
 
   def __post_init__(self):
+    if self.seed < 0:
+      raise ConfigError(f"config.seed must be >= 0, got {self.seed}.")
+    opt, updates = self.train.optimizer, self.train.steps * self.train.updates_per_step
+    if opt.schedule != "constant" and opt.total_steps < updates:
+      raise ConfigError(
+        f"config.train.optimizer.total_steps={opt.total_steps}: the {opt.schedule!r} schedule "
+        f"reaches learning rate 0 there, before the run's {updates} updates "
+        f"(config.train.steps={self.train.steps} x updates_per_step="
+        f"{self.train.updates_per_step}) end; set total_steps to at least {updates}."
+      )
     # The config alone decides this split; whether the training mesh's data * fsdp divides a
     # micro-batch is known once the mesh is built (`Learner.check_batch_size`).
     batch = self.rollout.prompts_per_step * self.rollout.group_size
@@ -468,9 +479,12 @@ def load_config(
   for key, value in (overrides or {}).items():
     node = cd
     *parents, leaf = key.split(".")
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
+    try:
+      for parent in parents:
+        node = node[parent]
+      node[leaf] = value
+    except (KeyError, TypeError, AttributeError) as e:
+      raise ConfigError(f"config.{key}={value!r}: cannot override: {e}") from None
   return from_config_dict(cd)
 
 
@@ -576,4 +590,6 @@ def _convert(hint, value, path: str):
     raise ConfigError(f"{path}: unsupported field type {hint!r}.")
   if not ok:
     raise ConfigError(f"{path}: expected {hint.__name__}, got {type(value).__name__} {value!r}.")
+  if hint is float and not math.isfinite(value):  # NaN passes every `value < minimum` check
+    raise ConfigError(f"{path}: expected a finite number, got {value!r}.")
   return float(value) if hint is float else value

@@ -7,7 +7,13 @@ import os
 import ml_collections
 import pytest
 
-from jaxrl.config import ConfigError, ExperimentConfig, default_config, from_config_dict
+from jaxrl.config import (
+  ConfigError,
+  ExperimentConfig,
+  default_config,
+  from_config_dict,
+  load_config,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
@@ -106,6 +112,12 @@ BAD_VALUES = [
   ("rollout.sampling.top_p", 0.9, "config.rollout.sampling.top_k=0, top_p=0.9: responses"),
   ("loop.max_staleness", -1, "config.loop.max_staleness must be >= 0, got -1."),
   ("loop.rollout_workers", -1, "config.loop.rollout_workers must be >= 0"),
+  # NaN passes every `value < minimum` check: non-finite floats are refused where read.
+  ("train.optimizer.learning_rate", float("nan"), "optimizer.learning_rate: expected a finite"),
+  ("train.optimizer.max_grad_norm", float("nan"), "optimizer.max_grad_norm: expected a finite"),
+  ("eval.temperature", float("inf"), "config.eval.temperature: expected a finite number, got inf"),
+  ("train.loss.kl_weight", float("nan"), "config.train.loss.kl_weight: expected a finite"),
+  ("seed", -1, "config.seed must be >= 0, got -1."),
 ]
 
 
@@ -120,6 +132,26 @@ def test_bad_value_names_its_key(key, value, message):
   with pytest.raises(ConfigError) as error:
     from_config_dict(cd)
   assert message in str(error.value)
+
+
+def test_a_decaying_schedule_must_last_the_run():
+  cd = default_config()
+  cd.train.optimizer.schedule = "cosine"
+  cd.train.steps, cd.train.updates_per_step = 600, 2
+  with pytest.raises(ConfigError, match=r"total_steps=1000: the 'cosine' schedule .* 1200 upd"):
+    from_config_dict(cd)
+  cd.train.optimizer.total_steps = 1200
+  from_config_dict(cd)
+
+
+def test_load_config_overrides_of_unknown_or_scalar_keys_name_the_key():
+  path = os.path.join(REPO, "configs", "grpo_tiny.py")
+  with pytest.raises(ConfigError, match=r"config.rolout.group_size=4: cannot override"):
+    load_config(path, "test", {"rolout.group_size": 4})
+  with pytest.raises(ConfigError, match=r"config.train.steps.x=1: cannot override"):
+    load_config(path, "test", {"train.steps.x": 1})
+  with pytest.raises(ConfigError, match=r"config.train.steps='5': cannot override"):
+    load_config(path, "test", {"train.steps": "5"})
 
 
 def test_boundary_values_are_accepted():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -23,6 +24,8 @@ ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated, larg
 _TEST_SEED = 20_240_601  # fixed: the test split must not depend on the run's seed.
 _TEST_MODULUS = 10
 _SAMPLE_BLOCK = 1024  # problems drawn per numpy call when sampling.
+
+log = logging.getLogger(__name__)
 
 
 def split_of(key: str) -> str:
@@ -123,7 +126,13 @@ class Task:
       seen.add(key)
       record["id"] = _record_id(self.name, key)
       out.append(record)
-    if num is not None and len(out) < num:
+    if num is not None and len(out) < num and split == "test":  # `config.eval.num_prompts`
+      log.warning(
+        "config.eval.num_prompts=%d asks for more test problems than task %r has (%d): "
+        "evaluating on all %d.",
+        num, self.name, len(out), len(out),
+      )  # fmt: skip
+    elif num is not None and len(out) < num:
       raise ValueError(
         f"task {self.name!r} has only {len(out)} distinct {split} problems under {self.cfg}; "
         f"ask for fewer or make the problem space larger."

@@ -127,6 +127,7 @@ class Controller(CheckpointedController, WorkerPool):
     self._eval_version = -1
     self._reward_s = 0.0  # scoring time since the last step
     self._reward_timeouts = 0  # reward checks that timed out since the last step
+    self._env_failures = 0  # groups in a row whose environments could not start
     super().__init__(
       backend,
       weights,
@@ -188,6 +189,13 @@ class Controller(CheckpointedController, WorkerPool):
     if group is None:
       return  # dropped meanwhile
     outcome = self.episodes.on_event(ev, group)
+    self._env_failures = self._env_failures + 1 if outcome.failed is not None else 0
+    if self._env_failures > max(64, 4 * self.cfg.rollout.prompts_per_step):
+      raise RuntimeError(
+        f"The last {self._env_failures} groups' environments (config.env.name="
+        f"{self.cfg.env.name!r}) could not start, on records of config.task.name="
+        f"{self.cfg.task.name!r}; the last: {outcome.failed}. Fix the records or the task."
+      )
     if outcome.failed is not None:
       # No trajectory of the group has a turn yet: another prompt goes in its place.
       log.warning(

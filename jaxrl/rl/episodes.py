@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.tokenizer import Tokenizer
-from jaxrl.envs import EnvError, Episode, Step, check_tools_render, prompt_ids
+from jaxrl.envs import EnvError, Episode, Step, check_tools_render, prompt_ids, run_reset
 from jaxrl.envs.remote import EnvWorkers
 from jaxrl.envs.runner import EnvRunner
 from jaxrl.rl.backends import init_ray
@@ -60,6 +60,7 @@ from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.train.batch import TrainBatch
 
 log = logging.getLogger(__name__)
+_RESET_CHECK_S = 60.0  # the start-up check's limit on one reset
 
 
 @dataclasses.dataclass
@@ -328,18 +329,29 @@ def start_env_workers(cfg: ExperimentConfig) -> EnvWorkers | None:
   )
 
 
-def check_environment(cfg: ExperimentConfig, tokenizer: Tokenizer, template_kwargs) -> None:
+def check_environment(
+  cfg: ExperimentConfig, tokenizer: Tokenizer, template_kwargs, record: dict[str, Any]
+) -> None:
   """Checks once, before a multi-turn run starts, that the chat template can show the model
-  the environment's tools.
+  the environment's tools and that the environment starts on `record` (a training record of
+  `config.task`): a task whose records it cannot start would drop every group, forever.
 
   Raises:
-    ConfigError: it cannot (names `config.env.name` and the tool).
+    ConfigError: it cannot (names `config.env.name`, `config.task.name` and why).
   """
   env = cfg.env.make_env()()
   try:
-    check_tools_render(tokenizer, [dict(t) for t in env.tools], template_kwargs)
-  except EnvError as e:
-    raise ConfigError(f"config.env.name={cfg.env.name!r}: {e}") from None
+    try:
+      check_tools_render(tokenizer, [dict(t) for t in env.tools], template_kwargs)
+    except EnvError as e:
+      raise ConfigError(f"config.env.name={cfg.env.name!r}: {e}") from None
+    try:
+      asyncio.run(run_reset(env, record, _RESET_CHECK_S))
+    except Exception as e:  # what the environment's reset raised
+      raise ConfigError(
+        f"config.env.name={cfg.env.name!r} cannot start on the records of "
+        f"config.task.name={cfg.task.name!r}: {e}. Choose the task the environment is made for."
+      ) from None
   finally:
     env.close()
 

@@ -54,8 +54,20 @@ def build_controller(
   checkpointer; `config.loop.mode` comes out resolved ("auto" decided) in the controller's
   config."""
   tokenizer = make_tokenizer(cfg)
+  if cfg.checkpoint.hf_every and not cfg.pretrained.path:
+    raise ConfigError(
+      f"config.checkpoint.hf_every={cfg.checkpoint.hf_every} exports a run that started from a "
+      "Hugging Face checkpoint, and config.pretrained.path is empty: set it, or hf_every=0."
+    )
   model = Model(model_config(cfg, tokenizer))
   rollout_model = Model(rollout_model_config(cfg, model.config))
+  max_new, max_seq_len = cfg.rollout.sampling.max_new_tokens, model.config.max_seq_len
+  if max_new >= max_seq_len:
+    raise ConfigError(
+      f"config.rollout.sampling.max_new_tokens={max_new} leaves no room for a prompt in the "
+      f"model's max_seq_len={max_seq_len}: set it below {max_seq_len} (responses are cut at "
+      "max_seq_len minus their prompt anyway)."
+    )
   task = make_task(cfg.task)
   chat = template_kwargs(cfg)
   train_records = task.records("train", None, cfg.seed)
@@ -67,7 +79,7 @@ def build_controller(
   # Multi-turn: a sequence is a whole trajectory, at most `max_tokens` ids (`episodes.py`).
   max_trajectory = trajectory_max_tokens(cfg, model.config.max_seq_len) if cfg.env.name else 0
   if cfg.env.name:
-    check_environment(cfg, tokenizer, chat)
+    check_environment(cfg, tokenizer, chat, train_records[0])
   if cfg.rollout.paged.max_tokens < 0:
     # On accelerators the rollout engine's shapes are sized for the longest sequence expected
     # (one program per row count; the decode kernels stop at each row's length). On CPU the

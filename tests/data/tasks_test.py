@@ -266,3 +266,10 @@ def test_digit_sort_long_tail_lengths():
     digits = r["prompt"][len("sort:") : -1]
     assert r["answer"] == "".join(sorted(digits))
     assert task.reward(r, r["answer"]) == 1.0
+
+
+def test_more_eval_prompts_than_a_generated_task_has_evaluates_on_all(caplog):
+  task = make_task(TaskConfig(name="countdown", countdown_numbers=2))
+  records = task.records("test", 128)
+  assert 0 < len(records) < 128
+  assert "config.eval.num_prompts=128 asks for more test problems than task" in caplog.text

@@ -277,3 +277,28 @@ def test_async_on_shared_simulated_cpu_devices_is_refused(tmp_path):
   cfg = agent_config("async", **{"placement.mode": "colocated"})
   with pytest.raises(ConfigError, match="placement.mode='disaggregated'"):
     job.build_controller(cfg, str(tmp_path), show_progress=False)
+
+
+def test_a_task_whose_records_the_environment_cannot_start_is_refused_up_front(tmp_path):
+  """Every group would fail its reset, be dropped and replaced, forever."""
+  cfg = agent_config(**{"task.name": "digit_sort", "warmup.steps": 0})
+  with pytest.raises(ConfigError, match=r"cannot start on the records of config.task.name="):
+    job.build_controller(cfg, str(tmp_path), show_progress=False)
+
+
+def test_a_run_whose_environments_stop_starting_ends_with_an_error(tmp_path, monkeypatch):
+  """Records the environment cannot start past the first (checked up front): each group is
+  dropped and replaced; a long unbroken run of them stops the loop instead of spinning."""
+  from jaxrl.envs import GuessNumberEnv
+
+  cfg = agent_config(**{"warmup.steps": 0, "eval.every": 0})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+
+  def reset(self, record):
+    raise ValueError("test: the record is broken")
+
+  monkeypatch.setattr(GuessNumberEnv, "reset", reset)
+  with pytest.raises(RuntimeError, match=r"groups' environments .* could not start"):
+    controller.run()
+  assert controller.counters["groups_env_failed"] == 64  # then the 65th in a row stopped it
+  controller.close()

@@ -352,3 +352,15 @@ def test_a_training_prompt_too_long_for_the_model_is_skipped_and_counted(tmp_pat
   assert len(released) == cfg.rollout.prompts_per_step  # the next batch's first took its place
   assert max(map(len, released)) < max_seq_len
   controller.close()
+
+
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    ({"checkpoint.hf_every": 1}, r"config.checkpoint.hf_every=1 exports a run that started"),
+    ({"rollout.sampling.max_new_tokens": 500}, r"max_new_tokens=500 leaves no room"),
+  ],
+)
+def test_settings_that_would_do_nothing_are_refused(tmp_path, overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    job.build_controller(tiny_config(**overrides), str(tmp_path), show_progress=False)
