@@ -214,5 +214,6 @@ def test_gsm8k_task(tmp_path):
     assert task.reward(r, f"Adding them, she has {int(r['answer']):,} shells.") == 1.0
     assert task.reward(r, f"She has {int(r['answer']) + 1} shells.") == 0.0
     assert task.reward(r, "She has many shells.") == 0.0
+  assert task.records("test", 301) == test  # more than it has: all of them (warned)
   with pytest.raises(ValueError, match="fewer"):
-    task.records("test", 301)
+    task.records("train", 301)

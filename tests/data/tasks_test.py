@@ -129,8 +129,9 @@ def test_split_is_about_one_tenth():
   train, test = task.records("train"), task.records("test", 900)
   assert len(train) + len(test) <= 10_000
   assert 900 <= 10_000 - len(train) <= 1100
+  assert len(task.records("test", 2000)) < 2000  # all there are (warned)
   with pytest.raises(ValueError, match="only"):
-    task.records("test", 2000)
+    task.records("train", 20_000)
   with pytest.raises(ValueError, match="split"):
     task.records("validation", 10)
 

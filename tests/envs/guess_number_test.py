@@ -109,8 +109,7 @@ def test_splits_are_deterministic_disjoint_and_the_test_split_ignores_the_seed()
 
 
 def test_bad_records_and_options_are_clear_errors():
-  with pytest.raises(ValueError, match="has only 111 distinct test problems"):
-    records("test", 10_000)
+  assert len(records("test", 10_000)) == 111  # all there are (eval asks for more: warned)
   with pytest.raises(ValueError, match="split .valid.: use one of"):
     records("valid", 1)
   env = GuessNumberEnv(max_guesses=3)

@@ -65,21 +65,6 @@ def test_a_crashed_sync_worker_is_restarted_and_the_run_completes(tmp_path):
   assert controller.counters["requests_redispatched"] > 0  # the crashed worker's requests
 
 
-def test_a_loop_left_without_workers_stops_with_a_clear_error(tmp_path):
-  cfg = sync_config(
-    **{"train.steps": 2, "loop.worker_restarts": 0, "loop.no_worker_timeout_s": 0.5}
-  )
-  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
-  (worker,) = controller.initial_workers
-  crash_engine_steps(worker, after=1, times=float("inf"))
-  controller.hooks.append(give_up_after(120))
-  with pytest.raises(RolloutWorkersLost, match=r"w0 crashed: RuntimeError\('test: device lost'\)"):
-    controller.run()
-  assert controller.state.step == 0
-  assert controller.counters["workers_restarted"] == 0
-  assert not controller.workers
-
-
 def test_a_worker_crashing_at_every_restart_uses_up_the_restarts_then_stops(tmp_path):
   cfg = sync_config(
     **{"train.steps": 2, "loop.worker_restarts": 2, "loop.no_worker_timeout_s": 0.5}
@@ -95,6 +80,9 @@ def test_a_worker_crashing_at_every_restart_uses_up_the_restarts_then_stops(tmp_
   controller.backend.make_worker = make_crashing_worker
   controller.initial_workers = controller.fresh_workers()
   controller.hooks.append(give_up_after(300))
-  with pytest.raises(RolloutWorkersLost, match="restarted 2 times"):
+  # The error names the last crash and the restarts used (not a hang: the loop had no worker).
+  match = r"w\d+ crashed: RuntimeError\('test: device lost'\).*restarted 2 times"
+  with pytest.raises(RolloutWorkersLost, match=match):
     controller.run()
   assert controller.counters["workers_crashed"] == 3
+  assert controller.state.step == 0 and not controller.workers
