@@ -61,7 +61,7 @@ def group_advantages(
   # All-equal rewards: exactly 0. A mean rounds away from the common value (0.9 * 12 / 12 is
   # not 0.9 in floating point), and divided by a std of the same rounding, plus eps, that
   # residue became a uniform push of up to 0.1 on the whole group.
-  equal_g1 = np.all(rewards_gk == rewards_gk[:, :1], axis=1, keepdims=True)
+  equal_g1 = _all_equal(rewards_gk)[:, None]
   return np.where(equal_g1, 0.0, centred_gk).reshape(-1).astype(np.float32)
 
 
@@ -76,5 +76,8 @@ def zero_variance_groups(rewards_b: ArrayLike, group_size: int) -> np.ndarray:
     `bool[num_groups]`, True where every reward in the group is equal (e.g. for DAPO dynamic
     sampling, which drops such groups).
   """
-  rewards_gk = _rewards_by_group(rewards_b, group_size)
+  return _all_equal(_rewards_by_group(rewards_b, group_size))
+
+
+def _all_equal(rewards_gk: np.ndarray) -> np.ndarray:
   return np.all(rewards_gk == rewards_gk[:, :1], axis=1)
