@@ -30,15 +30,19 @@ from jaxrl.kernels.gmm import BlockSizes, gmm, tgmm
 
 # (m, k, n, groups)
 CASES = tuple((m, 2048, 768, g) for g in (128, 64, 8) for m in (16384, 8192))
-# (tm, tk, tn, num_warps, num_stages): Hopper-sized Triton tiles to try beside the default.
+# (tm, tk, tn, num_warps, num_stages): Hopper-sized Triton tiles to try beside the default
+# (the first, the small tiles every GPU fits, was tgmm's default on Hopper before the H100
+# sweep of 2026-11-27; the last two are larger than that sweep's best, tgmm's default since).
 TILES = (
+  (64, 32, 64, 4, 2),
   (64, 64, 128, 4, 3),
   (64, 64, 256, 8, 3),
   (128, 64, 128, 8, 3),
   (128, 64, 256, 8, 3),
   (128, 32, 128, 4, 4),
-  (64, 128, 128, 4, 3),
   (128, 64, 128, 4, 4),
+  (128, 128, 128, 8, 3),
+  (64, 128, 256, 8, 3),
 )
 
 

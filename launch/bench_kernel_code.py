@@ -51,10 +51,10 @@ PROGRAMS = {
   "flash_4096_float32": {"program": "flash", "dtype": "float32"},
   "gmm_8192x2048x768_128_groups": {"program": "gmm"},
   "tgmm_8192x2048x768_128_groups": {"program": "tgmm"},
-  # A tile Hopper's wgmma takes (64 output rows a warp group), which tgmm's default is not.
-  "tgmm_8192x2048x768_128_groups_64x64x128": {
+  # The small tiles tgmm had on Hopper before the H100 sweep (docs/BENCHMARKS.md).
+  "tgmm_8192x2048x768_128_groups_64x32x64": {
     "program": "tgmm",
-    "blocks": {"tm": 64, "tk": 64, "tn": 128, "num_warps": 4, "num_stages": 3},
+    "blocks": {"tm": 64, "tk": 32, "tn": 64, "num_warps": 4, "num_stages": 2},
   },
   "paged_attention_64_rows": {"program": "paged_attention"},
 }
@@ -149,7 +149,7 @@ def _program(spec: dict):
   from jaxrl.kernels import gmm, tgmm
   from jaxrl.kernels.flash_attention import BlockSizes, flash_attention
   from jaxrl.kernels.gmm import BlockSizes as GmmBlockSizes
-  from jaxrl.kernels.gmm.pallas_gpu import gmm_block_sizes
+  from jaxrl.kernels.gmm.pallas_gpu import gmm_block_sizes, tgmm_block_sizes
   from jaxrl.kernels.paged_attention import paged_attention
 
   mesh = jax.sharding.Mesh(_target_devices(spec["target"])[:1], ("x",))
@@ -183,6 +183,7 @@ def _program(spec: dict):
     return fn, (arg((rows, 2048)), arg((groups, 2048, 768)), arg((groups,), jnp.int32))
   if program == "tgmm":
     tiles = GmmBlockSizes(**spec["blocks"]) if spec.get("blocks") else None
+    tiles = tiles or tgmm_block_sizes(2, _compute_capability(spec["target"]))
     fn = lambda lhs, grad, sizes: tgmm(lhs, grad, sizes, impl="pallas_gpu", block_sizes=tiles)  # noqa: E731
     return fn, (arg((rows, 2048)), arg((rows, 768)), arg((groups,), jnp.int32))
   if program == "paged_attention":

@@ -16,7 +16,8 @@ H200; elsewhere small tiles any GPU's shared memory holds).
 
 `tgmm`, grid `(g, k_tiles, n_tiles)`: a program owns one tile of `out[g]` and loops over the
 row tiles of group g, masking rows of other groups to zero. Programs of large groups run
-longer than others; an empty group's programs only write zeros.
+longer than others; an empty group's programs only write zeros. Default tiles:
+`tgmm_block_sizes` (on Hopper, the best of a sweep on an H100).
 
 Triton block dims are powers of two and its dot needs every dim >= 16: the k and n dims are
 zero-padded up to whole tiles where they are not multiples of them.
@@ -40,7 +41,7 @@ _TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerPa
 
 _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16.
 # Small tiles that fit any CUDA GPU's shared memory (2 stages of bf16 64x32 and 32x64 operand
-# tiles: 16 KiB; 32 KiB in fp32): tgmm's defaults (not tuned yet), and gmm's off Hopper.
+# tiles: 16 KiB; 32 KiB in fp32): gmm's and tgmm's defaults off Hopper.
 _SMALL_TILES = BlockSizes(tm=64, tk=32, tn=64, num_warps=4, num_stages=2)
 # Compute capabilities with 227 KiB of shared memory per block (Hopper, Blackwell datacenter
 # parts), where gmm's swept tiles fit; others have 64-163 KiB.
@@ -70,6 +71,21 @@ def gmm_block_sizes(m: int, g: int, itemsize: int, compute_capability: str | Non
     return _SMALL_TILES
   tn = 256 if m >= 256 * g else 128
   return BlockSizes(tm=128, tk=64 if itemsize <= 2 else 32, tn=tn, num_warps=8, num_stages=3)
+
+
+def tgmm_block_sizes(itemsize: int, compute_capability: str | None) -> BlockSizes:
+  """tgmm's default tiles for a GPU of `compute_capability` ("9.0"; None: unknown).
+
+  On Hopper-class GPUs, the best of a sweep on an H100 (bf16, k 2048, n 768, m 8k-16k rows over
+  8-128 groups; docs/BENCHMARKS.md): 64 rows a step into a 128 x 128 tile of `out[g]`, 4 warps,
+  3 stages, the fastest of 8 tilings on all 6 shapes and 2.6-4.8x the small tiles. Three
+  stages of its bf16 operand tiles take 96 KiB of shared memory; fp32 (not swept) halves k to
+  stay at 144 KiB. Elsewhere, and where the GPU is not known, the small tiles.
+  """
+  major = int(compute_capability.split(".")[0]) if compute_capability else 0
+  if major not in _LARGE_SHARED_MEMORY:
+    return _SMALL_TILES
+  return BlockSizes(tm=64, tk=128 if itemsize <= 2 else 64, tn=128, num_warps=4, num_stages=3)
 
 
 def _compute_capability() -> str | None:
@@ -280,7 +296,8 @@ def tgmm(
   m, k = lhs_mk.shape
   n = grad_mn.shape[1]
   g = group_sizes_g.shape[0]
-  bs = resolve_block_sizes(block_sizes, _SMALL_TILES, m=m, k=k, n=n)
+  defaults = tgmm_block_sizes(lhs_mk.dtype.itemsize, _compute_capability())
+  bs = resolve_block_sizes(block_sizes, defaults, m=m, k=k, n=n)
   tm, tk, tn = bs.tm, bs.tk, bs.tn
   m_tiles, k_tiles, n_tiles = pl.cdiv(m, tm), pl.cdiv(k, tk), pl.cdiv(n, tn)
   m_pad = m_tiles * tm

@@ -315,8 +315,16 @@ def test_tpu_kernel_lowers_for_tpu(op, m, k, n, g, dtype, block_sizes):
   assert out.shape == _out_shape(op, m, k, n, g) and out.dtype == dtype
 
 
+# Hopper's default tiles (`gmm_block_sizes`, `tgmm_block_sizes`), which a CPU's lowering, with
+# no compute capability to read, does not pick by itself.
+HOPPER_TILES = [
+  (8192, 2048, 768, 64, jnp.bfloat16, BlockSizes(tm=128, tk=64, tn=128, num_warps=8, num_stages=3)),
+  (8192, 2048, 768, 64, jnp.bfloat16, BlockSizes(tm=64, tk=128, tn=128, num_warps=4, num_stages=3)),
+]
+
+
 @pytest.mark.parametrize("op", [gmm, tgmm], ids=["gmm", "tgmm"])
-@pytest.mark.parametrize("m,k,n,g,dtype,block_sizes", LOWERING_CASES)
+@pytest.mark.parametrize("m,k,n,g,dtype,block_sizes", LOWERING_CASES + HOPPER_TILES)
 def test_gpu_kernel_lowers_for_cuda(op, m, k, n, g, dtype, block_sizes):
   f = functools.partial(op, impl="pallas_gpu", block_sizes=block_sizes)
   exported = export_cuda(f, *_shapes(op, m, k, n, g, dtype))
@@ -392,7 +400,7 @@ def test_gpu_work_tiles_cover_every_row_once_within_one_group(g, tm):
 def test_gpu_default_tiles_fit_the_shared_memory_of_the_gpu(capability, dtype):
   """Triton fails to compile a kernel whose pipelined operand tiles exceed the GPU's shared
   memory per block: 227 KiB on Hopper-class GPUs, 64 KiB on the smallest (sm_75)."""
-  from jaxrl.kernels.gmm.pallas_gpu import gmm_block_sizes
+  from jaxrl.kernels.gmm.pallas_gpu import gmm_block_sizes, tgmm_block_sizes
 
   budget = (227 if capability in ("9.0", "10.0") else 64) * 1024
   itemsize = jnp.dtype(dtype).itemsize
@@ -403,6 +411,11 @@ def test_gpu_default_tiles_fit_the_shared_memory_of_the_gpu(capability, dtype):
     if capability == "9.0" and dtype == jnp.bfloat16:  # the swept tiles, on an H200
       assert (bs.tm, bs.tk, bs.num_warps, bs.num_stages) == (128, 64, 8, 3)
       assert bs.tn == (256 if m >= 256 * g else 128)
+  # tgmm streams [tm, tk] of lhs and [tm, tn] of the gradient a step.
+  bs = tgmm_block_sizes(itemsize, capability)
+  assert (bs.tm * bs.tk + bs.tm * bs.tn) * itemsize * bs.num_stages <= budget, bs
+  if capability in ("9.0", "10.0") and dtype == jnp.bfloat16:  # the swept tiles, on an H100
+    assert (bs.tm, bs.tk, bs.tn, bs.num_warps, bs.num_stages) == (64, 128, 128, 4, 3)
 
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
