@@ -77,6 +77,14 @@ _MAX_HEADS_PER_PROGRAM = 64
 _TARGET_BLOCK_TOKENS = 128
 _TARGET_BLOCK_TOKENS_F32 = 64
 _SUM_BLOCK_ELEMENTS = 8192
+# A 16-bit cache whose sequences hold at most `_SHORT_CONTEXT_TOKENS` tokens (the page table's
+# capacity): blocks of `_SHORT_BLOCK_TOKENS`, 2 warps, 1 stage. Inside the model (Qwen3-0.6B,
+# 64 rows of 96-token capacity, H100) they took the decode step from 1.60 to 1.39 ms and the
+# attention from 513 to 298 us a step, the best of 5 tilings (docs/BENCHMARKS.md); longer
+# capacities keep 128-token blocks at 4 warps and 2 stages, which read a 1k-token cache at 93%
+# of the copy rate and were not compared with others inside the model.
+_SHORT_CONTEXT_TOKENS = 128
+_SHORT_BLOCK_TOKENS = 32
 _TARGET_PROGRAMS = 256  # about two waves on a 132-SM H100.
 # A part covers at most this many tokens (8 compute blocks of the default dot block), so that in
 # a ragged batch the longest sequences are split over several programs instead of leaving one
@@ -100,10 +108,12 @@ def resolve_block_sizes(
   pages_per_seq: int,
   target_tokens: int = _TARGET_BLOCK_TOKENS,
   min_tokens: int = _MIN_DOT,
+  num_warps: int = 4,
+  num_stages: int = 2,
 ) -> BlockSizes:
   """Fills the None tiling fields from the shapes; `num_programs` counts (sequence, head
   block); a default compute block has about `target_tokens` and at least `min_tokens` tokens
-  (16 for the dots) or one page."""
+  (16 for the dots) or one page; `num_warps` and `num_stages` are the defaults of theirs."""
   bs = block_sizes or BlockSizes()
   c = bs.pages_per_compute_block
   if c is None:
@@ -119,8 +129,8 @@ def resolve_block_sizes(
     bs,
     pages_per_compute_block=c,
     num_splits=x,
-    num_warps=bs.num_warps or 4,
-    num_stages=bs.num_stages or 2,
+    num_warps=bs.num_warps or num_warps,
+    num_stages=bs.num_stages or num_stages,
   )
 
 
@@ -293,13 +303,16 @@ def paged_attention(
     b = min(_next_pow2(g), _MAX_HEADS_PER_PROGRAM)
     target = max(1, _SUM_BLOCK_ELEMENTS // (b * d))
   r = pl.cdiv(g, b)
+  short = dot and not wide and m * s <= _SHORT_CONTEXT_TOKENS
   bs = resolve_block_sizes(
     block_sizes,
     num_programs=n * k * r,
     page_size=s,
     pages_per_seq=m,
-    target_tokens=target,
+    target_tokens=_SHORT_BLOCK_TOKENS if short else target,
     min_tokens=_MIN_DOT if dot else 1,
+    num_warps=2 if short else 4,
+    num_stages=1 if short else 2,
   )
   c, x = bs.pages_per_compute_block, bs.num_splits
   _check_shapes(page_size=s, head_dim=d, pages_per_block=c, dot=dot)
