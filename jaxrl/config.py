@@ -505,7 +505,10 @@ def from_config_dict(
   for section, key in (("model", "dtype"), ("rollout", "param_dtype"), ("model", "attention")):
     values = config.get(section)
     if isinstance(values, Mapping) and values.get(key) == "auto":
-      config[section] = {**values, key: auto[f"{section}.{key}"]}
+      setting = auto[f"{section}.{key}"]
+      if setting == "cudnn" and values.get("dtype", ModelConfig.dtype) != "bfloat16":
+        setting = "flash"  # cuDNN's fused attention computes in bf16 only
+      config[section] = {**values, key: setting}
   return _build(ExperimentConfig, config, "config")
 
 
@@ -517,12 +520,15 @@ def auto_settings(
 
   Dtypes: on accelerators bf16 compute (and KV cache) and bf16 rollout weights (the learner's
   fp32 master weights cast once per sync, not at every use); on CPU, which has no fast bf16
-  matmuls, fp32 compute and rollout weights in `model.param_dtype`. Attention: "flash" on
-  Hopper-class GPUs (compute capability 9.x, 10.x), where the Triton kernel was faster than
-  dense attention at every length measured (1k-16k tokens, H200) and a 16k-token learner step
-  took 9 GiB against 46 (docs/BENCHMARKS.md); "dense" elsewhere: CPU (the flash reference is
-  slower at short lengths), TPU (its kernel has not run on a TPU yet) and other GPUs (the
-  kernel has not run on them; some have under half a Hopper's shared memory per block). On a
+  matmuls, fp32 compute and rollout weights in `model.param_dtype`. Attention: "cudnn" on
+  Hopper-class GPUs (compute capability 9.x, 10.x; "flash" where the model computes in
+  float32, which cuDNN does not, or this jax lacks its cuDNN module): flash attention was
+  faster than dense at every length measured (1k-16k tokens, H200; a 16k-token learner step
+  took 9 GiB against 46), and cuDNN's kernel for packed rows ran a 4k-token learner step 1.17x
+  as fast as our Triton kernel (H100; docs/BENCHMARKS.md); "dense" elsewhere: CPU (the flash
+  reference is slower at short lengths), TPU (its kernel has not run on a TPU yet) and other
+  GPUs (the kernel has not run on them; some have under half a Hopper's shared memory per
+  block). On a
   TPU v5e, whose chip has 15.75 GiB, XLA's plan of a 16k-token Qwen3-0.6B update needs 21.2
   GiB of temporaries with dense attention and 7.1 GiB in all with flash (compiled without a
   TPU, `launch/bench.py kernels`): set `model.attention=flash` there for long responses."""
@@ -536,10 +542,15 @@ def auto_settings(
   on_cpu = backend == "cpu"
   major = int(compute_capability.split(".")[0]) if compute_capability else 0
   hopper = backend in ("gpu", "cuda") and major in (9, 10)
+  attention = "dense"
+  if hopper:
+    from jaxrl.kernels.flash_attention import cudnn
+
+    attention = "cudnn" if cudnn.available() else "flash"
   return {
     "model.dtype": "float32" if on_cpu else "bfloat16",
     "rollout.param_dtype": "" if on_cpu else "bfloat16",
-    "model.attention": "flash" if hopper else "dense",
+    "model.attention": attention,
   }
 
 

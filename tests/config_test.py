@@ -190,6 +190,21 @@ def test_defaults_round_trip():
   assert isinstance(default_config(), ml_collections.ConfigDict)
 
 
+def test_auto_attention_on_hopper_is_the_pallas_kernel_where_cudnn_cannot_serve(monkeypatch):
+  """cuDNN's fused attention computes in bf16 only, and needs jax's (private) cuDNN module:
+  a float32 model, or a jax without the module, gets our flash kernel instead."""
+  from jaxrl.kernels.flash_attention import cudnn
+
+  config = default_config()
+  config.model.attention = "auto"
+  config.model.dtype = "float32"
+  assert from_config_dict(config, "gpu", "9.0").model.attention == "flash"
+  config.model.dtype = "bfloat16"
+  assert from_config_dict(config, "gpu", "9.0").model.attention == "cudnn"
+  monkeypatch.setattr(cudnn, "_cudnn", None)
+  assert from_config_dict(config, "gpu", "9.0").model.attention == "flash"
+
+
 @pytest.mark.parametrize(
   ("backend", "compute", "rollout"),
   [("cpu", "float32", ""), ("gpu", "bfloat16", "bfloat16"), ("tpu", "bfloat16", "bfloat16")],
@@ -201,9 +216,9 @@ def test_auto_settings_follow_the_backend(backend, compute, rollout):
   config.model.attention = "auto"
   cfg = from_config_dict(config, backend=backend)
   assert (cfg.model.dtype, cfg.rollout.param_dtype) == (compute, rollout)
-  # Flash attention on Hopper-class GPUs only, where it was measured.
+  # Flash attention (cuDNN's, in bf16) on Hopper-class GPUs only, where it was measured.
   assert cfg.model.attention == "dense"
-  for capability, attention in [("9.0", "flash"), ("10.0", "flash"), ("8.9", "dense")]:
+  for capability, attention in [("9.0", "cudnn"), ("10.0", "cudnn"), ("8.9", "dense")]:
     cfg = from_config_dict(config, backend=backend, compute_capability=capability)
     assert cfg.model.attention == (attention if backend == "gpu" else "dense")
   assert cfg.model.param_dtype == "float32"  # master weights stay fp32

@@ -118,6 +118,11 @@ def _increases(positions_bt):
   return jnp.concatenate([jnp.ones_like(pos[:, :1], bool), pos[:, 1:] > pos[:, :-1]], axis=1)
 
 
+def available() -> bool:
+  """This jax has the cuDNN attention module impl="cudnn" runs through."""
+  return _cudnn is not None
+
+
 def check_inputs(q_bthe, k_bske, *, max_segments: int) -> None:
   """What cuDNN's flash attention takes, checked before tracing it (clear errors)."""
   if _cudnn is None:
