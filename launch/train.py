@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -35,6 +36,20 @@ _CPU_DEVICES = flags.DEFINE_integer(
 )
 
 
+def _stop(kind: str, error: Exception, workdir: str) -> None:
+  """Exits with one line naming what stopped the run; its traceback goes to
+  `<workdir>/error.txt`, for an environment's or a checkpoint's author to read."""
+  path = os.path.join(workdir, "error.txt")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with open(path, "w") as f:
+      f.write("".join(traceback.format_exception(error)))
+    where = f" (traceback: {path})"
+  except OSError as e:
+    where = f" (its traceback could not be written to {path}: {e})"
+  sys.exit(f"{kind}: {error}{where}")
+
+
 def main(argv):
   del argv
   import jax
@@ -42,8 +57,11 @@ def main(argv):
   # Must happen before the backend starts; only affects the CPU platform.
   jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   from jaxrl.config import ConfigError, from_config_dict
-  from jaxrl.data import DatasetError
+  from jaxrl.data import DatasetError, TokenizerError
+  from jaxrl.envs import EnvError
+  from jaxrl.model.safetensors_io import CheckpointError
   from jaxrl.rl import job
+  from jaxrl.rl.worker_pool import RolloutWorkersLost
 
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
   for noisy in ("absl", "jax._src", "orbax"):
@@ -55,6 +73,16 @@ def main(argv):
     sys.exit(f"Config error: {e}")
   except DatasetError as e:
     sys.exit(f"Dataset error: {e}")
+  # Errors a run meets on its way, each with a message that says what to change: one line
+  # here rather than a page of traceback above it.
+  except EnvError as e:
+    _stop("Environment error", e, _WORKDIR.value)
+  except CheckpointError as e:
+    _stop("Checkpoint error", e, _WORKDIR.value)
+  except TokenizerError as e:
+    _stop("Tokenizer error", e, _WORKDIR.value)
+  except RolloutWorkersLost as e:
+    _stop("Rollout workers lost", e, _WORKDIR.value)
   print(json.dumps(summary, indent=2))
 
 

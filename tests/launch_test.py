@@ -111,3 +111,46 @@ def test_every_launch_script_imports():
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
   )
   assert done.returncode == 0, done.stderr[-3000:]
+
+
+# A run stopped by what it meets on its way (here `job.run` raises it at once): one line naming
+# the error, and its traceback kept in the workdir.
+_RAISE_IN_RUN = """
+import runpy, sys
+from jaxrl.rl import job
+from jaxrl.envs import EnvError
+from jaxrl.model.safetensors_io import CheckpointError
+from jaxrl.rl.worker_pool import RolloutWorkersLost
+
+def run(cfg, workdir):
+  raise {error}
+
+job.run = run
+sys.argv = ["train.py", "--workdir={workdir}"]
+runpy.run_path("launch/train.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(
+  "error, line",
+  [
+    ("EnvError('record 3: no target')", "Environment error: record 3: no target"),
+    ("CheckpointError('shard 2 is truncated')", "Checkpoint error: shard 2 is truncated"),
+    ("RolloutWorkersLost('none for 60 s')", "Rollout workers lost: none for 60 s"),
+  ],
+)
+def test_an_error_met_in_the_run_is_one_line_with_its_traceback_kept(tmp_path, error, line):
+  code = _RAISE_IN_RUN.format(error=error, workdir=tmp_path)
+  result = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  assert result.returncode == 1
+  lines = result.stderr.strip().splitlines()
+  assert lines == [f"{line} (traceback: {tmp_path / 'error.txt'})"], result.stderr
+  kept = (tmp_path / "error.txt").read_text()
+  assert kept.startswith("Traceback") and "in run" in kept
