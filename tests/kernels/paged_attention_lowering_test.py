@@ -34,6 +34,9 @@ LOWERING_CASES = [
   (3, 8, 8, 64, 100, 8, 5, jnp.float32, None),
   (16, 64, 8, 128, 2048, 32, 33, jnp.bfloat16, BlockSizes(pages_per_compute_block=4)),
   (2, 12, 4, 128, 64, 64, 7, jnp.float32, None),
+  # Short page tables (<= 128 tokens), which the GPU kernel tiles apart: 2 warps, 1 stage.
+  (64, 16, 8, 128, 384, 16, 6, jnp.bfloat16, None),
+  (8, 64, 8, 64, 64, 16, 8, jnp.bfloat16, None),
 ]
 
 
