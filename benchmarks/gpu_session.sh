@@ -26,8 +26,9 @@
 # with cuDNN's packed attention, `model.attention=cudnn`), learner16k_cudnn (its 16k cuDNN row
 # alone: a learner setting takes 60-80 s with its process's start and compile), tests_cudnn
 # (cuDNN's packed attention against the oracle), grpo, train (the main job with its defaults), tests (the GPU-marked
-# kernel tests, in one process; 4 of them passed in the first 120 s on an H100 on 2026-11-27,
-# so give them 6 minutes), tests_qk (those of qk_rope_write alone). Each part runs under its
+# kernel tests in 4 processes, each test's name and result in the log: one process passed 4 of
+# them in 120 s on an H100 on 2026-11-27, each building Triton kernels and a float64 oracle on
+# the host), tests_qk (those of qk_rope_write alone). Each part runs under its
 # own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line {"part", "rc",
 # "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings it finished, for a
 # part cut short) to $OUT/progress.txt and the end of its log to $OUT/logs.txt.
@@ -127,15 +128,16 @@ for spec in "$@"; do
       --lengths 4096,16384 --attentions flash,cudnn ;;
     learner16k_cudnn) run_part learner16k_cudnn "${limit:-150}" python3 launch/bench.py learner \
       --json --lengths 16384 --attentions cudnn ;;
-    tests_cudnn) JAX_PLATFORMS=cuda run_part tests_cudnn "${limit:-90}" python3 -m pytest -q -n 0 \
-      -m gpu -p no:cacheprovider tests/kernels/flash_attention_cudnn_test.py ;;
+    tests_cudnn) JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run_part tests_cudnn \
+      "${limit:-120}" python3 -m pytest -v -n 2 --durations=5 -m gpu -p no:cacheprovider \
+      tests/kernels/flash_attention_cudnn_test.py ;;
     learner_profile) run_part learner_profile "${limit:-300}" python3 launch/bench.py learner \
       --json --profile ;;
     grpo) run_part grpo "${limit:-200}" python3 launch/bench.py grpo_step --json \
       --presets qwen3-0.6b ;;
     train) run_part train "${limit:-240}" python3 launch/train.py --workdir /tmp/train_default ;;
-    tests) JAX_PLATFORMS=cuda run_part tests "${limit:-360}" python3 -m pytest -q -n 0 -m gpu -p \
-      no:cacheprovider tests/kernels ;;
+    tests) JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run_part tests "${limit:-360}" \
+      python3 -m pytest -v -n 4 --durations=15 -m gpu -p no:cacheprovider tests/kernels ;;
     tests_qk) JAX_PLATFORMS=cuda run_part tests_qk "${limit:-90}" python3 -m pytest -q -n 0 -m gpu \
       -p no:cacheprovider tests/kernels/qk_rope_write_test.py ;;
     *) echo "unknown part $part" ;;
