@@ -64,8 +64,10 @@ class ModelConfig:
       GPU or TPU, the jnp reference on CPU), same result to rounding; "cudnn" runs it through
       cuDNN's fused attention (`impl="cudnn"`: an NVIDIA GPU, bf16, Hopper or later for
       packed rows; a batch whose packed rows cuDNN cannot take runs the Pallas kernel).
-      Cached passes (rollout) are unaffected. (An experiment config may say "auto": flash on
-      Hopper GPUs, dense elsewhere; `jaxrl.config.auto_settings`.)
+      Rollout's packed prefill of prompts (each prompt's keys all in its row) takes it too;
+      its decode and chunked prefill read the paged cache. (An experiment config may say
+      "auto": cuDNN on Hopper GPUs for bf16 models, flash for float32 ones, dense elsewhere;
+      `jaxrl.config.auto_settings`.)
   """
 
   vocab_size: int = 64
