@@ -33,6 +33,7 @@ class WorkerPool:
   """The rollout workers of one controller and the requests they hold."""
 
   POLL_S = 0.05  # how long the loop waits for a worker event before checking on its workers
+  JOIN_WARN_S = 30.0  # a stopping worker still running after this long is logged, and again
 
   def __init__(
     self,
@@ -152,9 +153,24 @@ class WorkerPool:
     streamed tokens."""
     worker = self.workers[name]
     worker.kill()
-    worker.join()
+    self._join(name, worker)
     self._handle_events(block=False)
     self._drop_worker(name, "killed")
+
+  def _join(self, name: str, worker: RolloutWorker) -> None:
+    """Waits for a killed worker to stop, saying so every `JOIN_WARN_S`: a worker stops
+    between engine steps, and one step (a compilation, a long window) can take minutes; it is
+    not abandoned while it may still hold its devices."""
+    start = time.monotonic()
+    worker.join(self.JOIN_WARN_S)
+    while worker.alive:
+      log.warning(
+        "Rollout worker %s was told to stop %.0f s ago and is still in an engine step; "
+        "waiting for it to finish.",
+        name,
+        time.monotonic() - start,
+      )
+      worker.join(self.JOIN_WARN_S)
 
   def _drop_worker(self, name: str, why: str, detail: str = "") -> None:
     self.leaving.discard(name)
@@ -214,8 +230,8 @@ class WorkerPool:
     try:
       for worker in self.workers.values():
         worker.kill()
-      for worker in self.workers.values():
-        worker.join()
+      for name, worker in self.workers.items():
+        self._join(name, worker)
       self._handle_events(block=False)  # what they streamed before they stopped
       for name in list(self.workers):
         self._drop_worker(name, "stopped")

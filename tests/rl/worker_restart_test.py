@@ -5,12 +5,15 @@ after `config.loop.no_worker_timeout_s` instead of waiting forever.
 The sync loop runs one worker over all rollout devices: a single crash leaves it none.
 """
 
+import logging
+import threading
 import time
+import types
 
 import pytest
 
 from jaxrl.rl import job
-from jaxrl.rl.worker_pool import RolloutWorkersLost
+from jaxrl.rl.worker_pool import RolloutWorkersLost, WorkerPool
 
 from .job_test import tiny_config  # noqa: TID252
 
@@ -86,3 +89,31 @@ def test_a_worker_crashing_at_every_restart_uses_up_the_restarts_then_stops(tmp_
     controller.run()
   assert controller.counters["workers_crashed"] == 3
   assert controller.state.step == 0 and not controller.workers
+
+
+class _SlowToStop:
+  """A worker whose thread is still in an engine step for `seconds` after it is killed."""
+
+  def __init__(self, seconds: float):
+    self._thread = threading.Thread(target=time.sleep, args=(seconds,))
+    self._thread.start()
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
+
+  def join(self, timeout=None):
+    self._thread.join(timeout)
+
+
+def test_a_worker_slow_to_stop_is_waited_for_and_logged_not_abandoned(caplog):
+  """Stopping waits for a worker's engine step to end (it may hold its devices), and says so
+  while it waits instead of hanging silently."""
+  pool = types.SimpleNamespace(JOIN_WARN_S=0.05)
+  worker = _SlowToStop(0.4)
+  with caplog.at_level(logging.WARNING, logger="jaxrl.rl.worker_pool"):
+    WorkerPool._join(pool, "w3", worker)
+  assert not worker.alive
+  waits = [r.getMessage() for r in caplog.records if "w3 was told to stop" in r.getMessage()]
+  assert len(waits) >= 2, waits
+  assert "still in an engine step" in waits[0]
