@@ -34,17 +34,15 @@ merges.txt) needs converting: `AutoTokenizer.from_pretrained(d).save_pretrained(
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxrl.data.chat_template import alias_reasoning, environment, plain
 from jaxrl.hub import resolve_pretrained
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -60,7 +58,6 @@ _EXTRA_LIST_KEYS = ("additional_special_tokens", "extra_special_tokens")
 _STANDARD_NAMES = tuple(f"{n}_token" for n in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"))
 # The ids jaxrl uses: a missing one must fail at load, not as a wrong id later.
 _REQUIRED_NAMES = ("bos_token", "eos_token", "pad_token")
-_MIN_JINJA = (3, 1, 6)  # older releases have known sandbox escapes; templates are untrusted
 
 
 class TokenizerError(ValueError):
@@ -316,12 +313,12 @@ class HFTokenizer:
           "transformers.utils.get_json_schema(fn) builds its schema)"
         )
     chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
-    variables = {**self._template_vars, **_plain(template_kwargs)}
+    variables = {**self._template_vars, **plain(template_kwargs)}
     try:
       return template.compiled.render(
-        messages=_alias_reasoning(_plain(chat)),
-        tools=_plain(tools),
-        documents=_plain(documents),
+        messages=alias_reasoning(plain(chat)),
+        tools=plain(tools),
+        documents=plain(documents),
         add_generation_prompt=add_generation_prompt,
         **variables,
       )
@@ -478,120 +475,9 @@ def _compile(name: str, text: str, where: str) -> _Template:
   import jinja2
 
   try:
-    compiled = _environment().from_string(text)
+    compiled = environment().from_string(text)
   except jinja2.TemplateSyntaxError as e:
     raise TokenizerError(
       f"the chat template from {where} does not compile: line {e.lineno}: {e}"
     ) from None
   return _Template(name, text, where, compiled)
-
-
-@functools.cache
-def _environment():
-  """The Jinja environment transformers renders chat templates in, built once."""
-  import jinja2
-  import jinja2.ext
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-  version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
-  if version < _MIN_JINJA:
-    raise ImportError(
-      f"chat templates need jinja2>={'.'.join(map(str, _MIN_JINJA))} (older releases have known "
-      f"sandbox escapes), found {jinja2.__version__}: pip install -U jinja2"
-    )
-
-  class GenerationTag(jinja2.ext.Extension):
-    # `{% generation %}` marks assistant text for loss masks; rendering keeps its body.
-    tags = {"generation"}
-
-    def parse(self, parser):
-      lineno = next(parser.stream).lineno
-      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-      return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller):
-      return caller()
-
-  class Namespace(jinja2.utils.Namespace):
-    # Refuses underscore names: they are the way into Python's internals.
-    def __init__(*args, **kwargs):  # noqa: N805 -- jinja's signature, so `self=` stays a key
-      self, attrs = args[0], dict(*args[1:], **kwargs)
-      for key in attrs:
-        Namespace._check(key)
-      jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, key, value):
-      Namespace._check(key)
-      jinja2.utils.Namespace.__setitem__(self, key, value)
-
-    @staticmethod
-    def _check(key):
-      if isinstance(key, str) and key.startswith("_"):
-        raise jinja2.exceptions.SecurityError(f"namespace attribute {key!r} starts with '_'")
-
-  class DictFactory:
-    # `dict(...)` and `dict.fromkeys(...)` without the rest of the type's attributes.
-    def __call__(self, *args, **kwargs):
-      return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-      return dict.fromkeys(*args, **kwargs)
-
-  def raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-  def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # Jinja's own filter escapes <, >, & and ' for HTML, which would change the model's prompt.
-    return json.dumps(
-      value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-  env = ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
-  )
-  env.filters["tojson"] = tojson
-  env.globals.update(
-    raise_exception=raise_exception,
-    strftime_now=lambda fmt: datetime.now().strftime(fmt),
-    dict=DictFactory(),
-    namespace=Namespace,
-  )
-  return env
-
-
-# The names a message's reasoning comes under; templates read the first (gpt-oss: "thinking").
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-
-
-def _alias_reasoning(chat: list[dict]) -> list[dict]:
-  out = []
-  for message in chat:
-    reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
-    if reasoning is not None:
-      message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-    out.append(message)
-  return out
-
-
-def _plain(value: Any) -> Any:
-  """A copy of `value` made of JSON types only: what a sandboxed template may safely touch.
-
-  Subclasses (enums, numpy scalars) lose their extra methods; other objects (arrays, images)
-  become a placeholder naming their type, which templates only test for presence.
-  """
-  if value is None or type(value) in (str, int, float, bool):
-    return value
-  if isinstance(value, np.generic):
-    return _plain(value.item())
-  for base, to_base in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):
-    if isinstance(value, base):
-      return to_base(value)
-  if isinstance(value, Mapping):
-    return {_plain(k): _plain(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return [_plain(v) for v in value]
-  if isinstance(value, tuple):
-    return tuple(_plain(v) for v in value)
-  if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-  return f"<{type(value).__name__}>"
