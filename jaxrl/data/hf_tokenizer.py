@@ -22,14 +22,17 @@ in an immutable sandbox with trim_blocks, lstrip_blocks and loop controls; a `to
 non-ASCII and escapes no HTML; `raise_exception`, `strftime_now`, a restricted `dict` and
 `namespace`; the special tokens as variables; `{% generation %}` rendered as its body. Messages
 become plain data without None values, `reasoning_content`/`thinking` filled from each other (or
-`reasoning`). With `tools`, a template named "tool_use" wins over "default".
+`reasoning`). With `tools`, a template named "tool_use" wins over "default". `bos_id`, what a
+plain-text prompt starts with, is the id tokenizer.json's post-processor puts before a text, as
+in `tokenizer(text)` (add_bos_token is ignored there too), not the config's bos_token.
 
 Differences on purpose: tokenizer.json's padding and truncation are off; a BOS, EOS or PAD missing
 from the vocabulary raises (transformers would append an id the model lacks), other missing named
 tokens are ignored; the special-token defaults of transformers' model-specific classes (used when
 tokenizer_config.json omits a key) are not applied; no `continue_final_message` or
-`sanitize_control_tokens`. A directory with only a sentencepiece tokenizer.model (or vocab.json +
-merges.txt) needs converting: `AutoTokenizer.from_pretrained(d).save_pretrained(d)`.
+`sanitize_control_tokens`; an EOS the post-processor appends is not put after prompts. A
+directory with only a sentencepiece tokenizer.model (or vocab.json + merges.txt) needs
+converting: `AutoTokenizer.from_pretrained(d).save_pretrained(d)`.
 """
 
 from __future__ import annotations
@@ -198,7 +201,9 @@ class HFTokenizer:
     # Generation must stop at the model's own end-of-turn ids too (a base tokenizer's EOS is
     # often <|endoftext|> while the chat model ends its turns with <|im_end|>).
     self._stop_ids = tuple(dict.fromkeys([eos, *config_eos]))
-    self._bos_id = self._id_of("bos_token")
+    # transformers' tokenizer(text) adds what tokenizer.json's post-processor adds (it ignores
+    # add_bos_token then), not the config's bos_token: GPT-2-style configs name one never added.
+    self._bos_id = _bos_of_post_processor(backend, source)
     config_pad = self._config_ids(generation_config, "pad_token_id")
     pad = self._id_of("pad_token")
     self._pad_id = pad if pad is not None else (config_pad[0] if config_pad else eos)
@@ -214,7 +219,9 @@ class HFTokenizer:
 
   @property
   def bos_id(self) -> int | None:
-    """The BOS id, or None for tokenizers without one (Qwen): then nothing should add a BOS."""
+    """The id the original puts before a plain text (tokenizer.json's post-processor, as in
+    transformers' `tokenizer(text)`), or None where it puts none (Qwen; GPT-2, whose config
+    names a bos_token that is never added: see `special_tokens`)."""
     return self._bos_id
 
   @property
@@ -375,6 +382,19 @@ class HFTokenizer:
 _CLEAN_UP = tuple(
   (f" {p}", p.strip()) for p in (".", "?", "!", ",", "' ", "n't", "'m", "'s", "'ve", "'re")
 )
+
+
+def _bos_of_post_processor(backend: Any, source: str) -> int | None:
+  """The id tokenizer.json's post-processor puts before a text: its BOS, or None."""
+  text_ids = backend.encode("a", add_special_tokens=False).ids
+  ids = backend.encode("a", add_special_tokens=True).ids
+  start = next(k for k in range(len(ids) + 1) if ids[k : k + len(text_ids)] == text_ids)
+  if start > 1:
+    raise TokenizerError(
+      f"{source}: the post-processor of {TOKENIZER_FILE} puts {start} ids before a text "
+      f"({ids[:start]}); jaxrl supports one BOS at most."
+    )
+  return ids[0] if start else None
 
 
 def _read_json(directory: str, name: str) -> dict:

@@ -16,6 +16,7 @@ import pytest
 from helpers import hf_tokenizers
 
 from jaxrl.data.hf_tokenizer import HFTokenizer, TokenizerError, load_tokenizer
+from jaxrl.data.prompts import encode_prompt
 from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.hub import PretrainedNotFound
 
@@ -447,6 +448,60 @@ def test_named_token_from_the_base_vocabulary_becomes_special(tmp_path, auto_tok
     assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
     ids = ours.encode(text)
     assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
+def _set_post_processor(directory, post_processor):
+  path = os.path.join(directory, "tokenizer.json")
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  data["post_processor"] = post_processor
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(data, f, ensure_ascii=False)
+
+
+@pytest.mark.parametrize(
+  ("style", "config", "post_processor", "has_bos"),
+  [
+    ("llama3", {}, "as written", True),
+    # GPT-2, Pythia, SmolLM: the config names a bos_token that the post-processor never adds.
+    (
+      "qwen3",
+      {"bos_token": "<|endoftext|>", "tokenizer_class": "GPT2Tokenizer"},
+      "as written",
+      False,
+    ),
+    ("qwen3", {"bos_token": "<|im_start|>", "add_bos_token": True}, "as written", False),
+    ("llama3", {"add_bos_token": True}, None, False),
+  ],
+)
+def test_plain_prompts_start_like_the_original(
+  tmp_path, auto_tokenizer, style, config, post_processor, has_bos
+):
+  """A prompt without a chat template is `tokenizer(text)`: the BOS tokenizer.json's post-processor
+  adds (transformers ignores add_bos_token then), not the one the config names."""
+  directory = _variant(tmp_path, style, lambda c: c.update(config))
+  if post_processor != "as written":
+    _set_post_processor(directory, post_processor)
+  ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
+  assert (ours.bos_id is not None) == has_bos
+  assert ours.special_tokens.get("bos_token") == theirs.bos_token
+  for text in ("Hello world", " 12 clips", ""):
+    record = {"id": "r", "prompt": text}
+    assert encode_prompt(ours, record) == theirs(text)["input_ids"], (text, ours.bos_id)
+
+
+def test_a_post_processor_that_puts_two_ids_before_a_text_is_refused(tmp_path):
+  from tokenizers import Tokenizer as Backend
+  from tokenizers import processors
+
+  path = os.path.join(hf_tokenizers.write_tokenizer(tmp_path, "llama3"), "tokenizer.json")
+  backend, bos = Backend.from_file(path), "<|begin_of_text|>"
+  backend.post_processor = processors.TemplateProcessing(
+    single=f"{bos} {bos} $A", special_tokens=[(bos, backend.token_to_id(bos))]
+  )
+  backend.save(path)
+  with pytest.raises(TokenizerError, match="puts 2 ids before a text"):
+    load_tokenizer(tmp_path)
 
 
 def test_split_special_tokens(tmp_path, auto_tokenizer):
