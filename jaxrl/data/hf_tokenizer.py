@@ -412,6 +412,13 @@ def _read_json(directory: str, name: str) -> dict:
   return data
 
 
+def _read_text(path: str) -> str:
+  try:
+    return Path(path).read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise TokenizerError(f"{path}: not UTF-8 text ({e}); save it as UTF-8") from None
+
+
 def _flag(config: Mapping[str, Any], directory: str, key: str) -> bool:
   value = config.get(key, False)
   if not isinstance(value, bool):
@@ -461,13 +468,13 @@ def _chat_templates(directory: str, config: dict) -> dict[str, tuple[str, str]]:
   templates = {}
   path = os.path.join(directory, CHAT_TEMPLATE_FILE)
   if os.path.isfile(path):
-    templates["default"] = (Path(path).read_text(encoding="utf-8"), path)
+    templates["default"] = (_read_text(path), path)
   extra_dir = os.path.join(directory, CHAT_TEMPLATE_DIR)
   if os.path.isdir(extra_dir):
     for name in sorted(os.listdir(extra_dir)):
       if name.endswith(".jinja"):
         file = os.path.join(extra_dir, name)
-        templates[name.removesuffix(".jinja")] = (Path(file).read_text(encoding="utf-8"), file)
+        templates[name.removesuffix(".jinja")] = (_read_text(file), file)
   if templates:
     return templates
   config_path = os.path.join(directory, CONFIG_FILE)

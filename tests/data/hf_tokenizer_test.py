@@ -534,11 +534,17 @@ def test_directory_without_tokenizer_json(tmp_path):
     ("generation_config.json", '{"eos_token_id": 100000}', "generation_config.json has eos_"),
     ("generation_config.json", '{"pad_token_id": "x"}', "generation_config.json has pad_"),
     ("chat_template.jinja", "{% for m in messages %}", "chat_template.jinja does not compile"),
+    ("chat_template.jinja", "café".encode("latin-1"), "chat_template.jinja: not UTF-8 text"),
+    ("additional_chat_templates/tool_use.jinja", b"\xff", "tool_use.jinja: not UTF-8 text"),
   ],
 )
 def test_malformed_files(tmp_path, name, text, expected):
   directory = hf_tokenizers.write_tokenizer(tmp_path, "qwen3")
-  (tmp_path / name).write_text(text)
+  (tmp_path / name).parent.mkdir(exist_ok=True)
+  if isinstance(text, bytes):
+    (tmp_path / name).write_bytes(text)
+  else:
+    (tmp_path / name).write_text(text)
   with pytest.raises(TokenizerError) as e:
     load_tokenizer(directory)
   assert expected in str(e.value) and str(tmp_path) in str(e.value)
