@@ -183,6 +183,7 @@ class HFTokenizer:
       if content not in special and backend.token_to_id(content) is not None:
         backend.add_special_tokens([AddedToken(content, special=True, normalized=False)])
         special.add(content)
+    self._special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     # Template variables keep every named token, even one this vocabulary lacks.
     self._template_vars = {name: str(content) for name, content in named_tokens.items()}
 
@@ -270,16 +271,20 @@ class HFTokenizer:
       ids_n = ids_n[: stops[0]]
     known = (ids_n >= 0) & (ids_n < self._vocab_size)
     known[known] = self._known[ids_n[known]]
-    pieces, start = [], 0
-    # The backend silently drops unknown ids; decode around them so they stay visible.
-    for bad in np.flatnonzero(~known):
-      pieces += [self._decode_known(ids_n[start:bad]), "\ufffd"]
-      start = bad + 1
-    pieces.append(self._decode_known(ids_n[start:]))
-    return "".join(pieces)
+    if known.all():
+      return self._clean_up_spaces(self._backend.decode(ids_n.tolist(), skip_special_tokens=True))
+    # The backend drops unknown ids. Its decoder gets U+FFFD in their place, all in one pass, so
+    # that the text around them is as without them (decoding the pieces between apart would
+    # lose the space of a word after one: sentencepiece decoders strip a first token's).
+    tokens = [
+      self._backend.id_to_token(i) if ok else "\ufffd"
+      for i, ok in zip(ids_n.tolist(), known.tolist(), strict=True)
+      if not ok or i not in self._special_ids
+    ]
+    decoder = self._backend.decoder
+    return self._clean_up_spaces(decoder.decode(tokens) if decoder else " ".join(tokens))
 
-  def _decode_known(self, ids_n: np.ndarray) -> str:
-    text = self._backend.decode(ids_n.tolist(), skip_special_tokens=True)
+  def _clean_up_spaces(self, text: str) -> str:
     if self._clean_up:
       for before, after in _CLEAN_UP:
         text = text.replace(before, after)

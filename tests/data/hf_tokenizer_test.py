@@ -254,6 +254,42 @@ def test_decode_skips_specials_stops_and_marks_unknown_ids(ours, theirs):
     assert ours.decode(np.asarray(ids, np.int64)) == expected
 
 
+@pytest.mark.parametrize("decoder", ["metaspace", "llama2"])
+def test_an_unknown_id_leaves_the_sentencepiece_text_around_it_alone(
+  tmp_path, auto_tokenizer, decoder
+):
+  """A sentencepiece decoder strips the space of the first word it decodes: the text after an
+  unknown id must not be decoded as if it began the text."""
+  from tokenizers import Tokenizer as Backend
+  from tokenizers import decoders, models, pre_tokenizers
+
+  words = ["<unk>", "<s>", "</s>", "▁Hello", "▁world", "▁there"]
+  backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
+  backend.decoder = (
+    decoders.Metaspace(prepend_scheme="first", split=True)
+    if decoder == "metaspace"
+    else decoders.Sequence(
+      [
+        decoders.Replace("▁", " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+        decoders.Strip(" ", 1, 0),
+      ]
+    )
+  )
+  backend.save(str(tmp_path / "tokenizer.json"))
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  ours, theirs = load_tokenizer(tmp_path), auto_tokenizer.from_pretrained(tmp_path)
+  ids = ours.encode("Hello world there")
+  assert ids == theirs.encode("Hello world there", add_special_tokens=False) == [3, 4, 5]
+  assert ours.decode(ids) == theirs.decode(ids) == "Hello world there"
+  unknown = ours.vocab_size + 3
+  assert ours.decode([3, unknown, 4, 1, 5, -1]) == "Hello\ufffd world there\ufffd"
+  assert ours.decode([unknown, 3, 4]) == "\ufffd Hello world"
+
+
 @pytest.mark.parametrize("clean_up", [True, False])
 def test_clean_up_spaces_for_wordpiece(tmp_path, auto_tokenizer, clean_up):
   """transformers 5 removes spaces before punctuation for non-BPE models when the config asks."""
