@@ -219,7 +219,8 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class WarmupConfig:
-  """Supervised warm-up on (prompt, answer) pairs before RL starts; 0 steps skips it."""
+  """Supervised warm-up on (prompt, answer) pairs before RL starts; 0 steps skips it. The
+  answer ends with the chat template's end of turn (`jaxrl.envs.end_of_turn_id`)."""
 
   steps: int = 0
   batch_size: int = 64

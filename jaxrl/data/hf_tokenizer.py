@@ -22,29 +22,30 @@ in an immutable sandbox with trim_blocks, lstrip_blocks and loop controls; a `to
 non-ASCII and escapes no HTML; `raise_exception`, `strftime_now`, a restricted `dict` and
 `namespace`; the special tokens as variables; `{% generation %}` rendered as its body. Messages
 become plain data without None values, `reasoning_content`/`thinking` filled from each other (or
-`reasoning`). With `tools`, a template named "tool_use" wins over "default".
+`reasoning`). With `tools`, a template named "tool_use" wins over "default". `bos_id`, what a
+plain-text prompt starts with, is the id tokenizer.json's post-processor puts before a text, as
+in `tokenizer(text)` (add_bos_token is ignored there too), not the config's bos_token.
 
 Differences on purpose: tokenizer.json's padding and truncation are off; a BOS, EOS or PAD missing
 from the vocabulary raises (transformers would append an id the model lacks), other missing named
 tokens are ignored; the special-token defaults of transformers' model-specific classes (used when
 tokenizer_config.json omits a key) are not applied; no `continue_final_message` or
-`sanitize_control_tokens`. A directory with only a sentencepiece tokenizer.model (or vocab.json +
-merges.txt) needs converting: `AutoTokenizer.from_pretrained(d).save_pretrained(d)`.
+`sanitize_control_tokens`; an EOS the post-processor appends is not put after prompts. A
+directory with only a sentencepiece tokenizer.model (or vocab.json + merges.txt) needs
+converting: `AutoTokenizer.from_pretrained(d).save_pretrained(d)`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxrl.data.chat_template import alias_reasoning, environment, plain
 from jaxrl.hub import resolve_pretrained
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -60,7 +61,6 @@ _EXTRA_LIST_KEYS = ("additional_special_tokens", "extra_special_tokens")
 _STANDARD_NAMES = tuple(f"{n}_token" for n in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"))
 # The ids jaxrl uses: a missing one must fail at load, not as a wrong id later.
 _REQUIRED_NAMES = ("bos_token", "eos_token", "pad_token")
-_MIN_JINJA = (3, 1, 6)  # older releases have known sandbox escapes; templates are untrusted
 
 
 class TokenizerError(ValueError):
@@ -183,6 +183,7 @@ class HFTokenizer:
       if content not in special and backend.token_to_id(content) is not None:
         backend.add_special_tokens([AddedToken(content, special=True, normalized=False)])
         special.add(content)
+    self._special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     # Template variables keep every named token, even one this vocabulary lacks.
     self._template_vars = {name: str(content) for name, content in named_tokens.items()}
 
@@ -201,7 +202,9 @@ class HFTokenizer:
     # Generation must stop at the model's own end-of-turn ids too (a base tokenizer's EOS is
     # often <|endoftext|> while the chat model ends its turns with <|im_end|>).
     self._stop_ids = tuple(dict.fromkeys([eos, *config_eos]))
-    self._bos_id = self._id_of("bos_token")
+    # transformers' tokenizer(text) adds what tokenizer.json's post-processor adds (it ignores
+    # add_bos_token then), not the config's bos_token: GPT-2-style configs name one never added.
+    self._bos_id = _bos_of_post_processor(backend, source)
     config_pad = self._config_ids(generation_config, "pad_token_id")
     pad = self._id_of("pad_token")
     self._pad_id = pad if pad is not None else (config_pad[0] if config_pad else eos)
@@ -217,7 +220,9 @@ class HFTokenizer:
 
   @property
   def bos_id(self) -> int | None:
-    """The BOS id, or None for tokenizers without one (Qwen): then nothing should add a BOS."""
+    """The id the original puts before a plain text (tokenizer.json's post-processor, as in
+    transformers' `tokenizer(text)`), or None where it puts none (Qwen; GPT-2, whose config
+    names a bos_token that is never added: see `special_tokens`)."""
     return self._bos_id
 
   @property
@@ -266,16 +271,20 @@ class HFTokenizer:
       ids_n = ids_n[: stops[0]]
     known = (ids_n >= 0) & (ids_n < self._vocab_size)
     known[known] = self._known[ids_n[known]]
-    pieces, start = [], 0
-    # The backend silently drops unknown ids; decode around them so they stay visible.
-    for bad in np.flatnonzero(~known):
-      pieces += [self._decode_known(ids_n[start:bad]), "\ufffd"]
-      start = bad + 1
-    pieces.append(self._decode_known(ids_n[start:]))
-    return "".join(pieces)
+    if known.all():
+      return self._clean_up_spaces(self._backend.decode(ids_n.tolist(), skip_special_tokens=True))
+    # The backend drops unknown ids. Its decoder gets U+FFFD in their place, all in one pass, so
+    # that the text around them is as without them (decoding the pieces between apart would
+    # lose the space of a word after one: sentencepiece decoders strip a first token's).
+    tokens = [
+      self._backend.id_to_token(i) if ok else "\ufffd"
+      for i, ok in zip(ids_n.tolist(), known.tolist(), strict=True)
+      if not ok or i not in self._special_ids
+    ]
+    decoder = self._backend.decoder
+    return self._clean_up_spaces(decoder.decode(tokens) if decoder else " ".join(tokens))
 
-  def _decode_known(self, ids_n: np.ndarray) -> str:
-    text = self._backend.decode(ids_n.tolist(), skip_special_tokens=True)
+  def _clean_up_spaces(self, text: str) -> str:
     if self._clean_up:
       for before, after in _CLEAN_UP:
         text = text.replace(before, after)
@@ -316,12 +325,12 @@ class HFTokenizer:
           "transformers.utils.get_json_schema(fn) builds its schema)"
         )
     chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
-    variables = {**self._template_vars, **_plain(template_kwargs)}
+    variables = {**self._template_vars, **plain(template_kwargs)}
     try:
       return template.compiled.render(
-        messages=_alias_reasoning(_plain(chat)),
-        tools=_plain(tools),
-        documents=_plain(documents),
+        messages=alias_reasoning(plain(chat)),
+        tools=plain(tools),
+        documents=plain(documents),
         add_generation_prompt=add_generation_prompt,
         **variables,
       )
@@ -380,6 +389,19 @@ _CLEAN_UP = tuple(
 )
 
 
+def _bos_of_post_processor(backend: Any, source: str) -> int | None:
+  """The id tokenizer.json's post-processor puts before a text: its BOS, or None."""
+  text_ids = backend.encode("a", add_special_tokens=False).ids
+  ids = backend.encode("a", add_special_tokens=True).ids
+  start = next(k for k in range(len(ids) + 1) if ids[k : k + len(text_ids)] == text_ids)
+  if start > 1:
+    raise TokenizerError(
+      f"{source}: the post-processor of {TOKENIZER_FILE} puts {start} ids before a text "
+      f"({ids[:start]}); jaxrl supports one BOS at most."
+    )
+  return ids[0] if start else None
+
+
 def _read_json(directory: str, name: str) -> dict:
   """The JSON object in `directory/name`, or {} when the file does not exist."""
   path = os.path.join(directory, name)
@@ -393,6 +415,13 @@ def _read_json(directory: str, name: str) -> dict:
   if not isinstance(data, dict):
     raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
   return data
+
+
+def _read_text(path: str) -> str:
+  try:
+    return Path(path).read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise TokenizerError(f"{path}: not UTF-8 text ({e}); save it as UTF-8") from None
 
 
 def _flag(config: Mapping[str, Any], directory: str, key: str) -> bool:
@@ -444,13 +473,13 @@ def _chat_templates(directory: str, config: dict) -> dict[str, tuple[str, str]]:
   templates = {}
   path = os.path.join(directory, CHAT_TEMPLATE_FILE)
   if os.path.isfile(path):
-    templates["default"] = (Path(path).read_text(encoding="utf-8"), path)
+    templates["default"] = (_read_text(path), path)
   extra_dir = os.path.join(directory, CHAT_TEMPLATE_DIR)
   if os.path.isdir(extra_dir):
     for name in sorted(os.listdir(extra_dir)):
       if name.endswith(".jinja"):
         file = os.path.join(extra_dir, name)
-        templates[name.removesuffix(".jinja")] = (Path(file).read_text(encoding="utf-8"), file)
+        templates[name.removesuffix(".jinja")] = (_read_text(file), file)
   if templates:
     return templates
   config_path = os.path.join(directory, CONFIG_FILE)
@@ -478,120 +507,9 @@ def _compile(name: str, text: str, where: str) -> _Template:
   import jinja2
 
   try:
-    compiled = _environment().from_string(text)
+    compiled = environment().from_string(text)
   except jinja2.TemplateSyntaxError as e:
     raise TokenizerError(
       f"the chat template from {where} does not compile: line {e.lineno}: {e}"
     ) from None
   return _Template(name, text, where, compiled)
-
-
-@functools.cache
-def _environment():
-  """The Jinja environment transformers renders chat templates in, built once."""
-  import jinja2
-  import jinja2.ext
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-  version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
-  if version < _MIN_JINJA:
-    raise ImportError(
-      f"chat templates need jinja2>={'.'.join(map(str, _MIN_JINJA))} (older releases have known "
-      f"sandbox escapes), found {jinja2.__version__}: pip install -U jinja2"
-    )
-
-  class GenerationTag(jinja2.ext.Extension):
-    # `{% generation %}` marks assistant text for loss masks; rendering keeps its body.
-    tags = {"generation"}
-
-    def parse(self, parser):
-      lineno = next(parser.stream).lineno
-      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-      return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller):
-      return caller()
-
-  class Namespace(jinja2.utils.Namespace):
-    # Refuses underscore names: they are the way into Python's internals.
-    def __init__(*args, **kwargs):  # noqa: N805 -- jinja's signature, so `self=` stays a key
-      self, attrs = args[0], dict(*args[1:], **kwargs)
-      for key in attrs:
-        Namespace._check(key)
-      jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, key, value):
-      Namespace._check(key)
-      jinja2.utils.Namespace.__setitem__(self, key, value)
-
-    @staticmethod
-    def _check(key):
-      if isinstance(key, str) and key.startswith("_"):
-        raise jinja2.exceptions.SecurityError(f"namespace attribute {key!r} starts with '_'")
-
-  class DictFactory:
-    # `dict(...)` and `dict.fromkeys(...)` without the rest of the type's attributes.
-    def __call__(self, *args, **kwargs):
-      return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-      return dict.fromkeys(*args, **kwargs)
-
-  def raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-  def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # Jinja's own filter escapes <, >, & and ' for HTML, which would change the model's prompt.
-    return json.dumps(
-      value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-  env = ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
-  )
-  env.filters["tojson"] = tojson
-  env.globals.update(
-    raise_exception=raise_exception,
-    strftime_now=lambda fmt: datetime.now().strftime(fmt),
-    dict=DictFactory(),
-    namespace=Namespace,
-  )
-  return env
-
-
-# The names a message's reasoning comes under; templates read the first (gpt-oss: "thinking").
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-
-
-def _alias_reasoning(chat: list[dict]) -> list[dict]:
-  out = []
-  for message in chat:
-    reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
-    if reasoning is not None:
-      message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-    out.append(message)
-  return out
-
-
-def _plain(value: Any) -> Any:
-  """A copy of `value` made of JSON types only: what a sandboxed template may safely touch.
-
-  Subclasses (enums, numpy scalars) lose their extra methods; other objects (arrays, images)
-  become a placeholder naming their type, which templates only test for presence.
-  """
-  if value is None or type(value) in (str, int, float, bool):
-    return value
-  if isinstance(value, np.generic):
-    return _plain(value.item())
-  for base, to_base in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):
-    if isinstance(value, base):
-      return to_base(value)
-  if isinstance(value, Mapping):
-    return {_plain(k): _plain(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return [_plain(v) for v in value]
-  if isinstance(value, tuple):
-    return tuple(_plain(v) for v in value)
-  if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-  return f"<{type(value).__name__}>"

@@ -39,7 +39,13 @@ from jaxrl.envs.episode import Episode, EpisodeLimits, EpisodeSummary, run_episo
 from jaxrl.envs.guess_number import DelayedGuessNumberEnv, GuessNumberEnv
 from jaxrl.envs.python_tool import PythonToolEnv
 from jaxrl.envs.registry import ENVIRONMENTS, EnvConfig, env_factory, environment_class
-from jaxrl.envs.render import check_tools_render, continuation_ids, continuation_text, prompt_ids
+from jaxrl.envs.render import (
+  check_tools_render,
+  continuation_ids,
+  continuation_text,
+  end_of_turn_id,
+  prompt_ids,
+)
 from jaxrl.envs.sandbox import Isolation, SandboxLimits, SandboxResult, isolation, run_python
 from jaxrl.envs.tools import (
   TOOL_CALL_FORMATS,
@@ -83,6 +89,7 @@ __all__ = [
   "check_tools_render",
   "continuation_ids",
   "continuation_text",
+  "end_of_turn_id",
   "env_factory",
   "environment_class",
   "isolation",

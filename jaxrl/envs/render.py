@@ -89,6 +89,26 @@ def continuation_text(
   return text[text.index(_TURN) + len(_TURN) :]
 
 
+def end_of_turn_id(
+  tokenizer: Tokenizer,
+  tools: Sequence[Mapping[str, Any]] = (),
+  template_kwargs: Mapping[str, Any] | None = None,
+) -> int:
+  """The stop id that ends a model turn where the chat template ends it: the first id the
+  template writes after an assistant turn's content when it is a stop id (Qwen's <|im_end|>,
+  Llama 3's <|eot_id|>), else `eos_id` (tokenizers without a chat template too).
+
+  A supervised turn ends with it, as the original would end it; `eos_id` alone is not it where a
+  base tokenizer's EOS (Qwen's <|endoftext|>) differs from the chat model's end of turn.
+  """
+  if has_chat_template(tokenizer):
+    probe = [{"role": "user", "content": _PROBE_QUESTION}]
+    ids = tokenizer.encode(continuation_text(tokenizer, probe, tools, template_kwargs))
+    if ids and ids[0] in tokenizer.stop_ids:
+      return ids[0]
+  return tokenizer.eos_id
+
+
 def continuation_ids(
   tokenizer: Tokenizer,
   messages: Sequence[Mapping[str, Any]],

@@ -41,7 +41,15 @@ import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.tokenizer import Tokenizer
-from jaxrl.envs import EnvError, Episode, Step, check_tools_render, prompt_ids, run_reset
+from jaxrl.envs import (
+  EnvError,
+  Episode,
+  Step,
+  check_tools_render,
+  end_of_turn_id,
+  prompt_ids,
+  run_reset,
+)
 from jaxrl.envs.remote import EnvWorkers
 from jaxrl.envs.runner import EnvRunner
 from jaxrl.rl.backends import init_ray
@@ -366,8 +374,9 @@ def scripted_trajectories(
   template_kwargs: dict[str, Any],
 ) -> list[Trajectory]:
   """Episodes of `config.env` played by its scripted policy (`Environment.scripted_action`),
-  rendered token for token as rollout renders them: each scripted turn and the stop id after
-  it are the "sampled" ids (a supervised warm-up trains on them), everything else is context.
+  rendered token for token as rollout renders them: each scripted turn and the template's end
+  of turn after it (`end_of_turn_id`) are the "sampled" ids (a supervised warm-up trains on
+  them), everything else is context.
   An episode is cut where it would pass `max_tokens`.
 
   Raises:
@@ -382,6 +391,7 @@ def scripted_trajectories(
     first = await episode.reset(dict(record))
     kwargs = dict(tools=episode.tools, template_kwargs=template_kwargs)
     trajectory = Trajectory.start(record, prompt_ids(tokenizer, first, **kwargs))
+    stop = end_of_turn_id(tokenizer, **kwargs)
     while not episode.done:
       action = env.scripted_action(rng)
       if action is None:
@@ -390,14 +400,14 @@ def scripted_trajectories(
           f"config.env.name={cfg.env.name!r} has no scripted policy (scripted_action) for a "
           "supervised warm-up; set config.warmup.steps=0, or define scripted_action."
         )
-      ids = [*tokenizer.encode(action), tokenizer.eos_id]
+      ids = [*tokenizer.encode(action), stop]
       if len(trajectory.token_ids) + len(ids) > max_tokens:
         episode.end("max_tokens")
         break
       trajectory.append(ids, [0.0] * len(ids), [0] * len(ids))
       trajectory.turns += 1
       trajectory.actions.append(action)
-      trajectory.last_stop = tokenizer.eos_id
+      trajectory.last_stop = stop
       step = await episode.step(action)
       if not step.done and not append_answer(
         trajectory, step.messages, tokenizer, **kwargs, max_tokens=max_tokens

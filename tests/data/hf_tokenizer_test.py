@@ -16,6 +16,7 @@ import pytest
 from helpers import hf_tokenizers
 
 from jaxrl.data.hf_tokenizer import HFTokenizer, TokenizerError, load_tokenizer
+from jaxrl.data.prompts import encode_prompt
 from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.hub import PretrainedNotFound
 
@@ -253,6 +254,42 @@ def test_decode_skips_specials_stops_and_marks_unknown_ids(ours, theirs):
     assert ours.decode(np.asarray(ids, np.int64)) == expected
 
 
+@pytest.mark.parametrize("decoder", ["metaspace", "llama2"])
+def test_an_unknown_id_leaves_the_sentencepiece_text_around_it_alone(
+  tmp_path, auto_tokenizer, decoder
+):
+  """A sentencepiece decoder strips the space of the first word it decodes: the text after an
+  unknown id must not be decoded as if it began the text."""
+  from tokenizers import Tokenizer as Backend
+  from tokenizers import decoders, models, pre_tokenizers
+
+  words = ["<unk>", "<s>", "</s>", "▁Hello", "▁world", "▁there"]
+  backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
+  backend.decoder = (
+    decoders.Metaspace(prepend_scheme="first", split=True)
+    if decoder == "metaspace"
+    else decoders.Sequence(
+      [
+        decoders.Replace("▁", " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+        decoders.Strip(" ", 1, 0),
+      ]
+    )
+  )
+  backend.save(str(tmp_path / "tokenizer.json"))
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  ours, theirs = load_tokenizer(tmp_path), auto_tokenizer.from_pretrained(tmp_path)
+  ids = ours.encode("Hello world there")
+  assert ids == theirs.encode("Hello world there", add_special_tokens=False) == [3, 4, 5]
+  assert ours.decode(ids) == theirs.decode(ids) == "Hello world there"
+  unknown = ours.vocab_size + 3
+  assert ours.decode([3, unknown, 4, 1, 5, -1]) == "Hello\ufffd world there\ufffd"
+  assert ours.decode([unknown, 3, 4]) == "\ufffd Hello world"
+
+
 @pytest.mark.parametrize("clean_up", [True, False])
 def test_clean_up_spaces_for_wordpiece(tmp_path, auto_tokenizer, clean_up):
   """transformers 5 removes spaces before punctuation for non-BPE models when the config asks."""
@@ -449,6 +486,60 @@ def test_named_token_from_the_base_vocabulary_becomes_special(tmp_path, auto_tok
     assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
 
 
+def _set_post_processor(directory, post_processor):
+  path = os.path.join(directory, "tokenizer.json")
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  data["post_processor"] = post_processor
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(data, f, ensure_ascii=False)
+
+
+@pytest.mark.parametrize(
+  ("style", "config", "post_processor", "has_bos"),
+  [
+    ("llama3", {}, "as written", True),
+    # GPT-2, Pythia, SmolLM: the config names a bos_token that the post-processor never adds.
+    (
+      "qwen3",
+      {"bos_token": "<|endoftext|>", "tokenizer_class": "GPT2Tokenizer"},
+      "as written",
+      False,
+    ),
+    ("qwen3", {"bos_token": "<|im_start|>", "add_bos_token": True}, "as written", False),
+    ("llama3", {"add_bos_token": True}, None, False),
+  ],
+)
+def test_plain_prompts_start_like_the_original(
+  tmp_path, auto_tokenizer, style, config, post_processor, has_bos
+):
+  """A prompt without a chat template is `tokenizer(text)`: the BOS tokenizer.json's post-processor
+  adds (transformers ignores add_bos_token then), not the one the config names."""
+  directory = _variant(tmp_path, style, lambda c: c.update(config))
+  if post_processor != "as written":
+    _set_post_processor(directory, post_processor)
+  ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
+  assert (ours.bos_id is not None) == has_bos
+  assert ours.special_tokens.get("bos_token") == theirs.bos_token
+  for text in ("Hello world", " 12 clips", ""):
+    record = {"id": "r", "prompt": text}
+    assert encode_prompt(ours, record) == theirs(text)["input_ids"], (text, ours.bos_id)
+
+
+def test_a_post_processor_that_puts_two_ids_before_a_text_is_refused(tmp_path):
+  from tokenizers import Tokenizer as Backend
+  from tokenizers import processors
+
+  path = os.path.join(hf_tokenizers.write_tokenizer(tmp_path, "llama3"), "tokenizer.json")
+  backend, bos = Backend.from_file(path), "<|begin_of_text|>"
+  backend.post_processor = processors.TemplateProcessing(
+    single=f"{bos} {bos} $A", special_tokens=[(bos, backend.token_to_id(bos))]
+  )
+  backend.save(path)
+  with pytest.raises(TokenizerError, match="puts 2 ids before a text"):
+    load_tokenizer(tmp_path)
+
+
 def test_split_special_tokens(tmp_path, auto_tokenizer):
   directory = _variant(tmp_path, "qwen3", lambda c: c.update(split_special_tokens=True))
   ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
@@ -479,11 +570,17 @@ def test_directory_without_tokenizer_json(tmp_path):
     ("generation_config.json", '{"eos_token_id": 100000}', "generation_config.json has eos_"),
     ("generation_config.json", '{"pad_token_id": "x"}', "generation_config.json has pad_"),
     ("chat_template.jinja", "{% for m in messages %}", "chat_template.jinja does not compile"),
+    ("chat_template.jinja", "café".encode("latin-1"), "chat_template.jinja: not UTF-8 text"),
+    ("additional_chat_templates/tool_use.jinja", b"\xff", "tool_use.jinja: not UTF-8 text"),
   ],
 )
 def test_malformed_files(tmp_path, name, text, expected):
   directory = hf_tokenizers.write_tokenizer(tmp_path, "qwen3")
-  (tmp_path / name).write_text(text)
+  (tmp_path / name).parent.mkdir(exist_ok=True)
+  if isinstance(text, bytes):
+    (tmp_path / name).write_bytes(text)
+  else:
+    (tmp_path / name).write_text(text)
   with pytest.raises(TokenizerError) as e:
     load_tokenizer(directory)
   assert expected in str(e.value) and str(tmp_path) in str(e.value)

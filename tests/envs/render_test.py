@@ -12,6 +12,7 @@ from jaxrl.envs import (
   PythonToolEnv,
   check_tools_render,
   continuation_ids,
+  end_of_turn_id,
   guess_number,
   prompt_ids,
 )
@@ -89,6 +90,22 @@ def test_a_turn_cut_off_before_its_stop_token_gets_the_end_of_turn_as_glue(qwen3
   glue = continuation_ids(qwen3, [{"role": "user", "content": "go on"}], stop_id=None)
   assert glue[0] == im_end
   assert continuation_ids(qwen3, [{"role": "user", "content": "go on"}], stop_id=im_end) == glue[1:]
+
+
+def test_a_supervised_turn_ends_with_the_templates_end_of_turn(qwen3, llama3):
+  # Qwen's EOS is <|endoftext|>, but the template ends an assistant turn with <|im_end|>.
+  im_end, eot = qwen3.token_to_id("<|im_end|>"), llama3.token_to_id("<|eot_id|>")
+  assert end_of_turn_id(qwen3) == im_end != qwen3.eos_id
+  assert end_of_turn_id(qwen3, PythonToolEnv().tools) == im_end
+  assert end_of_turn_id(llama3, (), DATE) == eot == llama3.eos_id
+  assert end_of_turn_id(ByteTokenizer()) == ByteTokenizer().eos_id
+  chat = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+  prompt = qwen3.apply_chat_template(chat[:1])
+  assert qwen3.apply_chat_template(chat, False)[: len(prompt) + 2] == [
+    *prompt,
+    *qwen3.encode("4"),
+    end_of_turn_id(qwen3),
+  ]
 
 
 def test_plain_tokenizers_get_the_contents_as_text():

@@ -302,3 +302,32 @@ def test_a_run_whose_environments_stop_starting_ends_with_an_error(tmp_path, mon
     controller.run()
   assert controller.counters["groups_env_failed"] == 64  # then the 65th in a row stopped it
   controller.close()
+
+
+def test_scripted_warm_up_episodes_are_what_the_chat_template_renders(tmp_path):
+  """A scripted turn ends with the template's end of turn (Qwen's <|im_end|>), not the
+  tokenizer's EOS (<|endoftext|>): the warm-up trains on the ids the original would render."""
+  from helpers import hf_tokenizers
+
+  from jaxrl.data import load_tokenizer
+  from jaxrl.data.tasks import make_task
+  from jaxrl.envs import GuessNumberEnv
+  from jaxrl.rl.episodes import scripted_trajectories
+
+  directory = hf_tokenizers.write_tokenizer(tmp_path, "qwen3")
+  cfg = agent_config(tokenizer=directory)
+  tok = load_tokenizer(directory)
+  records = make_task(cfg.task).records("train", None, 0)[:2]
+  trajectories = scripted_trajectories(
+    cfg, tok, records, seed=0, max_tokens=1000, template_kwargs={}
+  )
+  for record, t in zip(records, trajectories, strict=True):
+    env = GuessNumberEnv(**cfg.env.kwargs)
+    chat = list(env.reset(dict(record)))
+    for action in t.actions:
+      chat.append({"role": "assistant", "content": action})
+      step = env.step(action)
+      if not step.done:
+        chat += step.messages
+    assert len(t.actions) > 1 and t.token_ids == tok.apply_chat_template(chat, False)[:-1]
+    assert t.token_ids[-1] == tok.token_to_id("<|im_end|>") and t.sampled[-1] == 1

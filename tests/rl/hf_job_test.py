@@ -106,3 +106,45 @@ def test_tokenizer_key_errors_name_the_key(checkpoint, tmp_path):
       str(tmp_path / "run2"),
       show_progress=False,
     )
+
+
+def test_warm_up_rows_are_what_the_chat_template_renders(tmp_path):
+  """A (prompt, answer) warm-up row ends the answer with the template's end of turn (Qwen's
+  <|im_end|>), not the tokenizer's EOS (<|endoftext|>): the ids the original renders."""
+  import types
+
+  from helpers import hf_tokenizers
+
+  from jaxrl.data import load_tokenizer
+  from jaxrl.data.prompts import encode_prompt
+  from jaxrl.data.tasks import make_task
+
+  directory = hf_tokenizers.write_tokenizer(tmp_path, "qwen3")
+  overrides = {"pretrained.path": directory, "warmup.steps": 1, "warmup.batch_size": 2}
+  cfg = load_config(CONFIG, "test", overrides)
+  tok, task, rows = load_tokenizer(directory), make_task(cfg.task), []
+
+  def step(tokens_bt, mask_bt):
+    rows.extend(zip(tokens_bt.tolist(), mask_bt.tolist(), strict=True))
+    return {"loss": 0.0}
+
+  trainer = types.SimpleNamespace(step=step)
+  controller = types.SimpleNamespace(
+    backend=types.SimpleNamespace(supervised_trainer=lambda learner, lr: trainer),
+    learner=types.SimpleNamespace(reset_reference=lambda: None),
+    writer=types.SimpleNamespace(write=lambda *args: None),
+    task=task,
+    tokenizer=tok,
+    episodes=None,
+    chat={},
+    encode_prompts=lambda batch: [encode_prompt(tok, r) for r in batch],
+  )
+  job.warmup(controller, cfg, show_progress=False)
+  by_prompt = {tuple(encode_prompt(tok, r)): r for r in task.records("train", None, cfg.seed + 1)}
+  assert len(rows) == 2
+  for tokens, mask in rows:
+    end = max(k for k, m in enumerate(mask) if m) + 2  # mask[k] is for tokens[k + 1]
+    record = next(r for p, r in by_prompt.items() if tuple(tokens[: len(p)]) == p)
+    chat = [*record["messages"], {"role": "assistant", "content": record["answer"]}]
+    assert tokens[:end] == tok.apply_chat_template(chat, False)[:end]
+    assert tokens[end - 1] == tok.token_to_id("<|im_end|>")
