@@ -20,6 +20,11 @@ def has_chat_template(tokenizer: Tokenizer) -> bool:
   return bool(tokenizer.chat_templates)
 
 
+def renders_chat(tokenizer: Tokenizer, record: Mapping[str, Any]) -> bool:
+  """Whether `record`'s prompt is its `messages` through the chat template (else plain text)."""
+  return bool(record.get("messages")) and has_chat_template(tokenizer)
+
+
 def encode_prompt(
   tokenizer: Tokenizer, record: Mapping[str, Any], template_kwargs: Mapping[str, Any] | None = None
 ) -> list[int]:
@@ -35,7 +40,7 @@ def encode_prompt(
     ValueError: the record has neither usable `messages` nor `prompt`.
   """
   messages = record.get("messages")
-  if messages and has_chat_template(tokenizer):
+  if renders_chat(tokenizer, record):
     return tokenizer.apply_chat_template(messages, True, **dict(template_kwargs or {}))
   if "prompt" not in record:
     raise ValueError(

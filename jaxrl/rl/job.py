@@ -17,7 +17,7 @@ import tqdm
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.pipeline import PromptLoader
-from jaxrl.data.prompts import encode_prompt
+from jaxrl.data.prompts import encode_prompt, renders_chat
 from jaxrl.data.tasks import make_task
 from jaxrl.envs.render import end_of_turn_id
 from jaxrl.metrics import MetricsWriter, plot_reward_curve, read_metrics
@@ -181,7 +181,9 @@ def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = 
   records = controller.task.records("train", None, cfg.seed + 1)
   loader = PromptLoader(records, batch_size=w.batch_size, seed=cfg.seed + 1)
   tok = controller.tokenizer
-  stop = end_of_turn_id(tok, (), controller.chat)  # a (prompt, answer) row ends its turn there
+  # A (prompt, answer) row ends its answer as the prompt's format would: the chat template's
+  # end of turn after a rendered chat, EOS after plain text.
+  end_of_turn = end_of_turn_id(tok, (), controller.chat)
   for i in tqdm.trange(
     w.steps, desc="warm-up", unit="step", disable=not show_progress, dynamic_ncols=True
   ):
@@ -202,7 +204,10 @@ def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = 
       tokens_bt, mask_bt = sft.tokens_bt, sft.mask_bt
     else:
       prompts = controller.encode_prompts(batch)
-      answers = [[*tok.encode(r["answer"]), stop] for r in batch]
+      answers = [
+        [*tok.encode(r["answer"]), end_of_turn if renders_chat(tok, r) else tok.eos_id]
+        for r in batch
+      ]
       tokens_bt, mask_bt = pad_sequences(prompts, answers, tok.pad_id)
     metrics = trainer.step(tokens_bt, mask_bt)
     if (i + 1) % 50 == 0 or i + 1 == w.steps:

@@ -108,9 +108,11 @@ def test_tokenizer_key_errors_name_the_key(checkpoint, tmp_path):
     )
 
 
-def test_warm_up_rows_are_what_the_chat_template_renders(tmp_path):
+@pytest.mark.parametrize("prompts", ["chat", "plain"])
+def test_warm_up_rows_are_what_the_chat_template_renders(tmp_path, prompts):
   """A (prompt, answer) warm-up row ends the answer with the template's end of turn (Qwen's
-  <|im_end|>), not the tokenizer's EOS (<|endoftext|>): the ids the original renders."""
+  <|im_end|>), not the tokenizer's EOS (<|endoftext|>): the ids the original renders. A plain
+  text prompt (a record without messages) ends its answer with EOS."""
   import types
 
   from helpers import hf_tokenizers
@@ -123,6 +125,13 @@ def test_warm_up_rows_are_what_the_chat_template_renders(tmp_path):
   overrides = {"pretrained.path": directory, "warmup.steps": 1, "warmup.batch_size": 2}
   cfg = load_config(CONFIG, "test", overrides)
   tok, task, rows = load_tokenizer(directory), make_task(cfg.task), []
+  if prompts == "plain":
+    chat_task = task
+    task = types.SimpleNamespace(
+      records=lambda *a: [
+        {k: v for k, v in r.items() if k != "messages"} for r in chat_task.records(*a)
+      ]
+    )
 
   def step(tokens_bt, mask_bt):
     rows.extend(zip(tokens_bt.tolist(), mask_bt.tolist(), strict=True))
@@ -144,7 +153,10 @@ def test_warm_up_rows_are_what_the_chat_template_renders(tmp_path):
   assert len(rows) == 2
   for tokens, mask in rows:
     end = max(k for k, m in enumerate(mask) if m) + 2  # mask[k] is for tokens[k + 1]
-    record = next(r for p, r in by_prompt.items() if tuple(tokens[: len(p)]) == p)
+    prompt, record = next((p, r) for p, r in by_prompt.items() if tuple(tokens[: len(p)]) == p)
+    if prompts == "plain":
+      assert tokens[:end] == [*prompt, *tok.encode(record["answer"]), tok.eos_id]
+      continue
     chat = [*record["messages"], {"role": "assistant", "content": record["answer"]}]
     assert tokens[:end] == tok.apply_chat_template(chat, False)[:end]
     assert tokens[end - 1] == tok.token_to_id("<|im_end|>")
