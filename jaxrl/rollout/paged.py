@@ -353,7 +353,7 @@ class PagedEngine:
       if kept is not None:
         self.allocator.free(kept.pages)  # after `share`: the pages it reuses stay allocated
         record.prompt_routing += kept.prompt_routes(record, reused)
-        self.num_kept_prefill_tokens += reused
+        self.num_kept_prefill_tokens += reused if leader is None else 0  # else: shared
       state = _Running(record, pages, next(self._admissions), self.version)
       self.running[record.request_id] = state
       admitted.append((state, leader, reused))

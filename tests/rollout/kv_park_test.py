@@ -74,6 +74,24 @@ def test_a_next_turn_on_kept_pages_samples_what_a_full_prefill_samples(mesh, par
   assert kept == {True: first_a.num_tokens - 1 + first_b.num_tokens - 1, False: 0}
 
 
+def test_a_next_turn_sharing_a_leaders_pages_counts_its_tokens_once(mesh, params):
+  """Two trajectories with the same history (greedy): the second turn of the one admitted
+  second shares the first's pages and drops its own parked ones, so its tokens count as
+  shared, not as kept too: every cached token is prefilled, kept or shared exactly once."""
+  e = engine(mesh, params, page_size=4, num_pages=64, decode_steps=2)
+  first = run(e, [turn(rid, [5, 6, 7, 8, 9, 10], 0, new=5, temperature=0.0) for rid in "ab"])
+  assert first["a"].token_ids == first["b"].token_ids and len(e.park) == 2
+  tokens = [*first["a"].prompt_ids, *first["a"].token_ids, 11, 12]
+  before = e.num_prefill_tokens
+  second = run(e, [turn(rid, tokens, 1, new=5, temperature=0.0) for rid in "ab"])
+  assert second["a"].token_ids == second["b"].token_ids
+  assert e.num_kept_prefill_tokens == 10  # a's first turn cached 10 of its 12 tokens
+  assert e.num_shared_prefill_tokens == 5 + 12  # b's prompt in turn 1, its tokens in turn 2
+  assert e.num_prefill_tokens - before == 2  # a's two new tokens
+  e.drain()  # frees the parked pages (the two entries share their whole pages)
+  assert e.allocator.num_free == 64
+
+
 def test_parked_pages_are_evicted_before_any_request_is_preempted(mesh, params):
   rng = np.random.default_rng()
   # 12 pages of 4: turn 1 parks 5 pages; two new requests of 24 tokens need all 12.
