@@ -80,11 +80,16 @@ _SUM_BLOCK_ELEMENTS = 8192
 # A 16-bit cache whose sequences hold at most `_SHORT_CONTEXT_TOKENS` tokens (the page table's
 # capacity): blocks of `_SHORT_BLOCK_TOKENS`, 2 warps, 1 stage. Inside the model (Qwen3-0.6B,
 # 64 rows of 96-token capacity, H100) they took the decode step from 1.60 to 1.39 ms and the
-# attention from 513 to 298 us a step, the best of 5 tilings (docs/BENCHMARKS.md); longer
-# capacities keep 128-token blocks at 4 warps and 2 stages, which read a 1k-token cache at 93%
-# of the copy rate and were not compared with others inside the model.
+# attention from 513 to 298 us a step, the best of 5 tilings (docs/BENCHMARKS.md). Up to
+# `_MEDIUM_CONTEXT_TOKENS`: blocks of `_MEDIUM_BLOCK_TOKENS`, 2 warps, 1 stage; at a 1,088-token
+# capacity (1k-token prompts) they took the attention from 3.19 to 2.92 ms a step (the step
+# from 4.29 to 4.01 ms) against 128-token blocks at 4 warps and 2 stages, which longer
+# capacities keep (not compared inside the model beyond 1k tokens); 32-token blocks were slower
+# there (3.26 ms).
 _SHORT_CONTEXT_TOKENS = 128
 _SHORT_BLOCK_TOKENS = 32
+_MEDIUM_CONTEXT_TOKENS = 2048
+_MEDIUM_BLOCK_TOKENS = 64
 _TARGET_PROGRAMS = 256  # about two waves on a 132-SM H100.
 # A part covers at most this many tokens (8 compute blocks of the default dot block), so that in
 # a ragged batch the longest sequences are split over several programs instead of leaving one
@@ -303,16 +308,19 @@ def paged_attention(
     b = min(_next_pow2(g), _MAX_HEADS_PER_PROGRAM)
     target = max(1, _SUM_BLOCK_ELEMENTS // (b * d))
   r = pl.cdiv(g, b)
-  short = dot and not wide and m * s <= _SHORT_CONTEXT_TOKENS
+  # A 16-bit cache of a short or medium page table: small blocks at 2 warps and 1 stage.
+  small = dot and not wide and m * s <= _MEDIUM_CONTEXT_TOKENS
+  if small:
+    target = _SHORT_BLOCK_TOKENS if m * s <= _SHORT_CONTEXT_TOKENS else _MEDIUM_BLOCK_TOKENS
   bs = resolve_block_sizes(
     block_sizes,
     num_programs=n * k * r,
     page_size=s,
     pages_per_seq=m,
-    target_tokens=_SHORT_BLOCK_TOKENS if short else target,
+    target_tokens=target,
     min_tokens=_MIN_DOT if dot else 1,
-    num_warps=2 if short else 4,
-    num_stages=1 if short else 2,
+    num_warps=2 if small else 4,
+    num_stages=1 if small else 2,
   )
   c, x = bs.pages_per_compute_block, bs.num_splits
   _check_shapes(page_size=s, head_dim=d, pages_per_block=c, dot=dot)

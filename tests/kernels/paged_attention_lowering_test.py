@@ -37,6 +37,9 @@ LOWERING_CASES = [
   # Short page tables (<= 128 tokens), which the GPU kernel tiles apart: 2 warps, 1 stage.
   (64, 16, 8, 128, 384, 16, 6, jnp.bfloat16, None),
   (8, 64, 8, 64, 64, 16, 8, jnp.bfloat16, None),
+  # Page tables past 2,048 tokens keep 128-token blocks at 4 warps and 2 stages (medium ones,
+  # like the 1,024-token case above, take 64-token blocks at 2 warps and 1 stage).
+  (4, 16, 8, 128, 640, 16, 136, jnp.bfloat16, None),
 ]
 
 
