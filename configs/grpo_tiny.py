@@ -30,6 +30,9 @@ def get_config(arg: str | None = None):
   # optimizer state); fp32 on CPU.
   config.model.dtype = "auto"
   config.rollout.param_dtype = "auto"
+  # Dense attention on CPU; on a Hopper GPU the Pallas flash kernel, which ran this job 1.10x as
+  # fast as dense there (`jaxrl.config.auto_settings`; docs/BENCHMARKS.md).
+  config.model.attention = "auto"
   # Sort 6 digits: "sort:529130=" -> "012359". Exact match scores 1, anything else 0.
   config.task.name = "digit_sort"
   config.task.sort_length = 6
@@ -76,6 +79,7 @@ def get_config(arg: str | None = None):
   elif arg == "moe":
     config.model = model_config("tiny-moe")
     config.model.dtype = "auto"
+    config.model.attention = "auto"
     config.placement.mode = "disaggregated"
     config.placement.rollout_mesh.data = 2
     config.placement.rollout_mesh.expert = 2

@@ -509,8 +509,27 @@ def from_config_dict(
       setting = auto[f"{section}.{key}"]
       if setting == "cudnn" and values.get("dtype", ModelConfig.dtype) != "bfloat16":
         setting = "flash"  # cuDNN's fused attention computes in bf16 only
+      if setting == "cudnn" and not _large_for_cudnn(values, config.get("pretrained")):
+        setting = "flash"
       config[section] = {**values, key: setting}
   return _build(ExperimentConfig, config, "config")
+
+
+# cuDNN's packed attention ran Qwen3-0.6B's learner update 1.17x as fast as the Pallas kernel
+# at 4k tokens (d_model 1,024, 28 layers; H100, docs/BENCHMARKS.md). On narrower models it has
+# not been timed, and it has fixed costs the Pallas kernel lacks (its layout check waits for the
+# host once a layer, `kernels/flash_attention/cudnn.py`), while the Pallas kernel ran the main
+# job's 2-layer, 128-wide model 1.10x as fast as dense attention (its 600 steps in 108 s against
+# 119 s, same H100). So "auto" takes cuDNN from the width measured, and for checkpoints (their
+# shapes are read later; Qwen2.5-0.5B's 896 is the one supported model narrower than that).
+_CUDNN_MIN_D_MODEL = 1024
+
+
+def _large_for_cudnn(model: Mapping[str, Any], pretrained: Any) -> bool:
+  """Whether "auto" attention should be cuDNN's for this model section (see above)."""
+  if isinstance(pretrained, Mapping) and pretrained.get("path"):
+    return True  # the shapes come from the checkpoint, read later
+  return model.get("d_model", ModelConfig.d_model) >= _CUDNN_MIN_D_MODEL
 
 
 def auto_settings(
@@ -522,8 +541,10 @@ def auto_settings(
   Dtypes: on accelerators bf16 compute (and KV cache) and bf16 rollout weights (the learner's
   fp32 master weights cast once per sync, not at every use); on CPU, which has no fast bf16
   matmuls, fp32 compute and rollout weights in `model.param_dtype`. Attention: "cudnn" on
-  Hopper-class GPUs (compute capability 9.x, 10.x; "flash" where the model computes in
-  float32, which cuDNN does not, or this jax lacks its cuDNN module): flash attention was
+  Hopper-class GPUs (compute capability 9.x, 10.x; `from_config_dict` takes "flash" instead
+  where the model computes in float32, which cuDNN does not, or is narrower than
+  `_CUDNN_MIN_D_MODEL` and not a checkpoint, and so does this where jax lacks the cuDNN
+  module): flash attention was
   faster than dense at every length measured (1k-16k tokens, H200; a 16k-token learner step
   took 9 GiB against 46), and cuDNN's kernel for packed rows ran a 4k-token learner step 1.17x
   as fast as our Triton kernel (H100; docs/BENCHMARKS.md); "dense" elsewhere: CPU (the flash

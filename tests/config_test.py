@@ -13,6 +13,7 @@ from jaxrl.config import (
   default_config,
   from_config_dict,
   load_config,
+  model_config,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,6 +197,7 @@ def test_auto_attention_on_hopper_is_the_pallas_kernel_where_cudnn_cannot_serve(
   from jaxrl.kernels.flash_attention import cudnn
 
   config = default_config()
+  config.model = model_config("qwen3-0.6b")
   config.model.attention = "auto"
   config.model.dtype = "float32"
   assert from_config_dict(config, "gpu", "9.0").model.attention == "flash"
@@ -205,12 +207,30 @@ def test_auto_attention_on_hopper_is_the_pallas_kernel_where_cudnn_cannot_serve(
   assert from_config_dict(config, "gpu", "9.0").model.attention == "flash"
 
 
+def test_auto_attention_on_hopper_is_the_pallas_kernel_for_narrow_models():
+  """The main job's 128-wide model ran faster with the Pallas kernel than with cuDNN (H100,
+  docs/BENCHMARKS.md); Qwen3-0.6B's width (1,024) and checkpoints, whose shapes are read
+  later, take cuDNN."""
+  config = default_config()
+  config.model = model_config("tiny")
+  config.model.dtype = "bfloat16"
+  config.model.attention = "auto"
+  assert from_config_dict(config, "gpu", "9.0").model.attention == "flash"
+  config.model.d_model = 1024
+  assert from_config_dict(config, "gpu", "9.0").model.attention == "cudnn"
+  config.model.d_model = 896
+  assert from_config_dict(config, "gpu", "9.0").model.attention == "flash"
+  config.pretrained.path = "Qwen/Qwen2.5-0.5B-Instruct"
+  assert from_config_dict(config, "gpu", "9.0").model.attention == "cudnn"
+
+
 @pytest.mark.parametrize(
   ("backend", "compute", "rollout"),
   [("cpu", "float32", ""), ("gpu", "bfloat16", "bfloat16"), ("tpu", "bfloat16", "bfloat16")],
 )
 def test_auto_settings_follow_the_backend(backend, compute, rollout):
   config = default_config()
+  config.model.d_model = 1024  # wide enough for cuDNN (narrow models: the test above)
   config.model.dtype = "auto"
   config.rollout.param_dtype = "auto"
   config.model.attention = "auto"
@@ -227,6 +247,8 @@ def test_auto_settings_follow_the_backend(backend, compute, rollout):
   for arg in variants(module):
     shipped = from_config_dict(module.get_config(arg), backend=backend)
     assert (shipped.model.dtype, shipped.rollout.param_dtype) == (compute, rollout)
+    hopper = from_config_dict(module.get_config(arg), backend=backend, compute_capability="9.0")
+    assert hopper.model.attention == ("flash" if backend == "gpu" else "dense")  # narrow model
   with pytest.raises(ConfigError, match="config.model.*dtype"):
     config.model.dtype = "fp8"
     from_config_dict(config, backend=backend)
