@@ -28,7 +28,11 @@
 # (cuDNN's packed attention against the oracle), grpo, train (the main job with its defaults), tests (the GPU-marked
 # kernel tests in 4 processes, each test's name and result in the log: one process passed 4 of
 # them in 120 s on an H100 on 2026-11-27, each building Triton kernels and a float64 oracle on
-# the host), tests_qk (those of qk_rope_write alone). Each part runs under its
+# the host), tests_flash (those of the flash attention kernels and cuDNN's alone), tests_qk
+# (those of qk_rope_write alone), profile64_plain, profile64_nosplitk and profile64_warpspec
+# (the 64-row decode step as shipped, then with XLA's split-K rewrite forced to one part, then
+# with Triton's warp specialization; both flags are registered in jax 0.11.2's CUDA plugin: the
+# per-layer GEMMs and the kernels that sum their split-K parts are most of the step). Each part runs under its
 # own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line {"part", "rc",
 # "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings it finished, for a
 # part cut short) to $OUT/progress.txt and the end of its log to $OUT/logs.txt.
@@ -138,6 +142,19 @@ for spec in "$@"; do
     train) run_part train "${limit:-240}" python3 launch/train.py --workdir /tmp/train_default ;;
     tests) JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run_part tests "${limit:-360}" \
       python3 -m pytest -v -n 4 --durations=15 -m gpu -p no:cacheprovider tests/kernels ;;
+    tests_flash) JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run_part tests_flash \
+      "${limit:-180}" python3 -m pytest -v -n 4 --durations=10 -m gpu -p no:cacheprovider \
+      tests/kernels/flash_attention_test.py tests/kernels/flash_attention_blocks_test.py \
+      tests/kernels/flash_attention_lowering_test.py tests/kernels/flash_attention_cudnn_test.py ;;
+    profile64_plain) run_part profile64_plain "${limit:-90}" python3 launch/bench.py \
+      decode_profile --json --presets qwen3-0.6b --rows 64 ;;
+    profile64_nosplitk) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_force_split_k=1" \
+      run_part profile64_nosplitk "${limit:-90}" python3 launch/bench.py decode_profile --json \
+      --presets qwen3-0.6b --rows 64 ;;
+    profile64_warpspec) \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_enable_triton_warp_specialization=true" \
+      run_part profile64_warpspec "${limit:-90}" python3 launch/bench.py decode_profile --json \
+      --presets qwen3-0.6b --rows 64 ;;
     tests_qk) JAX_PLATFORMS=cuda run_part tests_qk "${limit:-90}" python3 -m pytest -q -n 0 -m gpu \
       -p no:cacheprovider tests/kernels/qk_rope_write_test.py ;;
     *) echo "unknown part $part" ;;
