@@ -8,6 +8,7 @@ tokens generated so far with their log-probs and policy versions, and the sampli
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -104,7 +105,17 @@ class PageAllocator:
     return list(pages)
 
   def free(self, pages: list[int]) -> None:
-    """Drops one holder of each page; pages nobody holds any more are free again."""
+    """Drops one holder of each page; pages nobody holds any more are free again. A page
+    freed more often than it is held (a bookkeeping error that would hand one page to two
+    requests, each then overwriting the other's keys) raises, and nothing is freed."""
+    held = collections.Counter(pages)
+    for page, count in held.items():
+      if not 0 <= page < self.num_pages or self._refs[page] < count:
+        holders = self._refs[page] if 0 <= page < self.num_pages else "no"
+        raise ValueError(
+          f"Page {page} freed {count} time(s) but held by {holders} request(s) "
+          f"(pages 0..{self.num_pages - 1}): it is free already, or was never allocated."
+        )
     for page in reversed(pages):
       self._refs[page] -= 1
       if self._refs[page] == 0:
