@@ -21,6 +21,9 @@ def run_train(tmp_path, *flags):
   )
 
 
+# Each case starts a process (imports alone take seconds on 2 cores). A config that fails when
+# it is converted is test_bad_value_is_one_line_naming_its_key's case; the aggregation one is
+# `slow` (config_test checks its message in this process).
 @pytest.mark.parametrize(
   "flags, message",
   [
@@ -30,7 +33,9 @@ def run_train(tmp_path, *flags):
       ["--config=configs/grpo_tiny.py:fixed", "--config.placement.train_devices=6"],
       "this process has 8",
     ),
-    (["--config.train.loss.aggregation=sum"], "config.train.loss"),
+    pytest.param(
+      ["--config.train.loss.aggregation=sum"], "config.train.loss", marks=pytest.mark.slow
+    ),
     (["--config.model.mlp_dim=4000000"], "config.placement.mode='planned'"),
   ],
 )
@@ -41,12 +46,22 @@ def test_bad_command_line_gives_one_clear_message(tmp_path, flags, message):
   assert "Traceback" not in result.stderr
 
 
+# One value by default: the three take the same path (a `ConfigError` when the config is
+# converted, printed as one line); config_test checks every such message in this process.
 @pytest.mark.parametrize(
   "flag, message",
   [
     ("--config.rollout.group_size=0", "config.rollout.group_size must be >= 2"),
-    ("--config.placement.train_mesh.fsdp=0", "config.placement.train_mesh.fsdp must be >= 1"),
-    ("--config.train.micro_batch_size=5", "config.train.micro_batch_size=5: a step's"),
+    pytest.param(
+      "--config.placement.train_mesh.fsdp=0",
+      "config.placement.train_mesh.fsdp must be >= 1",
+      marks=pytest.mark.slow,
+    ),
+    pytest.param(
+      "--config.train.micro_batch_size=5",
+      "config.train.micro_batch_size=5: a step's",
+      marks=pytest.mark.slow,
+    ),
   ],
 )
 def test_bad_value_is_one_line_naming_its_key(tmp_path, flag, message):

@@ -113,7 +113,7 @@ def test_gpu_kernel_a_b_settings_give_the_same_results(setting):
       )  # fmt: skip
       return jnp.sum(out * cot), out
 
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, *kv)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, *kv)
     return [np.asarray(x) for x in (out, *grads)]
 
   shipped = outputs()

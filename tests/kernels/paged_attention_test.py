@@ -186,16 +186,18 @@ def test_lengths_are_clipped_and_sm_scale_is_used():
 # ----------------------------------------------------------------------------- kernels
 
 # (g, page_size, dtype, kv heads, head_dim, pages per sequence): GQA 1/2/3/4/8, pages of 8 to
-# 64 tokens, both dtypes; not the full cross product, to keep the file fast on 2 cores.
+# 64 tokens, both dtypes; not the full cross product, to keep the file fast on 2 cores. The
+# first six (every g, page size and dtype) run by default, the other four are `slow`.
+_SLOW = pytest.mark.slow
 KERNEL_CASES = [
   (1, 8, jnp.float32, 2, 32, 5),
   (2, 16, jnp.bfloat16, 2, 64, 4),
   (4, 32, jnp.float32, 2, 32, 3),
   (8, 64, jnp.bfloat16, 1, 64, 2),
-  (4, 8, jnp.bfloat16, 2, 16, 6),
-  (8, 16, jnp.float32, 2, 32, 4),
-  (1, 64, jnp.float32, 4, 16, 2),
-  (2, 32, jnp.bfloat16, 2, 32, 3),
+  pytest.param(4, 8, jnp.bfloat16, 2, 16, 6, marks=_SLOW),
+  pytest.param(8, 16, jnp.float32, 2, 32, 4, marks=_SLOW),
+  pytest.param(1, 64, jnp.float32, 4, 16, 2, marks=_SLOW),
+  pytest.param(2, 32, jnp.bfloat16, 2, 32, 3, marks=_SLOW),
   # g not a power of two: the GPU kernel's padded-heads path (dots for bf16, sums for float32).
   (3, 16, jnp.bfloat16, 2, 32, 3),
   (3, 16, jnp.float32, 2, 32, 3),

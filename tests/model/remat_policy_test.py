@@ -86,16 +86,23 @@ def _flash_loops(cfg: ModelConfig, segments) -> tuple[int, int]:
   return forward, both - forward
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_policies_keep_the_gradients(policy):
-  """Every policy gives the gradients of the model without remat (fp32, packed rows)."""
+@pytest.fixture(scope="module")
+def plain_gradients():
+  """The parameters, the batch and the gradients of the model without remat: computed once
+  for every policy's test."""
   plain = Model(_cfg())
-  remat = Model(_cfg(remat=True, remat_policy=policy))
   params = plain.init(3)
   batch = _batch(plain.config)
-  want = jax.jit(jax.grad(lambda p: _loss(plain, p, batch)))(params)
+  return params, batch, jax.jit(jax.grad(lambda p: _loss(plain, p, batch)))(params)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policies_keep_the_gradients(policy, plain_gradients):
+  """Every policy gives the gradients of the model without remat (fp32, packed rows)."""
+  params, batch, want = plain_gradients
+  remat = Model(_cfg(remat=True, remat_policy=policy))
   got = jax.jit(jax.grad(lambda p: _loss(remat, p, batch)))(params)
-  terms = tolerance.model_terms(plain.config, backward=True, tokens=96)
+  terms = tolerance.model_terms(_cfg(), backward=True, tokens=96)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     scale = float(np.abs(np.asarray(w)).max()) + 1e-30
     tolerance.assert_close(g, w, n=terms, scale=scale)

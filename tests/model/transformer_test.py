@@ -69,7 +69,16 @@ def test_logical_axes_cover_every_param():
     assert len(a) == len(s)
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+# The two largest presets take 5-13 s each to build abstractly (64 and 48 layers) and are
+# `slow`: qwen3-8b has qwen3-32b's structure (untied, qk-norm), and the MoE count is
+# tiny-moe's formula.
+_SLOW_PRESETS = ("qwen3-32b", "qwen3-30b-a3b")
+
+
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_PRESETS else n for n in sorted(PRESETS)],
+)
 def test_presets_param_count(name):
   cfg = PRESETS[name]
   model = Model(cfg)
@@ -111,7 +120,10 @@ def test_unknown_preset():
     get_preset("gpt5")
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "remat"])
+# "remat" is `slow`: remat_policy_test takes every policy's gradients on packed rows.
+@pytest.mark.parametrize(
+  "name", ["tiny", "tiny-moe", pytest.param("remat", marks=pytest.mark.slow)]
+)
 def test_packed_row_logits_equal_each_sequence_run_alone(name):
   """Segment ids keep packed sequences apart: each token attends only to its own segment's
   earlier positions, which restart at 0, so its logits are the ones its sequence gives alone."""

@@ -18,6 +18,9 @@ from jaxrl.model import load_pretrained  # noqa: E402
 from jaxrl.rl import job  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "grpo_hf.py")
+# One worker runs the module: its tests share one run (the module-scoped fixture below), which
+# pytest-xdist would otherwise build on each worker that runs one of them.
+pytestmark = pytest.mark.xdist_group("hf_job")
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +29,41 @@ def checkpoint(tmp_path_factory):
   return hf_checkpoints.write_checkpoint(path, "qwen3", tied=True, tokenizer="qwen3")
 
 
-def test_grpo_from_checkpoint_exports_a_policy_transformers_opens(checkpoint, tmp_path):
-  cfg = load_config(CONFIG, "test", {"pretrained.path": checkpoint})
-  workdir = str(tmp_path / "run")
-  summary = job.run(cfg, workdir, show_progress=False)
+class Killed(BaseException):
+  pass
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(checkpoint, tmp_path_factory):
+  """The test variant's run (2 GRPO steps, evals, an export at step 1), killed while it writes
+  its final export (a part-written file left behind), then resumed: its workdir and the
+  resumed run's summary. Both tests below read this one run: each run compiles the fixture
+  model's programs, tens of seconds on 2 cores."""
+  from jaxrl.rl import policy
+
+  real = policy.save_pretrained
+
+  def dies_in_final(model, params, out_dir, **kwargs):
+    if out_dir.endswith("final"):
+      os.makedirs(out_dir, exist_ok=True)
+      with open(os.path.join(out_dir, "model.safetensors"), "wb") as f:
+        f.write(b"\0" * 100)  # part-written
+      raise Killed
+    return real(model, params, out_dir, **kwargs)
+
+  workdir = str(tmp_path_factory.mktemp("hf_job") / "run")
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(policy, "save_pretrained", dies_in_final)
+    with pytest.raises(Killed):
+      job.run(
+        load_config(CONFIG, "test", {"pretrained.path": checkpoint}), workdir, show_progress=False
+      )
+  resumed = load_config(CONFIG, "test", {"pretrained.path": checkpoint, "resume": True})
+  return workdir, job.run(resumed, workdir, show_progress=False)
+
+
+def test_grpo_from_checkpoint_exports_a_policy_transformers_opens(checkpoint, killed_and_resumed):
+  workdir, summary = killed_and_resumed
   assert summary["steps"] == 2
 
   records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
@@ -64,32 +98,11 @@ def _leaves(tree):
   return jax.tree.leaves(tree)
 
 
-def test_a_run_killed_while_exporting_exports_again_when_resumed(checkpoint, tmp_path, monkeypatch):
-  from jaxrl.rl import policy
-
-  class Killed(BaseException):
-    pass
-
-  real = policy.save_pretrained
-
-  def dies_in_final(model, params, out_dir, **kwargs):
-    if out_dir.endswith("final"):
-      os.makedirs(out_dir, exist_ok=True)
-      with open(os.path.join(out_dir, "model.safetensors"), "wb") as f:
-        f.write(b"\0" * 100)  # part-written
-      raise Killed
-    return real(model, params, out_dir, **kwargs)
-
-  workdir = str(tmp_path / "run")
-  monkeypatch.setattr(policy, "save_pretrained", dies_in_final)
-  with pytest.raises(Killed):
-    job.run(
-      load_config(CONFIG, "test", {"pretrained.path": checkpoint}), workdir, show_progress=False
-    )
-  monkeypatch.setattr(policy, "save_pretrained", real)
-  resumed = load_config(CONFIG, "test", {"pretrained.path": checkpoint, "resume": True})
-  assert job.run(resumed, workdir, show_progress=False)["steps"] == 2
-  model, _ = load_pretrained(os.path.join(workdir, "hf", "final"), dtype="float32")
+def test_a_run_killed_while_exporting_exports_again_when_resumed(killed_and_resumed):
+  workdir, _ = killed_and_resumed
+  final = os.path.join(workdir, "hf", "final")
+  assert os.path.getsize(os.path.join(final, "model.safetensors")) > 100  # written again, whole
+  model, _ = load_pretrained(final, dtype="float32")
   assert model.config.num_layers > 0
 
 

@@ -25,10 +25,19 @@ def tiny_config(arg="test", **overrides):
   return load_config(os.path.join(REPO, "configs", "grpo_tiny.py"), arg, overrides)
 
 
-# "fixed" (disaggregated with a hand-set split) runs the path the "moe" variant runs.
 # "moe" is `slow` (155 s in a loaded full run on 2 cores); MoE runs by default in the paged
 # engine's routing trace test, the expert-parallel learner tests and routing replay's.
-@pytest.mark.parametrize("arg", ["test", "colocated", pytest.param("moe", marks=pytest.mark.slow)])
+# "colocated" is `slow` (49 s in a loaded full run): the colocated loop, its eval included,
+# runs by default in test_colocated_rollout_engine_is_empty_while_the_learner_trains, and a
+# colocated job with a warm-up in launch_test's one-device run.
+@pytest.mark.parametrize(
+  "arg",
+  [
+    "test",
+    pytest.param("colocated", marks=pytest.mark.slow),
+    pytest.param("moe", marks=pytest.mark.slow),
+  ],
+)
 def test_three_step_run_completes(tmp_path, arg):
   """A variant as a job: warm-up, eval at the start and the end, 3 RL steps; its metrics,
   plots and stage timeline. A demo variant is cut to the test variant's size, with an eval
@@ -118,9 +127,11 @@ def test_auto_max_tokens_sizes_engine_shapes_on_accelerators_only(tmp_path, monk
 def test_colocated_rollout_engine_is_empty_while_the_learner_trains(tmp_path, monkeypatch):
   """Sync and colocated: the store is lent the learner's live buffers (no copy), the worker's
   engine drops its weights and pages during the update, which recalls the lent buffers before
-  donating them, and the engine takes the next version after it."""
+  donating them, and the engine takes the next version after it. The eval engine (on the same
+  devices) evaluates the version trained and drops its weights after each eval."""
   overrides = {"rollout.prompts_per_step": 4, "rollout.group_size": 4, "train.micro_batch_size": 8}
-  cfg = tiny_config("colocated", **{"eval.every": 0, **overrides})
+  evals = {"eval.every": 2, "eval.num_prompts": 16}  # as large as a rollout batch
+  cfg = tiny_config("colocated", **{**evals, **overrides})
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
   assert controller.free_rollout_during_train and controller.loop.mode == "sync"
   (worker,) = controller.initial_workers
@@ -152,6 +163,10 @@ def test_colocated_rollout_engine_is_empty_while_the_learner_trains(tmp_path, mo
   assert seen == [(None, None)] * 2  # dropped during each update
   assert worker.engine.version >= 1  # it took version 1 after the first update to decode
   assert store.pull(0)[0] == 2  # lent again after the last update
+  evals = [r for r in read_metrics(controller.writer.path) if r["kind"] == "eval"]
+  assert [r["step"] for r in evals] == [0, 2]
+  assert all(0.0 <= r["eval_reward"] <= 1.0 for r in evals)
+  assert controller.rollout.version == 2 and controller.rollout.params is None
 
 
 def test_planned_placement_takes_split_and_meshes_from_the_planner():

@@ -61,7 +61,9 @@ def test_greedy_matches_static_engine_under_preemption(mesh, params):
   assert paged.allocator.num_free == 14 and not paged.has_work
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+# Greedy is `slow`: a sampled continuation must also carry the request's random stream, and
+# greedy decoding is held to the static engine's by test_greedy_matches_static_engine.
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
 def test_snapshot_continues_on_another_engine_exactly(mesh, params, temperature):
   """Stopped after a few single-token steps, continued on an engine with decode windows."""
   rng = np.random.default_rng()

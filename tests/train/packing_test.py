@@ -381,7 +381,9 @@ def test_packed_precompile_trains_nothing_and_compiles_what_updates_meet():
   assert plan["arguments_gib"] > 0 and plan["temporaries_gib"] > 0
 
 
-@pytest.mark.parametrize("pack", [0, 24])
+# Padded (packing off) is `slow`: the abstract build does not depend on packing, and the
+# padded path's plan differs only in the shapes it compiles.
+@pytest.mark.parametrize("pack", [pytest.param(0, marks=pytest.mark.slow), 24])
 def test_abstract_learner_plans_what_the_real_one_does(pack):
   """`abstract=True`: shapes on the mesh's shardings, nothing allocated, the same buffer plan
   (the planning a TPU or GPU topology gets from a CPU machine, `launch/bench_kernels.py`)."""
