@@ -4,6 +4,7 @@ actor the cluster has no room for is a clear error within its timeout."""
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -33,6 +34,20 @@ def step(episode, action):
   return asyncio.run(episode.step(action))
 
 
+def kill_and_wait(actor, timeout_s=30.0):
+  """`ray.kill` only asks: a call sent right after it can still be served. Waits until the
+  actor answers no more."""
+  ray.kill(actor)
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    try:
+      ray.get(actor.__ray_ready__.remote(), timeout=5)
+    except ray.exceptions.RayActorError:
+      return
+    time.sleep(0.1)
+  raise AssertionError(f"the actor still answers {timeout_s} s after ray.kill")
+
+
 def test_episodes_in_ray_actors_end_with_their_actor_and_the_actor_is_replaced(local_ray):
   pool = actor_workers(MISBEHAVING, {}, count=1, memory_mb=256, threads=2, resources={})
   try:
@@ -44,7 +59,7 @@ def test_episodes_in_ray_actors_end_with_their_actor_and_the_actor_is_replaced(l
     assert step(first, "a").reward == 1.0 and "environment actor 0" in first.name
     big = step(first, "alloc 1024")
     assert big.info["end_reason"] == "env_error" and "MemoryError" in big.info["error"]
-    ray.kill(pool._workers[0].actor)
+    kill_and_wait(pool._workers[0].actor)
     lost = step(second, "a")
     assert lost.info["end_reason"] == "env_error" and "died" in lost.info["error"]
     assert second.summary().turns == 1
