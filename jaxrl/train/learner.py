@@ -170,9 +170,11 @@ class Learner:
       out_shardings=(self.param_shardings, replicated),
       compiler_options=options,
     )
-    # The sums are donated too: their buffers hold the update's temporaries.
+    # Not the sums: no output has their place (XLA reuses a donated buffer only for an output,
+    # so donating them only warned, "Some donated buffers were not usable", at each first
+    # update); they are freed when the update returns.
     self._apply = jax.jit(
-      self._apply_impl, donate_argnums=(0, 1, 2), out_shardings=state_out, compiler_options=options
+      self._apply_impl, donate_argnums=(0, 1), out_shardings=state_out, compiler_options=options
     )
     self._logprobs = jax.jit(self._logprobs_impl)
     self._packed_logprobs = jax.jit(self._packed_logprobs_impl)
