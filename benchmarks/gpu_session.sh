@@ -32,13 +32,16 @@
 # (those of qk_rope_write alone), profile64_plain, profile64_nosplitk and profile64_warpspec
 # (the 64-row decode step as shipped, then with XLA's split-K rewrite forced to one part, then
 # with Triton's warp specialization; both flags are registered in jax 0.11.2's CUDA plugin: the
-# per-layer GEMMs and the kernels that sum their split-K parts are most of the step). Each part runs under its
-# own time limit (seconds, PART:LIMIT overrides it) and appends one JSON line {"part", "rc",
-# "seconds", "result"} to $OUT/results.jsonl, its progress lines (the settings it finished, for a
-# part cut short) to $OUT/progress.txt and the end of its log to $OUT/logs.txt.
+# per-layer GEMMs and the kernels that sum their split-K parts are most of the step), recipe and
+# recipe_flash (4 steps of the HF recipe on a random-weight Qwen3-0.6B, with cuDNN's attention
+# as "auto" gives it, then with the Pallas kernel; `launch/bench_memory.py recipe_steps`).
+# Each part runs under its own time limit (seconds, PART:LIMIT overrides it) and appends one
+# JSON line {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the
+# settings it finished, for a part cut short) to $OUT/progress.txt, the end of its log to
+# $OUT/logs.txt and its output (up to 50 kB) to $OUT/outputs.txt.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
-WORK=/tmp/gpu_session_work  # each part's whole output; $OUT gets three files back
+WORK=/tmp/gpu_session_work  # each part's whole output; $OUT gets four files back
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
@@ -67,6 +70,8 @@ run_part() {  # part limit command...
   # A part's own progress lines (a setting at a time), and the end of its log.
   grep '^progress ' "$WORK/$part.log" | sed "s/^progress /$part /" >>"$OUT/progress.txt"
   { echo "== $part: rc=$rc in ${took}s"; tail -c 3000 "$WORK/$part.log"; } >>"$OUT/logs.txt"
+  # Its whole output too (parts that print a line a step: `recipe`), up to 50 kB of it.
+  { echo "== $part"; head -c 50000 "$WORK/$part.out"; echo; } >>"$OUT/outputs.txt"
   echo "== $part: rc=$rc in ${took}s"
   tail -c 600 "$WORK/$part.out"
   echo
@@ -155,6 +160,17 @@ for spec in "$@"; do
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_enable_triton_warp_specialization=true" \
       run_part profile64_warpspec "${limit:-90}" python3 launch/bench.py decode_profile --json \
       --presets qwen3-0.6b --rows 64 ;;
+    recipe|recipe_flash)
+      # The HF recipe (configs/grpo_hf.py:qwen3-0.6b) on a random-weight Qwen3-0.6B: 4 steps
+      # of 16 prompts x 8 with up to 512 new tokens; `recipe` as shipped (attention "auto":
+      # cuDNN's on Hopper, in the learner and the engine's packed prefill), `recipe_flash`
+      # with the Pallas kernel, the A/B of the two inside the job.
+      extra='{"rollout.prompts_per_step": 16, "rollout.sampling.max_new_tokens": 512}'
+      [ "$part" = recipe_flash ] &&
+        extra='{"rollout.prompts_per_step": 16, "rollout.sampling.max_new_tokens": 512, "model.attention": "flash"}'
+      [ -f /tmp/ck/config.json ] || python3 launch/bench_memory.py write /tmp/ck >/dev/null
+      run_part "$part" "${limit:-200}" python3 launch/bench_memory.py recipe_steps:4 /tmp/ck \
+        "$extra" ;;
     tests_qk) JAX_PLATFORMS=cuda run_part tests_qk "${limit:-90}" python3 -m pytest -q -n 0 -m gpu \
       -p no:cacheprovider tests/kernels/qk_rope_write_test.py ;;
     *) echo "unknown part $part" ;;

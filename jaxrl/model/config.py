@@ -66,8 +66,8 @@ class ModelConfig:
       packed rows; a batch whose packed rows cuDNN cannot take runs the Pallas kernel).
       Rollout's packed prefill of prompts (each prompt's keys all in its row) takes it too;
       its decode and chunked prefill read the paged cache. (An experiment config may say
-      "auto": cuDNN on Hopper GPUs for bf16 models, flash for float32 ones, dense elsewhere;
-      `jaxrl.config.auto_settings`.)
+      "auto": on Hopper GPUs cuDNN for bf16 checkpoints and models from 1,024 wide, flash
+      for narrower or float32 ones; dense elsewhere; `jaxrl.config.from_config_dict`.)
   """
 
   vocab_size: int = 64
