@@ -31,7 +31,7 @@ def get_config(arg: str | None = None):
   config.model.dtype = "auto"
   config.rollout.param_dtype = "auto"
   # Dense attention on CPU; on a Hopper GPU the Pallas flash kernel, which ran this job 1.10x as
-  # fast as dense there (`jaxrl.config.auto_settings`; docs/BENCHMARKS.md).
+  # fast as dense there (`jaxrl.auto_config`; docs/BENCHMARKS.md).
   config.model.attention = "auto"
   # Sort 6 digits: "sort:529130=" -> "012359". Exact match scores 1, anything else 0.
   config.task.name = "digit_sort"

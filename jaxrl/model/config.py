@@ -42,7 +42,7 @@ class ModelConfig:
     norm_topk_prob: renormalise the top-k router probabilities to sum to one (Qwen3-MoE's
       checkpoints say which); False keeps the raw softmax probabilities as combine weights.
     dtype: compute dtype; parameters stay in param_dtype and are cast at use. (An experiment
-      config may say "auto": bf16 on accelerators, fp32 on CPU; `jaxrl.config.auto_settings`.)
+      config may say "auto": bf16 on accelerators, fp32 on CPU; `jaxrl.auto_config.auto_settings`.)
     param_dtype: storage dtype of parameters.
     vocab_limit: ids the tokenizer can produce; logits of embedding rows at and past it (tables
       padded beyond the vocabulary, e.g. 151,936 rows for Qwen3's 151,669 ids) are masked out of
@@ -67,7 +67,7 @@ class ModelConfig:
       Rollout's packed prefill of prompts (each prompt's keys all in its row) takes it too;
       its decode and chunked prefill read the paged cache. (An experiment config may say
       "auto": on Hopper GPUs cuDNN for bf16 checkpoints and models from 1,024 wide, flash
-      for narrower or float32 ones; dense elsewhere; `jaxrl.config.from_config_dict`.)
+      for narrower or float32 ones; dense elsewhere; `jaxrl.auto_config`.)
   """
 
   vocab_size: int = 64
