@@ -1,11 +1,11 @@
-"""Tests of `load_tokenizer`: the same ids, text and chat templates as transformers.AutoTokenizer.
+"""Tests of `load_tokenizer`: the same ids, text and special tokens as transformers.AutoTokenizer
+(its chat templates: hf_chat_template_test.py).
 
-The tokenizers are built on the spot by tests/helpers/hf_tokenizers.py (no Hub access). Tests that
-compare with transformers skip when it is not installed (it is in the dev extra); the error and
-protocol tests run without it.
+The tokenizers are built on the spot by tests/helpers/hf_tokenizers.py (no Hub access; fixtures in
+tests/data/conftest.py). Tests that compare with transformers skip when it is not installed (it is
+in the dev extra); the error and protocol tests run without it.
 """
 
-import copy
 import json
 import os
 import subprocess
@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 from helpers import hf_tokenizers
+from helpers.hf_tokenizer_cases import CONVERSATIONS, their_ids, variant
 
 from jaxrl.data.hf_tokenizer import HFTokenizer, TokenizerError, load_tokenizer
 from jaxrl.data.prompts import encode_prompt
@@ -21,7 +22,6 @@ from jaxrl.data.tokenizer import Tokenizer
 from jaxrl.hub import PretrainedNotFound
 
 STYLES = hf_tokenizers.STYLES
-DATE = {"date_string": "26 Jul 2024"}  # the llama3 template reads today's date without it
 
 TEXTS = (
   "",
@@ -55,118 +55,10 @@ FRAGMENTS = (
   + ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>"]
 )
 
-CONVERSATIONS = {
-  "one_user": [{"role": "user", "content": "What is 17 * 23?"}],
-  "system": [
-    {"role": "system", "content": "Reason step by step; put the answer in \\boxed{}."},
-    {"role": "user", "content": "Natalia sold 48 clips in April and half as many in May."},
-  ],
-  "multi_turn": [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "Hello!"},
-    {"role": "assistant", "content": "Hi, how can I help?"},
-    {"role": "user", "content": "  Ünïcödé 🙂 <b>&amp;</b>\n\nsum 1..100?  "},
-  ],
-  "reasoning_in_content": [
-    {"role": "user", "content": "2 + 2?"},
-    {"role": "assistant", "content": "<think>\nearly thought\n</think>\n\n4"},
-    {"role": "user", "content": "And 3 + 3?"},
-    {"role": "assistant", "content": "<think>\nlate thought\n</think>\n\n6"},
-  ],
-  "reasoning_fields": [
-    {"role": "user", "content": "2 + 2?"},
-    {"role": "assistant", "content": "4", "reasoning_content": "two and two"},
-    {"role": "user", "content": "3 + 3?"},
-    {"role": "assistant", "content": "6", "thinking": "an alias", "name": None},
-  ],
-}
-GENERATION_KWARGS = ({}, {"enable_thinking": False}, {"enable_thinking": True})
-TOOLS = [
-  {
-    "type": "function",
-    "function": {
-      "name": "calculator",
-      "description": "Evaluates <expr> & returns a number, e.g. «2+2».",
-      "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
-    },
-  }
-]
-TOOL_CONVERSATION = [
-  {"role": "user", "content": "Use the tool: 2 + 2"},
-  {
-    "role": "assistant",
-    "content": "",
-    "tool_calls": [{"function": {"name": "calculator", "arguments": {"expr": "2 + 2 ≠ <5>"}}}],
-  },
-  {"role": "tool", "content": "4"},
-]
-
-
-@pytest.fixture(scope="module")
-def auto_tokenizer():
-  return pytest.importorskip("transformers").AutoTokenizer
-
-
-@pytest.fixture(scope="module", params=STYLES)
-def style(request):
-  return request.param
-
-
-@pytest.fixture(scope="module")
-def directory(style, tmp_path_factory):
-  return hf_tokenizers.write_tokenizer(tmp_path_factory.mktemp(style), style)
-
-
-@pytest.fixture(scope="module")
-def ours(directory):
-  return load_tokenizer(directory)
-
-
-@pytest.fixture(scope="module")
-def theirs(directory, auto_tokenizer):
-  return auto_tokenizer.from_pretrained(directory)
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-  return load_tokenizer(hf_tokenizers.write_tokenizer(tmp_path_factory.mktemp("q"), "qwen3"))
-
-
-@pytest.fixture(scope="module")
-def llama3_dir(tmp_path_factory):
-  return hf_tokenizers.write_tokenizer(tmp_path_factory.mktemp("l"), "llama3")
-
-
-def _variant(tmp_path, style, edit_config=None, files=None):
-  """A tokenizer directory of `style` with its tokenizer_config.json edited and files added."""
-  directory = hf_tokenizers.write_tokenizer(tmp_path / style, style)
-  path = os.path.join(directory, "tokenizer_config.json")
-  with open(path, encoding="utf-8") as f:
-    config = json.load(f)
-  if edit_config is not None:
-    edit_config(config)
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(config, f)
-  for name, text in (files or {}).items():
-    os.makedirs(os.path.dirname(os.path.join(directory, name)), exist_ok=True)
-    with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
-      f.write(text)
-  return directory
-
 
 def _random_texts(seed, n=150):
   rng = np.random.default_rng(seed)
   return ["".join(rng.choice(FRAGMENTS, size=int(rng.integers(1, 25)))) for _ in range(n)]
-
-
-def _their_ids(theirs, messages, add_generation_prompt, **kwargs):
-  kwargs |= {"add_generation_prompt": add_generation_prompt, "tokenize": True, "return_dict": False}
-  return theirs.apply_chat_template(copy.deepcopy(messages), **kwargs)
-
-
-def _their_text(theirs, messages, add_generation_prompt, **kwargs):
-  kwargs |= {"add_generation_prompt": add_generation_prompt, "tokenize": False}
-  return theirs.apply_chat_template(copy.deepcopy(messages), **kwargs)
 
 
 def test_satisfies_tokenizer_protocol(ours, style):
@@ -319,141 +211,6 @@ def test_decode_round_trips_text_without_specials(ours, style):
     assert ours.decode(ours.encode(text)) == text
 
 
-@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
-@pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(ours, theirs, style, name, add_generation_prompt):
-  messages = CONVERSATIONS[name]
-  for kwargs in GENERATION_KWARGS:
-    kwargs = {**kwargs, **(DATE if style == "llama3" else {})}
-    text = ours.render_chat_template(copy.deepcopy(messages), add_generation_prompt, **kwargs)
-    assert text == _their_text(theirs, messages, add_generation_prompt, **kwargs)
-    ids = ours.apply_chat_template(copy.deepcopy(messages), add_generation_prompt, **kwargs)
-    assert ids == _their_ids(theirs, messages, add_generation_prompt, **kwargs)
-    assert ours.encode(text) == ids
-
-
-def test_chat_template_with_tools_matches_transformers(ours, theirs, style):
-  kwargs = DATE if style == "llama3" else {}
-  conversations = [CONVERSATIONS["system"], CONVERSATIONS["one_user"]]
-  if style == "qwen3":
-    conversations.append(TOOL_CONVERSATION)
-  for messages in conversations:
-    text = ours.render_chat_template(messages, tools=TOOLS, **kwargs)
-    assert text == _their_text(theirs, messages, True, tools=TOOLS, **kwargs)
-    assert "«2+2»" in text and "<expr> & returns" in text  # tojson keeps unicode, no HTML escapes
-    assert ours.apply_chat_template(messages, tools=TOOLS, **kwargs) == _their_ids(
-      theirs, messages, True, tools=TOOLS, **kwargs
-    )
-
-
-def test_chat_template_reads_today_like_transformers(llama3_dir, auto_tokenizer):
-  messages = CONVERSATIONS["one_user"]
-  text = load_tokenizer(llama3_dir).render_chat_template(messages)
-  assert text == _their_text(auto_tokenizer.from_pretrained(llama3_dir), messages, True)
-  assert "Today Date: " in text and "date_string" not in text
-
-
-def test_qwen3_template_thinking(qwen3):
-  ours = qwen3
-  text = ours.render_chat_template(CONVERSATIONS["reasoning_in_content"], False)
-  assert "early thought" not in text  # reasoning before the last user message is dropped
-  assert "<|im_start|>assistant\n4<|im_end|>" in text
-  assert text.endswith("<|im_start|>assistant\n<think>\nlate thought\n</think>\n\n6<|im_end|>\n")
-  prompt = CONVERSATIONS["one_user"]
-  assert ours.render_chat_template(prompt).endswith(
-    "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n"
-  )
-  no_thinking = ours.render_chat_template(prompt, enable_thinking=False)
-  assert no_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-  assert not ours.render_chat_template(prompt).startswith("<|im_start|>system")
-  ids = ours.apply_chat_template(prompt)
-  assert ids[0] == ours.token_to_id("<|im_start|>") and ours.bos_id is None
-
-
-def test_llama3_template_writes_one_bos(llama3_dir):
-  ours = load_tokenizer(llama3_dir)
-  ids = ours.apply_chat_template(CONVERSATIONS["multi_turn"], **DATE)
-  assert ids[0] == ours.bos_id and ids.count(ours.bos_id) == 1
-  header = ours.encode("<|start_header_id|>assistant<|end_header_id|>\n\n")
-  assert ids[-len(header) :] == header
-  assert ours.decode(ids).startswith("system\n\nCutting Knowledge Date")
-
-
-ENV_TEMPLATE = """\
-{%- set ns = namespace(n=0) %}
-{%- for m in messages %}
-  {%- if m.role == 'skip' %}{% continue %}{% endif %}
-  {%- set ns.n = ns.n + 1 %}
-  {%- if ns.n > 3 %}{% break %}{% endif %}
-[{{ m.role }}|{{ m | tojson }}|{{ m | tojson(indent=2, sort_keys=true) }}]
-  {{ m | tojson(ensure_ascii=true) }} {{ m | tojson(separators=(',', ':')) }}
-  {{ dict(a=1, b=m.role) | tojson }} {{ dict.fromkeys(['x', 'y'], 0) | tojson }}
-    {% generation %}{{ m.content | upper }}{% endgeneration %}
-
-{% endfor %}
-{{- bos_token }}|{{ eos_token }}|{{ pad_token | default('no pad') }}|{{ unk_token is defined }}
-{{- '|' ~ custom | default('none') ~ '|' ~ (tools | length if tools else 'no tools') }}
-{{- '|' ~ strftime_now('%Y') ~ '|' ~ add_generation_prompt }}
-"""
-
-
-def test_template_environment_matches_transformers(tmp_path, auto_tokenizer):
-  """Loop controls, namespace, dict, tojson's options, the generation tag, special-token
-  variables, None keys dropped, reasoning aliases and numpy values: as transformers renders."""
-  directory = _variant(tmp_path, "llama3", files={"chat_template.jinja": ENV_TEMPLATE})
-  ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
-  messages = [
-    {"role": "system", "content": "Be «brief» & <exact>", "name": None},
-    {"role": "skip", "content": "never shown"},
-    {"role": "user", "content": "Ünï\n", "score": np.float32(0.5), "n": np.int64(3)},
-    {"role": "assistant", "content": "4", "reasoning": "two and two", "tags": ("a", "b")},
-    {"role": "user", "content": "after the break"},
-  ]
-  for kwargs in ({}, {"custom": "set", "tools": TOOLS}, {"add_generation_prompt": False}):
-    kwargs = {"add_generation_prompt": True, **kwargs}
-    agp = kwargs.pop("add_generation_prompt")
-    text = ours.render_chat_template(copy.deepcopy(messages), agp, **kwargs)
-    assert text == _their_text(theirs, messages, agp, **kwargs)
-    assert "after the break" not in text and "never shown" not in text
-    assert '"reasoning_content": "two and two"' in text and '"name"' not in text
-  assert "<|begin_of_text|>|<|eot_id|>|no pad|False|" in text
-
-
-def _marked(template, marker):
-  return template.replace("<|im_start|>assistant\n{% if", f"{marker}<|im_start|>assistant\n{{% if")
-
-
-def test_named_templates_in_config(tmp_path, auto_tokenizer):
-  template = hf_tokenizers.QWEN3_TEMPLATE
-  named = [
-    {"name": "default", "template": _marked(template, "[default]")},
-    {"name": "tool_use", "template": _marked(template, "[tool_use]")},
-  ]
-  directory = _variant(tmp_path, "qwen3", lambda c: c.update(chat_template=named))
-  ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
-  messages = CONVERSATIONS["system"]
-  for tools in (None, TOOLS, []):
-    text = ours.render_chat_template(messages, tools=tools)
-    assert text == _their_text(theirs, messages, True, tools=tools)
-    assert ("[tool_use]" if tools is not None else "[default]") in text
-  assert set(ours.chat_templates) == {"default", "tool_use"}
-
-
-def test_template_files_replace_the_config_template(tmp_path, auto_tokenizer):
-  template = hf_tokenizers.QWEN3_TEMPLATE
-  files = {
-    "chat_template.jinja": _marked(template, "[file]"),
-    "additional_chat_templates/tool_use.jinja": _marked(template, "[extra file]"),
-  }
-  directory = _variant(tmp_path, "qwen3", files=files)
-  ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
-  messages = CONVERSATIONS["one_user"]
-  for tools in (None, TOOLS):
-    text = ours.render_chat_template(messages, tools=tools)
-    assert text == _their_text(theirs, messages, True, tools=tools)
-    assert ("[extra file]" if tools else "[file]") in text
-
-
 def test_legacy_special_tokens_map(tmp_path, auto_tokenizer):
   """Without added_tokens_decoder, special_tokens_map.json is read and wins (transformers' rule)."""
 
@@ -461,7 +218,7 @@ def test_legacy_special_tokens_map(tmp_path, auto_tokenizer):
     del config["added_tokens_decoder"]
     config.update(tokenizer_class="PreTrainedTokenizerFast", eos_token="<|endoftext|>")
 
-  directory = _variant(tmp_path, "qwen3", edit)
+  directory = variant(tmp_path, "qwen3", edit)
   special_map = {"eos_token": {"content": "<|im_end|>"}, "pad_token": "<|im_start|>"}
   with open(os.path.join(directory, "special_tokens_map.json"), "w") as f:
     json.dump(special_map, f)
@@ -469,14 +226,14 @@ def test_legacy_special_tokens_map(tmp_path, auto_tokenizer):
   assert ours.eos_id == theirs.eos_token_id == ours.token_to_id("<|im_end|>")
   assert ours.pad_id == theirs.pad_token_id == ours.token_to_id("<|im_start|>")
   messages = CONVERSATIONS["multi_turn"]
-  assert ours.apply_chat_template(messages) == _their_ids(theirs, messages, True)
+  assert ours.apply_chat_template(messages) == their_ids(theirs, messages, True)
 
 
 def test_named_token_from_the_base_vocabulary_becomes_special(tmp_path, auto_tokenizer):
   base = load_tokenizer(hf_tokenizers.write_tokenizer(tmp_path / "base", "llama3"))
   word = max((base.decode([i]) for i in range(256, hf_tokenizers.BASE_VOCAB_SIZE)), key=len)
   token = base._backend.id_to_token(base.encode(word)[0])  # its byte-level spelling
-  directory = _variant(tmp_path, "llama3", lambda c: c.update(pad_token=token))
+  directory = variant(tmp_path, "llama3", lambda c: c.update(pad_token=token))
   ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
   assert ours.pad_id == theirs.pad_token_id == base.token_to_id(token)
   assert ours.vocab_size == len(theirs) == base.vocab_size
@@ -515,7 +272,7 @@ def test_plain_prompts_start_like_the_original(
 ):
   """A prompt without a chat template is `tokenizer(text)`: the BOS tokenizer.json's post-processor
   adds (transformers ignores add_bos_token then), not the one the config names."""
-  directory = _variant(tmp_path, style, lambda c: c.update(config))
+  directory = variant(tmp_path, style, lambda c: c.update(config))
   if post_processor != "as written":
     _set_post_processor(directory, post_processor)
   ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
@@ -541,7 +298,7 @@ def test_a_post_processor_that_puts_two_ids_before_a_text_is_refused(tmp_path):
 
 
 def test_split_special_tokens(tmp_path, auto_tokenizer):
-  directory = _variant(tmp_path, "qwen3", lambda c: c.update(split_special_tokens=True))
+  directory = variant(tmp_path, "qwen3", lambda c: c.update(split_special_tokens=True))
   ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
   for text in ("<|im_end|>", "a<|im_start|>user<think>"):
     assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
@@ -598,63 +355,17 @@ def test_malformed_files(tmp_path, name, text, expected):
   ],
 )
 def test_malformed_config(tmp_path, edit, expected):
-  directory = _variant(tmp_path, "qwen3", lambda c: c.update(edit))
+  directory = variant(tmp_path, "qwen3", lambda c: c.update(edit))
   with pytest.raises(TokenizerError, match=expected) as e:
     load_tokenizer(directory)
   assert str(tmp_path) in str(e.value)
 
 
 def test_no_eos_anywhere(tmp_path):
-  directory = _variant(tmp_path, "qwen3", lambda c: c.update(eos_token=None))
+  directory = variant(tmp_path, "qwen3", lambda c: c.update(eos_token=None))
   (tmp_path / "qwen3" / "generation_config.json").unlink()
   with pytest.raises(TokenizerError, match="no EOS token"):
     load_tokenizer(directory)
-
-
-def test_template_errors_name_their_source(tmp_path, auto_tokenizer):
-  """A template that raises fails here as in transformers, and says which file it came from."""
-  import jinja2
-
-  qwen = hf_tokenizers.write_tokenizer(tmp_path / "qwen3", "qwen3")
-  llama = hf_tokenizers.write_tokenizer(tmp_path / "llama3", "llama3")
-  late_system = CONVERSATIONS["one_user"] + [{"role": "system", "content": "late"}]
-  cases = [
-    (qwen, late_system, "A system message may only come first", "key 'chat_template'"),
-    (qwen, [{"role": "robot", "content": "beep"}], "Unknown role: robot", "key 'chat_template'"),
-    (llama, TOOL_CONVERSATION, "Unknown role: tool", "chat_template.jinja"),
-  ]
-  for directory, messages, message, where in cases:
-    with pytest.raises(TokenizerError, match=message) as e:
-      load_tokenizer(directory).apply_chat_template(messages)
-    assert os.path.join(directory, "") in str(e.value) and where in str(e.value)
-    with pytest.raises(jinja2.TemplateError, match=message):
-      auto_tokenizer.from_pretrained(directory).apply_chat_template(messages, tokenize=False)
-
-  sandbox = "{% set ns = namespace(n=0) %}{% set ns._secret = 1 %}{{ ns.n }}"
-  directory = _variant(tmp_path, "qwen3", lambda c: c.update(chat_template=sandbox))
-  with pytest.raises(TokenizerError, match="SecurityError"):
-    load_tokenizer(directory).render_chat_template(CONVERSATIONS["one_user"])
-
-
-def test_chat_inputs_errors(tmp_path, qwen3):
-  tok = qwen3
-  with pytest.raises(TokenizerError, match="empty list of messages"):
-    tok.apply_chat_template([])
-  with pytest.raises(TypeError, match="chat messages and tools must be dicts, got .hello."):
-    tok.apply_chat_template(["hello"])
-  with pytest.raises(TypeError, match="get_json_schema"):
-    tok.apply_chat_template(CONVERSATIONS["one_user"], tools=[len])
-
-  directory = _variant(tmp_path, "qwen3", lambda c: c.pop("chat_template"))
-  base = load_tokenizer(directory)
-  assert base.chat_templates == {}
-  with pytest.raises(TokenizerError, match="no chat template") as e:
-    base.apply_chat_template(CONVERSATIONS["one_user"])
-  assert directory in str(e.value)
-  named = [{"name": "tool_use", "template": "{{ messages }}"}]
-  directory = _variant(tmp_path / "n", "qwen3", lambda c: c.update(chat_template=named))
-  with pytest.raises(TokenizerError, match=r"none of \['tool_use'\] is 'default'"):
-    load_tokenizer(directory).apply_chat_template(CONVERSATIONS["one_user"])
 
 
 def test_write_tokenizer_is_stable(tmp_path):
