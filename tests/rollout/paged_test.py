@@ -1,5 +1,6 @@
 """Paged continuous-batching engine: parity, preemption, snapshot/continue, streaming, errors."""
 
+import dataclasses
 import json
 
 import jax
@@ -254,15 +255,16 @@ def test_abort_of_an_unknown_id_aborts_nothing(mesh, params):
 def test_every_request_ending_in_the_window_read_back_for_pages(mesh, params):
   """Out of pages, the engine reads the window in flight back; when that ends every running
   request, no window is dispatched over an empty batch and both come back."""
-  sp = SamplingParams(temperature=0.0, max_new_tokens=13)
+  # EOS ignored: the weights are a random draw, and a greedy EOS would end A or B early.
+  sp = SamplingParams(temperature=0.0, max_new_tokens=13, ignore_eos=True)
   roomy = engine(mesh, params, page_size=4, num_pages=16, decode_steps=4)
   ahead = roomy.generate([[5, 6, 7]], sp, seed=0)[0].token_ids
   # A stops at its second token; B ends by length; A would need a third page for the next
   # window, which the 4 pages (2 each) do not have: `_grow_pages` reads the window back.
-  stop = SamplingParams(temperature=0.0, max_new_tokens=13, stop_token_ids=(int(ahead[1]),))
+  stop = dataclasses.replace(sp, stop_token_ids=(int(ahead[1]),))
   e = engine(mesh, params, page_size=4, num_pages=4, decode_steps=4)
   e.submit([5, 6, 7], stop, request_id="A")
-  e.submit([9, 10, 11, 12, 13], SamplingParams(temperature=0.0, max_new_tokens=4), request_id="B")
+  e.submit([9, 10, 11, 12, 13], dataclasses.replace(sp, max_new_tokens=4), request_id="B")
   done = {r.request_id: r for r in e.stream()}
   assert done["A"].token_ids == list(ahead[: list(ahead).index(ahead[1]) + 1])
   assert done["A"].finish_reason == "stop" and done["B"].finish_reason == "length"
