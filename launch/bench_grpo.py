@@ -17,13 +17,15 @@ engine whenever a page table or prefill chunk does).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 
 import jax
 import numpy as np
 
-from jaxrl.model import Model, get_preset
+from jaxrl.auto_config import resolve_auto
+from jaxrl.model import Model, ModelConfig, get_preset
 from jaxrl.rl.experience import build_batch
 from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
@@ -56,10 +58,19 @@ class _CompileCounter:
     return dict(self.counts)
 
 
+def _as_the_job_runs(cfg: ModelConfig) -> ModelConfig:
+  """`cfg` with the compute dtype and attention the job's "auto" settings give it on this
+  backend (`jaxrl.auto_config`): bf16 and flash or cuDNN attention on a GPU, float32 and dense
+  attention on CPU (the presets' own settings)."""
+  model = {"dtype": "auto", "attention": "auto", "d_model": cfg.d_model}
+  resolved = resolve_auto({"model": model})["model"]
+  return dataclasses.replace(cfg, dtype=resolved["dtype"], attention=resolved["attention"])
+
+
 def _run(
   preset, steps, prompts, group, median, cap, prompt_len, pack_length, max_tokens, counter, seed
 ):
-  cfg = get_preset(preset)
+  cfg = _as_the_job_runs(get_preset(preset))
   model = Model(cfg)
   params = model.init(seed)
   devices = jax.devices()
@@ -113,6 +124,8 @@ def _run(
     "rollout_shapes_compiled": engine.compiled_shapes(),
     **{f"median_{stage}_s": statistics.median(t[1:]) for stage, t in times.items()},
     "longest_response": int(cap),
+    "dtype": cfg.dtype,
+    "attention": cfg.attention,
   }
 
 
