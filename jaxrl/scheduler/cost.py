@@ -30,6 +30,10 @@ USABLE_MEMORY = 0.9
 COLLECTIVE_LATENCY_S = 10e-6
 # Training state bytes per parameter: fp32 master + Adam m and v + bf16 weights + bf16 grads.
 TRAIN_STATE_BYTES_PER_PARAM = 16
+# A data-parallel training mesh keeps the whole state on each replica, also while a colocated
+# rollout engine runs beside it (only activations are freed then): it is offered only where
+# that state takes at most this share of the usable memory, so the rest holds the engine.
+DATA_PARALLEL_STATE_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,38 +257,52 @@ def train_cost(
   network_bytes_per_s: float,
   workload: Workload,
 ) -> TrainCost | None:
-  """The fastest mesh (fsdp x tensor x expert) of `devices` devices that fits, or None."""
+  """The fastest mesh of `devices` devices that fits, or None: fsdp x tensor x expert, or for
+  a dense model data x tensor (the training state whole on each data replica), which a tie
+  goes to: it moves 2/3 of FSDP's bytes (one gradient all-reduce an update against two
+  all-gathers and a reduce-scatter) and on simulated CPU devices trained the demo's learner
+  1.6-1.9x as fast (docs/scheduler.md)."""
   tokens = workload.samples_per_step * (workload.prompt_len + workload.lengths().mean)
   best = None
   for tensor in _powers_of_two(min(devices, devices_per_node, model.num_heads)):
     experts = _powers_of_two(devices // tensor) if model.is_moe else [1]
     for expert in experts:
-      if devices % (tensor * expert) or not mesh_divides(
-        model, workload, devices // (tensor * expert), tensor, expert
-      ):
+      if devices % (tensor * expert):
         continue
-      cost = _train_mesh_cost(
-        model, acc, devices, tensor, expert, devices_per_node, network_bytes_per_s, workload, tokens
-      )
-      if cost is not None and (best is None or cost.step_seconds < best.step_seconds):
-        best = cost
+      replicas = devices // (tensor * expert)
+      # (data, fsdp): data parallel first (ties keep it), then FSDP.
+      shapes = [(replicas, 1)] if not model.is_moe and replicas > 1 else []
+      for data, fsdp in [*shapes, (1, replicas)]:
+        if not mesh_divides(model, workload, fsdp, tensor, expert, data=data):
+          continue
+        cost = _train_mesh_cost(
+          model, acc, devices, (data, fsdp, tensor, expert), devices_per_node,
+          network_bytes_per_s, workload, tokens,
+        )  # fmt: skip
+        if cost is not None and (best is None or cost.step_seconds < best.step_seconds):
+          best = cost
   return best
 
 
 def _train_mesh_cost(
-  model, acc, devices, tensor, expert, devices_per_node, network_bytes_per_s, workload, tokens
+  model, acc, devices, axes, devices_per_node, network_bytes_per_s, workload, tokens
 ):
-  fsdp = devices // (tensor * expert)
+  data, fsdp, tensor, expert = axes
   seq = workload.prompt_len + workload.response_cap
   d, layers = model.d_model, model.num_layers
   per_layer_params = (model.num_params() - model.vocab_size * d) / layers
+  # The state is split over every axis but data (whole on each data replica).
+  state = TRAIN_STATE_BYTES_PER_PARAM * model.num_params() / (devices // data)
+  if data > 1 and state > DATA_PARALLEL_STATE_SHARE * USABLE_MEMORY * acc.memory_bytes:
+    return None
   memory = (
-    TRAIN_STATE_BYTES_PER_PARAM * model.num_params() / devices
+    state
     # Rematerialised layer inputs and one layer's live activations, one sequence per device.
     + seq * d * 2 * (layers + 16) / tensor
     + seq * model.vocab_size * 4 / tensor
-    + 2 * 2 * per_layer_params / max(tensor * expert, 1)  # gathered weights, double-buffered
   )
+  if fsdp > 1:
+    memory += 2 * 2 * per_layer_params / max(tensor * expert, 1)  # gathered, double-buffered
   if memory > USABLE_MEMORY * acc.memory_bytes:
     return None
   flops = (6 + 2 * workload.extra_forward_passes) * active_params(model) * tokens
@@ -293,13 +311,18 @@ def _train_mesh_cost(
   def group_bandwidth(span: int) -> float:
     return acc.link_bytes_per_s if span <= devices_per_node else network_bytes_per_s
 
-  # FSDP: all-gather for forward and backward, reduce-scatter of gradients, per update.
+  # FSDP: all-gather for forward and backward, reduce-scatter of gradients, per update; data
+  # parallel: one all-reduce of the gradients (a reduce-scatter and an all-gather), per update.
   shard_bytes = 2 * model.num_params() / (tensor * expert)
   fsdp_s = 0.0
   if fsdp > 1:
     bw = group_bandwidth(devices)
     fsdp_s = workload.updates_per_step * 3 * ((fsdp - 1) / fsdp * shard_bytes / bw)
-  local_tokens = tokens / max(fsdp, 1)
+  if data > 1:
+    fsdp_s = workload.updates_per_step * _allreduce_seconds(
+      shard_bytes, data, group_bandwidth(devices)
+    )
+  local_tokens = tokens / (data * fsdp)
   passes = 3 + workload.extra_forward_passes  # forward, backward (x2), extra forwards
   tensor_s = (
     passes * 2 * layers * _allreduce_seconds(local_tokens * d * 2, tensor, group_bandwidth(tensor))
@@ -309,11 +332,13 @@ def _train_mesh_cost(
     moved = local_tokens * model.experts_per_token * d * 2 * (expert - 1) / expert
     expert_s = passes * 2 * layers * moved / group_bandwidth(tensor * expert)
   step = max(compute_s, fsdp_s) + tensor_s + expert_s
-  mesh = {"data": 1, "fsdp": fsdp, "tensor": tensor, "expert": expert}
+  mesh = {"data": data, "fsdp": fsdp, "tensor": tensor, "expert": expert}
   return TrainCost(devices=devices, mesh=mesh, step_seconds=step, memory_bytes=memory)
 
 
-def mesh_divides(model: ModelConfig, workload: Workload, fsdp: int, tensor: int, expert: int):
+def mesh_divides(
+  model: ModelConfig, workload: Workload, fsdp: int, tensor: int, expert: int, data: int = 1
+) -> bool:
   """Whether the sharded dimensions split evenly (the logical-axis rules require it)."""
   dims_ok = (
     model.d_model % fsdp == 0
@@ -324,7 +349,7 @@ def mesh_divides(model: ModelConfig, workload: Workload, fsdp: int, tensor: int,
     and (not model.is_moe or model.num_experts % expert == 0)
   )
   batch = workload.micro_batch_size
-  return dims_ok and (batch == 0 or batch % (fsdp * expert) == 0)
+  return dims_ok and (batch == 0 or batch % (data * fsdp * expert) == 0)
 
 
 def weight_sync_seconds(model: ModelConfig, bandwidth: float) -> float:

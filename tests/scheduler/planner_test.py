@@ -23,6 +23,7 @@ from jaxrl.scheduler import (
   load_cluster,
   plan,
 )
+from jaxrl.scheduler import cost as cost_model
 from jaxrl.scheduler.cost import USABLE_MEMORY, decode_roofline_seconds, rollout_cost, train_cost
 from jaxrl.scheduler.plan import Plan
 from jaxrl.scheduler.planner import exhaustive_best, plan_colocated
@@ -223,6 +224,38 @@ def test_cost_model_shapes():
   # A longer tail (same median) raises the tail latency and the KV a sequence holds.
   wide = dataclasses.replace(w, response_sigma=1.5)
   assert rollout_cost(model, acc, 1, 64, wide).tail_seconds > large.tail_seconds
+
+
+def test_training_meshes_are_data_parallel_where_the_state_fits_each_replica():
+  """A dense model whose training state fits one device trains data parallel (one gradient
+  all-reduce an update, 2/3 of FSDP's bytes); one that does not, FSDP; MoE, never a data axis."""
+  acc, w = CATALOG["H100"], Workload()
+  small = train_cost(get_preset("qwen3-0.6b"), acc, 8, 8, 50e9, w)
+  assert small.mesh["data"] > 1 and small.mesh["fsdp"] == 1
+  assert small.mesh["data"] * small.mesh["tensor"] == 8
+  large = train_cost(get_preset("qwen3-8b"), acc, 8, 8, 50e9, w)  # 128 GB of state
+  assert large.mesh["data"] == 1 and large.mesh["fsdp"] > 1
+  # The same devices as FSDP: more memory a device (the whole state), no slower a step.
+  model, tensor = get_preset("qwen3-0.6b"), small.mesh["tensor"]
+  tokens = w.samples_per_step * (w.prompt_len + w.lengths().mean)
+  axes = (1, 8 // tensor, tensor, 1)
+  fsdp = cost_model._train_mesh_cost(model, acc, 8, axes, 8, 50e9, w, tokens)
+  assert fsdp.mesh["fsdp"] == 8 // tensor and fsdp.step_seconds >= small.step_seconds
+  assert small.memory_bytes > fsdp.memory_bytes
+  # Where the whole state would take over half a device (a v5e's 16 GiB), data parallel only
+  # splits it over tensor first: room is left for a colocated engine.
+  for name in ("H100", "v5e", "L4"):
+    c = train_cost(model, CATALOG[name], 8, 8, 50e9, w)
+    state = 16 * model.num_params() / (8 // c.mesh["data"])
+    half = cost_model.DATA_PARALLEL_STATE_SHARE * USABLE_MEMORY * CATALOG[name].memory_bytes
+    assert c.mesh["data"] == 1 or state <= half, (name, c.mesh)
+  v5e = train_cost(model, CATALOG["v5e"], 8, 8, 50e9, w)
+  assert v5e.mesh["data"] < 8
+  moe = train_cost(get_preset("tiny-moe"), CATALOG["cpu"], 4, 4, 1e9, w)
+  assert moe.mesh["data"] == 1
+  # The micro-batch splits over data as over fsdp: 6 rows do not split over 4 replicas.
+  odd = train_cost(get_preset("tiny"), CATALOG["cpu"], 4, 4, 1e9, Workload(micro_batch_size=6))
+  assert odd.mesh == {"data": 2, "fsdp": 1, "tensor": 2, "expert": 1}
 
 
 def test_efficiency_fit_recovers_known_factors():
