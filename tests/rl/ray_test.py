@@ -117,6 +117,9 @@ def _close(a, b, atol):
   [
     pytest.param({"fsdp": 2}, 2, id="2x1"),
     pytest.param({"fsdp": 4, "tensor": 2}, 5, id="2x4", marks=pytest.mark.slow),
+    # Data parallel over the processes (what the planner picks for a small dense model): each
+    # process holds a whole replica, and only rank 0's is published.
+    pytest.param({"data": 2}, 2, id="data2", marks=pytest.mark.slow),
   ],
 )
 def test_a_learner_gang_of_two_processes_trains_as_the_local_learner_and_checkpoints(
