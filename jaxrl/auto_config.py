@@ -57,19 +57,18 @@ def auto_settings(
   Dtypes: on accelerators bf16 compute (and KV cache) and bf16 rollout weights (the learner's
   fp32 master weights cast once per sync, not at every use); on CPU, which has no fast bf16
   matmuls, fp32 compute and rollout weights in `model.param_dtype`. Attention: "cudnn" on
-  Hopper-class GPUs (compute capability 9.x, 10.x; `resolve_auto` takes "flash" instead
-  where the model computes in float32, which cuDNN does not, or is narrower than
-  `_CUDNN_MIN_D_MODEL` and not a checkpoint, and so does this where jax lacks the cuDNN
-  module): flash attention was
-  faster than dense at every length measured (1k-16k tokens, H200; a 16k-token learner step
-  took 9 GiB against 46), and cuDNN's kernel for packed rows ran a 4k-token learner step 1.17x
-  as fast as our Triton kernel (H100; docs/BENCHMARKS.md); "dense" elsewhere: CPU (the flash
-  reference is slower at short lengths), TPU (its kernel has not run on a TPU yet) and other
-  GPUs (the kernel has not run on them; some have under half a Hopper's shared memory per
-  block). On a
-  TPU v5e, whose chip has 15.75 GiB, XLA's plan of a 16k-token Qwen3-0.6B update needs 21.2
-  GiB of temporaries with dense attention and 7.1 GiB in all with flash (compiled without a
-  TPU, `launch/bench.py kernels`): set `model.attention=flash` there for long responses."""
+  Hopper-class GPUs (compute capability 9.x, 10.x), "flash" there where this jax lacks the
+  cuDNN module (and `resolve_auto` takes "flash" for a model that computes in float32, which
+  cuDNN does not, or is narrower than `_CUDNN_MIN_D_MODEL` and not a checkpoint): flash
+  attention was faster than dense at every length measured (1k-16k tokens, H200; a 16k-token
+  learner step took 9 GiB against 46), and cuDNN's kernel for packed rows ran a 4k-token
+  learner step 1.17x as fast as our Triton kernel (H100; docs/BENCHMARKS.md); "dense"
+  elsewhere: CPU (the flash reference is slower at short lengths), TPU (its kernel has not run
+  on a TPU yet) and other GPUs (the kernel has not run on them; some have under half a
+  Hopper's shared memory per block). On a TPU v5e, whose chip has 15.75 GiB, XLA's plan of a
+  16k-token Qwen3-0.6B update needs 21.2 GiB of temporaries with dense attention and 7.1 GiB
+  in all with flash (compiled without a TPU, `launch/bench.py kernels`): set
+  `model.attention=flash` there for long responses."""
   if backend is None:
     import jax  # here: reading a config must not start a backend unless "auto" asks
 

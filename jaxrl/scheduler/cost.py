@@ -313,15 +313,14 @@ def _train_mesh_cost(
 
   # FSDP: all-gather for forward and backward, reduce-scatter of gradients, per update; data
   # parallel: one all-reduce of the gradients (a reduce-scatter and an all-gather), per update.
+  # Either overlaps the compute (`max` below).
   shard_bytes = 2 * model.num_params() / (tensor * expert)
-  fsdp_s = 0.0
+  bw = group_bandwidth(devices)
+  state_sync_s = 0.0
   if fsdp > 1:
-    bw = group_bandwidth(devices)
-    fsdp_s = workload.updates_per_step * 3 * ((fsdp - 1) / fsdp * shard_bytes / bw)
+    state_sync_s = workload.updates_per_step * 3 * ((fsdp - 1) / fsdp * shard_bytes / bw)
   if data > 1:
-    fsdp_s = workload.updates_per_step * _allreduce_seconds(
-      shard_bytes, data, group_bandwidth(devices)
-    )
+    state_sync_s = workload.updates_per_step * _allreduce_seconds(shard_bytes, data, bw)
   local_tokens = tokens / (data * fsdp)
   passes = 3 + workload.extra_forward_passes  # forward, backward (x2), extra forwards
   tensor_s = (
@@ -331,7 +330,7 @@ def _train_mesh_cost(
   if expert > 1:
     moved = local_tokens * model.experts_per_token * d * 2 * (expert - 1) / expert
     expert_s = passes * 2 * layers * moved / group_bandwidth(tensor * expert)
-  step = max(compute_s, fsdp_s) + tensor_s + expert_s
+  step = max(compute_s, state_sync_s) + tensor_s + expert_s
   mesh = {"data": data, "fsdp": fsdp, "tensor": tensor, "expert": expert}
   return TrainCost(devices=devices, mesh=mesh, step_seconds=step, memory_bytes=memory)
 
