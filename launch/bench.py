@@ -27,6 +27,7 @@
   python launch/bench.py memory [--json]
   python launch/bench.py weight_transfer [--json] [--presets bench-small,qwen3-0.6b]
   python launch/bench.py chaos [--json] [--faults 100,10,10] [--steps 30]
+  python launch/bench.py collectives [--json]
   python launch/bench.py agent [--json] [--steps 6]
   python launch/bench.py turn_kv [--json] [--steps 2]
 
@@ -53,6 +54,7 @@ from bench_agent import bench_agent, bench_turn_kv  # noqa: E402  (launch/ is on
 from bench_async import bench_async  # noqa: E402
 from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
+from bench_collectives import bench_collectives  # noqa: E402
 from bench_gmm import bench_gmm, bench_tgmm  # noqa: E402
 from bench_grpo import bench_grpo_step  # noqa: E402
 from bench_kernel_code import bench_kernel_code  # noqa: E402
@@ -438,6 +440,7 @@ BENCHMARKS = {
   "agent": bench_agent,
   "async": bench_async,
   "chaos": bench_chaos,
+  "collectives": bench_collectives,
   "balance": bench_balance,
   "calibrate": bench_calibrate,
   "decode_floor": bench_decode_floor,

@@ -62,6 +62,7 @@ class Model:
     return_hidden: bool = False,
     segment_ids_bt: jax.Array | None = None,
     return_moe_counts: bool = False,
+    activation_sharding: jax.sharding.Sharding | None = None,
   ):
     """Forward pass; returns (logits_btv in fp32, updated cache or None[, routing_btlk][,
     moe counts]).
@@ -71,7 +72,8 @@ class Model:
     placement; `return_hidden` gives the final hidden states instead of the logits (for
     `lm_head` applied in chunks); `segment_ids_bt` packs several sequences in a row (training,
     or a packed prefill); `return_moe_counts` adds the assignments the MoE layers routed and
-    dropped for capacity; see `Transformer.__call__`.
+    dropped for capacity; `activation_sharding` pins the residual stream between blocks (the
+    learner's rows over its batch axes); see `Transformer.__call__`.
     """
     state = jax.tree.map(lambda x: x, self._abstract_state)
     nnx.replace_by_pure_dict(state, params)
@@ -85,6 +87,7 @@ class Model:
       return_hidden,
       segment_ids_bt,
       return_moe_counts,
+      activation_sharding,
     )
 
   def lm_head(self, params: Params) -> LMHead:

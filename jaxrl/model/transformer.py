@@ -184,6 +184,7 @@ class Transformer(nnx.Module):
     return_hidden: bool = False,
     segment_ids_bt: jax.Array | None = None,
     return_moe_counts: bool = False,
+    activation_sharding: jax.sharding.Sharding | None = None,
   ):
     """Runs the model.
 
@@ -208,6 +209,12 @@ class Transformer(nnx.Module):
       return_moe_counts: also return the (token, k) assignments of real tokens the MoE layers
         routed and dropped for capacity (`ExpertParallelConfig.capacity_factor`), summed over
         the layers.
+      activation_sharding: the `[b, t, d]` residual stream's sharding, pinned after the
+        embedding and after every block (the learner: rows split over its batch axes). Without
+        it XLA chooses, and with weights sharded over their `embed` axis (FSDP) it chose to
+        gather and all-reduce `[b, t, ...]` activations in every layer instead of gathering the
+        weights (a training mesh's collectives then grow with the tokens, not the parameters;
+        docs/BENCHMARKS.md, "Pinned activations"). None: XLA's choice.
 
     Returns:
       (logits_btv in fp32, or hidden_btd with `return_hidden`; updated cache or None), plus,
@@ -220,7 +227,7 @@ class Transformer(nnx.Module):
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     embed_vd = self.embed_vd.get_value()
-    x_btd = embed_vd[tokens_bt].astype(dt)
+    x_btd = _pin(embed_vd[tokens_bt].astype(dt), activation_sharding)
     new_cache, routing, routed, dropped = [], [], jnp.int32(0), jnp.int32(0)
     for i, block in enumerate(self.blocks):
       layer_cache = None if cache is None else cache[i]
@@ -237,6 +244,7 @@ class Transformer(nnx.Module):
         x_btd, layer_cache, layer_routing = block(
           x_btd, positions_bt, layer_cache, moe, i, segment_ids_bt
         )
+      x_btd = _pin(x_btd, activation_sharding)
       new_cache.append(layer_cache)
       if layer_routing is not None:
         routing.append(layer_routing.ids_btk)
@@ -259,6 +267,11 @@ class Transformer(nnx.Module):
     if self.cfg.tie_embeddings:
       return LMHead(self.embed_vd.get_value(), vocab_major=True)
     return LMHead(self.lm_head_dv.get_value(), vocab_major=False)
+
+
+def _pin(x: jax.Array, sharding: jax.sharding.Sharding | None) -> jax.Array:
+  """`x` constrained to `sharding` (`Transformer.__call__`'s `activation_sharding`), or as is."""
+  return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
 class LMHead(NamedTuple):

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
 from jaxrl.model import ExpertParallel, LMHead, Model, MoEInputs, Params
-from jaxrl.sharding import tree_shardings
+from jaxrl.sharding import batch_sharding, tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train import proximal, update_plan
 from jaxrl.train.batch import TrainBatch
@@ -128,6 +128,9 @@ class Learner:
       mesh, jax.sharding.PartitionSpec(None, batch_axes)
     )
     self._row_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_axes))
+    # The residual stream between blocks stays split by rows as the batch is (`Model.apply`'s
+    # `activation_sharding`): FSDP gathers each layer's weights, never the activations.
+    self.activation_sharding = batch_sharding(mesh, rules, 3)
     self.optimizer = make_optimizer(optimizer)
     self._grad_accum_dtype = jnp.dtype(optimizer.grad_accum_dtype)
     if abstract:
@@ -275,6 +278,7 @@ class Learner:
       return_hidden=True,
       segment_ids_bt=segment_ids_bt,
       return_moe_counts=moe_counts is not None,
+      activation_sharding=self.activation_sharding,
     )
     if moe_counts is not None:
       moe_counts.update(counts[0])

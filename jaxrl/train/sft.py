@@ -51,7 +51,10 @@ class SupervisedTrainer:
   def _step_impl(self, params, opt_state, tokens_bt, mask_bt):
     def loss_fn(p):
       # The learner's chunked log-probs, at temperature 1 (`_token_stats` uses the rollout's).
-      hidden_btd, _ = self.learner.model.apply(p, tokens_bt[:, :-1], return_hidden=True)
+      hidden_btd, _ = self.learner.model.apply(
+        p, tokens_bt[:, :-1], return_hidden=True,
+        activation_sharding=self.learner.activation_sharding,
+      )  # fmt: skip
       logp_bt, _ = chunked_token_logprobs(
         hidden_btd,
         self.learner.model.lm_head(p),

@@ -1,9 +1,15 @@
 """What a learner's update needs, planned without running it: its inputs as shapes on the
 learner's shardings, and XLA's buffer plan of the compiled update (`Learner.update_memory`).
 Works for an abstract learner too (`Learner(..., abstract=True)`), whose mesh may be devices
-this process does not have."""
+this process does not have. Also the collectives a compiled program runs (`collective_results`,
+`collective_traffic`), read from its HLO text: what a mesh's layout costs in communication,
+also for devices this process does not have."""
 
 from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,3 +89,56 @@ def update_memory(learner, batch_size: int, length: int) -> dict[str, float]:
   bound on what the update needs beside the process's other memory. Packed: the plan of
   whichever of its two programs needs more; `batch_size` does not matter there."""
   return memory_plan(compiled_update(learner, batch_size, length))
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# `%name = <result shape(s)> <op>(`; asynchronous pairs counted once, at their `-done` (its
+# result is the collective's output; a `-start` also holds the operand).
+_COLLECTIVE = re.compile(r"= (?P<result>.+?) (?P<op>" + "|".join(COLLECTIVES) + r")(?:-done)?\(")
+_SHAPE = re.compile(r"\b(?P<dtype>[a-z]+\d*[a-z0-9]*)\[(?P<dims>[\d,]*)\]")
+
+
+class Collective(NamedTuple):
+  """One collective of a compiled program: its kind and the shapes it produces per device."""
+
+  kind: str
+  shapes: tuple[tuple[int, ...], ...]
+  bytes: int
+
+
+def _dtype_bytes(name: str) -> int:
+  """Bytes of an HLO element type: the bits its name starts with (`f32`, `bf16`, `s8`,
+  `f8e4m3fn`), a byte for `pred` and sub-byte types; 0 for `token`."""
+  if name == "pred":
+    return 1
+  bits = re.match(r"[a-z]+(\d+)", name)
+  return max(int(bits[1]) // 8, 1) if bits else 0
+
+
+def collective_results(hlo_text: str) -> list[Collective]:
+  """The collectives in a compiled program's HLO text (`compiled.as_text()`), in order: kind,
+  the shapes of their per-device results (a combined collective has several), and bytes."""
+  out = []
+  for line in hlo_text.splitlines():
+    match = _COLLECTIVE.search(line)
+    if not match or "-start(" in line:
+      continue
+    shapes, size = [], 0
+    for shape in _SHAPE.finditer(match["result"]):
+      dims = tuple(int(n) for n in shape["dims"].split(",") if n)
+      shapes.append(dims)
+      size += math.prod(dims) * _dtype_bytes(shape["dtype"])
+    out.append(Collective(match["op"], tuple(shapes), size))
+  return out
+
+
+def collective_traffic(programs) -> dict[str, dict[str, float]]:
+  """Per kind of collective, summed over `programs` (compiled): how many run and the MiB their
+  results take on each device (each program once: a micro-step counts once, not per micro-batch)."""
+  out: dict[str, dict[str, float]] = {}
+  for program in programs:
+    for c in collective_results(program.as_text()):
+      entry = out.setdefault(c.kind, {"count": 0, "mib": 0.0})
+      entry["count"] += 1
+      entry["mib"] += c.bytes / 2**20
+  return out

@@ -10,7 +10,7 @@ from helpers import tolerance
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import batch_lengths, pad_sequences
 from jaxrl.sharding import TRAIN_RULES, make_mesh
-from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch
+from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch, update_plan
 
 MODEL = Model(get_preset("tiny"))
 
@@ -246,3 +246,54 @@ def test_batch_lengths_are_the_lengths_pad_sequences_can_give():
     prompts = [[3] * int(rng.integers(shortest, longest + 1)) for _ in range(n)]
     responses = [[4] * int(rng.integers(1, max_new + 1)) for _ in range(n)]
     assert pad_sequences(prompts, responses, 0)[0].shape[1] in lengths
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 4}, {"fsdp": 2, "tensor": 2}])
+def test_fsdp_gathers_weights_not_activations(axes):
+  """The residual stream stays split by rows between blocks (`Learner.activation_sharding`):
+  a packed micro-step's collectives carry weights and gradients, and activations only within
+  an fsdp shard's rows (tensor parallelism's all-reduces). Left to XLA, the fsdp mesh's
+  micro-step gathered and all-reduced whole `[rows, positions, ...]` activations instead."""
+  rows, length = 8, 40  # no parameter of the tiny model has a dimension of 40
+  learner = Learner(
+    MODEL,
+    make_mesh(jax.devices()[4:], axes),
+    TRAIN_RULES,
+    loss=LossConfig(),
+    optimizer=OptimizerConfig(),
+    updates_per_step=1,
+    micro_batch_size=rows,
+    temperature=1.0,
+    pack_length=length,
+    abstract=True,
+  )
+  micro_step = update_plan.compiled_update(learner, rows, length + 1)[0]
+  collectives = update_plan.collective_results(micro_step.as_text())
+  kinds = {c.kind for c in collectives}
+  assert {"all-gather", "all-reduce"} <= kinds  # weights gathered, gradients summed
+  with_positions = [c for c in collectives for shape in c.shapes if length in shape]
+  if "tensor" not in axes:
+    assert not with_positions
+  else:  # [rows on this fsdp shard, positions, ...]
+    assert with_positions
+    assert all(shape[0] == rows // axes["fsdp"] for c in with_positions for shape in c.shapes)
+
+
+def test_collective_results_read_combined_and_asynchronous_collectives():
+  """HLO as XLA:CPU and a GPU compile write it: a combined all-reduce gives several shapes, an
+  asynchronous pair counts once (at its `-done`), other ops none."""
+  hlo = """
+  %all-reduce.28 = (f32[2,32,128]{2,1,0}, bf16[128]{0}) all-reduce(%a, %b), replica_groups={}
+  %all-gather.3 = f32[128,384]{1,0} all-gather(f32[32,384]{1,0} %x), dimensions={0}
+  %ag-start = (f32[32,384]{1,0}, f32[128,384]{1,0}) all-gather-start(f32[32,384]{1,0} %x)
+  %ag-done = f32[128,384]{1,0} all-gather-done((f32[32,384]{1,0}, f32[128,384]{1,0}) %ag-start)
+  %fusion.1 = f32[128,384]{1,0} fusion(f32[128,384]{1,0} %all-gather.3), kind=kLoop
+  %rs = s8[16]{0} reduce-scatter(s8[64]{0} %y), dimensions={0}
+  """
+  results = update_plan.collective_results(hlo)
+  assert [(c.kind, c.shapes, c.bytes) for c in results] == [
+    ("all-reduce", ((2, 32, 128), (128,)), 2 * 32 * 128 * 4 + 128 * 2),
+    ("all-gather", ((128, 384),), 128 * 384 * 4),
+    ("all-gather", ((128, 384),), 128 * 384 * 4),
+    ("reduce-scatter", ((16,),), 16),
+  ]
