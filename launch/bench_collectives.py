@@ -1,26 +1,36 @@
 """`python launch/bench.py collectives`: what a training mesh's layout costs in communication,
-with the residual stream pinned between blocks (`Learner.activation_sharding`, as the learner
-runs) and left to XLA (`free`: the learner before 2026-11-27, the baseline of the same run).
+each layout as the learner runs it beside its baseline in the same run:
 
-- `plan_qwen3-0.6b_<mesh>_<pinned|free>`: the packed micro-step of a Qwen3-0.6B-shaped learner
-  (bf16 compute, fp32 master weights, bf16 gradient sums, remat, dense attention, one row of
-  `length` positions per device) compiled for 8 CPU devices and not run: per kind of
+- meshes with an fsdp axis: the residual stream pinned between blocks
+  (`Learner.activation_sharding`; `pinned`) against left to XLA (`free`: the learner before
+  2026-11-27);
+- data-parallel meshes: each replica's gradient sums kept apart until the apply step
+  (`jaxrl.train.replica_sums`; `replica_sums`) against summed across replicas in every
+  micro-step (`each_micro_step`: before 2026-11-27).
+
+Rows:
+- `plan_qwen3-0.6b_<mesh>_<variant>`: the packed update of a Qwen3-0.6B-shaped learner (bf16
+  compute, fp32 master weights, bf16 gradient sums, remat, dense attention, one row of
+  `length` positions per device) compiled for 8 CPU devices and not run: per program (the
+  micro-step, run once per micro-batch, and the apply step, once an update) and kind of
   collective, how many and the MiB their results take on each device
-  (`update_plan.collective_traffic`), and XLA's temporaries. The SPMD partitioner that decides
-  what crosses devices runs before any backend's code generation, so 8 GPUs or TPU chips with
-  the same mesh get the same collectives; XLA:CPU writes a gradient's reduce-scatter as an
-  all-reduce, which a GPU or TPU compile turns into a reduce-scatter.
-- `update_<mesh>_<pinned|free>`: the demo's learner update (`configs/grpo_tiny.py`: its tiny
-  model, 128 sequences of 21 tokens, packed rows of 24 positions, 2 optimizer updates of 2
+  (`update_plan.collective_traffic`), and the micro-step's temporaries. The SPMD partitioner
+  that decides what crosses devices runs before any backend's code generation, so 8 GPUs or TPU
+  chips with the same mesh get the same collectives; XLA:CPU writes a gradient's
+  reduce-scatter as an all-reduce, which a GPU or TPU compile turns into a reduce-scatter.
+- `update_<mesh>_<variant>`: the demo's learner update (`configs/grpo_tiny.py`: its tiny model,
+  128 sequences of 21 tokens, packed rows of 24 positions, 2 optimizer updates of 2
   micro-batches) run on 4 CPU devices: median seconds of `repeats` updates after 2 warm ones,
-  the two layouts taking turns.
+  the two variants taking turns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
+from unittest import mock
 
 import jax
 import numpy as np
@@ -28,13 +38,35 @@ import numpy as np
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN_MESHES = ({"fsdp": 8}, {"fsdp": 4, "tensor": 2}, {"data": 8})
 UPDATE_MESHES = ({"fsdp": 4}, {"data": 4})
+# (as shipped, baseline) per kind of mesh.
+VARIANTS = {"fsdp": ("pinned", "free"), "data": ("replica_sums", "each_micro_step")}
 
 
 def _name(axes: dict) -> str:
   return "x".join(f"{axis}{size}" for axis, size in axes.items())
 
 
-def _plan(axes: dict, pinned: bool, length: int) -> dict:
+def _variants(axes: dict) -> tuple[str, str]:
+  return VARIANTS["data" if set(axes) == {"data"} else "fsdp"]
+
+
+def _baseline(variant: str):
+  """While a learner is built: the replicas' sums summed every micro-step (`each_micro_step`);
+  nothing otherwise (`free` is set on the built learner)."""
+  if variant != "each_micro_step":
+    return contextlib.nullcontext()
+  from jaxrl.train import replica_sums
+
+  return mock.patch.object(replica_sums, "replicas", lambda config, mesh: 0)
+
+
+def _unpin(learner, variant: str):
+  if variant == "free":
+    learner.activation_sharding = None  # XLA's own choice
+  return learner
+
+
+def _plan(axes: dict, variant: str, length: int) -> dict:
   from jaxrl.model import Model, get_preset
   from jaxrl.sharding import TRAIN_RULES, make_mesh
   from jaxrl.train import Learner, LossConfig, OptimizerConfig, update_plan
@@ -44,31 +76,33 @@ def _plan(axes: dict, pinned: bool, length: int) -> dict:
     max_seq_len=length + 1,
   )  # fmt: skip
   devices = jax.devices()[:8]
-  learner = Learner(
-    Model(cfg),
-    make_mesh(devices, axes),
-    TRAIN_RULES,
-    loss=LossConfig(),
-    optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
-    updates_per_step=1,
-    micro_batch_size=len(devices),
-    temperature=1.0,
-    pack_length=length,
-    abstract=True,
-  )
-  if not pinned:
-    learner.activation_sharding = None  # the baseline: XLA's own choice
+  with _baseline(variant):
+    learner = Learner(
+      Model(cfg),
+      make_mesh(devices, axes),
+      TRAIN_RULES,
+      loss=LossConfig(),
+      optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
+      updates_per_step=1,
+      micro_batch_size=len(devices),
+      temperature=1.0,
+      pack_length=length,
+      abstract=True,
+    )
+  _unpin(learner, variant)
   start = time.perf_counter()
-  micro_step = update_plan.compiled_update(learner, len(devices), length + 1)[0]
-  traffic = update_plan.collective_traffic([micro_step])
-  row = {f"{kind}_{key}": value for kind, entry in traffic.items() for key, value in entry.items()}
-  row["collective_mib"] = sum(entry["mib"] for entry in traffic.values())
-  row["temporaries_gib"] = micro_step.memory_analysis().temp_size_in_bytes / 2**30
+  programs = update_plan.compiled_update(learner, len(devices), length + 1)
+  row = {}
+  for name, program in zip(("micro_step", "apply"), programs, strict=True):
+    traffic = update_plan.collective_traffic([program])
+    row |= {f"{name}_{kind}_{k}": v for kind, entry in traffic.items() for k, v in entry.items()}
+    row[f"{name}_collective_mib"] = sum(entry["mib"] for entry in traffic.values())
+  row["micro_step_temporaries_gib"] = programs[0].memory_analysis().temp_size_in_bytes / 2**30
   row["compile_s"] = time.perf_counter() - start
   return row
 
 
-def _demo_learner(axes: dict, pinned: bool):
+def _demo_learner(axes: dict, variant: str):
   from jaxrl.config import load_config
   from jaxrl.model import Model
   from jaxrl.rl.policy import make_tokenizer, model_config
@@ -77,12 +111,10 @@ def _demo_learner(axes: dict, pinned: bool):
 
   cfg = load_config(os.path.join(_REPO, "configs", "grpo_tiny.py"), None, {"train.pack_length": 24})
   tokenizer = make_tokenizer(cfg)
-  learner = make_learner(
-    cfg, Model(model_config(cfg, tokenizer)), make_mesh(jax.devices()[:4], axes)
-  )
-  if not pinned:
-    learner.activation_sharding = None
-  return learner, tokenizer.vocab_size
+  model = Model(model_config(cfg, tokenizer))
+  with _baseline(variant):
+    learner = make_learner(cfg, model, make_mesh(jax.devices()[:4], axes))
+  return _unpin(learner, variant), tokenizer.vocab_size
 
 
 def _demo_batch(vocab: int):
@@ -101,31 +133,28 @@ def _demo_batch(vocab: int):
 
 
 def _updates(axes: dict, repeats: int) -> dict:
-  learners = {pinned: _demo_learner(axes, pinned) for pinned in (True, False)}
-  batch = _demo_batch(learners[True][1])
-  times = {True: [], False: []}
+  learners = {variant: _demo_learner(axes, variant) for variant in _variants(axes)}
+  batch = _demo_batch(next(iter(learners.values()))[1])
+  times = {variant: [] for variant in learners}
   for i in range(repeats + 2):
-    for pinned, (learner, _) in learners.items():
+    for variant, (learner, _) in learners.items():
       start = time.perf_counter()
       jax.block_until_ready(learner.update(batch))
       if i >= 2:
-        times[pinned].append(time.perf_counter() - start)
-  return {pinned: statistics.median(ts) for pinned, ts in times.items()}
+        times[variant].append(time.perf_counter() - start)
+  return {variant: statistics.median(ts) for variant, ts in times.items()}
 
 
-def bench_collectives(length: int = 4096, repeats: int = 10) -> dict:
+def bench_collectives(length: int = 4096, repeats: int = 20) -> dict:
   if len(jax.devices()) < 8:
     raise SystemExit(
       f"bench collectives needs 8 devices (8 simulated CPU ones), got {jax.devices()}."
     )
   out = {}
   for axes in PLAN_MESHES:
-    for pinned in (True, False):
-      out[f"plan_qwen3-0.6b_{_name(axes)}_{'pinned' if pinned else 'free'}"] = _plan(
-        axes, pinned, length
-      )
+    for variant in _variants(axes):
+      out[f"plan_qwen3-0.6b_{_name(axes)}_{variant}"] = _plan(axes, variant, length)
   for axes in UPDATE_MESHES:
-    seconds = _updates(axes, repeats)
-    for pinned in (True, False):
-      out[f"update_{_name(axes)}_{'pinned' if pinned else 'free'}"] = {"median_s": seconds[pinned]}
+    for variant, seconds in _updates(axes, repeats).items():
+      out[f"update_{_name(axes)}_{variant}"] = {"median_s": seconds}
   return out

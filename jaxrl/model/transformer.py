@@ -214,7 +214,7 @@ class Transformer(nnx.Module):
         it XLA chooses, and with weights sharded over their `embed` axis (FSDP) it chose to
         gather and all-reduce `[b, t, ...]` activations in every layer instead of gathering the
         weights (a training mesh's collectives then grow with the tokens, not the parameters;
-        docs/BENCHMARKS.md, "Pinned activations"). None: XLA's choice.
+        docs/BENCHMARKS.md, "Training meshes"). None: XLA's choice.
 
     Returns:
       (logits_btv in fp32, or hidden_btd with `return_hidden`; updated cache or None), plus,

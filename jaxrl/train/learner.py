@@ -32,7 +32,7 @@ from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
 from jaxrl.model import ExpertParallel, LMHead, Model, MoEInputs, Params
 from jaxrl.sharding import batch_sharding, tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
-from jaxrl.train import proximal, update_plan
+from jaxrl.train import proximal, replica_sums, update_plan
 from jaxrl.train.batch import TrainBatch
 from jaxrl.train.losses import LossConfig, chunked_token_logprobs, policy_loss
 from jaxrl.train.optimizer import (
@@ -129,8 +129,10 @@ class Learner:
     )
     self._row_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_axes))
     # The residual stream between blocks stays split by rows as the batch is (`Model.apply`'s
-    # `activation_sharding`): FSDP gathers each layer's weights, never the activations.
-    self.activation_sharding = batch_sharding(mesh, rules, 3)
+    # `activation_sharding`): FSDP gathers each layer's weights, never the activations. A
+    # data-parallel mesh runs each replica's rows apart (`replica_sums`): nothing to pin.
+    self._replicas = replica_sums.replicas(model.config, mesh)
+    self.activation_sharding = None if self._replicas else batch_sharding(mesh, rules, 3)
     self.optimizer = make_optimizer(optimizer)
     self._grad_accum_dtype = jnp.dtype(optimizer.grad_accum_dtype)
     if abstract:
@@ -166,12 +168,14 @@ class Learner:
       self._update_impl, donate_argnums=(0, 1), out_shardings=state_out, compiler_options=options
     )
     # Packed: the micro-step adds into the (gradient, metric) sums it is handed (donated); the
-    # apply step turns the sums into an update.
+    # apply step turns the sums into an update. Data parallel: each replica into its own.
+    self._sum_shardings = (self.param_shardings, replicated)
+    micro_step = self._micro_step_impl
+    if self._replicas:
+      self._sum_shardings = replica_sums.sharding(mesh)
+      micro_step = replica_sums.per_replica(micro_step, mesh)
     self._micro_step = jax.jit(
-      self._micro_step_impl,
-      donate_argnums=(2,),
-      out_shardings=(self.param_shardings, replicated),
-      compiler_options=options,
+      micro_step, donate_argnums=(2,), out_shardings=self._sum_shardings, compiler_options=options
     )
     # Not the sums: no output has their place (XLA reuses a donated buffer only for an output,
     # so donating them only warned, "Some donated buffers were not usable", at each first
@@ -431,9 +435,10 @@ class Learner:
     keys = sorted({*metrics, "loss"})
 
     def zeros(params):
-      return self._zero_gradients(params), {k: jnp.zeros((), loss.dtype) for k in keys}
+      sums = self._zero_gradients(params), {k: jnp.zeros((), loss.dtype) for k in keys}
+      return replica_sums.zeros(sums, self._replicas) if self._replicas else sums
 
-    return jax.jit(zeros, out_shardings=(self.param_shardings, self._replicated))
+    return jax.jit(zeros, out_shardings=self._sum_shardings)
 
   def _zero_gradients(self, params):
     """Zeros for the gradient sum: like the parameters, or in `grad_accum_dtype` when that is
@@ -517,7 +522,7 @@ class Learner:
       metrics |= {f"moe_{k}": v.astype(jnp.float32) for k, v in counts.items()}
     return loss, metrics
 
-  def _micro_step_impl(self, params, ref_params, sums, micro, num_tokens, num_seqs, placement):
+  def _micro_step_impl(self, params, ref_params, sums, micro, num_tokens, num_seqs, placement=None):
     grad_sums, metric_sums = sums
     (loss, metrics), grads = jax.value_and_grad(self._micro_loss, has_aux=True)(
       params, ref_params, micro, num_tokens, num_seqs, placement
@@ -529,7 +534,7 @@ class Learner:
     )
 
   def _apply_impl(self, params, opt_state, sums):
-    grads, metrics = sums
+    grads, metrics = replica_sums.total(sums) if self._replicas else sums
     metrics = dict(metrics)
     loss = metrics.pop("loss")
     return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)

@@ -297,3 +297,42 @@ def test_collective_results_read_combined_and_asynchronous_collectives():
     ("all-gather", ((128, 384),), 128 * 384 * 4),
     ("reduce-scatter", ((16,),), 16),
   ]
+
+
+def test_data_parallel_replicas_sum_their_gradients_apart_until_the_update():
+  """On a data-parallel mesh each replica adds its micro-batches' gradients into its own sums
+  (`replica_sums`): the micro-step moves nothing between devices, the apply step all-reduces
+  once, and the update is the one a single device makes from the same batch."""
+  rng = np.random.default_rng(5)
+  batch = random_batch(rng, size=32)
+  params = MODEL.init(int(rng.integers(1 << 16)))
+
+  def learner(devices, axes):
+    return Learner(
+      MODEL,
+      make_mesh(jax.devices()[devices], axes),
+      TRAIN_RULES,
+      loss=LossConfig(),
+      optimizer=OptimizerConfig(learning_rate=1e-3, eps=1.0),
+      updates_per_step=1,
+      micro_batch_size=8,  # 4 micro-batches of packed rows an update
+      temperature=1.0,
+      params=params,
+      pack_length=24,
+    )
+
+  replicas, one = learner(slice(4, 8), {"data": 4}), learner(slice(1, 2), {})
+  micro_step, apply_step = update_plan.compiled_update(replicas, 32, 24)
+  assert update_plan.collective_results(micro_step.as_text()) == []
+  reduced = update_plan.collective_results(apply_step.as_text())
+  assert {c.kind for c in reduced} == {"all-reduce"}
+  gradient_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+  assert gradient_bytes <= sum(c.bytes for c in reduced) < 2 * gradient_bytes
+  scale = loss_scale(one, batch)
+  got, want = replicas.update(batch), one.update(batch)
+  terms = tolerance.model_terms(MODEL.config, tokens=batch.mask_bt.size)
+  tolerance.assert_close(got["loss"], want["loss"], n=terms, scale=scale, err_msg="loss")
+  for key in ("grad_norm", "clip_frac", "ratio_mean", "entropy"):
+    assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-4), key
+  terms = tolerance.update_terms(MODEL.config, params, batch.mask_bt.size)
+  tolerance.assert_same_update(replicas.params, one.params, params, n=terms)
