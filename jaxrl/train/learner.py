@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
 from jaxrl.model import ExpertParallel, LMHead, Model, MoEInputs, Params
-from jaxrl.sharding import batch_sharding, tree_shardings
+from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train import proximal, replica_sums, update_plan
 from jaxrl.train.batch import TrainBatch
@@ -132,7 +132,11 @@ class Learner:
     # `activation_sharding`): FSDP gathers each layer's weights, never the activations. A
     # data-parallel mesh runs each replica's rows apart (`replica_sums`): nothing to pin.
     self._replicas = replica_sums.replicas(model.config, mesh)
-    self.activation_sharding = None if self._replicas else batch_sharding(mesh, rules, 3)
+    self.activation_sharding = None
+    if not self._replicas:  # the rows' own layout, so that pinning never moves them
+      self.activation_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(batch_axes, None, None)
+      )
     self.optimizer = make_optimizer(optimizer)
     self._grad_accum_dtype = jnp.dtype(optimizer.grad_accum_dtype)
     if abstract:

@@ -3,7 +3,7 @@
 vocabulary mask, temperature; forward against float64, gradients (of log-probs and
 entropies) against autodiff of the whole-vocabulary computation."""
 
-import re
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,7 @@ from helpers import tolerance
 
 from jaxrl.model import LMHead
 from jaxrl.model.transformer import vocab_mask
+from jaxrl.train import update_plan
 from jaxrl.train.losses import chunked_token_logprobs
 from jaxrl.train.vocab_blocks import vocab_block_logprobs, vocab_block_rows
 
@@ -147,12 +148,8 @@ def test_chunked_token_logprobs_runs_blocks_of_chunk_positions_worth():
 
 def _gathered_elements(hlo_text: str) -> list[int]:
   """Element counts of the results of the all-gathers in a compiled program's HLO text."""
-  counts = []
-  for line in hlo_text.splitlines():
-    match = re.search(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", line)
-    if match:
-      counts.append(int(np.prod([int(n) for n in match[1].split(",") if n])))
-  return counts
+  gathers = update_plan.collective_results(hlo_text)
+  return [math.prod(shape) for c in gathers if c.kind == "all-gather" for shape in c.shapes]
 
 
 @pytest.mark.parametrize("vocab_major", [False, True])
