@@ -3,6 +3,7 @@ for the whole test session, and XLA:CPU compiling at LLVM's cheapest settings.""
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -31,13 +32,34 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 # Most of the suite's time is XLA:CPU compiling tiny programs, mostly in LLVM. Compiled with
 # LLVM's cheapest settings they give the same results within every test's tolerance and the
 # suite takes about a quarter less time (2-core VM, 2026-11-26: tests/train/learner_test.py
-# 108 -> 74 s, tests/rl/async_test.py 167 -> 122 s). Processes the tests start (the main job,
-# Ray actors) inherit it. An optimisation level given in XLA_FLAGS is kept as it is, and GPU
-# runs (JAX_PLATFORMS=cuda) compile as users do.
+# 108 -> 74 s, tests/rl/async_test.py 167 -> 122 s). XLA:CPU's older elemental emitters
+# instead of its MLIR fusion emitters halve what is left of compiling (2026-11-27, one process:
+# tests/train/learner_test.py 123 -> 69 s, its compiles 91 -> 41 s); where this jaxlib does
+# not know that flag (an unknown flag aborts the process) the suite goes on without it.
+# Processes the tests start (the main job, Ray actors) inherit the flags. An optimisation
+# level given in XLA_FLAGS is kept as it is, and GPU runs (JAX_PLATFORMS=cuda) compile as
+# users do.
 _CHEAP_LLVM = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_ELEMENTAL_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 _ON_CPU = os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+def _xla_accepts(flags: str) -> bool:
+  """Whether a JAX CPU backend starts with `flags` in XLA_FLAGS (checked in a child process:
+  XLA ends the process that meets a flag it does not know)."""
+  env = {**os.environ, "XLA_FLAGS": flags}
+  probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
+  try:
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+  except subprocess.TimeoutExpired:
+    return False
+
+
 if _ON_CPU and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_CHEAP_LLVM}".strip()
+  _flags = f"{os.environ.get('XLA_FLAGS', '')} {_CHEAP_LLVM}".strip()
+  if _xla_accepts(f"{_flags} {_ELEMENTAL_EMITTERS}"):
+    _flags = f"{_flags} {_ELEMENTAL_EMITTERS}"
+  os.environ["XLA_FLAGS"] = _flags
 
 import jax  # noqa: E402
 
