@@ -18,10 +18,15 @@ Rows:
   that decides what crosses devices runs before any backend's code generation, so 8 GPUs or TPU
   chips with the same mesh get the same collectives; XLA:CPU writes a gradient's
   reduce-scatter as an all-reduce, which a GPU or TPU compile turns into a reduce-scatter.
+  `plan_qwen3-0.6b_data8_padded_<variant>`: the padded update (`train.pack_length=0`: one
+  program, a scan over 2 micro-batches of a row a device): the MiB of collectives a device
+  runs once an update (the program's top-level computation) and in every micro-batch (in the
+  scan's body).
 - `update_<mesh>_<variant>`: the demo's learner update (`configs/grpo_tiny.py`: its tiny model,
   128 sequences of 21 tokens, packed rows of 24 positions, 2 optimizer updates of 2
   micro-batches) run on 4 CPU devices: median seconds of `repeats` updates after 2 warm ones,
-  the two variants taking turns.
+  the two variants taking turns. `update_data4_padded_<variant>`: the same with padded
+  micro-batches (`train.pack_length=0`: one update program, a scan over the micro-batches).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN_MESHES = ({"fsdp": 8}, {"fsdp": 4, "tensor": 2}, {"data": 8})
-UPDATE_MESHES = ({"fsdp": 4}, {"data": 4})
+# (mesh, pack_length) of the demo's update: packed rows of 24 positions, or padded (0).
+UPDATE_CASES = (({"fsdp": 4}, 24), ({"data": 4}, 24), ({"data": 4}, 0))
 # (as shipped, baseline) per kind of mesh.
 VARIANTS = {"fsdp": ("pinned", "free"), "data": ("replica_sums", "each_micro_step")}
 
@@ -66,7 +72,7 @@ def _unpin(learner, variant: str):
   return learner
 
 
-def _plan(axes: dict, variant: str, length: int) -> dict:
+def _plan(axes: dict, variant: str, length: int, padded: bool = False) -> dict:
   from jaxrl.model import Model, get_preset
   from jaxrl.sharding import TRAIN_RULES, make_mesh
   from jaxrl.train import Learner, LossConfig, OptimizerConfig, update_plan
@@ -86,11 +92,21 @@ def _plan(axes: dict, variant: str, length: int) -> dict:
       updates_per_step=1,
       micro_batch_size=len(devices),
       temperature=1.0,
-      pack_length=length,
+      pack_length=0 if padded else length,
       abstract=True,
     )
   _unpin(learner, variant)
   start = time.perf_counter()
+  if padded:  # one program: a scan over 2 micro-batches of a row a device
+    (program,) = update_plan.compiled_update(learner, 2 * len(devices), length + 1)
+    mib = lambda text: sum(c.bytes for c in update_plan.collective_results(text)) / 2**20  # noqa: E731
+    once = mib(update_plan.entry_computation(program.as_text()))
+    return {
+      "update_once_collective_mib": once,
+      "update_each_micro_batch_collective_mib": mib(program.as_text()) - once,
+      "update_temporaries_gib": program.memory_analysis().temp_size_in_bytes / 2**30,
+      "compile_s": time.perf_counter() - start,
+    }
   programs = update_plan.compiled_update(learner, len(devices), length + 1)
   row = {}
   for name, program in zip(("micro_step", "apply"), programs, strict=True):
@@ -102,14 +118,15 @@ def _plan(axes: dict, variant: str, length: int) -> dict:
   return row
 
 
-def _demo_learner(axes: dict, variant: str):
+def _demo_learner(axes: dict, variant: str, pack_length: int):
   from jaxrl.config import load_config
   from jaxrl.model import Model
   from jaxrl.rl.policy import make_tokenizer, model_config
   from jaxrl.rl.stages import make_learner
   from jaxrl.sharding import make_mesh
 
-  cfg = load_config(os.path.join(_REPO, "configs", "grpo_tiny.py"), None, {"train.pack_length": 24})
+  overrides = {"train.pack_length": pack_length}
+  cfg = load_config(os.path.join(_REPO, "configs", "grpo_tiny.py"), None, overrides)
   tokenizer = make_tokenizer(cfg)
   model = Model(model_config(cfg, tokenizer))
   with _baseline(variant):
@@ -132,8 +149,8 @@ def _demo_batch(vocab: int):
   )
 
 
-def _updates(axes: dict, repeats: int) -> dict:
-  learners = {variant: _demo_learner(axes, variant) for variant in _variants(axes)}
+def _updates(axes: dict, repeats: int, pack_length: int) -> dict:
+  learners = {variant: _demo_learner(axes, variant, pack_length) for variant in _variants(axes)}
   batch = _demo_batch(next(iter(learners.values()))[1])
   times = {variant: [] for variant in learners}
   for i in range(repeats + 2):
@@ -154,7 +171,10 @@ def bench_collectives(length: int = 4096, repeats: int = 20) -> dict:
   for axes in PLAN_MESHES:
     for variant in _variants(axes):
       out[f"plan_qwen3-0.6b_{_name(axes)}_{variant}"] = _plan(axes, variant, length)
-  for axes in UPDATE_MESHES:
-    for variant, seconds in _updates(axes, repeats).items():
-      out[f"update_{_name(axes)}_{variant}"] = {"median_s": seconds}
+  for variant in _variants({"data": 8}):
+    out[f"plan_qwen3-0.6b_data8_padded_{variant}"] = _plan({"data": 8}, variant, length, True)
+  for axes, pack_length in UPDATE_CASES:
+    padded = "" if pack_length else "_padded"
+    for variant, seconds in _updates(axes, repeats, pack_length).items():
+      out[f"update_{_name(axes)}{padded}_{variant}"] = {"median_s": seconds}
   return out

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
-from jaxrl.model import ExpertParallel, LMHead, Model, MoEInputs, Params
+from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
 from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train import proximal, replica_sums, update_plan
@@ -49,6 +49,7 @@ from jaxrl.train.packing import (
   row_length,
 )
 from jaxrl.train.routing import MoEConfig, plan_micro_batches, replayed_routes
+from jaxrl.train.vocab_blocks import head_vocab_shards
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class Learner:
     self.temperature = temperature if temperature > 0 else 1.0
     shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
     self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
-    self.vocab_shards = _vocab_shards(model.lm_head(self.param_shardings), mesh)
+    self.vocab_shards = head_vocab_shards(model.lm_head(self.param_shardings), mesh)
     batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
     self._batch_size_multiple = int(np.prod([mesh.shape[a] for a in batch_axes or ()]))
     self._micro_sharding = jax.sharding.NamedSharding(
@@ -558,6 +559,16 @@ class Learner:
   ):
     num_tokens = jnp.sum(mask_mbt).astype(jnp.float32)
     num_seqs = jnp.float32(mask_mbt.shape[0] * mask_mbt.shape[1])
+    micro_m = (tokens_mbt, mask_mbt, old_logp_mbt, behaviour_logp_mbt, advantages_mb, routes_mbtlk,
+               placement_m)  # fmt: skip
+    sum_micro_batches = self._sum_micro_batches
+    if self._replicas:  # each replica its rows of every micro-batch; one all-reduce at the end
+      sum_micro_batches = replica_sums.summed_over_replicas(sum_micro_batches, self.mesh)
+    grads, loss, metrics = sum_micro_batches(params, ref_params, micro_m, num_tokens, num_seqs)
+    return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)
+
+  def _sum_micro_batches(self, params, ref_params, micro_m, num_tokens, num_seqs):
+    """(gradients, loss, metrics) summed over a stack of padded micro-batches, in a scan."""
 
     def accumulate(grads, xs):
       tokens_bt, mask_bt, old_bt, behaviour_bt, advantages_b, routes, placement = xs
@@ -572,23 +583,5 @@ class Learner:
 
     # Per-micro-batch losses and metrics are whole-batch-normalised, so their sums are the
     # mini-batch values.
-    grads, (losses_m, metrics_m) = jax.lax.scan(
-      accumulate,
-      self._zero_gradients(params),
-      (tokens_mbt, mask_mbt, old_logp_mbt, behaviour_logp_mbt, advantages_mb, routes_mbtlk,
-       placement_m),
-    )  # fmt: skip
-    loss = jnp.sum(losses_m)
-    metrics = jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics_m)
-    return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)
-
-
-def _vocab_shards(head: LMHead, mesh: jax.sharding.Mesh) -> int:
-  """Devices the LM head's vocabulary axis is sharded over (`head.weights` is its
-  `NamedSharding`): the log-probs then take each block's rows from every shard
-  (`chunked_token_logprobs`), so that the head is never gathered."""
-  spec = (*head.weights.spec, None, None)  # a spec may leave trailing dims out
-  axes = spec[0 if head.vocab_major else 1]
-  if axes is None:
-    return 1
-  return int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+    grads, (losses_m, metrics_m) = jax.lax.scan(accumulate, self._zero_gradients(params), micro_m)
+    return grads, jnp.sum(losses_m), jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics_m)

@@ -8,7 +8,9 @@ micro-step: m micro-batches an update, m all-reduces. Here each replica adds its
 (and metric sums) into its slice of `[replicas, ...]` sums, a `shard_map` over `data` with no
 collective in it, and the apply step sums the slices: one all-reduce an update, the one the
 cost model counts. The per-replica sums take what the replicated sums took: one
-parameter-sized buffer a device.
+parameter-sized buffer a device. The padded path (`train.pack_length=0`: one update program, a
+scan over the micro-batches) runs its whole scan per replica and adds the replicas' sums once,
+after it (`summed_over_replicas`).
 
 The sum is the same; its order is not (each replica's micro-batches first, then the replicas):
 float32 rounding differs from the per-micro-step all-reduce, nothing else.
@@ -75,6 +77,28 @@ def per_replica(step, mesh: jax.sharding.Mesh):
     return mapped(params, ref_params, sums, micro, num_tokens, num_seqs)
 
   return micro_step
+
+
+def summed_over_replicas(sum_micro_batches, mesh: jax.sharding.Mesh):
+  """`sum_micro_batches(params, ref_params, micro_m, num_tokens, num_seqs)`, returning sums
+  over a stack of padded micro-batches (`micro_m`'s leaves `[m, rows, ...]`, in a scan), run
+  by every replica on its rows of each micro-batch, the results added across replicas once at
+  the end (float32, back in each leaf's dtype): one all-reduce an update instead of one in
+  every step of the scan. Parameters and counts whole on each replica."""
+  rows, whole = PartitionSpec(None, AXIS), PartitionSpec()
+
+  def local(params, ref_params, micro_m, num_tokens, num_seqs):
+    sums = sum_micro_batches(params, ref_params, micro_m, num_tokens, num_seqs)
+    added = lambda x: jax.lax.psum(x.astype(jnp.float32), AXIS).astype(x.dtype)  # noqa: E731
+    return jax.tree.map(added, sums)
+
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(whole, whole, rows, whole, whole),
+    out_specs=whole,
+    check_vma=False,  # as in `per_replica`; the sums are replicated by their psum
+  )
 
 
 def total(sums):

@@ -132,6 +132,15 @@ def collective_results(hlo_text: str) -> list[Collective]:
   return out
 
 
+def entry_computation(hlo_text: str) -> str:
+  """A compiled program's top-level computation in its HLO text: what runs once a call,
+  outside every loop body (a collective elsewhere runs once per trip of its loop)."""
+  lines = hlo_text.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY "))
+  end = next(i for i in range(start, len(lines)) if lines[i] == "}")
+  return "\n".join(lines[start : end + 1])
+
+
 def collective_traffic(programs) -> dict[str, dict[str, float]]:
   """Per kind of collective, summed over `programs` (compiled): how many run and the MiB their
   results take on each device (each program once: a micro-step counts once, not per micro-batch)."""

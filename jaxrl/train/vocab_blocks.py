@@ -35,6 +35,7 @@ a block.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,17 @@ from jax.custom_derivatives import SymbolicZero
 from jaxrl.model.transformer import MASKED_LOGIT, LMHead
 
 _LANES = 128  # blocks are whole multiples of this many rows (TPU lanes, GPU tiles)
+
+
+def head_vocab_shards(head: LMHead, mesh: jax.sharding.Mesh) -> int:
+  """Devices the LM head's vocabulary axis is sharded over (`head.weights` is its
+  `NamedSharding`): the log-probs then take each block's rows from every shard, so that the
+  head is never gathered."""
+  spec = (*head.weights.spec, None, None)  # a spec may leave trailing dims out
+  axes = spec[0 if head.vocab_major else 1]
+  if axes is None:
+    return 1
+  return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
 def vocab_block_rows(vocab: int, positions: int, chunk: int) -> int:

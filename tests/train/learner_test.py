@@ -299,10 +299,12 @@ def test_collective_results_read_combined_and_asynchronous_collectives():
   ]
 
 
-def test_data_parallel_replicas_sum_their_gradients_apart_until_the_update():
+@pytest.mark.parametrize("pack_length", [24, 0], ids=["packed", "padded"])
+def test_data_parallel_replicas_sum_their_gradients_apart_until_the_update(pack_length):
   """On a data-parallel mesh each replica adds its micro-batches' gradients into its own sums
-  (`replica_sums`): the micro-step moves nothing between devices, the apply step all-reduces
-  once, and the update is the one a single device makes from the same batch."""
+  (`replica_sums`): packed, the micro-step moves nothing between devices and the apply step
+  all-reduces once; padded, the update program all-reduces once, after its scan over the
+  micro-batches, not in it. The update is the one a single device makes from the batch."""
   rng = np.random.default_rng(5)
   batch = random_batch(rng, size=32)
   params = MODEL.init(int(rng.integers(1 << 16)))
@@ -315,16 +317,22 @@ def test_data_parallel_replicas_sum_their_gradients_apart_until_the_update():
       loss=LossConfig(),
       optimizer=OptimizerConfig(learning_rate=1e-3, eps=1.0),
       updates_per_step=1,
-      micro_batch_size=8,  # 4 micro-batches of packed rows an update
+      micro_batch_size=8,  # 4 micro-batches an update
       temperature=1.0,
       params=params,
-      pack_length=24,
+      pack_length=pack_length,
     )
 
   replicas, one = learner(slice(4, 8), {"data": 4}), learner(slice(1, 2), {})
-  micro_step, apply_step = update_plan.compiled_update(replicas, 32, 24)
-  assert update_plan.collective_results(micro_step.as_text()) == []
-  reduced = update_plan.collective_results(apply_step.as_text())
+  programs = update_plan.compiled_update(replicas, 32, 24)
+  if pack_length:
+    micro_step, apply_step = programs
+    assert update_plan.collective_results(micro_step.as_text()) == []
+    reduced = update_plan.collective_results(apply_step.as_text())
+  else:
+    text = programs[0].as_text()
+    reduced = update_plan.collective_results(text)
+    assert reduced == update_plan.collective_results(update_plan.entry_computation(text))
   assert {c.kind for c in reduced} == {"all-reduce"}
   gradient_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
   assert gradient_bytes <= sum(c.bytes for c in reduced) < 2 * gradient_bytes
