@@ -34,7 +34,9 @@
 # with Triton's warp specialization; both flags are registered in jax 0.11.2's CUDA plugin: the
 # per-layer GEMMs and the kernels that sum their split-K parts are most of the step), recipe and
 # recipe_flash (4 steps of the HF recipe on a random-weight Qwen3-0.6B, with cuDNN's attention
-# as "auto" gives it, then with the Pallas kernel; `launch/bench_memory.py recipe_steps`).
+# as "auto" gives it, then with the Pallas kernel; `launch/bench_memory.py recipe_steps`),
+# recipe_cache (its first 2 steps in a process with a cold persistent compilation cache, then in
+# one with the cache the first filled: what `config.compile_cache_dir` saves a resumed run).
 # Each part runs under its own time limit (seconds, PART:LIMIT overrides it) and appends one
 # JSON line {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the
 # settings it finished, for a part cut short) to $OUT/progress.txt, the end of its log to
@@ -171,6 +173,20 @@ for spec in "$@"; do
       [ -f /tmp/ck/config.json ] || python3 launch/bench_memory.py write /tmp/ck >/dev/null
       run_part "$part" "${limit:-200}" python3 launch/bench_memory.py recipe_steps:4 /tmp/ck \
         "$extra" ;;
+    recipe_cache)
+      # The recipe's first 2 steps (as `recipe`) twice, in two processes sharing a fresh
+      # persistent compilation cache, as `config.compile_cache_dir` gives a run: step 1 of the
+      # second process is what a resumed or restarted run pays (`recipe_cache_cold`,
+      # `recipe_cache_warm` in results.jsonl).
+      extra='{"rollout.prompts_per_step": 16, "rollout.sampling.max_new_tokens": 512}'
+      [ -f /tmp/ck/config.json ] || python3 launch/bench_memory.py write /tmp/ck >/dev/null
+      rm -rf /tmp/xla_recipe_cache
+      for run in cold warm; do
+        JAX_COMPILATION_CACHE_DIR=/tmp/xla_recipe_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 \
+          run_part "recipe_cache_$run" "${limit:-150}" python3 launch/bench_memory.py \
+          recipe_steps:2 /tmp/ck "$extra"
+      done
+      du -sh /tmp/xla_recipe_cache ;;
     tests_qk) JAX_PLATFORMS=cuda run_part tests_qk "${limit:-90}" python3 -m pytest -q -n 0 -m gpu \
       -p no:cacheprovider tests/kernels/qk_rope_write_test.py ;;
     *) echo "unknown part $part" ;;

@@ -393,11 +393,17 @@ class ExperimentConfig:
 
   `tokenizer` is "char" or "byte" (the project's own), "pretrained" (the tokenizer files of
   `pretrained.path`), or a directory (or Hub id) with Hugging Face tokenizer files.
+
+  `compile_cache_dir`: where the run's processes keep the programs XLA compiled, so that a
+  rerun, a resumed run or a restarted worker with the same shapes loads them instead of
+  compiling (`jaxrl/compile_cache.py`); "" compiles everything anew. A directory in
+  `JAX_COMPILATION_CACHE_DIR` wins over it.
   """
 
   seed: int = 0
   tokenizer: str = "char"
   resume: bool = False
+  compile_cache_dir: str = "~/.cache/jaxrl/xla"
   model: ModelConfig = ModelConfig()
   task: TaskConfig = TaskConfig()
   env: EnvConfig = EnvConfig()

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import tqdm
 
+from jaxrl.compile_cache import use_compile_cache
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.pipeline import PromptLoader
 from jaxrl.data.prompts import encode_prompt, renders_chat
@@ -238,6 +239,7 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
   """Runs (or resumes) the job; returns a summary with the eval reward at RL start and end."""
   os.makedirs(workdir, exist_ok=True)
   start = time.perf_counter()
+  use_compile_cache(cfg.compile_cache_dir)
   controller = build_controller(cfg, workdir, show_progress=show_progress)
   latest = controller.checkpointer.latest_step()
   if latest is not None and not cfg.resume:

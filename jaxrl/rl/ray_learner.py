@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import ray
 
+from jaxrl.compile_cache import use_compile_cache
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.rl.backends import LearnerLost
 from jaxrl.rl.timeline import LEARNER_LANE, ForwardingTimeline, StageTimeline
@@ -104,6 +105,7 @@ class LearnerActor:
     num_processes: int = 1,
   ):
     pin_cores(cores)
+    use_compile_cache(cfg.compile_cache_dir)
     self.cfg, self.mesh_shape = cfg, mesh_shape
     self.rank, self.num_processes = rank, num_processes
     self.learner = None

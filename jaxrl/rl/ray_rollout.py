@@ -39,6 +39,7 @@ from typing import Any
 
 import ray
 
+from jaxrl.compile_cache import use_compile_cache
 from jaxrl.config import ExperimentConfig
 from jaxrl.rl.ray_learner import coordinator_address, join_jax_world, local_devices, pin_cores
 from jaxrl.rl.spmd_engine import Follower, MirroredEngine
@@ -99,6 +100,7 @@ class RolloutActor:
   ):
     """`fetch_s`: how long a follower rank waits for the weights rank 0 names."""
     pin_cores(cores)
+    use_compile_cache(cfg.compile_cache_dir)
     self.name, self.cfg, self.store_actor = name, cfg, store_actor
     self.num_devices, self.mesh_axes = num_devices, mesh_axes
     self.rank, self.num_processes = rank, num_processes
