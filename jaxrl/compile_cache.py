@@ -16,7 +16,7 @@ import os
 
 import jax
 
-from jaxrl.config import ConfigError
+from jaxrl.config import DEFAULT_COMPILE_CACHE_DIR, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -35,25 +35,29 @@ def use_compile_cache(directory: str) -> str | None:
   kept. "" leaves JAX as it is. Returns the directory in use, or None.
 
   Raises:
-    ConfigError: `directory` cannot be created or written, with what to change.
+    ConfigError: `directory` cannot be created or written, with what to change. Where it is
+      the default (`DEFAULT_COMPILE_CACHE_DIR`), a warning instead, and no cache: a machine
+      without a writable home directory still runs.
   """
   current = jax.config.jax_compilation_cache_dir
   if current:
     return current
   if not directory:
     return None
-  path = os.path.abspath(os.path.expanduser(directory))
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError as e:
+  expanded = os.path.expanduser(directory)
+  path = os.path.abspath(expanded)
+  problem = _unwritable(path) if not expanded.startswith("~") else "no home directory for '~'"
+  if problem and directory == DEFAULT_COMPILE_CACHE_DIR:
+    log.warning(
+      "No persistent compilation cache: %s. Every program compiles anew; set "
+      "config.compile_cache_dir to a writable directory to keep them (or '' to say so).",
+      problem,
+    )
+    return None
+  if problem:
     raise ConfigError(
-      f"config.compile_cache_dir={directory!r}: cannot create {path} ({e}); give a directory "
-      "this process can write, or '' to compile without a persistent cache."
-    ) from None
-  if not os.access(path, os.W_OK):
-    raise ConfigError(
-      f"config.compile_cache_dir={directory!r}: {path} is not writable; give a directory "
-      "this process can write, or '' to compile without a persistent cache."
+      f"config.compile_cache_dir={directory!r}: {problem}; give a directory this process can "
+      "write, or '' to compile without a persistent cache."
     )
   # Settings the environment gives JAX (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS,
   # JAX_COMPILATION_CACHE_MAX_SIZE) are the user's: only unset ones get ours.
@@ -69,3 +73,14 @@ def use_compile_cache(directory: str) -> str | None:
   compilation_cache.reset_cache()
   log.info("Compiled programs are cached in %s (config.compile_cache_dir).", path)
   return path
+
+
+def _unwritable(path: str) -> str | None:
+  """Why `path` cannot hold the cache (after creating it if missing); None if it can."""
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    return f"cannot create {path} ({e})"
+  if not os.access(path, os.W_OK):
+    return f"{path} is not writable"
+  return None

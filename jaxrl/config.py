@@ -387,6 +387,9 @@ LOOP_MODES = ("sync", "async", "auto")
 LOOP_BACKENDS = ("local", "ray")
 
 
+DEFAULT_COMPILE_CACHE_DIR = "~/.cache/jaxrl/xla"
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   """Everything one RL run needs.
@@ -397,13 +400,15 @@ class ExperimentConfig:
   `compile_cache_dir`: where the run's processes keep the programs XLA compiled, so that a
   rerun, a resumed run or a restarted worker with the same shapes loads them instead of
   compiling (`jaxrl/compile_cache.py`); "" compiles everything anew. A directory in
-  `JAX_COMPILATION_CACHE_DIR` wins over it.
+  `JAX_COMPILATION_CACHE_DIR` wins over it. Where the default cannot be written (no home
+  directory, a read-only one) the run goes on without the cache, with a warning; a directory
+  given here that cannot be written is an error.
   """
 
   seed: int = 0
   tokenizer: str = "char"
   resume: bool = False
-  compile_cache_dir: str = "~/.cache/jaxrl/xla"
+  compile_cache_dir: str = DEFAULT_COMPILE_CACHE_DIR
   model: ModelConfig = ModelConfig()
   task: TaskConfig = TaskConfig()
   env: EnvConfig = EnvConfig()

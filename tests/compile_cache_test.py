@@ -1,5 +1,6 @@
 """`use_compile_cache`: a second process loads what the first compiled; a directory JAX already
-has is kept; "" leaves JAX alone; a directory that cannot be written is a config error.
+has is kept; "" leaves JAX alone; a directory that cannot be written is a config error, the
+default one a warning.
 
 Each case runs in a fresh process without the suite's own cache (`tests/conftest.py` gives
 every test process one through JAX_COMPILATION_CACHE_DIR, which `use_compile_cache` keeps)."""
@@ -10,12 +11,14 @@ import subprocess
 import sys
 
 from jaxrl.compile_cache import use_compile_cache
+from jaxrl.config import DEFAULT_COMPILE_CACHE_DIR
 
 _PROGRAM = """
 import json, sys
 import jax, jax.numpy as jnp
 from jaxrl.config import ConfigError
 from jaxrl.compile_cache import use_compile_cache
+from jaxrl.config import DEFAULT_COMPILE_CACHE_DIR
 
 events = []
 jax.monitoring.register_event_listener(lambda name, **_: events.append(name))
@@ -48,7 +51,7 @@ def _run(directory: str, **env) -> dict:
     timeout=300,
   )
   assert done.returncode == 0, done.stderr[-3000:]
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  return {**json.loads(done.stdout.strip().splitlines()[-1]), "stderr": done.stderr}
 
 
 def test_a_second_process_loads_what_the_first_compiled(tmp_path):
@@ -81,6 +84,15 @@ def test_an_unwritable_directory_is_a_config_error(tmp_path):
   blocker.write_text("not a directory")
   got = _run(str(blocker / "xla"))
   assert "config.compile_cache_dir" in got["error"] and "''" in got["error"]
+
+
+def test_an_unwritable_default_warns_and_runs_without_a_cache(tmp_path):
+  not_a_home = tmp_path / "a_file"
+  not_a_home.write_text("HOME points here")
+  got = _run(DEFAULT_COMPILE_CACHE_DIR, HOME=str(not_a_home))
+  assert got["used"] is None and not got["jax_dir"] and got["hits"] == got["misses"] == 0
+  assert "No persistent compilation cache" in got["stderr"]
+  assert "config.compile_cache_dir" in got["stderr"]
 
 
 def test_this_process_keeps_the_suites_cache():
