@@ -32,7 +32,9 @@
 # (those of qk_rope_write alone), profile64_plain, profile64_nosplitk and profile64_warpspec
 # (the 64-row decode step as shipped, then with XLA's split-K rewrite forced to one part, then
 # with Triton's warp specialization; both flags are registered in jax 0.11.2's CUDA plugin: the
-# per-layer GEMMs and the kernels that sum their split-K parts are most of the step), recipe and
+# per-layer GEMMs and the kernels that sum their split-K parts are most of the step),
+# profile64_exhaustive (the same step with XLA's exhaustive GEMM tiling search, not yet run;
+# compare with profile64_plain in the same lease), recipe and
 # recipe_flash (4 steps of the HF recipe on a random-weight Qwen3-0.6B, with cuDNN's attention
 # as "auto" gives it, then with the Pallas kernel; `launch/bench_memory.py recipe_steps`),
 # recipe_cache (its first 2 steps in a process with a cold persistent compilation cache, then in
@@ -162,6 +164,12 @@ for spec in "$@"; do
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_enable_triton_warp_specialization=true" \
       run_part profile64_warpspec "${limit:-90}" python3 launch/bench.py decode_profile --json \
       --presets qwen3-0.6b --rows 64 ;;
+    profile64_exhaustive)
+      # XLA's GEMM autotuning over its whole tiling space, for the 64-row step's per-layer
+      # GEMMs (half the copy rate as shipped); the flag is registered in jax 0.11.2's CUDA plugin.
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exhaustive_tiling_search=true" run_part \
+        profile64_exhaustive "${limit:-240}" python3 launch/bench.py decode_profile --json \
+        --presets qwen3-0.6b --rows 64 ;;
     recipe|recipe_flash)
       # The HF recipe (configs/grpo_hf.py:qwen3-0.6b) on a random-weight Qwen3-0.6B: 4 steps
       # of 16 prompts x 8 with up to 512 new tokens; `recipe` as shipped (attention "auto":
