@@ -99,7 +99,8 @@ class Math(_FileTask):
   """Math problems from JSONL, Parquet or Arrow files, answers checked with math-verify.
 
   Records come from `math_data.load_records` (fields, answer format, prompt and chat messages
-  as `TaskConfig` sets them); every gold answer is parsed by math-verify when the data loads.
+  as `TaskConfig` sets them); every gold answer is parsed by math-verify when the data loads
+  (plain numbers, which parse by construction, without a worker: `VerifierPool.check_answers`).
   The train and test splits are the files' when the path is a directory with both (files named
   otherwise, such as `validation-*`, are then left out; train rows whose problem is in the test
   files are dropped, with a warning), else the hash split of every row. A
