@@ -69,6 +69,9 @@ def chaos_config(steps: int, workdir_seed: int):
     "train.steps": steps,
     "checkpoint.every": 1,
     "resume": True,
+    # Every actor compiles cold, in both runs, as in the recorded figures: a persistent cache
+    # would hand the clean run's programs (or an earlier invocation's) to the chaos run.
+    "compile_cache_dir": "",
   }
   return load_config(os.path.join(_REPO, "configs", "grpo_tiny.py"), "test", overrides)
 
