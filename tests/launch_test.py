@@ -10,14 +10,14 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_train(tmp_path, *flags):
+def run_train(tmp_path, *flags, env=None):
   return subprocess.run(
     [sys.executable, os.path.join(REPO, "launch", "train.py"), f"--workdir={tmp_path}", *flags],
     cwd=REPO,
     capture_output=True,
     text=True,
     timeout=300,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    env=dict(env or os.environ, JAX_PLATFORMS="cpu"),
   )
 
 
@@ -74,14 +74,21 @@ def test_bad_value_is_one_line_naming_its_key(tmp_path, flag, message):
 
 
 def test_main_job_runs_on_one_device_as_shipped(tmp_path):
-  """The default config (planned placement) on a one-device machine colocates the stages."""
+  """The default config (planned placement) on a one-device machine colocates the stages; its
+  compiled programs go to `config.compile_cache_dir` (here a fresh one, and without the test
+  suite's cache in the environment, which would win)."""
   small = ["--config.warmup.steps=1", "--config.train.steps=2", "--config.eval.every=0"]
   small += ["--config.rollout.prompts_per_step=4", "--config.rollout.group_size=2"]
   small += ["--config.train.micro_batch_size=4", "--config.rollout.paged.max_running=8"]
-  result = run_train(tmp_path, "--cpu_devices=1", *small)
+  cache = tmp_path / "xla_cache"
+  small += [f"--config.compile_cache_dir={cache}"]
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  result = run_train(tmp_path / "run", "--cpu_devices=1", *small, env=env)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "colocated on it" in result.stderr
   assert json.loads(result.stdout[result.stdout.index("{") :])["steps"] == 2
+  assert f"Compiled programs are cached in {cache}" in result.stderr
+  assert any(cache.iterdir())
 
 
 # `slow` (about 3 minutes on 2 cores: two runs with a supervised warm-up long enough that the
