@@ -81,6 +81,12 @@ run_part() {  # part limit command...
   echo
 }
 
+# The recipe parts' workload (config overrides, closed by each part) and checkpoint.
+RECIPE='{"rollout.prompts_per_step": 16, "rollout.sampling.max_new_tokens": 512'
+recipe_checkpoint() {
+  [ -f /tmp/ck/config.json ] || python3 launch/bench_memory.py write /tmp/ck >/dev/null
+}
+
 for spec in "$@"; do
   part=${spec%%:*}
   limit=${spec#*:}
@@ -174,25 +180,22 @@ for spec in "$@"; do
       # The HF recipe (configs/grpo_hf.py:qwen3-0.6b) on a random-weight Qwen3-0.6B: 4 steps
       # of 16 prompts x 8 with up to 512 new tokens; `recipe` as shipped (attention "auto":
       # cuDNN's on Hopper, in the learner and the engine's packed prefill), `recipe_flash`
-      # with the Pallas kernel, the A/B of the two inside the job.
-      extra='{"rollout.prompts_per_step": 16, "rollout.sampling.max_new_tokens": 512}'
-      [ "$part" = recipe_flash ] &&
-        extra='{"rollout.prompts_per_step": 16, "rollout.sampling.max_new_tokens": 512, "model.attention": "flash"}'
-      [ -f /tmp/ck/config.json ] || python3 launch/bench_memory.py write /tmp/ck >/dev/null
+      # with the Pallas kernel, the A/B of the two inside the job. Both compile cold.
+      extra="$RECIPE}"
+      [ "$part" = recipe_flash ] && extra="$RECIPE, \"model.attention\": \"flash\"}"
+      recipe_checkpoint
       run_part "$part" "${limit:-200}" python3 launch/bench_memory.py recipe_steps:4 /tmp/ck \
         "$extra" ;;
     recipe_cache)
       # The recipe's first 2 steps (as `recipe`) twice, in two processes sharing a fresh
-      # persistent compilation cache, as `config.compile_cache_dir` gives a run: step 1 of the
-      # second process is what a resumed or restarted run pays (`recipe_cache_cold`,
-      # `recipe_cache_warm` in results.jsonl).
-      extra='{"rollout.prompts_per_step": 16, "rollout.sampling.max_new_tokens": 512}'
-      [ -f /tmp/ck/config.json ] || python3 launch/bench_memory.py write /tmp/ck >/dev/null
+      # persistent compilation cache through `config.compile_cache_dir`, as a run uses it:
+      # step 1 of the second process is what a resumed or restarted run pays
+      # (`recipe_cache_cold`, `recipe_cache_warm` in results.jsonl).
+      recipe_checkpoint
       rm -rf /tmp/xla_recipe_cache
       for run in cold warm; do
-        JAX_COMPILATION_CACHE_DIR=/tmp/xla_recipe_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 \
-          run_part "recipe_cache_$run" "${limit:-150}" python3 launch/bench_memory.py \
-          recipe_steps:2 /tmp/ck "$extra"
+        run_part "recipe_cache_$run" "${limit:-150}" python3 launch/bench_memory.py \
+          recipe_steps:2 /tmp/ck "$RECIPE, \"compile_cache_dir\": \"/tmp/xla_recipe_cache\"}"
       done
       du -sh /tmp/xla_recipe_cache ;;
     tests_qk) JAX_PLATFORMS=cuda run_part tests_qk "${limit:-90}" python3 -m pytest -q -n 0 -m gpu \

@@ -130,9 +130,12 @@ def _recipe_steps(path: str, steps: int, extra: dict) -> None:
   """The recipe as shipped (bf16 compute, its lengths and batch) on the default backend, meant
   for an accelerator: `steps` GRPO steps on the sample math data with the byte tokenizer,
   printing each step's time split and the device's peak memory as a JSON line when it ends
-  (compilation is in step 1). `extra`: more config overrides."""
+  (compilation is in step 1, cold: no persistent compilation cache unless `extra` names a
+  `compile_cache_dir`, which is then used as `job.run` uses it). `extra`: more config
+  overrides."""
   import jax
 
+  from jaxrl.compile_cache import use_compile_cache
   from jaxrl.config import load_config
   from jaxrl.metrics import read_metrics
   from jaxrl.rl import job
@@ -144,9 +147,11 @@ def _recipe_steps(path: str, steps: int, extra: dict) -> None:
     "eval.every": 0,
     "checkpoint.every": 0,
     "checkpoint.hf_every": 0,
+    "compile_cache_dir": "",
     **extra,
   }
   cfg = load_config(os.path.join(_REPO, "configs", "grpo_hf.py"), "qwen3-0.6b", overrides)
+  use_compile_cache(cfg.compile_cache_dir)
   with tempfile.TemporaryDirectory() as workdir:
     start = time.perf_counter()
     controller = job.build_controller(cfg, workdir, show_progress=False)
