@@ -4,8 +4,10 @@ compiles after the first one.
 Each step generates `prompts x group` responses with the paged engine (response lengths forced
 to a lognormal long tail: EOS ignored, `max_new_tokens` drawn per request), scores them with a
 random reward, and trains one step on them with the learner: the two stages the RL loop runs,
-with the loop's own batch builder and advantages. A JAX monitoring listener counts every
-backend compilation and which stage it happened in.
+with the loop's own batch builder and advantages; before each rollout the engine takes the
+learner's weights as the job's workers do (cast to the rollout dtype "auto" gives:
+bf16 on accelerators). A JAX monitoring listener counts every backend compilation and which
+stage (`weights`, `rollout`, `train`) it happened in.
 
 Reported: compilations after the first step (target 0) per stage, the learner's compiled
 training shapes, median seconds per stage; `packed` runs as the job does by default (packed
@@ -24,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl.auto_config import resolve_auto
+from jaxrl.auto_config import auto_settings, resolve_auto
 from jaxrl.model import Model, ModelConfig, get_preset
 from jaxrl.rl.experience import build_batch
 from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
@@ -78,8 +80,11 @@ def _run(
   train_mesh = make_mesh(devices[:1], {})
   rows = prompts * group
   page_size = 16
+  # The job's rollout weights: bf16 copies of fp32 master weights on accelerators.
+  rollout_dtype = auto_settings()["rollout.param_dtype"] or cfg.param_dtype
+  rollout_model = Model(dataclasses.replace(cfg, param_dtype=rollout_dtype))
   engine = PagedEngine(
-    model, rollout_mesh, ROLLOUT_RULES, eos_id=2, pad_id=0,
+    rollout_model, rollout_mesh, ROLLOUT_RULES, eos_id=2, pad_id=0,
     config=PagedConfig(
       page_size=page_size, num_pages=rows * -(-(prompt_len + cap) // page_size),
       max_running=rows, max_tokens=max_tokens,
@@ -94,7 +99,8 @@ def _run(
   times = {"rollout": [], "train": []}
   after_first = None
   for step in range(steps):
-    engine.update_weights(learner.params, step)
+    with counter.stage("weights"):
+      engine.update_weights(learner.params, step)
     base = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(prompts)]
     lengths = np.clip(np.round(rng.lognormal(np.log(median), 1.0, rows)), 1, cap).astype(int)
     sampling = [
@@ -117,7 +123,7 @@ def _run(
     "compiles_after_first_step": sum(final.values()) - sum(after_first.values()),
     **{
       f"{stage}_compiles_after_first_step": final.get(stage, 0) - after_first.get(stage, 0)
-      for stage in ("rollout", "train")
+      for stage in ("weights", "rollout", "train")
     },
     # Packed: the micro-step's shapes; padded: the scanned update's (one per batch length).
     "train_shapes_compiled": learner._micro_step._cache_size() + learner._update._cache_size(),

@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxrl.model import Model, Params
 from jaxrl.rollout.decode_loop import DeviceBatch, RowStart, WindowOutput
-from jaxrl.rollout.engine import Completion, bucket, place_params
+from jaxrl.rollout.engine import Completion, ParamPlacer, bucket
 from jaxrl.rollout.kv_park import KVPark
 from jaxrl.rollout.paged_calls import PagedCalls
 from jaxrl.rollout.paged_config import PagedConfig
@@ -109,6 +109,7 @@ class PagedEngine:
     self.params: Params | None = None
     shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
     self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
+    self._placer = ParamPlacer(self.param_shardings, model.abstract_params())
     self._calls = PagedCalls(model, mesh, rules, self.param_shardings, config)
     self._kv = self._calls.new_kv()  # None while released (`release_memory`)
     self._precompiled = False
@@ -146,7 +147,7 @@ class PagedEngine:
     """New weights take effect at the next decode window; later tokens carry `version`.
     Parked pages are dropped: keys/values of the old weights must not enter a new turn."""
     self.park.clear()
-    self.params = place_params(params, self.param_shardings, self.model.abstract_params())
+    self.params = self._placer(params)
     self.version = version
     if self._kv is None:
       self._kv = self._calls.new_kv()

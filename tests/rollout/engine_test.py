@@ -1,5 +1,7 @@
 """Static engine and sampler tests on a 4-device rollout mesh."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,14 @@ from helpers import tolerance
 
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import logprob_mismatch
-from jaxrl.rollout import SamplingParams, StaticEngine, filter_logits, sample_tokens
+from jaxrl.rollout import (
+  PagedConfig,
+  PagedEngine,
+  SamplingParams,
+  StaticEngine,
+  filter_logits,
+  sample_tokens,
+)
 from jaxrl.rollout.sampling import (
   NO_FILTER,
   SAMPLE_BLOCK,
@@ -20,7 +29,7 @@ from jaxrl.rollout.sampling import (
   first_argmax,
   sample_block,
 )
-from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
+from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh, tree_shardings
 from jaxrl.train import Learner, LossConfig, OptimizerConfig
 
 EOS, PAD = 2, 0
@@ -46,6 +55,57 @@ def test_weights_land_on_rollout_mesh(setup):
   assert {d.id for d in wq.sharding.device_set} == {d.id for d in engine.mesh.devices.flat}
   # heads are split over tensor=2: each shard holds half of the 4 heads.
   assert {s.data.shape for s in wq.addressable_shards} == {(128, 2, 32)}
+
+
+@contextlib.contextmanager
+def _backend_compiles():
+  """Counts XLA compilations inside the block (appended to the list it yields)."""
+  seen = []
+
+  def listener(name, _secs, **_kwargs):
+    if name == "/jax/core/compile/backend_compile_duration":
+      seen.append(name)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("engine_class", [StaticEngine, PagedEngine])
+def test_fp32_master_weights_reach_a_bf16_engine_compiling_the_cast_once(engine_class):
+  """What the RL job does at every step: the learner's fp32 weights, on its own devices (or as
+  host arrays from a store), become the engine's bf16 weights on the rollout devices. The cast
+  compiles at the first update of each source only (it was traced and compiled anew at every
+  update), and the values are the fp32 ones rounded to bf16."""
+  rollout_model = Model(get_preset("tiny", dtype="bfloat16", param_dtype="bfloat16"))
+  learner_model = Model(get_preset("tiny", dtype="bfloat16", param_dtype="float32"))
+  devices = jax.devices()
+  rollout_mesh = make_mesh(devices[:4], {"data": 2, "tensor": 2})
+  train_mesh = make_mesh(devices[4:8], {"fsdp": 4})
+  kwargs = {"config": PagedConfig(num_pages=16)} if engine_class is PagedEngine else {}
+  engine = engine_class(
+    rollout_model, rollout_mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, **kwargs
+  )
+  shapes = jax.tree.map(lambda x: x.shape, learner_model.abstract_params())
+  train_shardings = tree_shardings(learner_model.logical_axes, train_mesh, TRAIN_RULES, shapes)
+  for source in ("devices", "host"):
+    compiles = []
+    for version in range(3):
+      fp32 = learner_model.init(version)
+      fp32 = jax.device_put(fp32, train_shardings) if source == "devices" else jax.device_get(fp32)
+      with _backend_compiles() as seen:
+        engine.update_weights(fp32, version)
+        jax.block_until_ready(engine.params)
+      compiles.append(len(seen))
+      for got, want in zip(jax.tree.leaves(engine.params), jax.tree.leaves(fp32), strict=True):
+        assert got.dtype == jnp.bfloat16
+        assert {d.id for d in got.sharding.device_set} == {d.id for d in devices[:4]}
+        np.testing.assert_array_equal(
+          np.asarray(got), np.asarray(want).astype(jnp.bfloat16), err_msg=source
+        )
+    assert compiles[0] >= 1 and compiles[1:] == [0, 0], (source, compiles)
 
 
 def test_greedy_is_deterministic_and_matches_manual_argmax(setup):
