@@ -97,7 +97,7 @@ class ParamPlacer:
     if [x.dtype for x in leaves] == jax.tree.leaves(self.dtypes):
       return to_devices(params, self.shardings)  # across processes: each places its shards
     if all(isinstance(x, jax.Array) and x.is_fully_addressable for x in leaves):
-      return jax.device_put(self._cast_where_they_are(params), self.shardings)
+      return to_devices(self._cast_where_they_are(params), self.shardings)
     return self._cast_placed(to_devices(params, self.shardings))
 
 
