@@ -227,6 +227,43 @@ def _plan_learner(spec: dict) -> dict:
   return out
 
 
+def _compile_apply(spec: dict) -> dict:
+  """In a fresh process: the HF recipe learner's apply step (`Learner._apply`: the finite
+  check, clipping and AdamW over Qwen3-0.6B's fp32 master weights) lowered and compiled for
+  `spec["target"]` (or "cpu") from an abstract learner: seconds of each, and its kernels
+  (fusions). Run as `python launch/bench_kernels.py --child '{"target": "h100", "kind":
+  "apply"}'` (with the CUDA plugin on PYTHONPATH for a GPU target)."""
+  import time
+
+  import jax
+  from bench_learner import recipe_learner
+
+  from jaxrl.kernels.common import target_platform
+
+  target = spec["target"]
+  devices = jax.devices() if target == "cpu" else _target_devices(target)
+  _, learner = recipe_learner(
+    "qwen3-0.6b", 4096, "flash", devices, dtype="bfloat16", abstract=True,
+    remat_policy="save_attention",
+  )  # fmt: skip
+  as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+  sums = jax.tree.map(as_abstract, jax.eval_shape(learner._zero_sums, learner.params))
+  platform = "cpu" if target == "cpu" else "tpu" if target in TPU_TOPOLOGIES else "cuda"
+  with target_platform(platform):
+    start = time.perf_counter()
+    lowered = learner._apply.lower(learner.params, learner.opt_state, sums)
+    lower_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start
+  text = compiled.as_text()
+  return {
+    "lower_s": lower_s,
+    "compile_s": compile_s,
+    "fusions": len(re.findall(r" fusion\(", text)),
+  }
+
+
 def _compile_window(spec: dict) -> dict:
   """In a fresh process (`spec`: preset, layers, rows, steps, target, dump): compiles the decode
   window for the target GPU and counts its loop body's launches."""
@@ -409,9 +446,11 @@ if __name__ == "__main__":
     if child_spec.get("kind") == "code":
       from bench_kernel_code import compile_kernel_code as compile_child
     else:
-      compile_child = {"training": _compile_training_kernels, "learner": _plan_learner}.get(
-        child_spec.get("kind"), _compile_window
-      )
+      compile_child = {
+        "training": _compile_training_kernels,
+        "learner": _plan_learner,
+        "apply": _compile_apply,
+      }.get(child_spec.get("kind"), _compile_window)
     print(json.dumps(compile_child(child_spec)))
   else:
     print(json.dumps(bench_kernels()))

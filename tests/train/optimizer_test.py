@@ -127,6 +127,50 @@ def test_bf16_gradient_norm_squares_and_sums_in_fp32():
   assert got == pytest.approx(1.0, rel=4e-3)  # each clipped value rounded to bf16 (2**-9)
 
 
+def _equations(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs inside it (a conditional's branches, jits)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+        if hasattr(inner, "eqns"):
+          yield from _equations(inner)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_apply_if_finite_reduces_each_gradient_once_and_updates_as_the_optimizer(max_grad_norm):
+  """The finite check's norm is the one the clipping uses: each gradient leaf is squared and
+  summed once in the whole step, its conditional included (the clipping computed its own
+  inside the branch, where XLA cannot share it: twice). The update is the optimizer's own."""
+  grads = {
+    "w": jax.random.normal(jax.random.key(5), (4, 3)) * 50.0,
+    "b": jax.random.normal(jax.random.key(6), (5,)) * 50.0,
+  }
+  params = jax.tree.map(lambda g: jnp.full(g.shape, 0.5), grads)
+  opt = optimizer.make_optimizer(_cfg(max_grad_norm=max_grad_norm, weight_decay=0.1))
+  state = opt.init(params)
+
+  def step(p, s, g):
+    return optimizer.apply_if_finite(opt, p, s, g, jnp.float32(0.0), {})
+
+  jaxpr = jax.make_jaxpr(step)(params, state, grads).jaxpr
+  shapes = {leaf.shape for leaf in jax.tree.leaves(grads)}
+  reduced = [
+    e.invars[0].aval.shape
+    for e in _equations(jaxpr)
+    if e.primitive.name == "reduce_sum" and e.invars[0].aval.shape in shapes
+  ]
+  assert sorted(reduced) == sorted(shapes)  # once per leaf
+  new_params, _, metrics = jax.jit(step)(params, state, grads)
+  expected = optax.apply_updates(params, opt.update(grads, state, params)[0])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), new_params, expected
+  )
+  assert float(metrics["grad_norm"]) == pytest.approx(float(optimizer.global_norm(grads)))
+  assert int(metrics["skipped"]) == 0
+
+
 def test_small_gradients_are_not_clipped():
   grads_d = jax.random.normal(jax.random.key(4), (6,)) * 0.01
   params_d = jnp.zeros(6)
