@@ -14,7 +14,8 @@ arguments, and how many whole KV pools the program copies (a layout change XLA i
 TPU, around a scatter into the pool's page and slot axes, every layer at every step, until
 `jaxrl.model.cache.write_pages` wrote rows instead). And for every target, XLA's buffer plan of
 the learner's update at the settings of `launch/bench.py learner` (`_plan_learner`, from an
-abstract `Learner`): whether it fits one chip.
+abstract `Learner`): whether it fits one chip. `--child '{"target": T, "kind": "apply"}'` times
+the compile of the learner's apply step alone for target T (`_compile_apply`).
 
 Without a device XLA keeps its default GEMM tiles (no autotuning), so which GEMM kernels run
 may differ on a card; the kernels the model's ops make, and their number, do not.
