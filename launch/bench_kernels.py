@@ -240,6 +240,7 @@ def _compile_apply(spec: dict) -> dict:
   from bench_learner import recipe_learner
 
   from jaxrl.kernels.common import target_platform
+  from jaxrl.train import update_plan
 
   target = spec["target"]
   devices = jax.devices() if target == "cpu" else _target_devices(target)
@@ -247,8 +248,7 @@ def _compile_apply(spec: dict) -> dict:
     "qwen3-0.6b", 4096, "flash", devices, dtype="bfloat16", abstract=True,
     remat_policy="save_attention",
   )  # fmt: skip
-  as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-  sums = jax.tree.map(as_abstract, jax.eval_shape(learner._zero_sums, learner.params))
+  sums = update_plan.abstract_sums(learner)
   platform = "cpu" if target == "cpu" else "tpu" if target in TPU_TOPOLOGIES else "cuda"
   with target_platform(platform):
     start = time.perf_counter()

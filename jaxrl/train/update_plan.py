@@ -38,6 +38,13 @@ def abstract_micro(learner, length: int) -> MicroBatch:
   return MicroBatch(ints, ints, floats, floats, floats, floats, ints, ints, routes)
 
 
+def abstract_sums(learner):
+  """The (gradient, metric) sums the micro-steps add into, as shapes on their shardings: what
+  the apply step takes (for tracing and planning)."""
+  as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+  return jax.tree.map(as_abstract, jax.eval_shape(learner._zero_sums, learner.params))
+
+
 def compiled_update(learner, batch_size: int, length: int) -> list:
   """The programs of one optimizer update over `batch_size` sequences of `length` tokens
   (dense models, no routing replay), compiled but not run: packed, the micro-step over
@@ -45,8 +52,7 @@ def compiled_update(learner, batch_size: int, length: int) -> list:
   step that applies the gradients; otherwise the one update program."""
   if learner.pack_length:
     micro = abstract_micro(learner, row_length(length - 1, learner.pack_length))
-    as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-    sums = jax.tree.map(as_abstract, jax.eval_shape(learner._zero_sums, learner.params))
+    sums = abstract_sums(learner)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     return [
       learner._micro_step.lower(
