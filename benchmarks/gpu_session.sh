@@ -37,6 +37,9 @@
 # compare with profile64_plain in the same lease), recipe and
 # recipe_flash (4 steps of the HF recipe on a random-weight Qwen3-0.6B, with cuDNN's attention
 # as "auto" gives it, then with the Pallas kernel; `launch/bench_memory.py recipe_steps`),
+# publish (the async loop's weight publication: a host copy in fp32, as before, against a bf16
+# copy kept on the device; on one GPU the stages share it, so what differs is the learner's
+# wait and the host round trip; `launch/bench_publish.py`),
 # recipe_cache (its first 2 steps in a process with a cold persistent compilation cache, then in
 # one with the cache the first filled: what `config.compile_cache_dir` saves a resumed run).
 # Each part runs under its own time limit (seconds, PART:LIMIT overrides it) and appends one
@@ -198,6 +201,7 @@ for spec in "$@"; do
           recipe_steps:2 /tmp/ck "$RECIPE, \"compile_cache_dir\": \"/tmp/xla_recipe_cache\"}"
       done
       du -sh /tmp/xla_recipe_cache ;;
+    publish) run_part publish "${limit:-120}" python3 launch/bench.py publish --json ;;
     tests_qk) JAX_PLATFORMS=cuda run_part tests_qk "${limit:-90}" python3 -m pytest -q -n 0 -m gpu \
       -p no:cacheprovider tests/kernels/qk_rope_write_test.py ;;
     *) echo "unknown part $part" ;;

@@ -316,6 +316,12 @@ class LoopConfig:
     measured_rates: async only: split the rollout work by each worker's measured decode rate
       rather than the scheduler's prediction for its devices (for workers that share a machine
       with other work); off by default, since on this 2-core machine it lowered throughput.
+    publish_on_device: async, local backend: the learner publishes each version as a copy in
+      the rollout's parameter dtype kept on its own devices, which the workers copy device to
+      device (for bf16 rollout of fp32 master weights: half the bytes, no trip through the
+      host; it holds that copy, e.g. 1.2 GB for Qwen3-0.6B, spread over the training devices).
+      False: a host copy instead (no device memory held; a device-to-host copy that the
+      learner waits for at every step, and host-to-device copies for the workers).
     backend: what runs the learner, the weight store and the rollout workers: "local" (this
       process; workers are threads, each on a slice of the rollout devices) or "ray" (the
       learner one or `train.num_processes` Ray actors, each worker an actor with its own
@@ -355,6 +361,7 @@ class LoopConfig:
   partial_rollouts: bool = True
   skew_aware_dispatch: bool = True
   measured_rates: bool = False
+  publish_on_device: bool = True
   backend: str = "local"
   ray_address: str = ""
   ray_cluster: str = ""

@@ -26,6 +26,7 @@
   python launch/bench.py balance [--json]
   python launch/bench.py memory [--json]
   python launch/bench.py weight_transfer [--json] [--presets bench-small,qwen3-0.6b]
+  python launch/bench.py publish [--json] [--presets qwen3-0.6b]
   python launch/bench.py chaos [--json] [--faults 100,10,10] [--steps 30]
   python launch/bench.py collectives [--json]
   python launch/bench.py agent [--json] [--steps 6]
@@ -433,6 +434,7 @@ def _imported_when_asked(module: str, name: str):
 
 
 bench_weight_transfer = _imported_when_asked("bench_transfer", "bench_weight_transfer")
+bench_publish = _imported_when_asked("bench_publish", "bench_publish")
 bench_chaos = _imported_when_asked("bench_chaos", "bench_chaos")
 
 
@@ -458,6 +460,7 @@ BENCHMARKS = {
   "plan": bench_plan,
   "prefill_packing": bench_prefill_packing,
   "prefix_sharing": bench_prefix_sharing,
+  "publish": bench_publish,
   "rollout": bench_rollout,
   "sampler": bench_sampler,
   "tgmm": bench_tgmm,

@@ -14,7 +14,7 @@ from jaxrl.sharding.expert import (
   moe_expert_parallel,
   placement_arrays,
 )
-from jaxrl.sharding.hosts import host_array, readable, to_devices
+from jaxrl.sharding.hosts import host_array, move_between_devices, readable, to_devices
 from jaxrl.sharding.mesh import MESH_AXES, make_mesh, split_devices
 from jaxrl.sharding.placement import (
   Placement,
@@ -58,6 +58,7 @@ __all__ = [
   "imbalance",
   "logical_to_pspec",
   "make_mesh",
+  "move_between_devices",
   "moe_expert_parallel",
   "placement_arrays",
   "plan_placement",

@@ -13,11 +13,17 @@ programs that use these helpers hold the same host values on every process by co
 
 Within one process all three are what they were (`device_put`, the sharding as given,
 `np.asarray`), so a one-process mesh pays nothing for them.
+
+Within one process, `move_between_devices` takes arrays onto other devices without the trip
+through the host that `device_put` makes between layouts whose pieces differ.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -55,3 +61,51 @@ def host_array(x: jax.Array) -> np.ndarray:
       "replicated; lay the output out with `readable` to read it on the host."
     )
   return np.asarray(x.addressable_data(0))
+
+
+def move_between_devices(tree, shardings):
+  """Arrays on devices of this process onto `shardings` (a matching tree) over other devices,
+  device to device. `device_put` alone reads an array whose pieces differ from its target's
+  (a learner's fsdp pieces, an engine's tensor-parallel ones) whole onto the host. Here each
+  array's pieces are copied to the first device of its target and joined there, then cut and
+  copied to the target's devices; an array whose pieces match its target's, or that sits on
+  one device, goes by `device_put` (device to device too). Every program runs on one device:
+  no collective runs on the source devices, so a thread may take weights off devices another
+  thread trains on (collectives from two threads on the same devices can deadlock, NCCL's
+  rule). Memory: one whole array at a time on a target's first device."""
+  return jax.tree.map(_move_array, tree, shardings)
+
+
+def _move_array(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+  if not isinstance(x, jax.Array):
+    return jax.device_put(x, sharding)
+  src = x.sharding
+  if src.num_devices == 1 or src.device_set == sharding.device_set or _same_pieces(x, sharding):
+    return jax.device_put(x, sharding)
+  pieces = {}
+  for shard in x.addressable_shards:
+    where = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, x.shape, strict=True))
+    pieces.setdefault(where, shard.data)
+  first = min(sharding.device_set, key=lambda d: d.id)
+  moved = jax.device_put(list(pieces.values()), first)
+  whole = moved[0] if len(moved) == 1 else _join(moved, tuple(pieces), x.shape)
+  return jax.device_put(whole, sharding)
+
+
+def _same_pieces(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
+  """Whether `sharding` cuts `x` into the pieces its own sharding does (on other devices)."""
+  src = x.sharding
+  try:
+    hlo = src._to_xla_hlo_sharding(x.ndim), sharding._to_xla_hlo_sharding(x.ndim)
+  except (AttributeError, NotImplementedError):  # a sharding with no HLO form: assume not
+    return False
+  return src.num_devices == sharding.num_devices and hlo[0] == hlo[1]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _join(pieces: list[jax.Array], where: tuple, shape: tuple) -> jax.Array:
+  """The whole array of `shape` from its `pieces`, each at `where` ((start, stop) a dim)."""
+  out = jnp.zeros(shape, pieces[0].dtype)
+  for piece, bounds in zip(pieces, where, strict=True):
+    out = out.at[tuple(slice(a, b) for a, b in bounds)].set(piece)
+  return out

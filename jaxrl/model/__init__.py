@@ -3,7 +3,7 @@ Hugging Face checkpoints in and out."""
 
 from jaxrl.model.cache import LayerCache, PackedPrefillCache, PagedLayerCache, init_cache
 from jaxrl.model.config import PRESETS, ModelConfig, get_preset
-from jaxrl.model.functional import Model, Params
+from jaxrl.model.functional import Model, Params, cast_params, copy_params
 from jaxrl.model.hf import load_pretrained, save_pretrained
 from jaxrl.model.hf_config import config_from_hf, config_to_hf
 from jaxrl.model.moe import ExpertParallel, MoEInputs, MoEMLP, replay_route, route
@@ -24,8 +24,10 @@ __all__ = [
   "MoEMLP",
   "Params",
   "Transformer",
+  "cast_params",
   "config_from_hf",
   "config_to_hf",
+  "copy_params",
   "get_preset",
   "init_cache",
   "load_pretrained",

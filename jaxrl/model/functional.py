@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.model.cache import LayerCache, init_cache
@@ -18,6 +19,30 @@ from jaxrl.model.moe import MoEInputs
 from jaxrl.model.transformer import LMHead, Transformer
 
 Params = dict
+
+
+def cast_params(params: Params, dtypes: Params, *, copy: bool = False) -> Params:
+  """`params` with each leaf in the dtype at its place in `dtypes` (a tree of dtypes shaped like
+  the parameters: an engine's rollout dtype, a learner's master weights' own). Traceable: jit
+  it once and keep it (a jit made per call traces and compiles again at every call). With
+  `copy`, a leaf already in its dtype is copied too, so that the result shares no buffer with
+  `params` (a copy a store keeps while the original is donated)."""
+  return jax.tree.map(
+    lambda x, dt: jnp.copy(x) if copy and x.dtype == dt else x.astype(dt), params, dtypes
+  )
+
+
+def copy_params(params: Params, dtypes: Params | None = None) -> Params:
+  """A copy of `params` in `dtypes` (None: their own) made where they are, in their layout, as
+  new buffers (`cast_params` with `copy`); one compilation per tree of shapes and dtypes."""
+  dtypes = jax.tree.map(lambda x: x.dtype, params) if dtypes is None else dtypes
+  treedef = jax.tree.structure(dtypes)
+  return _compiled_copy(params, (treedef, tuple(jnp.dtype(d) for d in jax.tree.leaves(dtypes))))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _compiled_copy(params: Params, dtypes_key) -> Params:
+  return cast_params(params, jax.tree.unflatten(*dtypes_key), copy=True)
 
 
 class Model:

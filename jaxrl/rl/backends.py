@@ -68,8 +68,20 @@ class PolicyLearner(Protocol):
   def update(self, batch: TrainBatch) -> dict:
     """The optimizer updates of one step on `batch`; their metrics."""
 
-  def publish_to(self, store: VersionedStore, version: int, *, lend: bool = False) -> None:
-    """Publishes the weights to `store` as `version` (the store's ownership rule)."""
+  def publish_to(
+    self,
+    store: VersionedStore,
+    version: int,
+    *,
+    lend: bool = False,
+    dtypes: Params | None = None,
+    on_device: bool = False,
+  ) -> None:
+    """Publishes the weights to `store` as `version` (the store's ownership rule): with
+    `lend` the live buffers (a reader in this process that takes them before the next update),
+    else a copy cast to `dtypes` (the readers' parameter dtypes, a tree like the parameters';
+    None: the learner's) on the learner's devices, kept there with `on_device` where the
+    readers are in its process, else sent through the host."""
 
   def precompile(self, batch_size: int, lengths: list[int]) -> int:
     """Compiles the update for the batch shapes a run will meet; how many it compiled."""

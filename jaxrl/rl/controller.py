@@ -103,6 +103,8 @@ class Controller(CheckpointedController, WorkerPool):
     self.free_rollout_during_train = free_rollout_during_train and sync
     self.exporter = exporter
     self.rollout = rollout
+    # The rollout engines' parameter dtypes: a copy published for them is cast to these first.
+    self.reader_dtypes = jax.tree.map(lambda a: a.dtype, rollout.model.abstract_params())
     self.learner = learner
     self.task = task
     self.tokenizer = tokenizer
@@ -403,12 +405,19 @@ class Controller(CheckpointedController, WorkerPool):
 
   def publish(self) -> None:
     """Publishes the learner's weights and tells the workers the oldest version they may still
-    generate with. Async: a host copy (workers pull while the learner trains). Sync: the live
+    generate with. Async: a copy in the rollout's dtype (workers pull while the learner trains),
+    kept on the training devices (`loop.publish_on_device`) or on the host. Sync: the live
     buffers, lent (nothing decodes while the learner trains, and its next update recalls them
     first). A learner in another process may publish from there in the background (the span
     here is then the hand-off); a worker that needs the version waits for it."""
     with self.timeline.span(LEARNER_LANE, "weight-sync"):
-      self.learner.publish_to(self.weights, self.state.version, lend=self.max_staleness == 0)
+      self.learner.publish_to(
+        self.weights,
+        self.state.version,
+        lend=self.max_staleness == 0,
+        dtypes=self.reader_dtypes,
+        on_device=self.cfg.loop.publish_on_device,
+      )
     self.set_min_version(self.state.version - self.max_staleness)
 
   # -- evaluation --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import ray
 
 from jaxrl.compile_cache import use_compile_cache
 from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.model import copy_params
 from jaxrl.rl.backends import LearnerLost
 from jaxrl.rl.timeline import LEARNER_LANE, ForwardingTimeline, StageTimeline
 from jaxrl.rl.weights import owned_shards
@@ -155,10 +156,12 @@ class LearnerActor:
   def precompile(self, batch_size: int, lengths: list[int]) -> int:
     return self.learner.precompile(batch_size, lengths)
 
-  def publish_part(self, store_actor, version: int) -> None:
-    """Sends the shards this process owns to the store actor (not through the controller)."""
+  def publish_part(self, store_actor, version: int, dtypes=None) -> None:
+    """Sends the shards this process owns to the store actor (not through the controller),
+    cast to `dtypes` on its devices first (bf16 readers: half the bytes)."""
     with self.timeline.span(LEARNER_LANE, "weight-sync"):
-      shards = owned_shards(self.learner.params)
+      params = self.learner.params
+      shards = owned_shards(params if dtypes is None else copy_params(params, dtypes))
       ray.get(store_actor.publish_part.remote(version, self.rank, self.num_processes, shards))
 
   def get(self, name: str):
@@ -299,16 +302,18 @@ class RayLearner:
     self._all(lambda a: a.spans.remote())  # its compilations came before the run: not stalls
     return count
 
-  def publish_to(self, store, version: int, *, lend: bool = False) -> None:
+  def publish_to(
+    self, store, version: int, *, lend: bool = False, dtypes=None, on_device: bool = False
+  ) -> None:
     """Publishes the weights as `version` from the actors straight to the Ray backend's store
-    actor (`ray_backend.RayWeightStore`), each rank its own shards, as copies the store owns
-    (`lend` is moot across processes). It returns at once: the actors publish while the
-    controller assembles the next batch (they run calls in order, so the next update starts
-    after the publication). Workers that need the version wait for it in the store
-    (`set_min_version`); `store.wait_for` waits for it here."""
-    del lend
+    actor (`ray_backend.RayWeightStore`), each rank its own shards cast to `dtypes`, as copies
+    the store owns (`lend` and `on_device` are moot across processes). It returns at once: the
+    actors publish while the controller assembles the next batch (they run calls in order, so
+    the next update starts after the publication). Workers that need the version wait for it
+    in the store (`set_min_version`); `store.wait_for` waits for it here."""
+    del lend, on_device
     self._wait_published()
-    self._publishing = [a.publish_part.remote(store.actor, version) for a in self._actors]
+    self._publishing = [a.publish_part.remote(store.actor, version, dtypes) for a in self._actors]
 
   @property
   def params(self):

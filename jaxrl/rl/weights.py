@@ -8,8 +8,10 @@ worker provisions itself the same way. Re-sharding to a reader's layout is the r
 
 Ownership: published weights are read-only. Readers may alias them (an engine whose layout
 matches keeps the same buffers) and never donate them. A publisher hands the store arrays it
-will not donate or mutate -- a copy (`Learner.publish_to`'s default: a host copy, for readers
-that pull while the learner trains) -- or lends its live buffers and recalls them before it
+will not donate or mutate -- a copy, for readers that pull while the learner trains
+(`Learner.publish_to`: cast to the readers' dtype on the training devices, and kept there when
+the readers are threads of the learner's process, `config.loop.publish_on_device`, else
+brought to the host) -- or lends its live buffers and recalls them before it
 donates them: the synchronous loop, whose only reader takes the weights before the next
 update, publishes without a copy (`publish_to(..., lend=True)`), and the learner's next update
 calls `recall`, after which the store holds no buffers of that version: a late pull gets

@@ -10,6 +10,7 @@ Glossary: b batch rows, p prompt slots, n new-token slots, s cache slots.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -17,9 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
+from jaxrl.model import ExpertParallel, Model, MoEInputs, Params, cast_params
 from jaxrl.rollout.sampling import SamplingParams, filter_width, sample_tokens
-from jaxrl.sharding import batch_sharding, host_array, readable, to_devices, tree_shardings
+from jaxrl.sharding import (
+  batch_sharding,
+  host_array,
+  move_between_devices,
+  readable,
+  to_devices,
+  tree_shardings,
+)
 
 
 @dataclasses.dataclass
@@ -75,30 +83,37 @@ class ParamPlacer:
   model's `abstract_params()`): a learner's fp32 master weights become bf16 rollout weights.
 
   The casts are jitted once, here: a cast made per call traced and compiled again at every
-  weight update (Qwen3-0.6B's 310 leaves: 0.4 s of compiling a sync on CPU). Weights already on
-  devices are cast there, before they move, so a transfer to other devices carries the narrow
-  dtype; host arrays are cast after the transfer, on the devices, so that no host holds a
-  second copy. No donation: when stages share devices, the weights may be the learner's own.
+  weight update (Qwen3-0.6B's 310 leaves: 0.4 s of compiling a sync on CPU). Weights on devices
+  are cast where they are, then moved, so that a transfer carries the narrow dtype; from other
+  devices of this process (a learner's, disaggregated) they move device to device
+  (`move_between_devices`: `device_put` alone reads each array whose pieces differ from the
+  engine's whole onto the host). `device_to_device` (None: on accelerators) turns that on: on
+  CPU the devices' memory is the host's, and `device_put` measured faster there
+  (docs/BENCHMARKS.md). Host arrays are cast after the transfer, on the devices, so that no
+  host holds a second copy. No donation: when stages share devices, the weights may be the
+  learner's own.
   """
 
-  def __init__(self, shardings, abstract: Params):
+  def __init__(self, shardings, abstract: Params, *, device_to_device: bool | None = None):
     self.shardings = shardings
+    if device_to_device is None:
+      platforms = {d.platform for s in jax.tree.leaves(shardings) for d in s.device_set}
+      device_to_device = platforms != {"cpu"}
+    self.device_to_device = device_to_device
     self.dtypes = jax.tree.map(lambda a: a.dtype, abstract)
-    dtypes = self.dtypes
-
-    def cast(params):
-      return jax.tree.map(lambda x, dt: x.astype(dt), params, dtypes)
-
+    cast = functools.partial(cast_params, dtypes=self.dtypes)
     self._cast_where_they_are = jax.jit(cast)  # each output in its input's layout
     self._cast_placed = jax.jit(cast, out_shardings=shardings)
 
   def __call__(self, params: Params) -> Params:
     leaves = jax.tree.leaves(params)
-    if [x.dtype for x in leaves] == jax.tree.leaves(self.dtypes):
-      return to_devices(params, self.shardings)  # across processes: each places its shards
-    if all(isinstance(x, jax.Array) and x.is_fully_addressable for x in leaves):
-      return to_devices(self._cast_where_they_are(params), self.shardings)
-    return self._cast_placed(to_devices(params, self.shardings))
+    same_dtypes = [x.dtype for x in leaves] == jax.tree.leaves(self.dtypes)
+    if not all(isinstance(x, jax.Array) and x.is_fully_addressable for x in leaves):
+      placed = to_devices(params, self.shardings)  # across processes: each places its shards
+      return placed if same_dtypes else self._cast_placed(placed)
+    cast = params if same_dtypes else self._cast_where_they_are(params)
+    move = move_between_devices if self.device_to_device else to_devices
+    return move(cast, self.shardings)
 
 
 def bucket(n: int, minimum: int = 8) -> int:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
-from jaxrl.model import ExpertParallel, Model, MoEInputs, Params
+from jaxrl.model import ExpertParallel, Model, MoEInputs, Params, copy_params
 from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train import proximal, replica_sums, update_plan
@@ -193,12 +193,20 @@ class Learner:
     self._warned_lengths: set[int] = set()
     self._lent = None  # (store, version) the live parameters were lent to (`publish_to`)
 
-  def publish_to(self, store, version: int, *, lend: bool = False) -> None:
-    """Publishes the weights to `store` as `version` (its ownership rule, `rl/weights.py`): a
-    host copy the store owns, or with `lend` the live buffers, for a reader that takes them
-    before the next update or warm-up step, which recalls them first (`recall_lent`)."""
+  def publish_to(
+    self, store, version: int, *, lend: bool = False, dtypes=None, on_device: bool = False
+  ) -> None:
+    """Publishes the weights to `store` as `version` (its ownership rule, `rl/weights.py`):
+    with `lend` the live buffers, for a reader that takes them before the next update or
+    warm-up step, which recalls them first (`recall_lent`); else a copy the store owns, made
+    on the training devices in `dtypes` (the readers' parameter dtypes; None: these), and
+    kept there with `on_device` (readers in this process move it device to device), else
+    brought to the host."""
     self.recall_lent()
-    store.publish(self.params if lend else jax.device_get(self.params), version)
+    params = self.params
+    if not lend and (on_device or dtypes is not None):
+      params = copy_params(params, dtypes)
+    store.publish(params if lend or on_device else jax.device_get(params), version)
     self._lent = (store, version) if lend else None
 
   def recall_lent(self) -> None:

@@ -104,6 +104,13 @@ def test_a_worker_cannot_reach_a_dead_store(local_ray):
     remote.pull(0)
 
 
+def _as_f32(tree, rounded_to=None):
+  """Host float32 copies of `tree`'s leaves, first rounded to `rounded_to` if given."""
+  return jax.tree.map(
+    lambda x: np.asarray(x).astype(rounded_to or x.dtype).astype(np.float32), tree
+  )
+
+
 def _close(a, b, atol):
   leaves = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
   return all(np.allclose(np.asarray(x), np.asarray(y), atol=atol) for x, y in leaves)
@@ -169,6 +176,13 @@ def test_a_learner_gang_of_two_processes_trains_as_the_local_learner_and_checkpo
   kinds = [kind for lane, _, _, kind in remote.timeline.segments() if lane == LEARNER_LANE]
   assert kinds.count("weight-sync") == 1 and "train" not in kinds  # "train" is the caller's
   remote.timeline = None
+  # For bf16 readers each process casts its shards before it sends them: half the bytes.
+  bf16 = np.dtype(jax.numpy.bfloat16)
+  remote.publish_to(store, 4, dtypes=jax.tree.map(lambda x: bf16, before))
+  store.wait_for(4)
+  version, published = store.pull(3)
+  assert version == 4 and {x.dtype for x in jax.tree.leaves(published)} == {bf16}
+  assert _close(_as_f32(published), _as_f32(remote.params, bf16), 0)
 
   # A checkpoint of the actor's state (host arrays) restores into it after more training.
   saved_params, saved_opt = remote.params, remote.opt_state

@@ -8,7 +8,9 @@ import pytest
 from helpers import tolerance
 
 from jaxrl.model import Model, get_preset
+from jaxrl.model.functional import _compiled_copy
 from jaxrl.rl.experience import batch_lengths, pad_sequences
+from jaxrl.rl.weights import WeightStore
 from jaxrl.sharding import TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch, update_plan
 
@@ -234,6 +236,43 @@ def test_precompile_compiles_each_length_and_trains_nothing():
   tokens, mask = pad_sequences(prompts, responses, 0, length=32)
   learner.update(TrainBatch(tokens, mask, np.zeros_like(mask), np.ones(16, np.float32)))
   assert learner._update._cache_size() == compiled[0] + 1  # 32 was not precompiled
+
+
+@pytest.mark.parametrize(
+  ("dtype", "on_device"),
+  [("bfloat16", True), (None, True), ("bfloat16", False)],
+  ids=["bf16-device", "own-dtype-device", "bf16-host"],
+)
+def test_a_published_copy_is_in_the_readers_dtype_and_outlives_the_next_update(dtype, on_device):
+  """The async loop's publication: a copy cast to the readers' dtype on the training devices,
+  kept there (no device-to-host transfer) or brought to the host; the next update donates the
+  parameters and the copy stays whole; each publication runs one compiled program."""
+  rng = np.random.default_rng(0)
+  learner = make_learner(4, pack=24)
+  store = WeightStore()
+  dtypes = None if dtype is None else jax.tree.map(lambda x: np.dtype(dtype), learner.params)
+  compiled = None
+  for version in range(2):
+    before = jax.device_get(learner.params)
+    shardings = jax.tree.map(lambda x: x.sharding, learner.params)
+    # The guard catches a device-to-host copy on an accelerator (on CPU the host reads device
+    # memory in place and it sees none: there the array type below is what tells).
+    guard = "disallow" if on_device else "allow"
+    with jax.transfer_guard_device_to_host(guard):
+      learner.publish_to(store, version, dtypes=dtypes, on_device=on_device)
+    learner.update(random_batch(rng))  # donates the parameters the copy was made from
+    _, published = store.pull(version - 1)
+    for got, want, sharding in zip(
+      *(jax.tree.leaves(t) for t in (published, before, shardings)), strict=True
+    ):
+      assert isinstance(got, jax.Array) == on_device
+      assert not on_device or got.sharding.is_equivalent_to(sharding, got.ndim)
+      assert not on_device or not got.is_deleted()
+      assert got.dtype == np.dtype(dtype or want.dtype)
+      np.testing.assert_array_equal(np.asarray(got), want.astype(got.dtype))
+    if version == 0:
+      compiled = _compiled_copy._cache_size()
+  assert _compiled_copy._cache_size() == compiled  # the second publication compiled nothing
 
 
 def test_batch_lengths_are_the_lengths_pad_sequences_can_give():
