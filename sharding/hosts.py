@@ -63,7 +63,7 @@ def host_array(x: jax.Array) -> np.ndarray:
   return np.asarray(x.addressable_data(0))
 
 
-def move_between_devices(tree, shardings):
+def move_between_devices(tree, shardings, *, joined_bytes_in_flight: int = 1 << 29):
   """Arrays on devices of this process onto `shardings` (a matching tree) over other devices,
   device to device. `device_put` alone reads an array whose pieces differ from its target's
   (a learner's fsdp pieces, an engine's tensor-parallel ones) whole onto the host. Here each
@@ -72,16 +72,28 @@ def move_between_devices(tree, shardings):
   one device, goes by `device_put` (device to device too). Every program runs on one device:
   no collective runs on the source devices, so a thread may take weights off devices another
   thread trains on (collectives from two threads on the same devices can deadlock, NCCL's
-  rule). Memory: one whole array at a time on a target's first device."""
-  return jax.tree.map(_move_array, tree, shardings)
+  rule). Memory: joined arrays wait on their first device until they are cut and copied; past
+  `joined_bytes_in_flight` of them the call waits for those copies, so that no more than that
+  (and one array) is held there at once, not the whole model's."""
+  leaves, treedef = jax.tree.flatten(tree)
+  out, joined = [], 0
+  for x, sharding in zip(leaves, treedef.flatten_up_to(shardings), strict=True):
+    moved, whole_bytes = _move_array(x, sharding)
+    out.append(moved)
+    joined += whole_bytes
+    if joined > joined_bytes_in_flight:
+      jax.block_until_ready(out)
+      joined = 0
+  return jax.tree.unflatten(treedef, out)
 
 
-def _move_array(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+def _move_array(x, sharding: jax.sharding.Sharding) -> tuple[jax.Array, int]:
+  """`x` onto `sharding`, and the bytes of a whole copy made on its first device (0: none)."""
   if not isinstance(x, jax.Array):
-    return jax.device_put(x, sharding)
+    return jax.device_put(x, sharding), 0
   src = x.sharding
   if src.num_devices == 1 or src.device_set == sharding.device_set or _same_pieces(x, sharding):
-    return jax.device_put(x, sharding)
+    return jax.device_put(x, sharding), 0
   pieces = {}
   for shard in x.addressable_shards:
     where = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, x.shape, strict=True))
@@ -89,7 +101,7 @@ def _move_array(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
   first = min(sharding.device_set, key=lambda d: d.id)
   moved = jax.device_put(list(pieces.values()), first)
   whole = moved[0] if len(moved) == 1 else _join(moved, tuple(pieces), x.shape)
-  return jax.device_put(whole, sharding)
+  return jax.device_put(whole, sharding), x.nbytes
 
 
 def _same_pieces(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:

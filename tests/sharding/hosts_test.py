@@ -39,3 +39,17 @@ def test_arrays_move_between_devices_without_a_host_read(source, target, monkeyp
   np.testing.assert_array_equal(np.asarray(moved), value)
   for shard in moved.addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+
+
+def test_a_tree_moves_whole_with_a_small_bound_on_joined_arrays_in_flight():
+  """Past the bound the move waits for the joined arrays' copies; the tree arrives the same."""
+  devices = jax.devices()
+  src = NamedSharding(make_mesh(devices[:4], {"fsdp": 4}), P("fsdp"))
+  dst = NamedSharding(make_mesh(devices[4:6], {"tensor": 2}), P(None, "tensor"))
+  rng = np.random.default_rng(1)
+  values = {f"w{i}": rng.normal(size=(8, 4 * (i + 1))).astype(np.float32) for i in range(3)}
+  tree = {k: jax.device_put(v, src) for k, v in values.items()}
+  moved = move_between_devices(tree, dict.fromkeys(tree, dst), joined_bytes_in_flight=1)
+  for key, value in values.items():
+    assert moved[key].sharding == dst
+    np.testing.assert_array_equal(np.asarray(moved[key]), value)
