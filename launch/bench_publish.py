@@ -5,9 +5,9 @@
 A learner with fp32 master weights (`train.Learner`, fsdp over the first half of the devices)
 publishes versions as the asynchronous loop does (`Learner.publish_to`), and two readers take
 each one as rollout workers do between decode windows: a bf16 engine's `ParamPlacer` each, on
-a quarter of the devices, tensor-parallel over them (with fewer than 4 devices everything shares
-them). Three ways, taken in turn so
-that each meets the same machine state, `repeats` transfers each after one that compiles:
+a quarter of the devices, tensor-parallel over them (with fewer than 4 devices everything
+shares them, and nothing moves between devices). The ways below are taken in turn, so that
+each meets the same machine state: `repeats` transfers each, after one that compiles.
 
 - `host_fp32`: a host copy in the learner's dtype (before `loop.publish_on_device`);
 - `host_bf16`: cast on the training devices, then brought to the host (`publish_on_device=False`);
