@@ -25,7 +25,7 @@ from jaxrl.rl.ray_learner import RayLearner
 from jaxrl.rl.ray_rollout import RayWorker
 from jaxrl.rl.stages import JobParts, rollout_device_groups
 from jaxrl.rl.timeline import StageTimeline
-from jaxrl.rl.weights import WeightStore
+from jaxrl.rl.weights import WeightStore, from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,14 @@ class WeightStoreActor:
     self._store = WeightStore()
 
   def publish(self, params, version: int) -> None:
-    self._store.publish(params, version)
+    self._store.publish(from_wire(params), version)
 
   def publish_part(self, version: int, part: int, num_parts: int, shards) -> None:
     self._store.publish_part(version, part, num_parts, shards)
 
   def pull(self, have: int):
-    return self._store.pull(have)
+    """(version, params) in wire form (`weights.to_wire`): readers take `from_wire` of it."""
+    return to_wire(self._store.pull(have))
 
   def version(self) -> int:
     return self._store.version
@@ -59,10 +60,10 @@ class RayWeightStore:
 
   def publish(self, params, version: int) -> None:
     # Waits until the store holds it: a version is released to workers only once pullable.
-    ray.get(self.actor.publish.remote(params, version), timeout=self.timeout_s)
+    ray.get(self.actor.publish.remote(to_wire(params), version), timeout=self.timeout_s)
 
   def pull(self, have: int):
-    return ray.get(self.actor.pull.remote(have), timeout=self.timeout_s)
+    return from_wire(ray.get(self.actor.pull.remote(have), timeout=self.timeout_s))
 
   @property
   def version(self) -> int:

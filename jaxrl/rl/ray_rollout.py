@@ -44,7 +44,7 @@ from jaxrl.config import ExperimentConfig
 from jaxrl.rl.ray_learner import coordinator_address, join_jax_world, local_devices, pin_cores
 from jaxrl.rl.spmd_engine import Follower, MirroredEngine
 from jaxrl.rl.timeline import ForwardingTimeline, StageTimeline
-from jaxrl.rl.weights import StoreUnreachable
+from jaxrl.rl.weights import StoreUnreachable, from_wire
 from jaxrl.rl.workers import Assignment, LocalWorker, WorkerEvent
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class RemoteStore:
   def pull(self, have: int):
     ref = self.actor.pull.remote(have)
     try:
-      pulled = ray.get(ref, timeout=self.timeout_s)
+      pulled = from_wire(ray.get(ref, timeout=self.timeout_s))
     except (ray.exceptions.RayError, TimeoutError) as e:
       raise StoreUnreachable(f"weight store actor: {type(e).__name__}: {e}") from e
     if pulled is not None and self._share:
@@ -108,7 +108,7 @@ class RolloutActor:
     self.worker: LocalWorker | None = None  # rank 0's
     self.follower: Follower | None = None  # the other ranks'
     if rank > 0:  # takes rank 0's calls from the start; runs them once built
-      fetch = lambda ref: ray.get(ref, timeout=fetch_s)  # noqa: E731
+      fetch = lambda ref: from_wire(ray.get(ref, timeout=fetch_s))  # noqa: E731
       self.follower = Follower(fetch, f"{name}-{rank}")
     self.failed = ""  # why the build failed
     self._watch = None  # rank 0's `CallWatch`, in a gang

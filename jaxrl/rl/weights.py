@@ -142,7 +142,7 @@ def owned_shards(params: Params):
     lambda x: LeafShards(
       tuple(x.shape),
       x.dtype,
-      [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0],
+      [(s.index, _as_bits(np.asarray(s.data))) for s in x.addressable_shards if s.replica_id == 0],
     ),
     params,
   )
@@ -155,12 +155,12 @@ def assemble_shards(parts: Sequence) -> Params:
   def leaf(*shards: LeafShards) -> np.ndarray:
     pieces = [values for s in shards for _, values in s.pieces]
     if len(pieces) == 1 and pieces[0].shape == shards[0].shape:
-      return pieces[0]  # one process held it whole: no second copy of the parameter
+      return pieces[0].view(shards[0].dtype)  # held whole by one process: no second copy
     out = np.empty(shards[0].shape, shards[0].dtype)
     covered = 0
     for s in shards:
       for index, values in s.pieces:
-        out[index] = values
+        out[index] = values.view(out.dtype)
         covered += values.size
     if covered != out.size:
       raise ValueError(
@@ -170,3 +170,34 @@ def assemble_shards(parts: Sequence) -> Params:
     return out
 
   return jax.tree.map(leaf, *parts, is_leaf=lambda x: isinstance(x, LeafShards))
+
+
+# Arrays of a dtype numpy does not know natively (ml_dtypes' bfloat16, float8s: kind "V") cross
+# Ray as the unsigned integers of their bits: Ray copies such arrays through pickle, and sends
+# integer arrays without a copy (this VM: 100 MB of fp32 0.23 s, the same as 50 MB of bf16 0.18
+# s, and as uint16 0.04 s, a put and a get). `owned_shards` sends its pieces so; the store actor
+# hands out `to_wire(pulled)` and readers take `from_wire` of it.
+
+
+@dataclasses.dataclass(frozen=True)
+class WireBits:
+  """An array's bits as unsigned integers, and its dtype (`to_wire`)."""
+
+  bits: np.ndarray
+  dtype: np.dtype
+
+
+def _as_bits(x: np.ndarray) -> np.ndarray:
+  return x.view(f"u{x.dtype.itemsize}") if x.dtype.kind == "V" else x
+
+
+def to_wire(tree):
+  """`tree` with each host array of a non-native dtype as its `WireBits`."""
+  is_array = lambda x: isinstance(x, np.ndarray) and x.dtype.kind == "V"  # noqa: E731
+  return jax.tree.map(lambda x: WireBits(_as_bits(x), x.dtype) if is_array(x) else x, tree)
+
+
+def from_wire(tree):
+  """`to_wire`'s inverse: each `WireBits` as the array it carries (a view, no copy)."""
+  is_bits = lambda x: isinstance(x, WireBits)  # noqa: E731
+  return jax.tree.map(lambda x: x.bits.view(x.dtype) if is_bits(x) else x, tree, is_leaf=is_bits)

@@ -2,12 +2,23 @@
 
 import inspect
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.rl.backends import PolicyLearner, VersionedStore
-from jaxrl.rl.weights import LeafShards, WeightStore
+from jaxrl.rl.weights import (
+  LeafShards,
+  WeightStore,
+  WireBits,
+  assemble_shards,
+  from_wire,
+  owned_shards,
+  to_wire,
+)
 from jaxrl.rl.workers import LocalWorker, RolloutWorker
+from jaxrl.sharding import make_mesh
 from jaxrl.train.learner import Learner
 
 ray_backend = pytest.importorskip("jaxrl.rl.ray_backend")
@@ -83,3 +94,28 @@ def test_a_version_published_in_parts_appears_whole_and_never_torn():
   assert version == 1 and np.array_equal(params["w"], whole)
   with pytest.raises(ValueError, match="cover 6 of its 12 elements"):
     store.publish_part(2, 0, 1, halves[0])
+
+
+def test_bf16_arrays_cross_ray_as_their_bits_and_come_back_equal():
+  """Ray copies arrays of ml_dtypes' dtypes through pickle and sends integer arrays without a
+  copy: the store actor hands out bf16 weights as their bits (`to_wire`), shards travel so
+  (`owned_shards`), and readers get back the same arrays (views, not copies)."""
+  bf16 = np.dtype(jax.numpy.bfloat16)
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(4, 3)).astype(bf16), "b": np.arange(3.0, dtype=np.float32)}
+  wire = to_wire((7, params))
+  assert isinstance(wire[1]["w"], WireBits) and wire[1]["w"].bits.dtype == np.uint16
+  assert wire[1]["b"] is params["b"]  # native dtypes as they are
+  version, back = from_wire(wire)
+  assert version == 7 and back["w"].dtype == bf16
+  np.testing.assert_array_equal(back["w"], params["w"])
+  assert np.shares_memory(back["w"], params["w"])
+  assert from_wire(to_wire(None)) is None  # nothing newer to pull
+  # Shards of a bf16 parameter split over two devices travel as bits and assemble to it.
+  mesh = make_mesh(jax.devices()[:2], {"fsdp": 2})
+  array = jax.device_put(params["w"], NamedSharding(mesh, PartitionSpec("fsdp")))
+  shards = owned_shards({"w": array})
+  assert all(values.dtype == np.uint16 for _, values in shards["w"].pieces)
+  assembled = assemble_shards([shards])
+  assert assembled["w"].dtype == bf16
+  np.testing.assert_array_equal(assembled["w"], params["w"])
