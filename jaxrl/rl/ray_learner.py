@@ -31,7 +31,7 @@ from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.model import copy_params
 from jaxrl.rl.backends import LearnerLost
 from jaxrl.rl.timeline import LEARNER_LANE, ForwardingTimeline, StageTimeline
-from jaxrl.rl.weights import owned_shards
+from jaxrl.rl.weights import from_wire, owned_shards, to_wire
 
 
 def pin_cores(cores: list[int] | None) -> None:
@@ -165,11 +165,12 @@ class LearnerActor:
       ray.get(store_actor.publish_part.remote(version, self.rank, self.num_processes, shards))
 
   def get(self, name: str):
-    return _host_copy(getattr(self.learner, name))
+    return to_wire(_host_copy(getattr(self.learner, name)))  # bf16 as bits: no pickled copy
 
   def set_state(self, params=None, opt_state=None, ref_params=None) -> None:
     """Host arrays onto the shardings of the learner's own (a checkpoint restore); every rank
-    is given the whole arrays and keeps its shards."""
+    is given the whole arrays (in `to_wire` form) and keeps its shards."""
+    params, opt_state, ref_params = from_wire((params, opt_state, ref_params))
     onto_current = lambda new, current: jax.tree.map(  # noqa: E731
       lambda x, cur: jax.device_put(x, cur.sharding), new, current
     )
@@ -317,20 +318,20 @@ class RayLearner:
 
   @property
   def params(self):
-    return self._all(lambda a: a.get.remote("params"))
+    return from_wire(self._all(lambda a: a.get.remote("params")))
 
   @params.setter
   def params(self, params) -> None:
-    params_ref = ray.put(params)
+    params_ref = ray.put(to_wire(params))
     self._all(lambda a: a.set_state.remote(params=params_ref))
 
   @property
   def ref_params(self):
-    return self._all(lambda a: a.get.remote("ref_params"))
+    return from_wire(self._all(lambda a: a.get.remote("ref_params")))
 
   @ref_params.setter
   def ref_params(self, ref_params) -> None:
-    ref = ray.put(ref_params)
+    ref = ray.put(to_wire(ref_params))
     self._all(lambda a: a.set_state.remote(ref_params=ref))
 
   def reset_reference(self) -> None:
@@ -339,11 +340,11 @@ class RayLearner:
 
   @property
   def opt_state(self):
-    return self._all(lambda a: a.get.remote("opt_state"))
+    return from_wire(self._all(lambda a: a.get.remote("opt_state")))
 
   @opt_state.setter
   def opt_state(self, opt_state) -> None:
-    opt_ref = ray.put(opt_state)
+    opt_ref = ray.put(to_wire(opt_state))
     self._all(lambda a: a.set_state.remote(opt_state=opt_ref))
 
   def supervised_trainer(self, learning_rate: float) -> _RemoteSupervised:
