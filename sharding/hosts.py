@@ -76,24 +76,36 @@ def move_between_devices(tree, shardings, *, joined_bytes_in_flight: int = 1 << 
   `joined_bytes_in_flight` of them the call waits for those copies, so that no more than that
   (and one array) is held there at once, not the whole model's."""
   leaves, treedef = jax.tree.flatten(tree)
-  out, joined = [], 0
-  for x, sharding in zip(leaves, treedef.flatten_up_to(shardings), strict=True):
-    moved, whole_bytes = _move_array(x, sharding)
-    out.append(moved)
-    joined += whole_bytes
+  targets = treedef.flatten_up_to(shardings)
+  # Arrays `device_put` moves device to device go in one batched call (a colocated engine's
+  # every leaf, at every weight update); the others are joined one at a time.
+  direct = [_direct(x, s) for x, s in zip(leaves, targets, strict=True)]
+  at = [i for i, d in enumerate(direct) if d]
+  out = list(leaves)
+  placed = jax.device_put([leaves[i] for i in at], [targets[i] for i in at])
+  for i, x in zip(at, placed, strict=True):
+    out[i] = x
+  joined = 0
+  for i in (i for i, d in enumerate(direct) if not d):
+    out[i] = _joined_and_cut(leaves[i], targets[i])
+    joined += leaves[i].nbytes
     if joined > joined_bytes_in_flight:
-      jax.block_until_ready(out)
+      jax.block_until_ready(out[: i + 1])
       joined = 0
   return jax.tree.unflatten(treedef, out)
 
 
-def _move_array(x, sharding: jax.sharding.Sharding) -> tuple[jax.Array, int]:
-  """`x` onto `sharding`, and the bytes of a whole copy made on its first device (0: none)."""
+def _direct(x, sharding: jax.sharding.Sharding) -> bool:
+  """Whether `device_put` moves `x` onto `sharding` without reading it whole onto the host: a
+  host value, one device's array, the same devices (a reshard there), or the same pieces."""
   if not isinstance(x, jax.Array):
-    return jax.device_put(x, sharding), 0
+    return True
   src = x.sharding
-  if src.num_devices == 1 or src.device_set == sharding.device_set or _same_pieces(x, sharding):
-    return jax.device_put(x, sharding), 0
+  return src.num_devices == 1 or src.device_set == sharding.device_set or _same_pieces(x, sharding)
+
+
+def _joined_and_cut(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+  """`x`'s pieces copied to `sharding`'s first device and joined, then cut onto `sharding`."""
   pieces = {}
   for shard in x.addressable_shards:
     where = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, x.shape, strict=True))
@@ -101,7 +113,7 @@ def _move_array(x, sharding: jax.sharding.Sharding) -> tuple[jax.Array, int]:
   first = min(sharding.device_set, key=lambda d: d.id)
   moved = jax.device_put(list(pieces.values()), first)
   whole = moved[0] if len(moved) == 1 else _join(moved, tuple(pieces), x.shape)
-  return jax.device_put(whole, sharding), x.nbytes
+  return jax.device_put(whole, sharding)
 
 
 def _same_pieces(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
