@@ -175,6 +175,10 @@ class TrainConfig:
     precompile: compile the update for every batch shape the run can meet before it starts,
       so that no step stalls on a compilation: packed, the one shape of its rows; padded, every
       batch length (prompt + response lengths, rounded up to multiples of 8).
+    compile_ahead: where `precompile` is off, compile the packed update's programs (for rows
+      of `pack_length` positions) on background threads from the run's start, without running
+      them, so that they compile while the first rollout runs instead of after it; the first
+      update waits for them. Off: the first update compiles them.
     pack_length: sequence packing (`jaxrl.train.packing`): positions per packed row (a
       sequence of n tokens takes n - 1). Each micro-batch is `micro_batch_size` rows of this
       many positions holding as many whole sequences as fit, so the update has one shape for
@@ -202,6 +206,7 @@ class TrainConfig:
   optimizer: OptimizerConfig = OptimizerConfig()
   moe: MoEConfig = MoEConfig()
   precompile: bool = False
+  compile_ahead: bool = True
   logprob_chunk: int = 128
   pack_length: int = -1
   num_processes: int = 1

@@ -15,7 +15,9 @@ TPU, around a scatter into the pool's page and slot axes, every layer at every s
 `jaxrl.model.cache.write_pages` wrote rows instead). And for every target, XLA's buffer plan of
 the learner's update at the settings of `launch/bench.py learner` (`_plan_learner`, from an
 abstract `Learner`): whether it fits one chip. `--child '{"target": T, "kind": "apply"}'` times
-the compile of the learner's apply step alone for target T (`_compile_apply`).
+the compile of the learner's apply step alone for target T (`_compile_apply`); `"kind":
+"update"` that of the update's programs, one after another or on threads as
+`Learner.compile_ahead` compiles them (`_compile_update`).
 
 Without a device XLA keeps its default GEMM tiles (no autotuning), so which GEMM kernels run
 may differ on a card; the kernels the model's ops make, and their number, do not.
@@ -228,6 +230,20 @@ def _plan_learner(spec: dict) -> dict:
   return out
 
 
+def _abstract_recipe_learner(target: str):
+  """(abstract learner, platform to trace for) of the HF recipe's learner (Qwen3-0.6B, 4,096
+  positions, flash attention keeping its output) on `target`'s devices, or this CPU's."""
+  import jax
+  from bench_learner import recipe_learner
+
+  devices = jax.devices() if target == "cpu" else _target_devices(target)
+  _, learner = recipe_learner(
+    "qwen3-0.6b", 4096, "flash", devices, dtype="bfloat16", abstract=True,
+    remat_policy="save_attention",
+  )  # fmt: skip
+  return learner, "cpu" if target == "cpu" else "tpu" if target in TPU_TOPOLOGIES else "cuda"
+
+
 def _compile_apply(spec: dict) -> dict:
   """In a fresh process: the HF recipe learner's apply step (`Learner._apply`: the finite
   check, clipping and AdamW over Qwen3-0.6B's fp32 master weights) lowered and compiled for
@@ -236,20 +252,11 @@ def _compile_apply(spec: dict) -> dict:
   "apply"}'` (with the CUDA plugin on PYTHONPATH for a GPU target)."""
   import time
 
-  import jax
-  from bench_learner import recipe_learner
-
   from jaxrl.kernels.common import target_platform
   from jaxrl.train import update_plan
 
-  target = spec["target"]
-  devices = jax.devices() if target == "cpu" else _target_devices(target)
-  _, learner = recipe_learner(
-    "qwen3-0.6b", 4096, "flash", devices, dtype="bfloat16", abstract=True,
-    remat_policy="save_attention",
-  )  # fmt: skip
+  learner, platform = _abstract_recipe_learner(spec["target"])
   sums = update_plan.abstract_sums(learner)
-  platform = "cpu" if target == "cpu" else "tpu" if target in TPU_TOPOLOGIES else "cuda"
   with target_platform(platform):
     start = time.perf_counter()
     lowered = learner._apply.lower(learner.params, learner.opt_state, sums)
@@ -263,6 +270,33 @@ def _compile_apply(spec: dict) -> dict:
     "compile_s": compile_s,
     "fusions": len(re.findall(r" fusion\(", text)),
   }
+
+
+def _compile_update(spec: dict) -> dict:
+  """In a fresh process: the HF recipe learner's update programs (the sums' zeros, the
+  micro-step, the apply step: what its first update compiles) compiled for `spec["target"]`
+  from an abstract learner, one after another (`"ahead": false`) or as `Learner.compile_ahead`
+  compiles them, a thread each (`"ahead": true`): wall seconds, and the CPU seconds of the
+  process. Run as `python launch/bench_kernels.py --child '{"target": "h100", "kind":
+  "update", "ahead": true}'` (with the CUDA plugin on PYTHONPATH for a GPU target)."""
+  import resource
+  import time
+
+  from jaxrl.kernels.common import target_platform
+  from jaxrl.train import update_plan
+
+  learner, platform = _abstract_recipe_learner(spec["target"])
+  cpu_s = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # noqa: E731
+  with target_platform(platform):
+    start, cpu = time.perf_counter(), cpu_s()
+    if spec["ahead"]:
+      update_plan.compile_ahead(learner, 1, []).result()
+    else:
+      state = update_plan.abstract_state(learner)
+      learner._zero_sums.lower(state[0]).compile()
+      for lower in update_plan.update_lowerings(learner, 1, 4097, state):
+        lower().compile()
+    return {"wall_s": time.perf_counter() - start, "cpu_s": cpu_s() - cpu}
 
 
 def _compile_window(spec: dict) -> dict:
@@ -451,6 +485,7 @@ if __name__ == "__main__":
         "training": _compile_training_kernels,
         "learner": _plan_learner,
         "apply": _compile_apply,
+        "update": _compile_update,
       }.get(child_spec.get("kind"), _compile_window)
     print(json.dumps(compile_child(child_spec)))
   else:

@@ -86,6 +86,10 @@ class PolicyLearner(Protocol):
   def precompile(self, batch_size: int, lengths: list[int]) -> int:
     """Compiles the update for the batch shapes a run will meet; how many it compiled."""
 
+  def compile_ahead(self, batch_size: int, lengths: list[int] = ()) -> None:
+    """Starts compiling the update's programs for these lengths (packed: its rows) in the
+    background, running nothing; the next update waits for them."""
+
 
 class Backend(Protocol):
   """Makes a job's learner, weight store and rollout workers."""

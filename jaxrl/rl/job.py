@@ -138,6 +138,8 @@ def build_controller(
     elif max_trajectory:
       lengths = batch_lengths(min(sample), max_trajectory - 1, 1)
     learner.precompile(cfg.rollout.prompts_per_step * cfg.rollout.group_size, lengths)
+  elif train.compile_ahead and train.pack_length:
+    learner.compile_ahead(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
   loader = PromptLoader(train_records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
   eval_records = task.records("test", cfg.eval.num_prompts) if cfg.eval.every else []
   kwargs = dict(

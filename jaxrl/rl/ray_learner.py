@@ -156,6 +156,9 @@ class LearnerActor:
   def precompile(self, batch_size: int, lengths: list[int]) -> int:
     return self.learner.precompile(batch_size, lengths)
 
+  def compile_ahead(self, batch_size: int, lengths: list[int]) -> None:
+    self.learner.compile_ahead(batch_size, lengths)  # the actor's next update waits for it
+
   def publish_part(self, store_actor, version: int, dtypes=None) -> None:
     """Sends the shards this process owns to the store actor (not through the controller),
     cast to `dtypes` on its devices first (bf16 readers: half the bytes)."""
@@ -302,6 +305,9 @@ class RayLearner:
     count = self._all(lambda a: a.precompile.remote(batch_size, lengths))
     self._all(lambda a: a.spans.remote())  # its compilations came before the run: not stalls
     return count
+
+  def compile_ahead(self, batch_size: int, lengths: list[int] = ()) -> None:
+    self._all(lambda a: a.compile_ahead.remote(batch_size, list(lengths)))
 
   def publish_to(
     self, store, version: int, *, lend: bool = False, dtypes=None, on_device: bool = False

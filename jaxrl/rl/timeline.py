@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 import jax
 
 from jaxrl.scheduler.timeline import plot_lanes
+from jaxrl.train.update_plan import COMPILE_AHEAD_THREADS
 
 LEARNER_LANE = "learner"
 # Spans closer than this are drawn as one: a worker's back-to-back decode windows are a few
@@ -79,6 +80,8 @@ class StageTimeline:
     self._thread_lanes[thread_name] = lane
 
   def _add_compile(self, start: float, end: float) -> None:
+    if threading.current_thread().name.startswith(COMPILE_AHEAD_THREADS):
+      return  # compiled ahead, beside the stages (`Learner.compile_ahead`): it stalled none
     stack = getattr(self._open, "lanes", None)
     lane = stack[-1] if stack else self._thread_lanes.get(threading.current_thread().name)
     lane = lane or self.compile_lane

@@ -46,7 +46,6 @@ from jaxrl.train.packing import (
   PackLayout,
   input_positions,
   pack_train_batch,
-  row_length,
 )
 from jaxrl.train.routing import MoEConfig, plan_micro_batches, replayed_routes
 from jaxrl.train.vocab_blocks import head_vocab_shards
@@ -192,6 +191,7 @@ class Learner:
     self._packed_logprobs = jax.jit(self._packed_logprobs_impl)
     self._warned_lengths: set[int] = set()
     self._lent = None  # (store, version) the live parameters were lent to (`publish_to`)
+    self._compiling = None  # the future of the programs `compile_ahead` is compiling
 
   def publish_to(
     self, store, version: int, *, lend: bool = False, dtypes=None, on_device: bool = False
@@ -321,6 +321,9 @@ class Learner:
     loss or gradient was not finite.
     """
     self.check_batch_size(batch.size)
+    if self._compiling is not None:  # `compile_ahead`'s programs, which the update is to run
+      compiling, self._compiling = self._compiling, None
+      compiling.result()
     self.recall_lent()  # the update donates the parameters
     per_update = batch.size // self.updates_per_step
     behaviour_bt = batch.old_logp_bt
@@ -466,34 +469,18 @@ class Learner:
 
   def precompile(self, batch_size: int, lengths: Sequence[int]) -> int:
     """Compiles `update` (and the proximal log-probs it may need) for batches of `batch_size`
-    sequences of each of these token lengths, so that no step stalls on a compilation; nothing
-    is trained. Returns the number of training shapes compiled: packed, one (plus one per
-    longer row length that a length past `pack_length` needs), padded, one per length."""
-    if self.pack_length:
-      # Packed: one update per row length, on a batch whose every advantage is NaN, so the
-      # apply step skips it and the state stays as it was (no copy of it needed).
-      shapes = sorted({self.pack_length, *(row_length(n - 1, self.pack_length) for n in lengths)})
-      for rows in shapes:
-        blank = self._blank_batch(batch_size, rows + 1)
-        # One sequence per optimizer update, which needs rows of `rows` positions.
-        first = slice(None, None, max(batch_size // self.updates_per_step, 1))
-        blank.mask_bt[first, : rows if rows > self.pack_length else 1] = 1.0
-        blank.advantages_b[:] = np.nan
-        jax.block_until_ready(self.update(blank))
-      return len(shapes)
-    params, opt_state = self.params, self.opt_state
-    for length in lengths:
-      # `update` donates the state it is given: hand it copies.
-      self.params, self.opt_state = jax.tree.map(jnp.copy, (params, opt_state))
-      jax.block_until_ready(self.update(self._blank_batch(batch_size, length)))
-    self.params, self.opt_state = params, opt_state
-    return len(lengths)
+    sequences of each of these token lengths by running it on batches that change nothing,
+    so that no step stalls on a compilation. Returns the number of training shapes compiled:
+    packed, one (plus one per longer row length that a length past `pack_length` needs),
+    padded, one per length (`update_plan.precompile`)."""
+    return update_plan.precompile(self, batch_size, lengths)
 
-  def _blank_batch(self, batch_size: int, length: int) -> TrainBatch:
-    cfg = self.model.config
-    replay = cfg.is_moe and self.moe_cfg.routing_replay  # then routes too, all -1
-    routes_lk = (cfg.num_layers, cfg.experts_per_token) if replay else None
-    return TrainBatch.blank(batch_size, length, routes_lk)
+  def compile_ahead(self, batch_size: int, lengths: Sequence[int] = ()) -> None:
+    """Starts compiling the update's programs for these sequence lengths (packed: the rows of
+    `pack_length` positions too) on background threads, without running anything, so that
+    they compile while the run does other work (its first rollout); the next `update` waits
+    for them and raises what failed (`update_plan.compile_ahead`)."""
+    self._compiling = update_plan.compile_ahead(self, batch_size, lengths)
 
   def proximal_logprobs(self, batch: TrainBatch) -> np.ndarray:
     """The current weights' log-probs of the batch's targets (0 off the mask), as the update

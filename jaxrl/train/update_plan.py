@@ -7,14 +7,21 @@ also for devices this process does not have."""
 
 from __future__ import annotations
 
+import contextvars
 import math
 import re
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxrl.train.batch import TrainBatch
 from jaxrl.train.packing import MicroBatch, row_length
+
+COMPILE_AHEAD_THREADS = "jaxrl-compile"  # the prefix of `compile_ahead`'s threads' names
 
 
 def with_shardings(shapes, shardings):
@@ -38,39 +45,133 @@ def abstract_micro(learner, length: int) -> MicroBatch:
   return MicroBatch(ints, ints, floats, floats, floats, floats, ints, ints, routes)
 
 
-def abstract_sums(learner):
+def abstract_sums(learner, params=None):
   """The (gradient, metric) sums the micro-steps add into, as shapes on their shardings: what
-  the apply step takes (for tracing and planning)."""
+  the apply step takes (for tracing and planning). `params`: the parameters or their shapes
+  (default: the learner's)."""
   as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-  return jax.tree.map(as_abstract, jax.eval_shape(learner._zero_sums, learner.params))
+  params = learner.params if params is None else params
+  return jax.tree.map(as_abstract, jax.eval_shape(learner._zero_sums, params))
 
 
-def compiled_update(learner, batch_size: int, length: int) -> list:
+def abstract_state(learner):
+  """(params, opt_state, ref_params) as shapes on their shardings: what the update's programs
+  are compiled for, read once, so that compiling does not touch arrays an update may donate."""
+  as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+  return jax.tree.map(as_abstract, (learner.params, learner.opt_state, learner.ref_params))
+
+
+def update_lowerings(learner, batch_size: int, length: int, state=None) -> list:
   """The programs of one optimizer update over `batch_size` sequences of `length` tokens
-  (dense models, no routing replay), compiled but not run: packed, the micro-step over
-  `micro_batch_size` rows (of `pack_length` positions, or longer where `length` needs) and the
-  step that applies the gradients; otherwise the one update program."""
+  (dense models, or MoE without an expert placement per micro-batch), as functions that trace
+  and lower each (`jax.stages.Lowered`): packed, the micro-step over `micro_batch_size` rows
+  (of `pack_length` positions, or longer where `length` needs) and the step that applies the
+  gradients; otherwise the one update program. `state`: `abstract_state`'s (default: read now)."""
+  params, opt_state, ref_params = state or abstract_state(learner)
   if learner.pack_length:
     micro = abstract_micro(learner, row_length(length - 1, learner.pack_length))
-    sums = abstract_sums(learner)
+    sums = abstract_sums(learner, params)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     return [
-      learner._micro_step.lower(
-        learner.params, learner.ref_params, sums, micro, scalar, scalar, None
-      ).compile(),
-      learner._apply.lower(learner.params, learner.opt_state, sums).compile(),
-    ]  # fmt: skip
+      lambda: learner._micro_step.lower(params, ref_params, sums, micro, scalar, scalar, None),
+      lambda: learner._apply.lower(params, opt_state, sums),
+    ]
   m = batch_size // learner.micro_batch_size
   shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=learner._micro_sharding)  # noqa: E731
   per_token = (m, learner.micro_batch_size, length - 1)
   tokens = jax.ShapeDtypeStruct((m, learner.micro_batch_size, length), jnp.int32,
                                 sharding=learner._micro_sharding)  # fmt: skip
   return [
-    learner._update.lower(
-      learner.params, learner.opt_state, learner.ref_params, tokens, shape(*per_token),
-      shape(*per_token), shape(*per_token), shape(m, learner.micro_batch_size), None, None,
-    ).compile()
+    lambda: learner._update.lower(
+      params, opt_state, ref_params, tokens, shape(*per_token), shape(*per_token),
+      shape(*per_token), shape(m, learner.micro_batch_size), None, None,
+    )
   ]  # fmt: skip
+
+
+def compiled_update(learner, batch_size: int, length: int) -> list:
+  """`update_lowerings`' programs, compiled but not run."""
+  return [lower().compile() for lower in update_lowerings(learner, batch_size, length)]
+
+
+def compile_ahead(learner, batch_size: int, lengths: Sequence[int]) -> Future | None:
+  """Compiles the update's programs for batches of `batch_size` sequences of these token
+  lengths (packed: also rows of `pack_length` positions, and the zeros the sums start from)
+  on background threads, one a program; returns a future that is done when all are, or None
+  where there is nothing to compile ahead (`Learner.compile_ahead`).
+
+  A compiled program lands in the caches a call of the same jitted function on arrays of the
+  same shapes and shardings looks in, so the update's first call runs it without compiling.
+  Nothing runs on the devices, and the learner's arrays are only read for their shapes (now,
+  before the threads start), so the learner may update, lend or restore its state meanwhile.
+  Tracing holds Python's GIL; XLA's compiling, the long part, does not. A learner with an
+  expert placement per micro-batch (MoE routing replay, expert-parallel) is compiled by its
+  first update as before: its placement's shapes come from the batch."""
+  if learner.expert_parallel is not None and learner.moe_cfg.routing_replay:
+    return None
+  if not learner.pack_length and not lengths:
+    return None
+  state = abstract_state(learner)
+
+  def lowerings() -> list:
+    if not learner.pack_length:
+      unique = sorted(set(lengths))
+      return [f for n in unique for f in update_lowerings(learner, batch_size, n, state)]
+    # The zeros, a micro-step program per row length, one apply step.
+    pack = learner.pack_length
+    rows = sorted({pack, *(row_length(n - 1, pack) for n in lengths)})
+    micro_steps = [update_lowerings(learner, batch_size, r + 1, state)[0] for r in rows]
+    apply = update_lowerings(learner, batch_size, pack + 1, state)[1]
+    return [lambda: learner._zero_sums.lower(state[0]), *micro_steps, apply]
+
+  def compile_all() -> None:
+    programs = lowerings()
+    with ThreadPoolExecutor(len(programs), thread_name_prefix=COMPILE_AHEAD_THREADS) as pool:
+      # Each in the caller's context: its traced settings (`jaxrl.kernels.common`) apply.
+      runs = [pool.submit(contextvars.copy_context().run, _compile, f) for f in programs]
+      for done in runs:
+        done.result()
+
+  driver = ThreadPoolExecutor(1, thread_name_prefix=f"{COMPILE_AHEAD_THREADS}-driver")
+  future = driver.submit(contextvars.copy_context().run, compile_all)
+  driver.shutdown(wait=False)  # its thread ends with `compile_all`
+  return future
+
+
+def _compile(lower) -> None:
+  lower().compile()  # kept by JAX's caches, where the update's calls find it
+
+
+def precompile(learner, batch_size: int, lengths: Sequence[int]) -> int:
+  """`Learner.precompile`: runs the update once per training shape on a batch that changes
+  nothing; returns how many shapes."""
+  if learner.pack_length:
+    # Packed: one update per row length, on a batch whose every advantage is NaN, so the
+    # apply step skips it and the state stays as it was (no copy of it needed).
+    pack = learner.pack_length
+    shapes = sorted({pack, *(row_length(n - 1, pack) for n in lengths)})
+    for rows in shapes:
+      blank = _blank_batch(learner, batch_size, rows + 1)
+      # One sequence per optimizer update, which needs rows of `rows` positions.
+      first = slice(None, None, max(batch_size // learner.updates_per_step, 1))
+      blank.mask_bt[first, : rows if rows > pack else 1] = 1.0
+      blank.advantages_b[:] = np.nan
+      jax.block_until_ready(learner.update(blank))
+    return len(shapes)
+  params, opt_state = learner.params, learner.opt_state
+  for length in lengths:
+    # `update` donates the state it is given: hand it copies.
+    learner.params, learner.opt_state = jax.tree.map(jnp.copy, (params, opt_state))
+    jax.block_until_ready(learner.update(_blank_batch(learner, batch_size, length)))
+  learner.params, learner.opt_state = params, opt_state
+  return len(lengths)
+
+
+def _blank_batch(learner, batch_size: int, length: int) -> TrainBatch:
+  cfg = learner.model.config
+  replay = cfg.is_moe and learner.moe_cfg.routing_replay  # then routes too, all -1
+  routes_lk = (cfg.num_layers, cfg.experts_per_token) if replay else None
+  return TrainBatch.blank(batch_size, length, routes_lk)
 
 
 def memory_plan(programs) -> dict[str, float]:

@@ -14,6 +14,7 @@ from jaxrl.rl.timeline import (
   load_segments,
   plot_stage_timeline,
 )
+from jaxrl.train.update_plan import COMPILE_AHEAD_THREADS
 
 
 def test_spans_merge_only_when_back_to_back_and_of_one_kind():
@@ -95,6 +96,23 @@ def test_compilations_land_on_the_lane_of_the_stage_that_ran_them():
   assert worker and set(worker) == {"compile"}
   assert {lane for lane, *_ in spans} == {"learner", "worker w9"}  # the unbound thread: none
   assert not any(k == "compile" for *_, k in StageTimeline(record_compiles=False).segments())
+
+
+def test_compilations_ahead_of_the_stages_stall_none_of_them():
+  """`Learner.compile_ahead`'s threads compile beside the stages: not drawn as a stall, even
+  on a timeline that puts every other compilation on a lane (a Ray learner actor's)."""
+  tl = StageTimeline(compile_lane="learner")
+  x = np.arange(5.0)
+  ahead = threading.Thread(
+    target=lambda: jax.jit(lambda v: v * 7).lower(x).compile(), name=f"{COMPILE_AHEAD_THREADS}_0"
+  )
+  ahead.start()
+  ahead.join()
+  assert tl.segments() == []
+  other = threading.Thread(target=lambda: jax.jit(lambda v: v * 9)(x), name="other")
+  other.start()
+  other.join()
+  assert {(lane, kind) for lane, _, _, kind in tl.segments()} == {("learner", "compile")}
 
 
 def test_compile_stalled_steps_flags_the_steps_a_compilation_overlapped():

@@ -1,12 +1,11 @@
 """Static engine and sampler tests on a 4-device rollout mesh."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tolerance
+from helpers.compiles import compiled_functions
 from helpers.host_reads import whole_arrays_read_on_the_host
 
 from jaxrl.model import Model, get_preset
@@ -58,22 +57,6 @@ def test_weights_land_on_rollout_mesh(setup):
   assert {s.data.shape for s in wq.addressable_shards} == {(128, 2, 32)}
 
 
-@contextlib.contextmanager
-def _backend_compiles():
-  """Counts XLA compilations inside the block (appended to the list it yields)."""
-  seen = []
-
-  def listener(name, _secs, **_kwargs):
-    if name == "/jax/core/compile/backend_compile_duration":
-      seen.append(name)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield seen
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.mark.parametrize("engine_class", [StaticEngine, PagedEngine])
 def test_fp32_master_weights_reach_a_bf16_engine_compiling_the_cast_once(engine_class, monkeypatch):
   """What the RL job does at every step: the learner's fp32 weights, on its own devices (or as
@@ -108,7 +91,7 @@ def test_fp32_master_weights_reach_a_bf16_engine_compiling_the_cast_once(engine_
         "host": jax.device_get,
         "bf16 on devices": lambda p: bf16(jax.device_put(p, train_shardings)),
       }[source](fp32)
-      with _backend_compiles() as seen, whole_arrays_read_on_the_host(monkeypatch) as read:
+      with compiled_functions() as seen, whole_arrays_read_on_the_host(monkeypatch) as read:
         engine.update_weights(weights, version)
         jax.block_until_ready(engine.params)
       compiles.append(len(seen))

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import tolerance
+from helpers.compiles import compiled_functions
 
 from jaxrl.model import Model, get_preset
 from jaxrl.model.functional import _compiled_copy
@@ -236,6 +237,60 @@ def test_precompile_compiles_each_length_and_trains_nothing():
   tokens, mask = pad_sequences(prompts, responses, 0, length=32)
   learner.update(TrainBatch(tokens, mask, np.zeros_like(mask), np.ones(16, np.float32)))
   assert learner._update._cache_size() == compiled[0] + 1  # 32 was not precompiled
+
+
+@pytest.mark.parametrize(
+  ("axes", "pack", "kl"),
+  [({"fsdp": 2, "tensor": 2}, 24, 0.1), ({"data": 4}, 24, 0.0), ({"fsdp": 4}, 0, 0.0)],
+  ids=["packed-kl", "packed-data-parallel", "padded"],
+)
+def test_the_first_update_runs_what_compile_ahead_compiled(axes, pack, kl):
+  """The programs compiled ahead (on background threads, from shapes alone) are the ones the
+  first update runs: it compiles none of them again, and updates as a learner that compiled
+  them itself."""
+  rng = np.random.default_rng(11)
+  batch, params = random_batch(rng), MODEL.init(int(rng.integers(1 << 16)))
+
+  def learner():
+    return Learner(
+      MODEL,
+      make_mesh(jax.devices()[4:], axes),
+      TRAIN_RULES,
+      loss=LossConfig(kl_weight=kl),
+      optimizer=OptimizerConfig(learning_rate=1e-3),
+      updates_per_step=1,
+      micro_batch_size=4,
+      temperature=1.0,
+      params=params,
+      pack_length=pack,
+    )
+
+  ahead, plain = learner(), learner()
+  with compiled_functions() as compiled_ahead:
+    ahead.compile_ahead(16, [] if pack else [24])  # padded: the batch's length
+    ahead._compiling.result()
+  expected = {"jit(_apply_impl)", "jit(zeros)"} if pack else {"jit(_update_impl)"}
+  assert expected <= set(compiled_ahead)
+  with compiled_functions() as compiled_by_update:
+    got = ahead.update(batch)
+  assert not set(compiled_by_update) & set(compiled_ahead), compiled_by_update
+  want = plain.update(batch)
+  assert float(got["loss"]) == float(want["loss"])
+  for x, y in zip(jax.tree.leaves(ahead.params), jax.tree.leaves(plain.params), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_failed_compile_ahead_surfaces_at_the_next_update(monkeypatch):
+  def broken(lower):
+    raise RuntimeError("out of memory while compiling")
+
+  monkeypatch.setattr(update_plan, "_compile", broken)
+  learner, batch = make_learner(4, pack=24), random_batch(np.random.default_rng(2))
+  learner.compile_ahead(16)
+  with pytest.raises(RuntimeError, match="out of memory while compiling"):
+    learner.update(batch)
+  monkeypatch.undo()
+  assert np.isfinite(float(learner.update(batch)["loss"]))  # it compiles what it needs itself
 
 
 @pytest.mark.parametrize(
