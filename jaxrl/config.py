@@ -178,7 +178,9 @@ class TrainConfig:
     compile_ahead: where `precompile` is off, compile the packed update's programs (for rows
       of `pack_length` positions) on background threads from the run's start, without running
       them, so that they compile while the first rollout runs instead of after it; the first
-      update waits for them. Off: the first update compiles them.
+      update waits for them. Off: the first update compiles them (after the rollout, which,
+      colocated, has freed its KV cache by then: on a GPU, XLA's autotuning of the learner's
+      kernels runs on the device, beside the rollout and its memory when compiled ahead).
     pack_length: sequence packing (`jaxrl.train.packing`): positions per packed row (a
       sequence of n tokens takes n - 1). Each micro-batch is `micro_batch_size` rows of this
       many positions holding as many whole sequences as fit, so the update has one shape for
