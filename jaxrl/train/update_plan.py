@@ -95,8 +95,8 @@ def compiled_update(learner, batch_size: int, length: int) -> list:
 
 
 def compile_ahead(learner, batch_size: int, lengths: Sequence[int]) -> Future | None:
-  """Compiles the update's programs for batches of `batch_size` sequences of these token
-  lengths (packed: also rows of `pack_length` positions, and the zeros the sums start from)
+  """Compiles the update's programs for a step's batches of `batch_size` sequences of these
+  token lengths (packed: also rows of `pack_length` positions, and the zeros the sums start from)
   on background threads, one a program; returns a future that is done when all are, or None
   where there is nothing to compile ahead (`Learner.compile_ahead`).
 
@@ -114,9 +114,10 @@ def compile_ahead(learner, batch_size: int, lengths: Sequence[int]) -> Future | 
   state = abstract_state(learner)
 
   def lowerings() -> list:
-    if not learner.pack_length:
+    if not learner.pack_length:  # an update program per length, over one update's rows
+      rows = batch_size // learner.updates_per_step
       unique = sorted(set(lengths))
-      return [f for n in unique for f in update_lowerings(learner, batch_size, n, state)]
+      return [f for n in unique for f in update_lowerings(learner, rows, n, state)]
     # The zeros, a micro-step program per row length, one apply step.
     pack = learner.pack_length
     rows = sorted({pack, *(row_length(n - 1, pack) for n in lengths)})

@@ -240,11 +240,11 @@ def test_precompile_compiles_each_length_and_trains_nothing():
 
 
 @pytest.mark.parametrize(
-  ("axes", "pack", "kl"),
-  [({"fsdp": 2, "tensor": 2}, 24, 0.1), ({"data": 4}, 24, 0.0), ({"fsdp": 4}, 0, 0.0)],
-  ids=["packed-kl", "packed-data-parallel", "padded"],
+  ("axes", "pack", "kl", "updates"),
+  [({"fsdp": 2, "tensor": 2}, 24, 0.1, 1), ({"data": 4}, 24, 0.0, 1), ({"fsdp": 4}, 0, 0.0, 2)],
+  ids=["packed-kl", "packed-data-parallel", "padded-2-updates"],
 )
-def test_the_first_update_runs_what_compile_ahead_compiled(axes, pack, kl):
+def test_the_first_update_runs_what_compile_ahead_compiled(axes, pack, kl, updates):
   """The programs compiled ahead (on background threads, from shapes alone) are the ones the
   first update runs: it compiles none of them again, and updates as a learner that compiled
   them itself."""
@@ -258,7 +258,7 @@ def test_the_first_update_runs_what_compile_ahead_compiled(axes, pack, kl):
       TRAIN_RULES,
       loss=LossConfig(kl_weight=kl),
       optimizer=OptimizerConfig(learning_rate=1e-3),
-      updates_per_step=1,
+      updates_per_step=updates,
       micro_batch_size=4,
       temperature=1.0,
       params=params,
