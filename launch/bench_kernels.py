@@ -292,9 +292,7 @@ def _compile_update(spec: dict) -> dict:
     if spec["ahead"]:
       update_plan.compile_ahead(learner, 1, []).result()
     else:
-      state = update_plan.abstract_state(learner)
-      learner._zero_sums.lower(state[0]).compile()
-      for lower in update_plan.update_lowerings(learner, 1, 4097, state):
+      for lower in update_plan.ahead_programs(learner, 1, []):
         lower().compile()
     return {"wall_s": time.perf_counter() - start, "cpu_s": cpu_s() - cpu}
 

@@ -49,16 +49,19 @@ def abstract_sums(learner, params=None):
   """The (gradient, metric) sums the micro-steps add into, as shapes on their shardings: what
   the apply step takes (for tracing and planning). `params`: the parameters or their shapes
   (default: the learner's)."""
-  as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
   params = learner.params if params is None else params
-  return jax.tree.map(as_abstract, jax.eval_shape(learner._zero_sums, params))
+  return _abstract(jax.eval_shape(learner._zero_sums, params))
 
 
 def abstract_state(learner):
   """(params, opt_state, ref_params) as shapes on their shardings: what the update's programs
   are compiled for, read once, so that compiling does not touch arrays an update may donate."""
-  as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-  return jax.tree.map(as_abstract, (learner.params, learner.opt_state, learner.ref_params))
+  return _abstract((learner.params, learner.opt_state, learner.ref_params))
+
+
+def _abstract(tree):
+  """Each array of `tree` as its shape, dtype and sharding."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def update_lowerings(learner, batch_size: int, length: int, state=None) -> list:
@@ -113,20 +116,8 @@ def compile_ahead(learner, batch_size: int, lengths: Sequence[int]) -> Future | 
     return None
   state = abstract_state(learner)
 
-  def lowerings() -> list:
-    if not learner.pack_length:  # an update program per length, over one update's rows
-      rows = batch_size // learner.updates_per_step
-      unique = sorted(set(lengths))
-      return [f for n in unique for f in update_lowerings(learner, rows, n, state)]
-    # The zeros, a micro-step program per row length, one apply step.
-    pack = learner.pack_length
-    rows = sorted({pack, *(row_length(n - 1, pack) for n in lengths)})
-    micro_steps = [update_lowerings(learner, batch_size, r + 1, state)[0] for r in rows]
-    apply = update_lowerings(learner, batch_size, pack + 1, state)[1]
-    return [lambda: learner._zero_sums.lower(state[0]), *micro_steps, apply]
-
   def compile_all() -> None:
-    programs = lowerings()
+    programs = ahead_programs(learner, batch_size, lengths, state)
     with ThreadPoolExecutor(len(programs), thread_name_prefix=COMPILE_AHEAD_THREADS) as pool:
       # Each in the caller's context: its traced settings (`jaxrl.kernels.common`) apply.
       runs = [pool.submit(contextvars.copy_context().run, _compile, f) for f in programs]
@@ -137,6 +128,23 @@ def compile_ahead(learner, batch_size: int, lengths: Sequence[int]) -> Future | 
   future = driver.submit(contextvars.copy_context().run, compile_all)
   driver.shutdown(wait=False)  # its thread ends with `compile_all`
   return future
+
+
+def ahead_programs(learner, batch_size: int, lengths: Sequence[int], state=None) -> list:
+  """What `compile_ahead` compiles, as `update_lowerings`' functions: packed, the zeros the
+  sums start from, a micro-step per row length (`pack_length` and those `lengths` need) and
+  one apply step; padded, an update program per length over one update's rows (a step's
+  `batch_size` over `updates_per_step`)."""
+  state = state or abstract_state(learner)
+  if not learner.pack_length:
+    rows = batch_size // learner.updates_per_step
+    unique = sorted(set(lengths))
+    return [f for n in unique for f in update_lowerings(learner, rows, n, state)]
+  pack = learner.pack_length
+  rows = sorted({pack, *(row_length(n - 1, pack) for n in lengths)})
+  micro_steps = [update_lowerings(learner, batch_size, r + 1, state)[0] for r in rows]
+  apply = update_lowerings(learner, batch_size, pack + 1, state)[1]
+  return [lambda: learner._zero_sums.lower(state[0]), *micro_steps, apply]
 
 
 def _compile(lower) -> None:
