@@ -19,8 +19,8 @@ from collections.abc import Iterator, Sequence
 
 import jax
 
+from jaxrl.compile_ahead import COMPILE_AHEAD_THREADS
 from jaxrl.scheduler.timeline import plot_lanes
-from jaxrl.train.update_plan import COMPILE_AHEAD_THREADS
 
 LEARNER_LANE = "learner"
 # Spans closer than this are drawn as one: a worker's back-to-back decode windows are a few

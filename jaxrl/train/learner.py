@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.compile_ahead import with_shardings
 from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
 from jaxrl.model import ExpertParallel, Model, MoEInputs, Params, copy_params
 from jaxrl.sharding import tree_shardings
@@ -142,7 +143,7 @@ class Learner:
     if abstract:
       if params is not None:
         raise ValueError("An abstract learner builds its parameters' shapes: pass params=None.")
-      self.params = update_plan.with_shardings(model.abstract_params(), self.param_shardings)
+      self.params = with_shardings(model.abstract_params(), self.param_shardings)
     else:
       if params is None:
         params = jax.jit(model.init, out_shardings=self.param_shardings)(seed)
@@ -156,7 +157,7 @@ class Learner:
     self.opt_shardings = optimizer_shardings(self.optimizer, self.params, self.param_shardings)
     if abstract:
       opt_state = jax.eval_shape(self.optimizer.init, self.params)
-      self.opt_state = update_plan.with_shardings(opt_state, self.opt_shardings)
+      self.opt_state = with_shardings(opt_state, self.opt_shardings)
     else:
       init = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
       self.opt_state = init(self.params)

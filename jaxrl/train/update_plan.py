@@ -18,19 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.compile_ahead import (
+  COMPILE_AHEAD_THREADS,
+  abstract,
+  compile_in_background,
+)
 from jaxrl.train.batch import TrainBatch
 from jaxrl.train.packing import MicroBatch, row_length
-
-COMPILE_AHEAD_THREADS = "jaxrl-compile"  # the prefix of `compile_ahead`'s threads' names
-
-
-def with_shardings(shapes, shardings):
-  """Abstract arrays (`jax.ShapeDtypeStruct`) of `shapes`, each with its sharding."""
-  return jax.tree.map(
-    lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-    shapes,
-    shardings,
-  )
 
 
 def abstract_micro(learner, length: int) -> MicroBatch:
@@ -50,18 +44,13 @@ def abstract_sums(learner, params=None):
   the apply step takes (for tracing and planning). `params`: the parameters or their shapes
   (default: the learner's)."""
   params = learner.params if params is None else params
-  return _abstract(jax.eval_shape(learner._zero_sums, params))
+  return abstract(jax.eval_shape(learner._zero_sums, params))
 
 
 def abstract_state(learner):
   """(params, opt_state, ref_params) as shapes on their shardings: what the update's programs
   are compiled for, read once, so that compiling does not touch arrays an update may donate."""
-  return _abstract((learner.params, learner.opt_state, learner.ref_params))
-
-
-def _abstract(tree):
-  """Each array of `tree` as its shape, dtype and sharding."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+  return abstract((learner.params, learner.opt_state, learner.ref_params))
 
 
 def update_lowerings(learner, batch_size: int, length: int, state=None) -> list:
@@ -117,12 +106,8 @@ def compile_ahead(learner, batch_size: int, lengths: Sequence[int]) -> Future | 
   state = abstract_state(learner)
 
   def compile_all() -> None:
-    programs = ahead_programs(learner, batch_size, lengths, state)
-    with ThreadPoolExecutor(len(programs), thread_name_prefix=COMPILE_AHEAD_THREADS) as pool:
-      # Each in the caller's context: its traced settings (`jaxrl.kernels.common`) apply.
-      runs = [pool.submit(contextvars.copy_context().run, _compile, f) for f in programs]
-      for done in runs:
-        done.result()
+    for done in compile_in_background(ahead_programs(learner, batch_size, lengths, state)):
+      done.result()
 
   driver = ThreadPoolExecutor(1, thread_name_prefix=f"{COMPILE_AHEAD_THREADS}-driver")
   future = driver.submit(contextvars.copy_context().run, compile_all)
@@ -145,10 +130,6 @@ def ahead_programs(learner, batch_size: int, lengths: Sequence[int], state=None)
   micro_steps = [update_lowerings(learner, batch_size, r + 1, state)[0] for r in rows]
   apply = update_lowerings(learner, batch_size, pack + 1, state)[1]
   return [lambda: learner._zero_sums.lower(state[0]), *micro_steps, apply]
-
-
-def _compile(lower) -> None:
-  lower().compile()  # kept by JAX's caches, where the update's calls find it
 
 
 def precompile(learner, batch_size: int, lengths: Sequence[int]) -> int:

@@ -6,6 +6,7 @@ import threading
 import jax
 import numpy as np
 
+from jaxrl.compile_ahead import COMPILE_AHEAD_THREADS
 from jaxrl.rl.timeline import (
   MERGE_GAP_S,
   StageTimeline,
@@ -14,7 +15,6 @@ from jaxrl.rl.timeline import (
   load_segments,
   plot_stage_timeline,
 )
-from jaxrl.train.update_plan import COMPILE_AHEAD_THREADS
 
 
 def test_spans_merge_only_when_back_to_back_and_of_one_kind():

@@ -8,6 +8,7 @@ import pytest
 from helpers import tolerance
 from helpers.compiles import compiled_functions
 
+from jaxrl import compile_ahead
 from jaxrl.model import Model, get_preset
 from jaxrl.model.functional import _compiled_copy
 from jaxrl.rl.experience import batch_lengths, pad_sequences
@@ -284,7 +285,7 @@ def test_a_failed_compile_ahead_surfaces_at_the_next_update(monkeypatch):
   def broken(lower):
     raise RuntimeError("out of memory while compiling")
 
-  monkeypatch.setattr(update_plan, "_compile", broken)
+  monkeypatch.setattr(compile_ahead, "_compile", broken)
   learner, batch = make_learner(4, pack=24), random_batch(np.random.default_rng(2))
   learner.compile_ahead(16)
   with pytest.raises(RuntimeError, match="out of memory while compiling"):

@@ -1,0 +1,56 @@
+"""Programs compiled before their first call, on background threads: the learner's update
+(`jaxrl.train.update_plan.compile_ahead`) and the rollout engine's shapes
+(`jaxrl.rollout.precompile.compile_engine_ahead`).
+
+A program lowered with `.lower(...)` on abstract arrays that carry the arguments' shapes,
+dtypes and shardings, then compiled with `.compile()`, lands in the caches that a call of the
+same jitted function on such arrays looks in: the call then compiles nothing. A call made
+while a thread compiles its program waits for that compile: JAX compiles it once for both
+(one compile event, on the thread; seen with jax 0.10.2). Nothing runs on a device. Tracing
+holds Python's GIL; XLA's compiling, the long part, does not, so the threads compile while
+the caller's thread runs other work."""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+
+COMPILE_AHEAD_THREADS = "jaxrl-compile"  # the prefix of the compiling threads' names
+
+
+def abstract(tree):
+  """Each array of `tree` as its shape, dtype and sharding (read now: the arrays may be
+  donated later, while a thread still traces)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def with_shardings(shapes, shardings):
+  """Abstract arrays (`jax.ShapeDtypeStruct`) of `shapes`, each with its sharding."""
+  return jax.tree.map(
+    lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+    shapes,
+    shardings,
+  )
+
+
+def compile_in_background(
+  lowerings: Sequence[Callable[[], jax.stages.Lowered]], workers: int | None = None
+) -> list[Future]:
+  """Starts compiling each of `lowerings` (functions that trace and lower one program) on
+  threads of their own (`workers` at most; default one a program); returns a future a
+  program, done when it is compiled. A future not yet started may be cancelled: its program
+  then compiles where it is first called. Each runs in a copy of the caller's context, so
+  traced settings (`jaxrl.kernels.common`) apply there too."""
+  if not lowerings:
+    return []
+  pool = ThreadPoolExecutor(workers or len(lowerings), thread_name_prefix=COMPILE_AHEAD_THREADS)
+  futures = [pool.submit(contextvars.copy_context().run, _compile, f) for f in lowerings]
+  pool.shutdown(wait=False)  # its threads end with the last program
+  return futures
+
+
+def _compile(lower) -> None:
+  lower().compile()  # kept by JAX's caches, where the program's calls find it
