@@ -41,7 +41,7 @@ from jaxrl.rollout.engine import Completion, ParamPlacer, bucket
 from jaxrl.rollout.kv_park import KVPark
 from jaxrl.rollout.paged_calls import PagedCalls
 from jaxrl.rollout.paged_config import PagedConfig
-from jaxrl.rollout.precompile import precompile_engine
+from jaxrl.rollout.precompile import compile_engine_ahead, precompile_engine
 from jaxrl.rollout.prefill import (
   chunk_rows,
   chunk_spans,
@@ -113,6 +113,7 @@ class PagedEngine:
     self._calls = PagedCalls(model, mesh, rules, self.param_shardings, config)
     self._kv = self._calls.new_kv()  # None while released (`release_memory`)
     self._precompiled = False
+    self._compiled_ahead = False  # `PagedConfig.compile_ahead` started (at most once)
     row = self._calls.row_sharding
     batch_axes = row.spec[0] or ()
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
@@ -360,6 +361,7 @@ class PagedEngine:
       admitted.append((state, leader, reused))
       leaders.setdefault(tokens, state)
     if admitted:
+      self._compile_ahead([s for s, _, _ in admitted])
       self._kv = self._calls.copy(self._kv, kept_copies)
       fresh = [(s, reused) for s, leader, reused in admitted if leader is None]
       self._prefill_states([s for s, _ in fresh], [reused for _, reused in fresh])
@@ -369,6 +371,21 @@ class PagedEngine:
           state.record.prompt_routing = [list(x) for x in leader.record.prompt_routing]
           self.num_shared_prefill_tokens += reused
       self._place([s for s, _, _ in admitted])
+
+  def _compile_ahead(self, admitted: Sequence[_Running]) -> None:
+    """`PagedConfig.compile_ahead`, for the stop-id width and sampler filter of the first
+    admission (one that later differs compiles its programs when they come). Not on a mesh
+    of several processes, whose calls take global arrays: that their programs land in the
+    same caches is untested."""
+    cfg = self.cfg
+    if self._compiled_ahead or not cfg.compile_ahead or cfg.max_tokens <= 0 or self._precompiled:
+      return
+    if self.mesh.is_multi_process:
+      return
+    self._compiled_ahead = True
+    stop_width = bucket(max(len(self._stop_ids(s.record)) for s in admitted), 1)
+    width = filter_width(s.record.sampling for s in admitted)
+    compile_engine_ahead(self, stop_width, width)
 
   def _budget(self, record: RequestRecord) -> int:
     """Tokens the request may still generate before its length limit (as read back so far)."""
@@ -464,6 +481,10 @@ class PagedEngine:
         table[i, : len(s.pages)] = s.pages
     return table
 
+  def _prefill_row_cap(self, width: int) -> int:
+    """The most rows of one prefill call of `width` tokens a row (`prefill_tokens`)."""
+    return max(1, self.cfg.prefill_tokens // width)
+
   def _rows(self, n: int) -> int:
     return -(-bucket(n, 1) // self._row_multiple) * self._row_multiple
 
@@ -482,7 +503,8 @@ class PagedEngine:
       self._prefill_packed([states[i] for i in packed], [seqs[i] for i in packed])
     rest = [(s, x, a) for s, x, a, f in zip(states, seqs, starts, fits, strict=True) if not f]
     lengths = [len(x) - 1 - a for _, x, a in rest]
-    for start, stop, live in chunk_spans(lengths, chunk):
+    cap = lambda n: self._prefill_row_cap(self._chunk_width(n))  # noqa: E731
+    for start, stop, live in chunk_spans(lengths, chunk, cap):
       shape = self._rows(len(live)), self._chunk_width(stop - start)
       offsets = [rest[i][2] for i in live]
       seqs_live = [rest[i][1] for i in live]
@@ -499,17 +521,20 @@ class PagedEngine:
   def _prefill_packed(self, states: Sequence[_Running], seqs: Sequence[list[int]]) -> None:
     width = self._chunk_width(max(len(x) - 1 for x in seqs))
     layout = pack_rows([len(x) - 1 for x in seqs], width)  # packed once, sized from it
-    call = packed_call(
-      seqs, [s.pages for s in states], rows=self._rows(len(layout)), width=width,
-      page_size=self.cfg.page_size, num_pages=self.cfg.num_pages, pad_id=self.pad_id,
-      layout=layout,
-    )  # fmt: skip
-    self._kv, routing_btlk = self._calls.prefill_packed(
-      self.params, self._kv, call.tokens_bt, call.positions_bt, call.segment_ids_bt,
-      call.token_pages_bt,
-    )  # fmt: skip
-    if routing_btlk is not None:
-      record_packed_routing([s.record for s in states], call, self._calls.host(routing_btlk))
+    cap = self._prefill_row_cap(width)
+    for first in range(0, len(layout), cap):  # calls of at most `prefill_tokens`
+      rows = layout[first : first + cap]
+      call = packed_call(
+        seqs, [s.pages for s in states], rows=self._rows(len(rows)), width=width,
+        page_size=self.cfg.page_size, num_pages=self.cfg.num_pages, pad_id=self.pad_id,
+        layout=rows,
+      )  # fmt: skip
+      self._kv, routing_btlk = self._calls.prefill_packed(
+        self.params, self._kv, call.tokens_bt, call.positions_bt, call.segment_ids_bt,
+        call.token_pages_bt,
+      )  # fmt: skip
+      if routing_btlk is not None:
+        record_packed_routing([s.record for s in states], call, self._calls.host(routing_btlk))
 
   def _dispatch(self, window: int) -> _InFlight | None:
     """Runs the next window from the state the last one left (nothing read from the device);

@@ -40,6 +40,22 @@ class PagedConfig:
     pack_prefill: sequences that fit one `prefill_chunk` are prefilled packed, several to a
       row of up to `prefill_chunk` tokens (`jaxrl.rollout.prefill`), instead of one to a row
       padded to the longest: ragged prompts cost their own length. Off: one request per row.
+    prefill_tokens: the most tokens (padding included) of one prefill call: an admission whose
+      rows of prompts would pass it runs as several calls, each of at most
+      `prefill_tokens // width` rows (at least one) of its chunk width. It bounds the prefill
+      programs a run can meet (rows 1, 2, 4, ... up to that many) and their activations; at
+      4,096 tokens a call still keeps an accelerator's matrix units busy.
+    compile_ahead: with shapes sized (`max_tokens` > 0), no `precompile` and a mesh of one
+      process: at its first admission the engine starts compiling, not running, every decode
+      window, packed prefill and page copy it can meet for that admission's stop-id width and
+      sampler filter, on background threads (`jaxrl.rollout.precompile`), while it
+      generates; a call whose program is compiling waits for that compile, one whose thread
+      has not begun compiles it as before. A single-turn run then meets no new program
+      mid-run (on an H100 the HF recipe's fourth step stalled 13 s to compile a packed
+      prefill of more rows than before).
+      The chunked prefill (prompts longer than a packed row, a preempted request's, a next
+      turn's) still compiles when met. Bucketed shapes are compiled as they come: their set
+      grows with `max_seq_len`.
     keep_turn_kv: a request that asks for it (`RequestRecord.keep_kv`: every multi-turn model
       turn) leaves its KV pages parked when it finishes (`jaxrl.rollout.kv_park`), and the
       next request with its id whose tokens extend its tokens (the next turn: the trajectory
@@ -58,10 +74,13 @@ class PagedConfig:
   share_prefix: bool = True
   max_tokens: int = -1
   pack_prefill: bool = True
+  prefill_tokens: int = 4096
+  compile_ahead: bool = True
   keep_turn_kv: bool = True
 
   def __post_init__(self):
-    for name in ("page_size", "num_pages", "max_running", "prefill_chunk", "decode_steps"):
+    names = ("page_size", "num_pages", "max_running", "prefill_chunk", "decode_steps")
+    for name in (*names, "prefill_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"rollout.paged.{name} must be >= 1, got {getattr(self, name)}.")
     if self.max_tokens < -1:

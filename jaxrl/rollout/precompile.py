@@ -1,23 +1,108 @@
-"""`PagedEngine.precompile`: every decode window, prefill call and page copy an engine can make,
-run once on padding rows (position -1: they read and write no cache), so that none compiles
-mid-run. The row updates between windows (`decode_loop.DeviceBatch`) are not covered: they are
-small programs that compile in well under a second."""
+"""The programs a paged engine can run, compiled before it meets them.
+
+- `precompile_engine` (`PagedEngine.precompile`): every decode window, prefill call and page
+  copy, run once on padding rows (position -1: they read and write no cache), before anything
+  else runs.
+- `compile_engine_ahead` (`PagedConfig.compile_ahead`): the same programs compiled, not run,
+  on background threads while the engine generates (`jaxrl.compile_ahead`).
+
+The row updates between windows (`decode_loop.DeviceBatch`) are not covered: they are small
+programs that compile in well under a second."""
 
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import numpy as np
 
+from jaxrl.compile_ahead import abstract, compile_in_background, with_shardings
 from jaxrl.rollout.decode_loop import dead_rows
 from jaxrl.rollout.engine import bucket
 from jaxrl.rollout.requests import pages_for
 
 if TYPE_CHECKING:
   from jaxrl.rollout.paged import PagedEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineProgram(NamedTuple):
+  """One program of the engine: `PagedCalls`' jitted function, the call that runs it and its
+  arguments after the weights and the KV pool (host arrays; a decode window's row state and
+  sampling as the device holds them, `on_device`)."""
+
+  jitted: object
+  call: object
+  args: tuple
+  on_device: bool = False
+
+
+def engine_programs(
+  engine: PagedEngine,
+  stop_widths: Sequence[int],
+  filter_widths: Sequence[int],
+  max_tokens: int | None,
+  chunked: bool = True,
+) -> list[EngineProgram]:
+  """Every program `engine` can run for requests of these stop-id widths and sampler filters
+  (`PagedEngine.precompile`'s arguments): a decode window per (row count, page-table width),
+  prefill calls per (row count, chunk width), a page copy per bucket of copies. `chunked`
+  False leaves out the chunked prefill (one sequence to a row: sequences longer than a packed
+  row, a next turn after its kept pages)."""
+  cfg, mc = engine.cfg, engine.model.config
+  calls, pad = engine._calls, engine.pad_id
+  max_tokens = max_tokens or (cfg.max_tokens if cfg.max_tokens > 0 else mc.max_seq_len)
+  max_tokens = min(max_tokens, mc.max_seq_len)
+  row_counts = sorted({engine._rows(n) for n in range(1, cfg.max_running + 1)}, reverse=True)
+  max_pages = pages_for(max_tokens, cfg.page_size)
+  widths = sorted({engine._table_width(p) for p in range(1, max_pages + 1)})
+  # Prefill caches every token but the last: chunks of up to `max_tokens - 1`.
+  longest_chunk = max(1, min(cfg.prefill_chunk, max_tokens - 1))
+  chunks = sorted({engine._chunk_width(c) for c in range(1, longest_chunk + 1)})
+  # Packed, sequences of up to `prefill_chunk + 1` tokens meet the chunked call only as a
+  # next turn's tokens after its kept pages (`keep_turn_kv`).
+  chunked = chunked and (
+    not cfg.pack_prefill or cfg.keep_turn_kv or max_tokens > cfg.prefill_chunk + 1
+  )
+
+  def prefill_rows(chunk: int) -> list[int]:  # a call's rows stop at `prefill_tokens`
+    most = min(cfg.max_running, engine._prefill_row_cap(chunk))
+    return sorted({engine._rows(n) for n in range(1, most + 1)}, reverse=True)
+
+  programs = []  # in the order a generation first meets them: its admission, then the rows
+  for chunk in chunks if cfg.pack_prefill else ():
+    for rows in prefill_rows(chunk):
+      tokens = np.full((rows, chunk), pad, np.int32)
+      padding = np.full((rows, chunk), -1, np.int32)  # positions and segment ids
+      pages = np.full((rows, chunk), cfg.num_pages, np.int32)
+      args = (tokens, padding, padding, pages)
+      programs.append(EngineProgram(calls._prefill_packed, calls.prefill_packed, args))
+  # Admission copies partly filled pages (a shared prompt's, a kept turn's): up to one per
+  # admitted request, bucketed; targets out of range write nothing.
+  copies = cfg.share_prefix or cfg.keep_turn_kv
+  for count in sorted({bucket(n, 1) for n in range(1, cfg.max_running + 1)}) if copies else ():
+    nowhere = np.full((count,), cfg.num_pages, np.int32)
+    args = (np.zeros((count,), np.int32), nowhere)
+    programs.append(EngineProgram(calls.copy_pages, calls.copy_pages, args))
+  for rows, width in itertools.product(row_counts, widths):
+    table = np.zeros((rows, width), np.int32)
+    for stops, filters in itertools.product(stop_widths, filter_widths):
+      call = calls.decoder(filters)  # made on first use
+      args = (*dead_rows(rows, stops, pad), table)
+      programs.append(EngineProgram(calls.decoders[filters], call, args, True))
+  for chunk in chunks if chunked else ():
+    for rows, width in itertools.product(prefill_rows(chunk), widths):
+      table = np.zeros((rows, width), np.int32)
+      tokens = np.full((rows, chunk), pad, np.int32)
+      positions = np.full((rows, chunk), -1, np.int32)
+      programs.append(EngineProgram(calls._prefill, calls.prefill, (tokens, positions, table)))
+  return programs
 
 
 def precompile_engine(
@@ -26,49 +111,60 @@ def precompile_engine(
   filter_widths: Sequence[int],
   max_tokens: int | None,
 ) -> int:
-  """Runs each shape of `engine` once (arguments: `PagedEngine.precompile`'s); returns how
-  many. A part of `PagedEngine`, apart for the module's length: it uses the engine's calls and
-  shape rules (`_rows`, `_table_width`, `_chunk_width`) and updates its KV cache."""
-  cfg, mc = engine.cfg, engine.model.config
-  calls, params, kv, pad = engine._calls, engine.params, engine._kv, engine.pad_id
-  max_tokens = max_tokens or (cfg.max_tokens if cfg.max_tokens > 0 else mc.max_seq_len)
-  max_tokens = min(max_tokens, mc.max_seq_len)
-  row_counts = sorted({engine._rows(n) for n in range(1, cfg.max_running + 1)})
-  max_pages = pages_for(max_tokens, cfg.page_size)
-  widths = sorted({engine._table_width(p) for p in range(1, max_pages + 1)})
-  # Prefill caches every token but the last: chunks of up to `max_tokens - 1`.
-  longest_chunk = max(1, min(cfg.prefill_chunk, max_tokens - 1))
-  chunks = sorted({engine._chunk_width(c) for c in range(1, longest_chunk + 1)})
-  # Packed, sequences of up to `prefill_chunk + 1` tokens meet the chunked call only as a
-  # next turn's tokens after its kept pages (`keep_turn_kv`).
-  chunked = not cfg.pack_prefill or cfg.keep_turn_kv or max_tokens > cfg.prefill_chunk + 1
-  shapes = 0
+  """Runs each program of `engine_programs` once; returns how many. A part of `PagedEngine`,
+  apart for the module's length: it uses the engine's calls and updates its KV cache."""
+  calls, params, kv = engine._calls, engine.params, engine._kv
+  programs = engine_programs(engine, stop_widths, filter_widths, max_tokens)
   try:
-    for rows, width in itertools.product(row_counts, widths):
-      table = np.zeros((rows, width), np.int32)
-      for stops, filters in itertools.product(stop_widths, filter_widths):
-        state, sampling = calls.put(dead_rows(rows, stops, pad), calls.row_state_shardings)
-        *_, kv = calls.decoder(filters)(params, kv, state, sampling, table)
-        shapes += 1
-      for chunk in chunks if chunked else ():
-        tokens = np.full((rows, chunk), pad, np.int32)
-        positions = np.full((rows, chunk), -1, np.int32)
-        kv, _ = calls.prefill(params, kv, tokens, positions, table)
-        shapes += 1
-    for rows, chunk in itertools.product(row_counts, chunks if cfg.pack_prefill else ()):
-      tokens = np.full((rows, chunk), pad, np.int32)
-      padding = np.full((rows, chunk), -1, np.int32)  # positions and segment ids
-      pages = np.full((rows, chunk), cfg.num_pages, np.int32)
-      kv, _ = calls.prefill_packed(params, kv, tokens, padding, padding, pages)
-      shapes += 1
-    # Admission copies partly filled pages (a shared prompt's, a kept turn's): up to one per
-    # admitted request, bucketed; targets out of range write nothing.
-    copies = cfg.share_prefix or cfg.keep_turn_kv
-    for count in sorted({bucket(n, 1) for n in range(1, cfg.max_running + 1)}) if copies else ():
-      nowhere = np.full((count,), cfg.num_pages, np.int32)
-      kv = calls.copy_pages(kv, np.zeros((count,), np.int32), nowhere)
-      shapes += 1
+    for program in programs:
+      args = program.args
+      if program.on_device:
+        state, sampling, table = args
+        args = (*calls.put((state, sampling), calls.row_state_shardings), table)
+      if program.jitted is calls.copy_pages:
+        kv = program.call(kv, *args)
+      elif program.on_device:  # a decode window: (output, state, kv)
+        *_, kv = program.call(params, kv, *args)
+      else:  # a prefill: (kv, routes)
+        kv, _ = program.call(params, kv, *args)
     jax.block_until_ready(kv)
   finally:
     engine._kv = kv  # each call donated the cache it was given
-  return shapes
+  return len(programs)
+
+
+def compile_engine_ahead(engine: PagedEngine, stop_width: int, filter_width: int) -> list[Future]:
+  """Starts compiling the programs of `engine_programs` for one stop-id width and sampler
+  filter on background threads, in the order a generation meets them; returns their futures.
+  The chunked prefill is left out where the engine packs prompts: a single-turn run meets it
+  only for a prompt longer than a packed row or a preempted request's prefill, and its
+  programs (a row count and page-table width each) would add that many to the start's work.
+  The weights and the KV pool are read for their shapes now (the calls donate the pool
+  meanwhile). A call that needs a program while a thread compiles it waits for that compile
+  (JAX's caches let one compile run for both); one that comes before its thread began
+  compiles it itself, and the thread then finds it compiled. A failure is logged: the call
+  that needs the program compiles it again, and fails there if it fails again."""
+  calls = engine._calls
+  params, kv = abstract(engine.params), abstract(engine._kv)
+  lowerings = []
+  chunked = not engine.cfg.pack_prefill
+  for program in engine_programs(engine, (stop_width,), (filter_width,), None, chunked):
+    args = program.args
+    if program.on_device:  # laid out as `DeviceBatch` keeps them
+      state, sampling, table = args
+      args = (*with_shardings((state, sampling), calls.row_state_shardings), table)
+    head = (kv,) if program.jitted is calls.copy_pages else (params, kv)
+    lowerings.append(lambda jitted=program.jitted, a=head + args: jitted.lower(*a))
+  futures = compile_in_background(lowerings, workers=_workers())
+  for future in futures:
+    future.add_done_callback(_log_failure)
+  return futures
+
+
+def _log_failure(future: Future) -> None:
+  if not future.cancelled() and future.exception() is not None:
+    log.warning("An engine program failed to compile ahead: %r", future.exception())
+
+
+def _workers() -> int:  # compiles at once: XLA spreads each over cores of its own too
+  return max(2, min(8, os.cpu_count() or 2))

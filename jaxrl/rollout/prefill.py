@@ -16,7 +16,7 @@ Glossary: b rows, t tokens per row.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -101,13 +101,19 @@ def packed_call(
   return PackedCall(tokens, positions, segment_ids, token_pages, tuple(segments))
 
 
-def chunk_spans(lengths: Sequence[int], chunk: int) -> Iterator[tuple[int, int, list[int]]]:
+def chunk_spans(
+  lengths: Sequence[int], chunk: int, row_cap: Callable[[int], int] | None = None
+) -> Iterator[tuple[int, int, list[int]]]:
   """(start, stop, indices) of each chunked call: positions start..stop-1 of the sequences
-  (indices into `lengths`, tokens to cache) still running past `start`."""
+  (indices into `lengths`, tokens to cache) still running past `start`, at most
+  `row_cap(stop - start)` of them a call (default: all)."""
   longest = max(lengths, default=0)
   for start in range(0, longest, chunk):
+    stop = min(start + chunk, longest)
     live = [i for i, n in enumerate(lengths) if start < n]
-    yield start, min(start + chunk, longest), live
+    cap = row_cap(stop - start) if row_cap else max(len(live), 1)
+    for first in range(0, len(live), cap):
+      yield start, stop, live[first : first + cap]
 
 
 def chunk_rows(

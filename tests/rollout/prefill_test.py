@@ -43,16 +43,21 @@ def test_packed_call_writes_each_token_to_its_own_requests_page():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_packed_prefill_gives_the_cache_and_tokens_of_one_request_per_row(temperature):
   """Ragged prompts (1 to 30 tokens) prefilled packed fill the same pages with the same keys
-  and values as one request per row, in fewer rows, and the tokens sampled after are the same."""
+  and values as one request per row, in fewer rows, and the tokens sampled after are the same;
+  so do both kinds cut into calls of at most `prefill_tokens` (a row a call, packed; two
+  prompts a call, one to a row)."""
   mesh = make_mesh(jax.devices()[:2], {"data": 2})
   params = MODEL.init(1)
   rng = np.random.default_rng(3)
   prompts = [list(rng.integers(3, 60, n)) for n in rng.integers(1, 31, 12)]
   sampling = SamplingParams(temperature=temperature, max_new_tokens=6)
+  ways = [(False, 4096), (True, 4096), (True, 32), (False, 64)]  # (pack_prefill, prefill_tokens)
   engines, rows = [], []
-  for pack in (False, True):
-    config = PagedConfig(page_size=8, num_pages=64, max_running=16, prefill_chunk=32)
-    config = PagedConfig(**{**config.__dict__, "pack_prefill": pack})
+  for pack, budget in ways:
+    config = PagedConfig(
+      page_size=8, num_pages=64, max_running=16, prefill_chunk=32, pack_prefill=pack,
+      prefill_tokens=budget,
+    )  # fmt: skip
     e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=config)
     e.update_weights(params, 0)
     calls = e._calls.prefill_packed if pack else e._calls.prefill
@@ -67,19 +72,26 @@ def test_packed_prefill_gives_the_cache_and_tokens_of_one_request_per_row(temper
     e._admit()  # prefill only
     engines.append(e)
     rows.append(seen)
-  unpacked, packed = engines
   assert len(rows[1]) == 1 and rows[1][0][0] < rows[0][0][0]  # one call, fewer rows
+  # A packed row a call (rows of 2: the data axis), as many calls as packed rows; one prompt
+  # to a row, two a call (a 1-token prompt caches nothing).
+  packed_rows = pack_rows([len(p) - 1 for p in prompts if len(p) > 1], 32)
+  assert rows[2] == [(2, 32)] * len(packed_rows)
+  assert rows[3] == [(2, 32)] * -(-sum(len(p) > 1 for p in prompts) // 2)
   terms = tolerance.model_terms(MODEL.config)
-  for i in range(len(prompts)):
-    a, b = unpacked.running[str(i)], packed.running[str(i)]
-    cached = len(prompts[i]) - 1
-    for (ka, va), (kb, vb) in zip(unpacked._kv, packed._kv, strict=True):
-      for x, y in ((ka, kb), (va, vb)):
-        xa = np.asarray(x)[:, a.pages].reshape(x.shape[0], -1, x.shape[-1])[:, :cached]
-        xb = np.asarray(y)[:, b.pages].reshape(y.shape[0], -1, y.shape[-1])[:, :cached]
-        tolerance.assert_close(xb, xa, n=terms)
+  unpacked = engines[0]
+  for other in engines[1:]:
+    for i in range(len(prompts)):
+      a, b = unpacked.running[str(i)], other.running[str(i)]
+      cached = len(prompts[i]) - 1
+      for (ka, va), (kb, vb) in zip(unpacked._kv, other._kv, strict=True):
+        for x, y in ((ka, kb), (va, vb)):
+          xa = np.asarray(x)[:, a.pages].reshape(x.shape[0], -1, x.shape[-1])[:, :cached]
+          xb = np.asarray(y)[:, b.pages].reshape(y.shape[0], -1, y.shape[-1])[:, :cached]
+          tolerance.assert_close(xb, xa, n=terms)
   done = [{r.request_id: r for r in e.stream()} for e in engines]
-  for i in range(len(prompts)):
-    a, b = done[0][str(i)], done[1][str(i)]
-    assert a.token_ids == b.token_ids
-    tolerance.assert_close(np.asarray(b.logprobs), np.asarray(a.logprobs), n=terms)
+  for other in done[1:]:
+    for i in range(len(prompts)):
+      a, b = done[0][str(i)], other[str(i)]
+      assert a.token_ids == b.token_ids
+      tolerance.assert_close(np.asarray(b.logprobs), np.asarray(a.logprobs), n=terms)

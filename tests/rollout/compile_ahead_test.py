@@ -1,0 +1,148 @@
+"""`PagedConfig.compile_ahead`: an engine with sized shapes compiles its programs on background
+threads from its first admission, and its calls run them without compiling them again."""
+
+import collections
+import logging
+
+import jax
+import numpy as np
+import pytest
+from helpers.compiles import compiled_functions
+
+from jaxrl.model import Model, get_preset
+from jaxrl.rollout import SamplingParams
+from jaxrl.rollout import paged as paged_module
+from jaxrl.rollout import precompile as precompile_module
+from jaxrl.rollout.paged import PagedConfig, PagedEngine
+from jaxrl.rollout.precompile import compile_engine_ahead, engine_programs
+from jaxrl.rollout.sampling import NO_FILTER
+from jaxrl.sharding import ROLLOUT_RULES, make_mesh
+
+EOS, PAD = 2, 0
+MODEL = Model(get_preset("tiny"))
+# The engine's own programs (row updates between windows are not compiled ahead).
+PROGRAMS = {
+  "jit(_decode_impl)",
+  "jit(_prefill_impl)",
+  "jit(_prefill_packed_impl)",
+  "jit(_copy_pages)",
+}
+SMALL = dict(page_size=4, num_pages=64, max_running=4, prefill_chunk=8, decode_steps=2)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
+
+
+@pytest.fixture(scope="module")
+def params():
+  return MODEL.init(7)
+
+
+def engine(mesh, params, **cfg):
+  config = PagedConfig(**{**SMALL, **cfg})
+  e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=config)
+  e.update_weights(params, 0)
+  return e
+
+
+def workload(seed=5):
+  """Prompts of 1 to 9 tokens (each fits a packed row: no chunked prefill, which is not
+  compiled ahead), with lengths that do not depend on the weights, so both engines meet the
+  same shapes; GRPO-like groups share their prompts (page copies)."""
+  rng = np.random.default_rng(seed)
+  ps = [list(rng.integers(3, 60, n)) for n in rng.integers(1, 10, 5)]
+  ps = [p for p in ps for _ in range(2)]
+  sp = [SamplingParams(max_new_tokens=int(rng.integers(1, 12)), ignore_eos=True) for _ in ps]
+  return ps, sp
+
+
+def test_an_engine_compiles_each_program_once_and_gives_the_tokens_it_gave_before(
+  mesh, params, monkeypatch
+):
+  """From its first admission the engine compiles every program of its shape set on threads;
+  a call whose program is compiling waits for that compile, one whose thread has not begun
+  compiles it itself. Either way each program compiles once in all (a thread's program that
+  missed the calls' caches would compile a second time there), and the tokens are those of an
+  engine that compiles as it goes."""
+  started = []  # the futures of each start of compiling ahead
+  real = paged_module.compile_engine_ahead
+  monkeypatch.setattr(
+    paged_module, "compile_engine_ahead", lambda *a: started.append(real(*a)) or started[-1]
+  )
+  ps, sp = workload()
+  ahead = engine(mesh, params, max_tokens=32)
+  with compiled_functions() as names:
+    got = ahead.generate(ps, sp, seed=3)
+    assert len(started) == 1
+    for future in started[0]:
+      assert future.result() is None
+  # First: the page copy, a module-level function, shares jit's caches between engines.
+  plain = engine(mesh, params, max_tokens=32, compile_ahead=False).generate(ps, sp, seed=3)
+  assert len(started) == 1
+  for a, b in zip(plain, got, strict=True):
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+  counts = collections.Counter(n for n in names if n in PROGRAMS)
+  programs = engine_programs(ahead, (1,), (NO_FILTER,), None, chunked=False)
+  calls = ahead._calls
+  kinds = {calls._prefill: "_prefill_impl", calls._prefill_packed: "_prefill_packed_impl"}
+  kinds[calls.copy_pages] = "_copy_pages"
+  want = collections.Counter(f"jit({kinds.get(p.jitted, '_decode_impl')})" for p in programs)
+  assert counts == want and len(started[0]) == len(programs)
+  # A second generation with other lengths compiles none of them.
+  with compiled_functions() as names:
+    ahead.generate(*workload(seed=6), seed=4)
+  assert not [n for n in names if n in PROGRAMS]
+
+
+def test_a_call_runs_what_was_compiled_ahead_without_compiling(mesh, params):
+  """Programs compiled ahead and finished land where the calls look: the engine's thread then
+  compiles none of the engine's programs (the same shardings, the same cache keys)."""
+  e = engine(mesh, params, max_tokens=32)
+  e._compiled_ahead = True  # as the first admission does, for its stop width and filter
+  for future in compile_engine_ahead(e, 1, NO_FILTER):
+    future.result()
+  with compiled_functions() as names:
+    e.generate(*workload(), seed=3)
+  assert not [n for n in names if n in PROGRAMS]
+
+
+def test_a_program_that_fails_to_compile_ahead_is_logged_and_compiled_by_its_call(
+  mesh, params, monkeypatch, caplog
+):
+  """A thread's failure (say, memory while autotuning beside the rollout) loses nothing: it is
+  logged, and the call that needs the program compiles it as without compiling ahead."""
+  real = paged_module.compile_engine_ahead
+  started = []
+
+  def failing(engine, *args):
+    # The first program is made to fail: lowered with a wrong argument.
+    programs = precompile_module.engine_programs
+    monkeypatch.setattr(
+      precompile_module,
+      "engine_programs",
+      lambda *a: [programs(*a)[0]._replace(args=())] + programs(*a)[1:],
+    )
+    started.append(real(engine, *args))
+    return started[-1]
+
+  monkeypatch.setattr(paged_module, "compile_engine_ahead", failing)
+  ps, sp = workload()
+  with caplog.at_level(logging.WARNING, logger="jaxrl.rollout.precompile"):
+    got = engine(mesh, params, max_tokens=32).generate(ps, sp, seed=3)
+    assert started and isinstance(started[0][0].exception(), ValueError)
+  assert "failed to compile ahead" in caplog.text
+  plain = engine(mesh, params, max_tokens=32, compile_ahead=False).generate(ps, sp, seed=3)
+  assert [list(r.token_ids) for r in got] == [list(r.token_ids) for r in plain]
+
+
+def test_bucketed_shapes_and_precompiled_engines_compile_nothing_ahead(mesh, params):
+  ps, sp = workload()
+  for e in (
+    engine(mesh, params, max_tokens=0),
+    engine(mesh, params, max_tokens=32, precompile=True),
+  ):
+    e.generate(ps[:2], sp[:2], seed=0)
+    assert not e._compiled_ahead
