@@ -17,7 +17,9 @@ the learner's update at the settings of `launch/bench.py learner` (`_plan_learne
 abstract `Learner`): whether it fits one chip. `--child '{"target": T, "kind": "apply"}'` times
 the compile of the learner's apply step alone for target T (`_compile_apply`); `"kind":
 "update"` that of the update's programs, one after another or on threads as
-`Learner.compile_ahead` compiles them (`_compile_update`).
+`Learner.compile_ahead` compiles them (`_compile_update`); `"kind": "engine"` that of the
+programs the HF recipe's rollout engine compiles ahead (`rollout.paged.compile_ahead`,
+`_compile_engine`).
 
 Without a device XLA keeps its default GEMM tiles (no autotuning), so which GEMM kernels run
 may differ on a card; the kernels the model's ops make, and their number, do not.
@@ -297,6 +299,57 @@ def _compile_update(spec: dict) -> dict:
     return {"wall_s": time.perf_counter() - start, "cpu_s": cpu_s() - cpu}
 
 
+def _compile_engine(spec: dict) -> dict:
+  """In a fresh process: the programs the HF recipe's rollout engine compiles ahead
+  (`rollout.paged.compile_ahead`: Qwen3-0.6B in bf16, 128 rows, pages of 16, 512-token
+  prefill chunks, shapes sized for `spec["max_tokens"]`-token sequences) compiled for
+  `spec["target"]` from abstract weights and KV pool, one after another (`"ahead": false`:
+  the seconds of each, by kind) or on the engine's threads (`"ahead": true`): wall and CPU
+  seconds. Run as `python launch/bench_kernels.py --child '{"target": "h100", "kind":
+  "engine", "ahead": false}'` (with the CUDA plugin on PYTHONPATH)."""
+  import resource
+  import time
+
+  from jaxrl.compile_ahead import compile_in_background, with_shardings
+  from jaxrl.kernels.common import target_platform
+  from jaxrl.model import Model, get_preset
+  from jaxrl.rollout.paged import PagedConfig, PagedEngine
+  from jaxrl.rollout.precompile import _workers, engine_lowerings
+  from jaxrl.rollout.sampling import NO_FILTER
+  from jaxrl.sharding import ROLLOUT_RULES, make_mesh
+
+  devices = _target_devices(spec["target"])[:1]
+  # "auto" gives cuDNN on Hopper, whose packed rows need the card itself: the Pallas kernel here.
+  attention = spec.get("attention", "flash")
+  model = Model(get_preset("qwen3-0.6b", dtype="bfloat16", param_dtype="bfloat16",
+                           attention=attention))  # fmt: skip
+  config = PagedConfig(
+    page_size=16, num_pages=8192, max_running=128, prefill_chunk=512,
+    max_tokens=spec.get("max_tokens", 700), keep_turn_kv=False,
+  )  # fmt: skip
+  engine = PagedEngine(model, make_mesh(devices, {}), ROLLOUT_RULES, eos_id=2, pad_id=0,
+                       config=config)  # fmt: skip
+  params = with_shardings(model.abstract_params(), engine.param_shardings)
+  programs = engine_lowerings(engine, 1, NO_FILTER, params, engine._calls.abstract_kv)
+  calls = engine._calls
+  kinds = {calls._prefill_packed: "packed_prefill", calls.copy_pages: "page_copy"}
+  cpu_s = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # noqa: E731
+  out: dict = {"programs": len(programs)}
+  with target_platform("cuda"):
+    start, cpu = time.perf_counter(), cpu_s()
+    if spec["ahead"]:
+      for future in compile_in_background([lower for _, lower in programs], _workers()):
+        future.result()
+    else:
+      for program, lower in programs:
+        kind = kinds.get(program.jitted, "decode_window")
+        begun = time.perf_counter()
+        lower().compile()
+        out.setdefault(f"{kind}_s", []).append(round(time.perf_counter() - begun, 2))
+    out |= {"wall_s": time.perf_counter() - start, "cpu_s": cpu_s() - cpu}
+  return out
+
+
 def _compile_window(spec: dict) -> dict:
   """In a fresh process (`spec`: preset, layers, rows, steps, target, dump): compiles the decode
   window for the target GPU and counts its loop body's launches."""
@@ -484,6 +537,7 @@ if __name__ == "__main__":
         "learner": _plan_learner,
         "apply": _compile_apply,
         "update": _compile_update,
+        "engine": _compile_engine,
       }.get(child_spec.get("kind"), _compile_window)
     print(json.dumps(compile_child(child_spec)))
   else:

@@ -111,7 +111,9 @@ class PagedEngine:
     self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
     self._placer = ParamPlacer(self.param_shardings, model.abstract_params())
     self._calls = PagedCalls(model, mesh, rules, self.param_shardings, config)
-    self._kv = self._calls.new_kv()  # None while released (`release_memory`)
+    # The KV page pool: allocated with the first weights (`update_weights`), None while
+    # released (`release_memory`).
+    self._kv = None
     self._precompiled = False
     self._compiled_ahead = False  # `PagedConfig.compile_ahead` started (at most once)
     row = self._calls.row_sharding

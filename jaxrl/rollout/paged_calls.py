@@ -42,6 +42,8 @@ class PagedCalls:
     )
     zeros = jax.jit(lambda: jnp.zeros(kv_shape, jnp.dtype(mc.dtype)), out_shardings=kv_sharding)
     self.new_kv = lambda: [(zeros(), zeros()) for _ in range(mc.num_layers)]
+    pool = jax.ShapeDtypeStruct(kv_shape, jnp.dtype(mc.dtype), sharding=kv_sharding)
+    self.abstract_kv = [(pool, pool)] * mc.num_layers  # the pool's shapes, for compiling
     kv = [(kv_sharding, kv_sharding)] * mc.num_layers
     row = self.row_sharding = batch_sharding(mesh, rules, 1)
     matrix = batch_sharding(mesh, rules, 2)

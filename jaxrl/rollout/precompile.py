@@ -144,21 +144,29 @@ def compile_engine_ahead(engine: PagedEngine, stop_width: int, filter_width: int
   (JAX's caches let one compile run for both); one that comes before its thread began
   compiles it itself, and the thread then finds it compiled. A failure is logged: the call
   that needs the program compiles it again, and fails there if it fails again."""
+  params, kv = abstract(engine.params), engine._calls.abstract_kv
+  lowerings = [lower for _, lower in engine_lowerings(engine, stop_width, filter_width, params, kv)]
+  futures = compile_in_background(lowerings, workers=_workers())
+  for future in futures:
+    future.add_done_callback(_log_failure)
+  return futures
+
+
+def engine_lowerings(engine: PagedEngine, stop_width: int, filter_width: int, params, kv) -> list:
+  """(program, a function that traces and lowers it) of each program `compile_engine_ahead`
+  compiles, for weights and a KV pool of these shapes (`jax.ShapeDtypeStruct`s with their
+  shardings: the engine needs neither, nor its devices)."""
   calls = engine._calls
-  params, kv = abstract(engine.params), abstract(engine._kv)
-  lowerings = []
   chunked = not engine.cfg.pack_prefill
+  out = []
   for program in engine_programs(engine, (stop_width,), (filter_width,), None, chunked):
     args = program.args
     if program.on_device:  # laid out as `DeviceBatch` keeps them
       state, sampling, table = args
       args = (*with_shardings((state, sampling), calls.row_state_shardings), table)
     head = (kv,) if program.jitted is calls.copy_pages else (params, kv)
-    lowerings.append(lambda jitted=program.jitted, a=head + args: jitted.lower(*a))
-  futures = compile_in_background(lowerings, workers=_workers())
-  for future in futures:
-    future.add_done_callback(_log_failure)
-  return futures
+    out.append((program, lambda jitted=program.jitted, a=head + args: jitted.lower(*a)))
+  return out
 
 
 def _log_failure(future: Future) -> None:
