@@ -53,9 +53,10 @@ class PagedConfig:
       has not begun compiles it as before. A single-turn run then meets no new program
       mid-run (on an H100 the HF recipe's fourth step stalled 13 s to compile a packed
       prefill of more rows than before).
-      The chunked prefill (prompts longer than a packed row, a preempted request's, a next
-      turn's) still compiles when met. Bucketed shapes are compiled as they come: their set
-      grows with `max_seq_len`.
+      The chunked prefill (prompts longer than a packed row, a preempted request's) still
+      compiles when met, but for a next turn's after its kept pages (`keep_turn_kv`: the
+      multi-turn job's engines), which is compiled ahead too. Bucketed shapes are compiled
+      as they come: their set grows with `max_seq_len`.
     keep_turn_kv: a request that asks for it (`RequestRecord.keep_kv`: every multi-turn model
       turn) leaves its KV pages parked when it finishes (`jaxrl.rollout.kv_park`), and the
       next request with its id whose tokens extend its tokens (the next turn: the trajectory

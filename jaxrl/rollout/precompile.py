@@ -136,9 +136,11 @@ def precompile_engine(
 def compile_engine_ahead(engine: PagedEngine, stop_width: int, filter_width: int) -> list[Future]:
   """Starts compiling the programs of `engine_programs` for one stop-id width and sampler
   filter on background threads, in the order a generation meets them; returns their futures.
-  The chunked prefill is left out where the engine packs prompts: a single-turn run meets it
-  only for a prompt longer than a packed row or a preempted request's prefill, and its
-  programs (a row count and page-table width each) would add that many to the start's work.
+  The chunked prefill is left out where the engine packs prompts and keeps no turn's pages:
+  a single-turn run meets it only for a prompt longer than a packed row or a preempted
+  request's prefill, and its programs (a row count and page-table width each) would add that
+  many to the start's work. A multi-turn engine (`keep_turn_kv`) prefills every next turn
+  that way, so there it is compiled too.
   The weights and the KV pool are read for their shapes now (the calls donate the pool
   meanwhile). A call that needs a program while a thread compiles it waits for that compile
   (JAX's caches let one compile run for both); one that comes before its thread began
@@ -157,7 +159,7 @@ def engine_lowerings(engine: PagedEngine, stop_width: int, filter_width: int, pa
   compiles, for weights and a KV pool of these shapes (`jax.ShapeDtypeStruct`s with their
   shardings: the engine needs neither, nor its devices)."""
   calls = engine._calls
-  chunked = not engine.cfg.pack_prefill
+  chunked = not engine.cfg.pack_prefill or engine.cfg.keep_turn_kv
   out = []
   for program in engine_programs(engine, (stop_width,), (filter_width,), None, chunked):
     args = program.args

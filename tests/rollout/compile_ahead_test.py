@@ -48,9 +48,9 @@ def engine(mesh, params, **cfg):
 
 
 def workload(seed=5):
-  """Prompts of 1 to 9 tokens (each fits a packed row: no chunked prefill, which is not
-  compiled ahead), with lengths that do not depend on the weights, so both engines meet the
-  same shapes; GRPO-like groups share their prompts (page copies)."""
+  """Prompts of 1 to 9 tokens (each fits a packed row: a single-turn engine compiles no
+  chunked prefill ahead), with lengths that do not depend on the weights, so both engines
+  meet the same shapes; GRPO-like groups share their prompts (page copies)."""
   rng = np.random.default_rng(seed)
   ps = [list(rng.integers(3, 60, n)) for n in rng.integers(1, 10, 5)]
   ps = [p for p in ps for _ in range(2)]
@@ -58,39 +58,44 @@ def workload(seed=5):
   return ps, sp
 
 
+@pytest.mark.parametrize("keep_turn_kv", [False, True], ids=["single-turn", "multi-turn"])
 def test_an_engine_compiles_each_program_once_and_gives_the_tokens_it_gave_before(
-  mesh, params, monkeypatch
+  mesh, params, monkeypatch, keep_turn_kv
 ):
   """From its first admission the engine compiles every program of its shape set on threads;
   a call whose program is compiling waits for that compile, one whose thread has not begun
   compiles it itself. Either way each program compiles once in all (a thread's program that
   missed the calls' caches would compile a second time there), and the tokens are those of an
-  engine that compiles as it goes."""
+  engine that compiles as it goes. A multi-turn engine (turns keep their pages) compiles the
+  chunked prefill its next turns take too."""
   started = []  # the futures of each start of compiling ahead
   real = paged_module.compile_engine_ahead
   monkeypatch.setattr(
     paged_module, "compile_engine_ahead", lambda *a: started.append(real(*a)) or started[-1]
   )
   ps, sp = workload()
-  ahead = engine(mesh, params, max_tokens=32)
+  # The page copy is a module-level function: jit's caches share its programs between engines
+  # of the same pool shape, so this test's pool has a size no other engine's has.
+  cfg = dict(max_tokens=32, keep_turn_kv=keep_turn_kv, num_pages=59 if keep_turn_kv else 57)
+  ahead = engine(mesh, params, **cfg)
   with compiled_functions() as names:
     got = ahead.generate(ps, sp, seed=3)
     assert len(started) == 1
     for future in started[0]:
       assert future.result() is None
-  # First: the page copy, a module-level function, shares jit's caches between engines.
-  plain = engine(mesh, params, max_tokens=32, compile_ahead=False).generate(ps, sp, seed=3)
+  plain = engine(mesh, params, **cfg, compile_ahead=False).generate(ps, sp, seed=3)
   assert len(started) == 1
   for a, b in zip(plain, got, strict=True):
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
   counts = collections.Counter(n for n in names if n in PROGRAMS)
-  programs = engine_programs(ahead, (1,), (NO_FILTER,), None, chunked=False)
+  programs = engine_programs(ahead, (1,), (NO_FILTER,), None, chunked=keep_turn_kv)
   calls = ahead._calls
   kinds = {calls._prefill: "_prefill_impl", calls._prefill_packed: "_prefill_packed_impl"}
   kinds[calls.copy_pages] = "_copy_pages"
   want = collections.Counter(f"jit({kinds.get(p.jitted, '_decode_impl')})" for p in programs)
   assert counts == want and len(started[0]) == len(programs)
+  assert ("jit(_prefill_impl)" in want) == keep_turn_kv
   # A second generation with other lengths compiles none of them.
   with compiled_functions() as names:
     ahead.generate(*workload(seed=6), seed=4)
