@@ -41,9 +41,8 @@ def compile_in_background(
 ) -> list[Future]:
   """Starts compiling each of `lowerings` (functions that trace and lower one program) on
   threads of their own (`workers` at most; default one a program); returns a future a
-  program, done when it is compiled. A future not yet started may be cancelled: its program
-  then compiles where it is first called. Each runs in a copy of the caller's context, so
-  traced settings (`jaxrl.kernels.common`) apply there too."""
+  program, done when it is compiled. Each runs in a copy of the caller's context, so traced
+  settings (`jaxrl.kernels.common`) apply there too."""
   if not lowerings:
     return []
   pool = ThreadPoolExecutor(workers or len(lowerings), thread_name_prefix=COMPILE_AHEAD_THREADS)

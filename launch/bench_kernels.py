@@ -274,6 +274,13 @@ def _compile_apply(spec: dict) -> dict:
   }
 
 
+def _cpu_seconds() -> float:
+  """CPU seconds this process has used, its threads' included (user and system)."""
+  import resource
+
+  return sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+
+
 def _compile_update(spec: dict) -> dict:
   """In a fresh process: the HF recipe learner's update programs (the sums' zeros, the
   micro-step, the apply step: what its first update compiles) compiled for `spec["target"]`
@@ -281,22 +288,20 @@ def _compile_update(spec: dict) -> dict:
   compiles them, a thread each (`"ahead": true`): wall seconds, and the CPU seconds of the
   process. Run as `python launch/bench_kernels.py --child '{"target": "h100", "kind":
   "update", "ahead": true}'` (with the CUDA plugin on PYTHONPATH for a GPU target)."""
-  import resource
   import time
 
   from jaxrl.kernels.common import target_platform
   from jaxrl.train import update_plan
 
   learner, platform = _abstract_recipe_learner(spec["target"])
-  cpu_s = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # noqa: E731
   with target_platform(platform):
-    start, cpu = time.perf_counter(), cpu_s()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     if spec["ahead"]:
       update_plan.compile_ahead(learner, 1, []).result()
     else:
       for lower in update_plan.ahead_programs(learner, 1, []):
         lower().compile()
-    return {"wall_s": time.perf_counter() - start, "cpu_s": cpu_s() - cpu}
+    return {"wall_s": time.perf_counter() - start, "cpu_s": _cpu_seconds() - cpu}
 
 
 def _compile_engine(spec: dict) -> dict:
@@ -307,14 +312,13 @@ def _compile_engine(spec: dict) -> dict:
   the seconds of each, by kind) or on the engine's threads (`"ahead": true`): wall and CPU
   seconds. Run as `python launch/bench_kernels.py --child '{"target": "h100", "kind":
   "engine", "ahead": false}'` (with the CUDA plugin on PYTHONPATH)."""
-  import resource
   import time
 
-  from jaxrl.compile_ahead import compile_in_background, with_shardings
+  from jaxrl.compile_ahead import with_shardings
   from jaxrl.kernels.common import target_platform
   from jaxrl.model import Model, get_preset
   from jaxrl.rollout.paged import PagedConfig, PagedEngine
-  from jaxrl.rollout.precompile import _workers, engine_lowerings
+  from jaxrl.rollout.precompile import compile_engine_ahead, engine_lowerings
   from jaxrl.rollout.sampling import NO_FILTER
   from jaxrl.sharding import ROLLOUT_RULES, make_mesh
 
@@ -330,15 +334,14 @@ def _compile_engine(spec: dict) -> dict:
   engine = PagedEngine(model, make_mesh(devices, {}), ROLLOUT_RULES, eos_id=2, pad_id=0,
                        config=config)  # fmt: skip
   params = with_shardings(model.abstract_params(), engine.param_shardings)
-  programs = engine_lowerings(engine, 1, NO_FILTER, params, engine._calls.abstract_kv)
+  programs = engine_lowerings(engine, 1, NO_FILTER, params)
   calls = engine._calls
   kinds = {calls._prefill_packed: "packed_prefill", calls.copy_pages: "page_copy"}
-  cpu_s = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # noqa: E731
   out: dict = {"programs": len(programs)}
   with target_platform("cuda"):
-    start, cpu = time.perf_counter(), cpu_s()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     if spec["ahead"]:
-      for future in compile_in_background([lower for _, lower in programs], _workers()):
+      for future in compile_engine_ahead(engine, 1, NO_FILTER, params):
         future.result()
     else:
       for program, lower in programs:
@@ -346,7 +349,7 @@ def _compile_engine(spec: dict) -> dict:
         begun = time.perf_counter()
         lower().compile()
         out.setdefault(f"{kind}_s", []).append(round(time.perf_counter() - begun, 2))
-    out |= {"wall_s": time.perf_counter() - start, "cpu_s": cpu_s() - cpu}
+    out |= {"wall_s": time.perf_counter() - start, "cpu_s": _cpu_seconds() - cpu}
   return out
 
 

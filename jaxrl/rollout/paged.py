@@ -379,10 +379,8 @@ class PagedEngine:
     admission (one that later differs compiles its programs when they come). Not on a mesh
     of several processes, whose calls take global arrays: that their programs land in the
     same caches is untested."""
-    cfg = self.cfg
-    if self._compiled_ahead or not cfg.compile_ahead or cfg.max_tokens <= 0 or self._precompiled:
-      return
-    if self.mesh.is_multi_process:
+    wanted = self.cfg.compile_ahead and self.cfg.max_tokens > 0 and not self._precompiled
+    if self._compiled_ahead or not wanted or self.mesh.is_multi_process:
       return
     self._compiled_ahead = True
     stop_width = bucket(max(len(self._stop_ids(s.record)) for s in admitted), 1)

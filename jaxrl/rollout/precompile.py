@@ -133,7 +133,9 @@ def precompile_engine(
   return len(programs)
 
 
-def compile_engine_ahead(engine: PagedEngine, stop_width: int, filter_width: int) -> list[Future]:
+def compile_engine_ahead(
+  engine: PagedEngine, stop_width: int, filter_width: int, params=None
+) -> list[Future]:
   """Starts compiling the programs of `engine_programs` for one stop-id width and sampler
   filter on background threads, in the order a generation meets them; returns their futures.
   The chunked prefill is left out where the engine packs prompts and keeps no turn's pages:
@@ -145,20 +147,22 @@ def compile_engine_ahead(engine: PagedEngine, stop_width: int, filter_width: int
   meanwhile). A call that needs a program while a thread compiles it waits for that compile
   (JAX's caches let one compile run for both); one that comes before its thread began
   compiles it itself, and the thread then finds it compiled. A failure is logged: the call
-  that needs the program compiles it again, and fails there if it fails again."""
-  params, kv = abstract(engine.params), engine._calls.abstract_kv
-  lowerings = [lower for _, lower in engine_lowerings(engine, stop_width, filter_width, params, kv)]
+  that needs the program compiles it again, and fails there if it fails again. `params`: the
+  weights' shapes on their shardings (default: the engine's weights')."""
+  params = abstract(engine.params) if params is None else params
+  lowerings = [lower for _, lower in engine_lowerings(engine, stop_width, filter_width, params)]
   futures = compile_in_background(lowerings, workers=_workers())
   for future in futures:
     future.add_done_callback(_log_failure)
   return futures
 
 
-def engine_lowerings(engine: PagedEngine, stop_width: int, filter_width: int, params, kv) -> list:
+def engine_lowerings(engine: PagedEngine, stop_width: int, filter_width: int, params) -> list:
   """(program, a function that traces and lowers it) of each program `compile_engine_ahead`
-  compiles, for weights and a KV pool of these shapes (`jax.ShapeDtypeStruct`s with their
-  shardings: the engine needs neither, nor its devices)."""
+  compiles, for weights of these shapes (`jax.ShapeDtypeStruct`s with their shardings) and
+  the KV pool's: the engine needs neither its weights, nor its pool, nor its devices."""
   calls = engine._calls
+  kv = calls.abstract_kv
   chunked = not engine.cfg.pack_prefill or engine.cfg.keep_turn_kv
   out = []
   for program in engine_programs(engine, (stop_width,), (filter_width,), None, chunked):

@@ -90,13 +90,10 @@ def compile_ahead(learner, batch_size: int, lengths: Sequence[int]) -> Future | 
   """Compiles the update's programs for a step's batches of `batch_size` sequences of these
   token lengths (packed: also rows of `pack_length` positions, and the zeros the sums start from)
   on background threads, one a program; returns a future that is done when all are, or None
-  where there is nothing to compile ahead (`Learner.compile_ahead`).
-
-  A compiled program lands in the caches a call of the same jitted function on arrays of the
-  same shapes and shardings looks in, so the update's first call runs it without compiling.
-  Nothing runs on the devices, and the learner's arrays are only read for their shapes (now,
-  before the threads start), so the learner may update, lend or restore its state meanwhile.
-  Tracing holds Python's GIL; XLA's compiling, the long part, does not. A learner with an
+  where there is nothing to compile ahead (`Learner.compile_ahead`; how: `jaxrl.compile_ahead`).
+  The update's first call then runs them without compiling. The learner's arrays are only
+  read for their shapes (now, before the threads start), so the learner may update, lend or
+  restore its state meanwhile. A learner with an
   expert placement per micro-batch (MoE routing replay, expert-parallel) is compiled by its
   first update as before: its placement's shapes come from the batch."""
   if learner.expert_parallel is not None and learner.moe_cfg.routing_replay:
@@ -126,8 +123,9 @@ def ahead_programs(learner, batch_size: int, lengths: Sequence[int], state=None)
     unique = sorted(set(lengths))
     return [f for n in unique for f in update_lowerings(learner, rows, n, state)]
   pack = learner.pack_length
-  rows = sorted({pack, *(row_length(n - 1, pack) for n in lengths)})
-  micro_steps = [update_lowerings(learner, batch_size, r + 1, state)[0] for r in rows]
+  micro_steps = [
+    update_lowerings(learner, batch_size, r + 1, state)[0] for r in _row_lengths(learner, lengths)
+  ]
   apply = update_lowerings(learner, batch_size, pack + 1, state)[1]
   return [lambda: learner._zero_sums.lower(state[0]), *micro_steps, apply]
 
@@ -139,7 +137,7 @@ def precompile(learner, batch_size: int, lengths: Sequence[int]) -> int:
     # Packed: one update per row length, on a batch whose every advantage is NaN, so the
     # apply step skips it and the state stays as it was (no copy of it needed).
     pack = learner.pack_length
-    shapes = sorted({pack, *(row_length(n - 1, pack) for n in lengths)})
+    shapes = _row_lengths(learner, lengths)
     for rows in shapes:
       blank = _blank_batch(learner, batch_size, rows + 1)
       # One sequence per optimizer update, which needs rows of `rows` positions.
@@ -155,6 +153,13 @@ def precompile(learner, batch_size: int, lengths: Sequence[int]) -> int:
     jax.block_until_ready(learner.update(_blank_batch(learner, batch_size, length)))
   learner.params, learner.opt_state = params, opt_state
   return len(lengths)
+
+
+def _row_lengths(learner, lengths: Sequence[int]) -> list[int]:
+  """Packed: the row lengths a run's updates take, `pack_length` and those past it that
+  sequences of these token lengths need."""
+  pack = learner.pack_length
+  return sorted({pack, *(row_length(n - 1, pack) for n in lengths)})
 
 
 def _blank_batch(learner, batch_size: int, length: int) -> TrainBatch:
