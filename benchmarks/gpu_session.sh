@@ -41,7 +41,9 @@
 # during the first rollout: `train.compile_ahead=False`; compare step 1 and the later steps'
 # train times with `recipe` in the same lease), recipe_engine_ahead_off (as `recipe`, with the
 # rollout engine compiling its programs as it meets them: `rollout.paged.compile_ahead=False`;
-# compare step 1's rollout and any later step's with `recipe`),
+# compare step 1's rollout and any later step's with `recipe`), recipe_unrolled (as `recipe`,
+# with the learner's blocks unrolled, `model.scan_layers=False`: compare step 1's train time,
+# which waits for the learner's compile, and the later steps' with `recipe`),
 # publish (the async loop's weight publication: a host copy in fp32, as before, against a bf16
 # copy kept on the device; on one GPU the stages share it, so what differs is the learner's
 # wait and the host round trip; `launch/bench_publish.py`),
@@ -184,16 +186,18 @@ for spec in "$@"; do
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exhaustive_tiling_search=true" run_part \
         profile64_exhaustive "${limit:-240}" python3 launch/bench.py decode_profile --json \
         --presets qwen3-0.6b --rows 64 ;;
-    recipe|recipe_flash|recipe_ahead_off|recipe_engine_ahead_off)
+    recipe|recipe_flash|recipe_ahead_off|recipe_engine_ahead_off|recipe_unrolled)
       # The HF recipe (configs/grpo_hf.py:qwen3-0.6b) on a random-weight Qwen3-0.6B: 4 steps
       # of 16 prompts x 8 with up to 512 new tokens; `recipe` as shipped (attention "auto":
       # cuDNN's on Hopper, in the learner and the engine's packed prefill), `recipe_flash`
-      # with the Pallas kernel, the A/B of the two inside the job. Both compile cold.
+      # with the Pallas kernel, the A/B of the two inside the job; `recipe_unrolled` with the
+      # learner's blocks unrolled (`model.scan_layers` off). All compile cold.
       extra="$RECIPE}"
       [ "$part" = recipe_flash ] && extra="$RECIPE, \"model.attention\": \"flash\"}"
       [ "$part" = recipe_ahead_off ] && extra="$RECIPE, \"train.compile_ahead\": false}"
       [ "$part" = recipe_engine_ahead_off ] &&
         extra="$RECIPE, \"rollout.paged.compile_ahead\": false}"
+      [ "$part" = recipe_unrolled ] && extra="$RECIPE, \"model.scan_layers\": false}"
       recipe_checkpoint
       run_part "$part" "${limit:-200}" python3 launch/bench_memory.py recipe_steps:4 /tmp/ck \
         "$extra" ;;

@@ -232,16 +232,17 @@ def _plan_learner(spec: dict) -> dict:
   return out
 
 
-def _abstract_recipe_learner(target: str):
+def _abstract_recipe_learner(target: str, scan_layers: bool = True):
   """(abstract learner, platform to trace for) of the HF recipe's learner (Qwen3-0.6B, 4,096
-  positions, flash attention keeping its output) on `target`'s devices, or this CPU's."""
+  positions, flash attention keeping its output; its blocks scanned, or unrolled with
+  `scan_layers` False) on `target`'s devices, or this CPU's."""
   import jax
   from bench_learner import recipe_learner
 
   devices = jax.devices() if target == "cpu" else _target_devices(target)
   _, learner = recipe_learner(
     "qwen3-0.6b", 4096, "flash", devices, dtype="bfloat16", abstract=True,
-    remat_policy="save_attention",
+    remat_policy="save_attention", scan_layers=scan_layers,
   )  # fmt: skip
   return learner, "cpu" if target == "cpu" else "tpu" if target in TPU_TOPOLOGIES else "cuda"
 
@@ -257,7 +258,7 @@ def _compile_apply(spec: dict) -> dict:
   from jaxrl.kernels.common import target_platform
   from jaxrl.train import update_plan
 
-  learner, platform = _abstract_recipe_learner(spec["target"])
+  learner, platform = _abstract_recipe_learner(spec["target"], spec.get("scan_layers", True))
   sums = update_plan.abstract_sums(learner)
   with target_platform(platform):
     start = time.perf_counter()
@@ -293,7 +294,7 @@ def _compile_update(spec: dict) -> dict:
   from jaxrl.kernels.common import target_platform
   from jaxrl.train import update_plan
 
-  learner, platform = _abstract_recipe_learner(spec["target"])
+  learner, platform = _abstract_recipe_learner(spec["target"], spec.get("scan_layers", True))
   with target_platform(platform):
     start, cpu = time.perf_counter(), _cpu_seconds()
     if spec["ahead"]:

@@ -44,11 +44,13 @@ def recipe_learner(
   abstract=False,
   logprob_chunk=128,
   remat_policy="full",
+  scan_layers=True,
 ):
   """(model config, `Learner`) of this benchmark's recipe on the first of `devices`: one
   packed row of `length` positions per micro-batch, fp32 master weights, `dtype` compute,
   bf16 Adam first moment and gradient sums, remat (keeping what `remat_policy` names), the LM
-  head applied `logprob_chunk` positions at a time. `abstract`: shapes only (`Learner`), for
+  head applied `logprob_chunk` positions at a time, the blocks scanned (`scan_layers`) or
+  unrolled. `abstract`: shapes only (`Learner`), for
   planning on devices this process does not have (`launch/bench_kernels.py`)."""
   from jaxrl.model import Model, get_preset
   from jaxrl.sharding import TRAIN_RULES, make_mesh
@@ -62,6 +64,7 @@ def recipe_learner(
     remat_policy=remat_policy,
     attention=attention,
     max_seq_len=length + 1,
+    scan_layers=scan_layers,
   )
   model = Model(cfg)
   learner = Learner(
@@ -96,6 +99,7 @@ def _child(setting: dict) -> dict:
     setting["preset"], length, attention, jax.devices(), dtype=dtype,
     logprob_chunk=setting.get("logprob_chunk", 128),
     remat_policy=setting.get("remat_policy", "full"),
+    scan_layers=setting.get("scan_layers", True),
   )  # fmt: skip
   rng = np.random.default_rng(0)
   prompt = min(256, length // 4)

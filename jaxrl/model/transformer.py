@@ -228,6 +228,31 @@ class Transformer(nnx.Module):
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     embed_vd = self.embed_vd.get_value()
     x_btd = _pin(embed_vd[tokens_bt].astype(dt), activation_sharding)
+    args = (x_btd, positions_bt, moe, segment_ids_bt, activation_sharding)
+    if cache is None and cfg.scan_layers:
+      x_btd, ids_btlk, routed, dropped = self._scan_blocks(*args)
+      new_cache = None
+    else:
+      x_btd, new_cache, ids_btlk, routed, dropped = self._unrolled_blocks(cache, *args)
+    x_btd = self.final_norm(x_btd)
+    if return_hidden:
+      out = x_btd, new_cache
+    else:
+      logits_btv = self.lm_head().logits(x_btd)
+      logits_btv = vocab_mask(logits_btv.astype(jnp.float32), cfg.vocab_limit)
+      out = logits_btv, new_cache
+    if return_routing:
+      out = *out, ids_btlk
+    if return_moe_counts:
+      out = *out, {"routed": routed, "dropped": dropped}
+    return out
+
+  def _unrolled_blocks(self, cache, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding):
+    """The blocks one after another (passes with a cache, or `scan_layers` off): returns the
+    residual stream after them, the updated cache (None without one), the expert ids each
+    MoE layer routed to (`[b, t, layers, k]`, None for a dense model) and the routed and
+    dropped assignments summed over the layers."""
+    cfg = self.cfg
     new_cache, routing, routed, dropped = [], [], jnp.int32(0), jnp.int32(0)
     for i, block in enumerate(self.blocks):
       layer_cache = None if cache is None else cache[i]
@@ -249,18 +274,48 @@ class Transformer(nnx.Module):
       if layer_routing is not None:
         routing.append(layer_routing.ids_btk)
         routed, dropped = routed + layer_routing.routed, dropped + layer_routing.dropped
-    x_btd = self.final_norm(x_btd)
-    if return_hidden:
-      out = x_btd, (None if cache is None else tuple(new_cache))
-    else:
-      logits_btv = self.lm_head().logits(x_btd)
-      logits_btv = vocab_mask(logits_btv.astype(jnp.float32), cfg.vocab_limit)
-      out = logits_btv, (None if cache is None else tuple(new_cache))
-    if return_routing:
-      out = *out, (jnp.stack(routing, axis=2).astype(jnp.int32) if cfg.is_moe else None)
-    if return_moe_counts:
-      out = *out, {"routed": routed, "dropped": dropped}
-    return out
+    ids_btlk = jnp.stack(routing, axis=2).astype(jnp.int32) if cfg.is_moe else None
+    return x_btd, (None if cache is None else tuple(new_cache)), ids_btlk, routed, dropped
+
+  def _scan_blocks(self, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding):
+    """The blocks of a pass without a cache as one `lax.scan` (`ModelConfig.scan_layers`):
+    returns the residual stream after them, the expert ids each MoE layer routed to (`[b, t,
+    layers, k]`, None for a dense model) and the routed and dropped assignments summed over the
+    layers.
+
+    Their weights are stacked along a leading layer axis inside the program, in the compute
+    dtype: every block parameter is cast to it where it is used (the norms' scales and the
+    biases too), so the stacked copy changes no value, and it is half the size of fp32 master
+    weights. Its gradient is sliced back into the layers' own."""
+    cfg = self.cfg
+    dt = x_btd.dtype
+    graphdef, template = nnx.split(self.blocks[0])
+    layers = [nnx.to_pure_dict(nnx.state(block)) for block in self.blocks]
+    stacked = jax.tree.map(lambda *xs: jnp.stack([x.astype(dt) for x in xs]), *layers)
+
+    def run_block(carry, xs):
+      x_btd, routed, dropped = carry
+      layer, weights = xs
+      state = jax.tree.map(lambda v: v, template)
+      nnx.replace_by_pure_dict(state, weights)
+      block = nnx.merge(graphdef, state)
+      x_btd, _, routing = block(x_btd, positions_bt, None, moe, layer, segment_ids_bt)
+      x_btd = _pin(x_btd, activation_sharding)
+      if routing is None:
+        return (x_btd, routed, dropped), None
+      return (x_btd, routed + routing.routed, dropped + routing.dropped), routing.ids_btk
+
+    if cfg.remat:  # as the unrolled blocks: keep each block's input (and what the policy names)
+      run_block = jax.checkpoint(
+        run_block, policy=remat_policy(cfg.remat_policy), prevent_cse=False
+      )
+    zero = jnp.int32(0)
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x_btd, routed, dropped), ids_lbtk = jax.lax.scan(
+      run_block, (x_btd, zero, zero), (layer_ids, stacked)
+    )
+    ids_btlk = None if ids_lbtk is None else jnp.moveaxis(ids_lbtk, 0, 2).astype(jnp.int32)
+    return x_btd, ids_btlk, routed, dropped
 
   def lm_head(self) -> LMHead:
     """The LM head as stored: the embedding when tied, else `lm_head_dv`."""

@@ -70,7 +70,7 @@ def make_tokenizer(cfg: ExperimentConfig) -> Tokenizer:
 
 def model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
   """The learner's model: `config.model`, or the checkpoint's shapes with `config.model`'s
-  dtypes, remat (and its policy), attention and length limit; ids past the tokenizer's
+  dtypes, remat (and its policy), attention, layer scan and length limit; ids past the tokenizer's
   vocabulary masked out."""
   source = pretrained_dir(cfg)
   if source is None:
@@ -95,6 +95,7 @@ def model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
       remat=cfg.model.remat,
       remat_policy=cfg.model.remat_policy,
       attention=cfg.model.attention,
+      scan_layers=cfg.model.scan_layers,
       max_seq_len=min(model.max_seq_len, cfg.model.max_seq_len),
     )
     if tokenizer.vocab_size > model.vocab_size:

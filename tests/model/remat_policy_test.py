@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tolerance
+from helpers.packed_rows import two_packed_rows
 
 from jaxrl.kernels.flash_attention import flash_attention
 from jaxrl.model import Model, ModelConfig, get_preset
@@ -21,14 +22,7 @@ def _cfg(**kw) -> ModelConfig:
 
 def _batch(cfg: ModelConfig):
   """Two packed rows: segments of 20, 11 and 17 tokens; the second row pads its last 17."""
-  rng = np.random.default_rng(0)
-  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 48)), jnp.int32)
-  lengths = (20, 11, 17)
-  positions = np.concatenate([np.arange(n) for n in lengths])
-  segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])
-  positions = jnp.asarray(np.stack([positions, positions]), jnp.int32)
-  segments = jnp.asarray(np.stack([segments, np.where(segments == 2, -1, segments)]), jnp.int32)
-  return tokens, positions, segments
+  return two_packed_rows(cfg.vocab_size, (20, 11, 17), np.random.default_rng(0))
 
 
 def _loss(model, params, batch):
@@ -108,22 +102,25 @@ def test_policies_keep_the_gradients(policy, plain_gradients):
     tolerance.assert_close(g, w, n=terms, scale=scale)
 
 
-def test_policies_change_what_the_backward_recomputes():
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_policies_change_what_the_backward_recomputes(scan_layers):
   """ "full" runs every layer's attention forward again in the backward pass; "save_attention"
   keeps its output and log-sum-exp instead (both are needed: without either the forward runs
-  again); "save_dots" also keeps the projections, so fewer matmuls run again."""
-  cfg = _cfg()
+  again); "save_dots" also keeps the projections, so fewer matmuls run again. Scanned, the
+  program holds one block for all the layers; unrolled, one a layer."""
+  cfg = _cfg(scan_layers=scan_layers)
   forward_loops, backward_loops = _flash_loops(cfg, _batch(cfg)[2])
   assert forward_loops > 0 and backward_loops > 0
   loops, dots = {}, {}
   for policy in POLICIES:
-    model = Model(_cfg(remat=True, remat_policy=policy))
+    model = Model(_cfg(remat=True, remat_policy=policy, scan_layers=scan_layers))
     params = model.init(0)
     batch = _batch(model.config)
     jaxpr = jax.make_jaxpr(jax.grad(lambda p, m=model, b=batch: _loss(m, p, b)))(params).jaxpr
     loops[policy] = _count_recomputed(jaxpr, _is_loop)
     dots[policy] = _count_recomputed(jaxpr, _is_dot)
-  layers = cfg.num_layers
+  layers = 1 if scan_layers else cfg.num_layers
+  assert cfg.num_layers > 1
   assert loops["full"] == layers * (forward_loops + backward_loops), loops
   assert loops["save_attention"] == layers * backward_loops, loops
   assert loops["save_dots"] == layers * backward_loops, loops

@@ -204,7 +204,10 @@ def test_cudnn_attention_runs_in_every_layer_without_a_cache(monkeypatch):
   monkeypatch.setattr(cudnn._cudnn, "check_cudnn_version", lambda: 91000)
   monkeypatch.setattr(cudnn._cudnn, "check_compute_capability", lambda capability: True)
   monkeypatch.setattr(cudnn._cudnn, "is_cuda_compute_capability_equal", lambda c: False)
-  cfg = dataclasses.replace(VARIANTS["tiny"], dtype="bfloat16", attention="cudnn")
+  # Unrolled, so that every layer's call shows (scanned, the one block is checked below).
+  cfg = dataclasses.replace(
+    VARIANTS["tiny"], dtype="bfloat16", attention="cudnn", scan_layers=False
+  )
   model = Model(cfg)
   params = model.init(0)
   tokens = jnp.zeros((2, 16), jnp.int32)
@@ -226,4 +229,6 @@ def test_cudnn_attention_runs_in_every_layer_without_a_cache(monkeypatch):
   assert cudnn_calls(lambda p: model.apply(p, tokens)[0], params) == cfg.num_layers
   cache = model.init_cache(2, 32)
   assert cudnn_calls(lambda p: model.apply(p, tokens, None, cache)[0], params) == 0
+  scanned = Model(dataclasses.replace(cfg, scan_layers=True))
+  assert cudnn_calls(lambda p: scanned.apply(p, tokens)[0], params) == 1
   api._run_cudnn.clear_cache()
