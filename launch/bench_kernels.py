@@ -311,8 +311,9 @@ def _compile_engine(spec: dict) -> dict:
   prefill chunks, shapes sized for `spec["max_tokens"]`-token sequences) compiled for
   `spec["target"]` from abstract weights and KV pool, one after another (`"ahead": false`:
   the seconds of each, by kind) or on the engine's threads (`"ahead": true`): wall and CPU
-  seconds. Run as `python launch/bench_kernels.py --child '{"target": "h100", "kind":
-  "engine", "ahead": false}'` (with the CUDA plugin on PYTHONPATH)."""
+  seconds; `"scan_layers": false` unrolls the packed prefill's blocks. Run as `python
+  launch/bench_kernels.py --child '{"target": "h100", "kind": "engine", "ahead": false}'`
+  (with the CUDA plugin on PYTHONPATH)."""
   import time
 
   from jaxrl.compile_ahead import with_shardings
@@ -327,7 +328,8 @@ def _compile_engine(spec: dict) -> dict:
   # "auto" gives cuDNN on Hopper, whose packed rows need the card itself: the Pallas kernel here.
   attention = spec.get("attention", "flash")
   model = Model(get_preset("qwen3-0.6b", dtype="bfloat16", param_dtype="bfloat16",
-                           attention=attention))  # fmt: skip
+                           attention=attention,
+                           scan_layers=spec.get("scan_layers", True)))  # fmt: skip
   config = PagedConfig(
     page_size=16, num_pages=8192, max_running=128, prefill_chunk=512,
     max_tokens=spec.get("max_tokens", 700), keep_turn_kv=False,

@@ -12,7 +12,8 @@ e head dim, p pages, z page size (slots per page), n pages per sequence.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,16 @@ class PackedPrefillCache(NamedTuple):
   k_pages_kpze: jax.Array
   v_pages_kpze: jax.Array
   token_pages_bt: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedPrefillKeys:
+  """A packed prefill's layer inside the scan over the blocks (`ModelConfig.scan_layers`):
+  attention reads the row's own keys and values, as with a `PackedPrefillCache`, and they
+  come back as the layer's "cache", in `dtype` (the pool's), for `write_packed_prefill` to
+  write after the scan (a scan's body cannot index the layers' separate pools)."""
+
+  dtype: Any
 
 
 def init_cache(cfg, batch: int, max_len: int) -> tuple[LayerCache, ...]:
@@ -127,9 +138,9 @@ def attend(
       q_bthe, k_btke, v_btke, positions_bt, positions_bt, segment_ids_bt, segment_ids_bt
     )
     return out, None
-  if isinstance(cache, PackedPrefillCache):
+  if isinstance(cache, (PackedPrefillCache, PackedPrefillKeys)):
     if segment_ids_bt is None:
-      raise ValueError("A PackedPrefillCache (packed prefill rows) needs segment_ids_bt.")
+      raise ValueError("A packed prefill (PackedPrefillCache) needs segment_ids_bt.")
     return _attend_packed_prefill(
       q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention
     )
@@ -157,17 +168,29 @@ def _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache: LayerCache):
 def _attend_packed_prefill(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention):
   """Every sequence of a packed row starts at position 0 here: its keys are all in the row, so
   attention reads them from the row (cast to the cache's dtype first, as a chunked prefill
-  reads them back from the pages) and the pages are only written."""
+  reads them back from the pages) and the pages are only written: here, or after the scan
+  over the blocks (`PackedPrefillKeys`: the keys and values are returned instead)."""
+  scanned = isinstance(cache, PackedPrefillKeys)
+  dtype = cache.dtype if scanned else cache.k_pages_kpze.dtype
+  keys_btke, values_btke = k_btke.astype(dtype), v_btke.astype(dtype)
+  out, _ = attend(q_bthe, keys_btke, values_btke, positions_bt, None, segment_ids_bt, attention)
+  if scanned:
+    return out, (keys_btke, values_btke)
+  return out, write_packed_prefill(cache, keys_btke, values_btke, positions_bt)
+
+
+def write_packed_prefill(
+  cache: PackedPrefillCache, keys_btke, values_btke, positions_bt
+) -> PackedPrefillCache:
+  """`cache` with a packed prefill's keys and values (in its dtype) at each token's page
+  (`token_pages_bt`) and slot (its position % page size); padding (position < 0) writes
+  nothing."""
   num_pages, page_size = cache.k_pages_kpze.shape[1:3]
-  dtype = cache.k_pages_kpze.dtype
   slot_bt = jnp.maximum(positions_bt, 0) % page_size
   page_bt = jnp.where(positions_bt >= 0, cache.token_pages_bt, num_pages)
-  keys_btke, values_btke = k_btke.astype(dtype), v_btke.astype(dtype)
   k_pages = write_pages(cache.k_pages_kpze, keys_btke, page_bt, slot_bt)
   v_pages = write_pages(cache.v_pages_kpze, values_btke, page_bt, slot_bt)
-  new_cache = PackedPrefillCache(k_pages, v_pages, cache.token_pages_bt)
-  out, _ = attend(q_bthe, keys_btke, values_btke, positions_bt, None, segment_ids_bt, attention)
-  return out, new_cache
+  return PackedPrefillCache(k_pages, v_pages, cache.token_pages_bt)
 
 
 def write_pages(pages_kpze, new_btke, page_bt, slot_bt):

@@ -17,7 +17,14 @@ from flax import nnx
 
 from jaxrl.kernels.flash_attention import save_attention_policy
 from jaxrl.kernels.qk_rope_write import apply_rope, rms_norm
-from jaxrl.model.cache import PagedLayerCache, attend, attend_paged_decode
+from jaxrl.model.cache import (
+  PackedPrefillCache,
+  PackedPrefillKeys,
+  PagedLayerCache,
+  attend,
+  attend_paged_decode,
+  write_packed_prefill,
+)
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.moe import MoEInputs, MoEMLP, param
 
@@ -229,9 +236,12 @@ class Transformer(nnx.Module):
     embed_vd = self.embed_vd.get_value()
     x_btd = _pin(embed_vd[tokens_bt].astype(dt), activation_sharding)
     args = (x_btd, positions_bt, moe, segment_ids_bt, activation_sharding)
-    if cache is None and cfg.scan_layers:
-      x_btd, ids_btlk, routed, dropped = self._scan_blocks(*args)
+    packed_prefill = cache is not None and isinstance(cache[0], PackedPrefillCache)
+    if cfg.scan_layers and cache is None:
+      x_btd, ids_btlk, routed, dropped, _ = self._scan_blocks(*args, cfg.num_layers)
       new_cache = None
+    elif cfg.scan_layers and packed_prefill and cfg.num_layers > 1:
+      x_btd, new_cache, ids_btlk, routed, dropped = self._scan_packed_prefill(cache, *args)
     else:
       x_btd, new_cache, ids_btlk, routed, dropped = self._unrolled_blocks(cache, *args)
     x_btd = self.final_norm(x_btd)
@@ -247,14 +257,45 @@ class Transformer(nnx.Module):
       out = *out, {"routed": routed, "dropped": dropped}
     return out
 
-  def _unrolled_blocks(self, cache, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding):
-    """The blocks one after another (passes with a cache, or `scan_layers` off): returns the
-    residual stream after them, the updated cache (None without one), the expert ids each
-    MoE layer routed to (`[b, t, layers, k]`, None for a dense model) and the routed and
-    dropped assignments summed over the layers."""
+  def _scan_packed_prefill(
+    self, cache, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding
+  ):
+    """A packed prefill with its blocks but the last scanned (`_scan_blocks`), each scanned
+    layer's keys and values then written to its own pool, and the last block unrolled: its
+    keys and values are all that is used of it, so XLA drops its attention output and MLP,
+    which a scanned block would compute (on CPU, 6-25% of the prefill). Returns what
+    `_unrolled_blocks` returns."""
+    cfg = self.cfg
+    scanned = cfg.num_layers - 1
+    kv_dtype = cache[0].k_pages_kpze.dtype
+    args = (positions_bt, moe, segment_ids_bt, activation_sharding)
+    x_btd, ids_btlk, routed, dropped, kv = self._scan_blocks(
+      x_btd, *args, scanned, kv_dtype=kv_dtype
+    )
+    new_cache = tuple(
+      write_packed_prefill(c, k, v, positions_bt)
+      for c, k, v in zip(cache[:scanned], *kv, strict=True)
+    )
+    x_btd, last_cache, last_ids, last_routed, last_dropped = self._unrolled_blocks(
+      cache, x_btd, *args, first=scanned
+    )
+    if ids_btlk is not None:
+      ids_btlk = jnp.concatenate([ids_btlk, last_ids], axis=2)
+    return (
+      x_btd, new_cache + last_cache, ids_btlk, routed + last_routed, dropped + last_dropped
+    )  # fmt: skip
+
+  def _unrolled_blocks(
+    self, cache, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, *, first=0
+  ):
+    """The blocks from `first` on, one after another (passes with a cache, or `scan_layers`
+    off): returns the residual stream after them, their updated caches (None without a
+    cache), the expert ids each of their MoE layers routed to (`[b, t, layers, k]`, None for
+    a dense model) and the routed and dropped assignments summed over them."""
     cfg = self.cfg
     new_cache, routing, routed, dropped = [], [], jnp.int32(0), jnp.int32(0)
-    for i, block in enumerate(self.blocks):
+    for i in range(first, cfg.num_layers):
+      block = self.blocks[i]
       layer_cache = None if cache is None else cache[i]
       if cfg.remat and cache is None:
         # Training: keep each block's input (and what `remat_policy` names) for the backward
@@ -277,11 +318,16 @@ class Transformer(nnx.Module):
     ids_btlk = jnp.stack(routing, axis=2).astype(jnp.int32) if cfg.is_moe else None
     return x_btd, (None if cache is None else tuple(new_cache)), ids_btlk, routed, dropped
 
-  def _scan_blocks(self, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding):
-    """The blocks of a pass without a cache as one `lax.scan` (`ModelConfig.scan_layers`):
-    returns the residual stream after them, the expert ids each MoE layer routed to (`[b, t,
-    layers, k]`, None for a dense model) and the routed and dropped assignments summed over the
-    layers.
+  def _scan_blocks(
+    self, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, layers: int, *,
+    kv_dtype=None,
+  ):  # fmt: skip
+    """The first `layers` blocks of a pass without a cache, or of a packed prefill
+    (`kv_dtype`: its pool's dtype), as one `lax.scan` (`ModelConfig.scan_layers`): returns
+    the residual stream after them, the expert ids each MoE layer routed to (`[b, t, layers,
+    k]`, None for a dense model), the routed and dropped assignments summed over the layers,
+    and a packed prefill's keys and values (`[layers, b, t, k, e]` each, in `kv_dtype`; else
+    None), for the caller to write to the layers' pools.
 
     Their weights are stacked along a leading layer axis inside the program, in the compute
     dtype: every block parameter is cast to it where it is used (the norms' scales and the
@@ -290,8 +336,10 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     dt = x_btd.dtype
     graphdef, template = nnx.split(self.blocks[0])
-    layers = [nnx.to_pure_dict(nnx.state(block)) for block in self.blocks]
-    stacked = jax.tree.map(lambda *xs: jnp.stack([x.astype(dt) for x in xs]), *layers)
+    weights = [nnx.to_pure_dict(nnx.state(block)) for block in self.blocks[:layers]]
+    stacked = jax.tree.map(lambda *xs: jnp.stack([x.astype(dt) for x in xs]), *weights)
+
+    layer_cache = None if kv_dtype is None else PackedPrefillKeys(kv_dtype)
 
     def run_block(carry, xs):
       x_btd, routed, dropped = carry
@@ -299,23 +347,25 @@ class Transformer(nnx.Module):
       state = jax.tree.map(lambda v: v, template)
       nnx.replace_by_pure_dict(state, weights)
       block = nnx.merge(graphdef, state)
-      x_btd, _, routing = block(x_btd, positions_bt, None, moe, layer, segment_ids_bt)
+      x_btd, kv, routing = block(x_btd, positions_bt, layer_cache, moe, layer, segment_ids_bt)
       x_btd = _pin(x_btd, activation_sharding)
       if routing is None:
-        return (x_btd, routed, dropped), None
-      return (x_btd, routed + routing.routed, dropped + routing.dropped), routing.ids_btk
+        return (x_btd, routed, dropped), (kv, None)
+      carry = (x_btd, routed + routing.routed, dropped + routing.dropped)
+      return carry, (kv, routing.ids_btk)
 
-    if cfg.remat:  # as the unrolled blocks: keep each block's input (and what the policy names)
+    if cfg.remat and kv_dtype is None:  # training, as unrolled: keep each block's input (and
+      # what the policy names)
       run_block = jax.checkpoint(
         run_block, policy=remat_policy(cfg.remat_policy), prevent_cse=False
       )
     zero = jnp.int32(0)
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x_btd, routed, dropped), ids_lbtk = jax.lax.scan(
+    layer_ids = jnp.arange(layers, dtype=jnp.int32)
+    (x_btd, routed, dropped), (kv, ids_lbtk) = jax.lax.scan(
       run_block, (x_btd, zero, zero), (layer_ids, stacked)
     )
     ids_btlk = None if ids_lbtk is None else jnp.moveaxis(ids_lbtk, 0, 2).astype(jnp.int32)
-    return x_btd, ids_btlk, routed, dropped
+    return x_btd, ids_btlk, routed, dropped, kv
 
   def lm_head(self) -> LMHead:
     """The LM head as stored: the embedding when tied, else `lm_head_dv`."""

@@ -10,7 +10,7 @@ import pytest
 from helpers import tolerance
 from helpers.packed_rows import two_packed_rows
 
-from jaxrl.model import Model, get_preset
+from jaxrl.model import Model, PackedPrefillCache, get_preset
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
@@ -84,3 +84,44 @@ def test_the_program_holds_one_block_whose_weights_are_stacked_in_the_compute_dt
   assert dtypes == {"int32", "bfloat16"}, dtypes  # the layer ids, then the weights
   cached_dots, _ = dots(scanned, tokens, None, scanned.init_cache(1, 8))
   assert cached_dots == unrolled_dots
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_a_scanned_packed_prefill_writes_the_pages_of_the_unrolled_one(preset):
+  """A packed prefill scans its blocks too (its attention reads only the row's own keys) and
+  writes each layer's keys and values to that layer's pool after the scan: the same pools
+  and routes as unrolled, and padding tokens (position -1) write nothing."""
+  cfg = get_preset(preset, num_layers=3, max_seq_len=24)
+  scanned, unrolled = Model(cfg), Model(dataclasses.replace(cfg, scan_layers=False))
+  rng = np.random.default_rng(2)
+  params = scanned.init(3)
+  tokens, positions, segments = two_packed_rows(cfg.vocab_size, (9, 8, 7), rng)
+  positions = jnp.where(segments >= 0, positions, -1)  # the engine's padding
+  page_size, num_pages = 4, 20
+  # Each segment's tokens to pages of their own: segment s of row r from page 8 * r + 3 * s.
+  pages_bt = 8 * jnp.arange(2)[:, None] + 3 * jnp.maximum(segments, 0) + positions // page_size
+  pool = jnp.asarray(
+    rng.normal(size=(cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)), jnp.float32
+  )
+
+  def prefill(model):
+    cache = tuple(PackedPrefillCache(pool, pool + 1, pages_bt) for _ in range(cfg.num_layers))
+    _, cache, routes = model.apply(
+      params, tokens, positions, cache, return_routing=True, segment_ids_bt=segments
+    )
+    return cache, routes
+
+  with jax.default_matmul_precision("highest"):
+    got, got_routes = jax.jit(lambda: prefill(scanned))()
+    want, want_routes = jax.jit(lambda: prefill(unrolled))()
+  n = tolerance.model_terms(cfg)
+  for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+    for name in ("k_pages_kpze", "v_pages_kpze"):
+      tolerance.assert_close(getattr(g, name), getattr(w, name), n=n, err_msg=f"{layer} {name}")
+  written = np.zeros((num_pages, page_size), bool)
+  real = np.asarray(positions) >= 0
+  written[np.asarray(pages_bt)[real], np.asarray(positions)[real] % page_size] = True
+  np.testing.assert_array_equal(got[0].k_pages_kpze[:, ~written], pool[:, ~written])
+  assert not np.allclose(got[0].k_pages_kpze[:, written], pool[:, written])
+  if cfg.is_moe:
+    np.testing.assert_array_equal(got_routes, want_routes)
