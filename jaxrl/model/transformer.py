@@ -354,8 +354,8 @@ class Transformer(nnx.Module):
       carry = (x_btd, routed + routing.routed, dropped + routing.dropped)
       return carry, (kv, routing.ids_btk)
 
-    if cfg.remat and kv_dtype is None:  # training, as unrolled: keep each block's input (and
-      # what the policy names)
+    # Training, as unrolled: keep each block's input (and what the policy names).
+    if cfg.remat and kv_dtype is None:
       run_block = jax.checkpoint(
         run_block, policy=remat_policy(cfg.remat_policy), prevent_cse=False
       )
