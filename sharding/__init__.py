@@ -14,7 +14,13 @@ from jaxrl.sharding.expert import (
   moe_expert_parallel,
   placement_arrays,
 )
-from jaxrl.sharding.hosts import host_array, move_between_devices, readable, to_devices
+from jaxrl.sharding.hosts import (
+  host_array,
+  move_between_devices,
+  readable,
+  readable_from_threads,
+  to_devices,
+)
 from jaxrl.sharding.mesh import MESH_AXES, make_mesh, split_devices
 from jaxrl.sharding.placement import (
   Placement,
@@ -63,6 +69,7 @@ __all__ = [
   "placement_arrays",
   "plan_placement",
   "readable",
+  "readable_from_threads",
   "split_devices",
   "to_devices",
   "tree_shardings",

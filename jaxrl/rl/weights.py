@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxrl.model import Params
+from jaxrl.sharding import readable_from_threads
 
 
 class StoreUnreachable(ConnectionError):
@@ -47,7 +48,9 @@ class WeightStore:
 
   def publish(self, params: Params, version: int) -> None:
     """Makes `params` the newest version. The store keeps a reference, not a copy (see the
-    ownership rule above)."""
+    ownership rule above). Readers are threads that may read the arrays at once (two workers
+    pulling the same version), so they are readied for that here, on the publisher's thread."""
+    readable_from_threads(params)
     with self._lock:
       if self._latest is not None and version <= self._latest[0]:
         raise ValueError(
