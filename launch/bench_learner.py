@@ -50,8 +50,8 @@ def recipe_learner(
   packed row of `length` positions per micro-batch, fp32 master weights, `dtype` compute,
   bf16 Adam first moment and gradient sums, remat (keeping what `remat_policy` names), the LM
   head applied `logprob_chunk` positions at a time, the blocks scanned (`scan_layers`) or
-  unrolled. `abstract`: shapes only (`Learner`), for
-  planning on devices this process does not have (`launch/bench_kernels.py`)."""
+  unrolled. `abstract`: shapes only (`Learner`), for planning on devices this process does
+  not have (`launch/bench_kernels.py`)."""
   from jaxrl.model import Model, get_preset
   from jaxrl.sharding import TRAIN_RULES, make_mesh
   from jaxrl.train import Learner, LossConfig, OptimizerConfig

@@ -238,8 +238,7 @@ class Transformer(nnx.Module):
     args = (x_btd, positions_bt, moe, segment_ids_bt, activation_sharding)
     packed_prefill = cache is not None and isinstance(cache[0], PackedPrefillCache)
     if cfg.scan_layers and cache is None:
-      x_btd, ids_btlk, routed, dropped, _ = self._scan_blocks(*args, cfg.num_layers)
-      new_cache = None
+      x_btd, new_cache, ids_btlk, routed, dropped = self._scan_blocks(*args, cfg.num_layers)
     elif cfg.scan_layers and packed_prefill and cfg.num_layers > 1:
       x_btd, new_cache, ids_btlk, routed, dropped = self._scan_packed_prefill(cache, *args)
     else:
@@ -269,7 +268,7 @@ class Transformer(nnx.Module):
     scanned = cfg.num_layers - 1
     kv_dtype = cache[0].k_pages_kpze.dtype
     args = (positions_bt, moe, segment_ids_bt, activation_sharding)
-    x_btd, ids_btlk, routed, dropped, kv = self._scan_blocks(
+    x_btd, kv, ids_btlk, routed, dropped = self._scan_blocks(
       x_btd, *args, scanned, kv_dtype=kv_dtype
     )
     new_cache = tuple(
@@ -323,11 +322,12 @@ class Transformer(nnx.Module):
     kv_dtype=None,
   ):  # fmt: skip
     """The first `layers` blocks of a pass without a cache, or of a packed prefill
-    (`kv_dtype`: its pool's dtype), as one `lax.scan` (`ModelConfig.scan_layers`): returns
-    the residual stream after them, the expert ids each MoE layer routed to (`[b, t, layers,
-    k]`, None for a dense model), the routed and dropped assignments summed over the layers,
-    and a packed prefill's keys and values (`[layers, b, t, k, e]` each, in `kv_dtype`; else
-    None), for the caller to write to the layers' pools.
+    (`kv_dtype`: its pool's dtype), as one `lax.scan` (`ModelConfig.scan_layers`): returns,
+    in `_unrolled_blocks`' order, the residual stream after them, a packed prefill's keys and
+    values in place of caches (`[layers, b, t, k, e]` each, in `kv_dtype`, for the caller to
+    write to the layers' pools; else None), the expert ids each MoE layer routed to (`[b, t,
+    layers, k]`, None for a dense model) and the routed and dropped assignments summed over
+    the layers.
 
     Their weights are stacked along a leading layer axis inside the program, in the compute
     dtype: every block parameter is cast to it where it is used (the norms' scales and the
@@ -365,7 +365,7 @@ class Transformer(nnx.Module):
       run_block, (x_btd, zero, zero), (layer_ids, stacked)
     )
     ids_btlk = None if ids_lbtk is None else jnp.moveaxis(ids_lbtk, 0, 2).astype(jnp.int32)
-    return x_btd, ids_btlk, routed, dropped, kv
+    return x_btd, kv, ids_btlk, routed, dropped
 
   def lm_head(self) -> LMHead:
     """The LM head as stored: the embedding when tied, else `lm_head_dv`."""
