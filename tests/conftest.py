@@ -82,3 +82,39 @@ def _drop_compiled_executables():
   yield
   gc.collect()
   jax.clear_caches()
+
+
+_NOT_RUN = pytest.StashKey[str]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """Fails the run when selected tests did not run (a crashed worker's remaining tests:
+  pyproject.toml does not replace crashed workers); `pytest_terminal_summary` says so."""
+  config = session.config
+  if hasattr(config, "workerinput") or config.option.maxfail:  # an xdist worker, or -x
+    return
+  reporter = config.pluginmanager.get_plugin("terminalreporter")
+  if reporter is None:
+    return
+  ran = {
+    report.nodeid
+    for key, reports in reporter.stats.items()
+    if key not in ("deselected", "warnings")
+    for report in reports
+    if getattr(report, "nodeid", None)
+  }
+  missing = session.testscollected - len(ran)
+  if missing > 0:
+    config.stash[_NOT_RUN] = (
+      f"{missing} of {session.testscollected} selected tests did not run: a test worker "
+      "crashed (see its failure) and crashed workers are not replaced "
+      "(`--max-worker-restart=0` in pyproject.toml). Run the test it crashed on alone, then "
+      "the suite again."
+    )
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  if _NOT_RUN in config.stash:
+    terminalreporter.section("tests that did not run", red=True)
+    terminalreporter.write_line(config.stash[_NOT_RUN], red=True)
