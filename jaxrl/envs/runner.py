@@ -5,17 +5,21 @@ The rollout (`jaxrl.rl.multi_turn`) and the RL loop (`jaxrl.rl.episodes`) hand e
 and `step` to an `EnvRunner` and go on decoding; a call's result comes back through a callback
 on the runner's thread, which only hands it over (to a queue, a future), so that the caller's
 state is touched by the caller's thread alone. Each call has its own timeout (`Episode`), and
-`close` does not wait for a plain method that hangs: its thread is left to finish in the
-background, its result dropped.
+`close` cancels the calls still pending (their futures end cancelled) without waiting for a
+plain method that hangs: its thread is left to finish in the background, its result dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
+
+# Seconds `close` gives pending calls to take their cancellation.
+CANCEL_TIMEOUT_S = 5.0
 
 
 class EnvRunner:
@@ -49,10 +53,16 @@ class EnvRunner:
     return future
 
   def close(self) -> None:
-    """Stops the loop and the pool without waiting for calls still running (once)."""
+    """Cancels the calls still pending, then stops the loop and the pool without waiting for
+    plain methods still running (once)."""
     if self._closed:
       return
     self._closed = True
+    if self._thread.is_alive():
+      cancelled = asyncio.run_coroutine_threadsafe(_cancel_pending(), self._loop)
+      # A call that ignores its cancellation past the timeout: the loop is stopped all the same.
+      with contextlib.suppress(concurrent.futures.TimeoutError):
+        cancelled.result(timeout=CANCEL_TIMEOUT_S)
     self._loop.call_soon_threadsafe(self._loop.stop)
     self._thread.join(timeout=30)
     self.executor.shutdown(wait=False, cancel_futures=True)
@@ -64,3 +74,16 @@ class EnvRunner:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+
+async def _cancel_pending() -> None:
+  """Cancels every other task on the running loop and waits for them to end. A call
+  submitted but not yet started then ends too (its coroutine closed, not left for the garbage
+  collector to report as never awaited), and one awaiting a plain method's thread stops
+  awaiting it, so the thread's late result is dropped quietly rather than posted to a closed
+  loop."""
+  tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+  for task in tasks:
+    task.cancel()
+  if tasks:
+    await asyncio.wait(tasks, timeout=CANCEL_TIMEOUT_S)
