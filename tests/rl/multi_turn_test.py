@@ -161,7 +161,9 @@ def test_a_failing_environment_ends_its_own_episode_and_keeps_its_tokens(engine)
     engine,
     TOKENIZER,
     lambda: _Faulty(max_guesses=3),
-    EpisodeLimits(max_turns=3, step_timeout_s=0.5, failure_reward=-1.0),
+    # Every reset and step has this limit: 0.5 s ended a healthy agent game in a full run on the
+    # 2-core VM (tests/rl/agent_test.py); the hung step waits for `release`, far longer.
+    EpisodeLimits(max_turns=3, step_timeout_s=3.0, failure_reward=-1.0),
     max_tokens=240,
   )
   recs = [make_record(0, 6, target) for target in (1, 3, 4, 5)]
