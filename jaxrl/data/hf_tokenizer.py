@@ -33,6 +33,12 @@ tokenizer_config.json omits a key) are not applied; no `continue_final_message` 
 `sanitize_control_tokens`; an EOS the post-processor appends is not put after prompts. A
 directory with only a sentencepiece tokenizer.model (or vocab.json + merges.txt) needs
 converting: `AutoTokenizer.from_pretrained(d).save_pretrained(d)`.
+
+Rebuilt pipelines. transformers 5's `LlamaTokenizer` (the `tokenizer_class` of Llama 2, Mistral
+7B and their fine-tunes) does not run tokenizer.json's pipeline: it takes the vocabulary and
+merges and builds its own (no normalizer, a Metaspace pre-tokenizer, byte fallback). Older files
+(a Prepend + Replace normalizer) would tokenize differently: a leading space, for one. The
+loader gives the backend the same rebuilt pipeline (`_rebuild_pipeline`).
 """
 
 from __future__ import annotations
@@ -111,6 +117,7 @@ def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> H
     raise TokenizerError(f"{tokenizer_file}: not a tokenizers file ({e})") from None
 
   config = _read_json(directory, CONFIG_FILE)
+  _rebuild_pipeline(backend, tokenizer_file, config)
   named, extras = _special_tokens(directory, config)
   return HFTokenizer(
     backend,
@@ -387,6 +394,53 @@ class HFTokenizer:
 _CLEAN_UP = tuple(
   (f" {p}", p.strip()) for p in (".", "?", "!", ",", "' ", "n't", "'m", "'s", "'ve", "'re")
 )
+
+
+# tokenizer_config.json's `tokenizer_class` values whose pipeline transformers 5 rebuilds.
+_REBUILT_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+# The BPE settings of that rebuild; a file whose BPE has others is refused.
+_REBUILT_BPE = {"byte_fallback": True, "fuse_unk": True, "ignore_merges": False, "dropout": None}
+
+
+def _rebuild_pipeline(backend: Any, tokenizer_file: str, config: Mapping[str, Any]) -> None:
+  """For `_REBUILT_CLASSES`, gives `backend` the pipeline transformers 5's `LlamaTokenizer`
+  builds in place of the file's (no normalizer, a Metaspace pre-tokenizer whose prepend scheme
+  follows `add_prefix_space` and `legacy`, its decoder), keeping the file's vocabulary and merges.
+
+  Raises:
+    TokenizerError: the file's model is not a BPE with the rebuild's settings.
+  """
+  if config.get("tokenizer_class") not in _REBUILT_CLASSES:
+    return
+  from tokenizers import decoders, pre_tokenizers
+
+  with open(tokenizer_file, encoding="utf-8") as f:
+    model = json.load(f).get("model") or {}
+  found = {key: model.get(key) for key in _REBUILT_BPE}
+  # The rebuilt BPE has no unk token; with byte fallback over all 256 bytes none is ever used.
+  bytes_known = all(f"<0x{b:02X}>" in (model.get("vocab") or {}) for b in range(256))
+  if (
+    model.get("type") != "BPE"
+    or found != _REBUILT_BPE
+    or (model.get("unk_token") and not bytes_known)
+  ):
+    raise TokenizerError(
+      f"{tokenizer_file}: tokenizer_class {config['tokenizer_class']} is rebuilt by transformers "
+      f"5 as a BPE with {_REBUILT_BPE} (and no unk token), but this file's model is "
+      f"{model.get('type')} with {found}; jaxrl cannot reproduce what transformers makes of it."
+    )
+  prefix_space = config.get("add_prefix_space")
+  prefix_space = True if prefix_space is None else bool(prefix_space)
+  # transformers' `_get_prepend_scheme`, with LlamaTokenizer's default legacy=False.
+  scheme = ("always" if config.get("legacy", False) else "first") if prefix_space else "never"
+  backend.normalizer = None
+  backend.pre_tokenizer = pre_tokenizers.Metaspace(
+    replacement="\u2581", prepend_scheme=scheme, split=False
+  )
+  steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+  if prefix_space:  # the space the pre-tokenizer put before the text
+    steps.append(decoders.Strip(" ", 1, 0))
+  backend.decoder = decoders.Sequence(steps)
 
 
 def _bos_of_post_processor(backend: Any, source: str) -> int | None:

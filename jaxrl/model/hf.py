@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3 and Qwen3-MoE safetensors.
+"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE safetensors.
 
 `load_pretrained` reads a checkpoint directory (or Hub id) one tensor at a time, converts each
 from the Hub layout (`q_proj.weight` is `[heads * head_dim, hidden]`, per-expert MLPs) to
@@ -363,7 +363,8 @@ def load_pretrained(
   mesh: jax.sharding.Mesh | None = None,
   rules: Rules | None = None,
 ) -> tuple[Model, Params]:
-  """Loads a Hugging Face checkpoint (Llama, Qwen2, Qwen3, Qwen3-MoE) as a Model and params.
+  """Loads a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE) as a Model and
+  params.
 
   Args:
     path: a checkpoint directory, or a Hub id (see `jaxrl.hub.resolve_pretrained`).

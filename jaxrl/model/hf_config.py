@@ -1,10 +1,16 @@
-"""Hugging Face `config.json` <-> `ModelConfig` for Llama, Qwen2, Qwen3 and Qwen3-MoE.
+"""Hugging Face `config.json` <-> `ModelConfig` for Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE.
 
 Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `rope_scaling`
 dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
 `rope_theta`, `dtype`). Keys a config.json leaves out take transformers' defaults for that model
 type. What jaxrl does not implement (biases Llama can switch on, sliding windows, dense layers
 inside an MoE model, other RoPE types) is refused with the key that asks for it.
+
+Mistral is Llama's network with a sliding attention window (`sliding_window`: each position
+attends to at most that many, itself included). Up to that many positions, that is full
+attention, so a Mistral checkpoint reads with `max_seq_len` capped at its window (a run that
+asks for longer sequences gets the window: `PretrainedConfig.path`); a model saved without its
+source checkpoint is written as Llama, the same network.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from jaxrl.model.safetensors_io import CheckpointError
 
 ARCHITECTURES = {
   "llama": "LlamaForCausalLM",
+  "mistral": "MistralForCausalLM",
   "qwen2": "Qwen2ForCausalLM",
   "qwen3": "Qwen3ForCausalLM",
   "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -24,8 +31,15 @@ ARCHITECTURES = {
 """The model types jaxrl reads and writes, with their transformers architecture."""
 
 # transformers 5's defaults for keys a config.json may leave out (the model classes' fields).
-_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768}
-_KV_HEADS = {"qwen2": 32, "qwen3": 32, "qwen3_moe": 4}  # llama: num_attention_heads
+_MAX_POSITIONS = {
+  "llama": 2048,
+  "mistral": 131072,
+  "qwen2": 32768,
+  "qwen3": 32768,
+  "qwen3_moe": 32768,
+}
+_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "qwen3_moe": 4}  # llama: num_attention_heads
+_MISTRAL_WINDOW = 4096  # transformers' MistralConfig.sliding_window
 _HEAD_DIM = {"qwen3": 128}  # others: hidden_size // num_attention_heads
 _ROPE_THETA = 10_000.0
 _MOE_DEFAULTS = {"num_experts_per_tok": 8, "moe_intermediate_size": 768, "num_experts": 128}
@@ -143,7 +157,8 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   """The ModelConfig of a Hugging Face config.json (as a dict).
 
   The dtypes are left at ModelConfig's defaults (the caller chooses them, e.g.
-  `load_pretrained(dtype=...)`); `max_seq_len` is `max_position_embeddings`.
+  `load_pretrained(dtype=...)`); `max_seq_len` is `max_position_embeddings` (for Mistral, at
+  most its `sliding_window`).
 
   Raises:
     CheckpointError: an unknown model_type, architectures that disagree with it, a missing or
@@ -165,6 +180,14 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   _refusals(config, model_type)
   d, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
   max_positions = _get(config, "max_position_embeddings", _MAX_POSITIONS[model_type])
+  rope = _rope(config, max_positions)  # llama3 RoPE's original context defaults to the full one
+  if model_type == "mistral":
+    window = config.get("sliding_window", _MISTRAL_WINDOW)
+    if window is not None:
+      window = _get({"sliding_window": window}, "sliding_window")
+      if window < 1:
+        raise CheckpointError(f"config.json: sliding_window={window}; expected null or >= 1.")
+      max_positions = min(max_positions, window)
   head_dim = config.get("head_dim") or _HEAD_DIM.get(model_type, d // max(heads, 1))
   kv_heads = config.get("num_key_value_heads") or _KV_HEADS.get(model_type, heads)
   fields = dict(
@@ -180,7 +203,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     qk_norm=model_type in ("qwen3", "qwen3_moe"),
     qkv_bias=model_type == "qwen2",
     tie_embeddings=_get(config, "tie_word_embeddings", False, bool),
-    **_rope(config, max_positions),
+    **rope,
   )
   if model_type == "qwen3_moe":
     experts = {config.get(k) for k in ("num_experts", "num_local_experts")} - {None}

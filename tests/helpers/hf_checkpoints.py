@@ -10,6 +10,8 @@ that attention, RoPE and routing visibly shape the logits and a wrong conversion
 Architectures (`ARCHS`) and what each exercises:
   "llama": Llama 3.1 RoPE scaling (llama3, original context 64 so it acts within 256 tokens),
     head_dim 32 != hidden / heads.
+  "mistral": a sliding window of 384 positions (longer than the tests' sequences, shorter than
+    max_position_embeddings), head_dim from hidden / heads, rope_theta 1e6.
   "qwen2": q/k/v biases, rope_theta 1e6.
   "qwen3": q/k RMSNorm, head_dim 24, rope_theta 1e6.
   "qwen3_moe": 8 experts, top-2, q/k norm; `norm_topk_prob` as given (default True).
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 import transformers
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 VOCAB_SIZE = 512
 
 _COMMON = dict(
@@ -56,6 +58,10 @@ _ARCH = {
         original_max_position_embeddings=64,
       ),
     ),
+  ),
+  "mistral": (
+    transformers.MistralConfig,
+    dict(sliding_window=384, rope_parameters=dict(rope_theta=1e6)),
   ),
   "qwen2": (transformers.Qwen2Config, dict(rope_parameters=dict(rope_theta=1e6))),
   "qwen3": (transformers.Qwen3Config, dict(head_dim=24, rope_parameters=dict(rope_theta=1e6))),

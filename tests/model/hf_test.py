@@ -45,6 +45,7 @@ SEQ = 256
 # (arch, tied, transformers config overrides): every architecture tied and untied, Qwen3-MoE
 # with and without renormalised top-k weights.
 CASES = [(arch, tied, {}) for arch in ("llama", "qwen2", "qwen3") for tied in (False, True)] + [
+  ("mistral", False, {}),
   ("qwen3_moe", False, {"norm_topk_prob": True}),
   ("qwen3_moe", True, {"norm_topk_prob": False}),
   ("qwen3_moe", False, {"norm_topk_prob": False}),
@@ -119,6 +120,8 @@ def test_logits_match_transformers(checkpoints, case):
   want = hc.logits(reference, tokens)
   model, params = load_pretrained(path, dtype="float32")
   assert model.config.tie_embeddings == tied and ("lm_head_dv" in params) == (not tied)
+  if arch == "mistral":  # the sliding window, shorter than max_position_embeddings
+    assert model.config.max_seq_len == 384
   assert _rel_err(_logits(model, params, tokens), want) < 1e-4
   if tied:
     return
@@ -192,10 +195,29 @@ def test_save_pretrained_loads_in_transformers(checkpoints, tmp_path, arch, tied
     "model.safetensors",
   ]
   reloaded = hc.load_model(tmp_path / "out")
-  assert type(reloaded).__name__ == _load_json(path / "config.json")["architectures"][0]
+  # Without its source checkpoint, a Mistral model is written as Llama: the same network.
+  source_arch = _load_json(path / "config.json")["architectures"][0]
+  written = "LlamaForCausalLM" if arch == "mistral" else source_arch
+  assert type(reloaded).__name__ == written
   assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   # The generated config.json describes the same model to us too.
   assert config_from_hf(_load_json(tmp_path / "out" / "config.json")) == model.config
+  if arch == "mistral":  # with its source, it stays Mistral, window included
+    save_pretrained(model, params, tmp_path / "sourced", source=path)
+    assert type(hc.load_model(tmp_path / "sourced")).__name__ == "MistralForCausalLM"
+    assert _load_json(tmp_path / "sourced" / "config.json")["sliding_window"] == 384
+
+
+def test_a_mistral_window_caps_the_sequence_length():
+  """Up to its window, sliding attention is full attention: the model reads with max_seq_len
+  at most the window (transformers' default window where config.json has no key)."""
+  core = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+  core |= dict(num_key_value_heads=2)
+  config = {"model_type": "mistral", "vocab_size": 100, "max_position_embeddings": 8192, **core}
+  assert config_from_hf(config).max_seq_len == 4096
+  assert config_from_hf(config | {"sliding_window": 1000}).max_seq_len == 1000
+  assert config_from_hf(config | {"sliding_window": 9000}).max_seq_len == 8192
+  assert config_from_hf(config | {"sliding_window": None}).max_seq_len == 8192
 
 
 def test_save_pretrained_copies_source_files(tmp_path):
@@ -452,7 +474,9 @@ def test_reads_fused_experts(checkpoints, tmp_path):
 @pytest.mark.parametrize(
   "arch,change,key",
   [
-    ("qwen3", {"model_type": "mistral"}, "model_type"),
+    ("qwen3", {"model_type": "gemma2"}, "model_type"),
+    ("mistral", {"sliding_window": 0}, "sliding_window"),
+    ("mistral", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("llama", {"architectures": ["Qwen2ForCausalLM"]}, "architectures"),
     ("llama", {"attention_bias": True}, "attention_bias"),
     ("llama", {"mlp_bias": True}, "mlp_bias"),
