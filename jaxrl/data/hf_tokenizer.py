@@ -34,11 +34,13 @@ tokenizer_config.json omits a key) are not applied; no `continue_final_message` 
 directory with only a sentencepiece tokenizer.model (or vocab.json + merges.txt) needs
 converting: `AutoTokenizer.from_pretrained(d).save_pretrained(d)`.
 
-Rebuilt pipelines. transformers 5's `LlamaTokenizer` (the `tokenizer_class` of Llama 2, Mistral
-7B and their fine-tunes) does not run tokenizer.json's pipeline: it takes the vocabulary and
-merges and builds its own (no normalizer, a Metaspace pre-tokenizer, byte fallback). Older files
-(a Prepend + Replace normalizer) would tokenize differently: a leading space, for one. The
-loader gives the backend the same rebuilt pipeline (`_rebuild_pipeline`).
+Rebuilt pipelines. transformers 5's `LlamaTokenizer` (the `tokenizer_class` of Llama 2 and
+its fine-tunes) does not run tokenizer.json's pipeline: it takes the vocabulary and merges and
+builds its own (no normalizer, a Metaspace pre-tokenizer, byte fallback). Older files (a
+Prepend + Replace normalizer) would tokenize differently: a leading space, for one. Its
+AutoTokenizer rebuilds only where the file is not byte-level (DeepSeek's distilled models
+declare the class over a byte-level file) and the checkpoint's model type registers no other
+tokenizer (Mistral's runs the file as it is); the loader does the same (`_rebuild_pipeline`).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> H
     raise TokenizerError(f"{tokenizer_file}: not a tokenizers file ({e})") from None
 
   config = _read_json(directory, CONFIG_FILE)
-  _rebuild_pipeline(backend, tokenizer_file, config)
+  _rebuild_pipeline(backend, tokenizer_file, config, _read_json(directory, "config.json"))
   named, extras = _special_tokens(directory, config)
   return HFTokenizer(
     backend,
@@ -402,32 +404,41 @@ _REBUILT_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
 _REBUILT_BPE = {"byte_fallback": True, "fuse_unk": True, "ignore_merges": False, "dropout": None}
 
 
-def _rebuild_pipeline(backend: Any, tokenizer_file: str, config: Mapping[str, Any]) -> None:
-  """For `_REBUILT_CLASSES`, gives `backend` the pipeline transformers 5's `LlamaTokenizer`
-  builds in place of the file's (no normalizer, a Metaspace pre-tokenizer whose prepend scheme
-  follows `add_prefix_space` and `legacy`, its decoder), keeping the file's vocabulary and merges.
+def _rebuild_pipeline(
+  backend: Any, tokenizer_file: str, config: Mapping[str, Any], model_config: Mapping[str, Any]
+) -> None:
+  """Where transformers 5's AutoTokenizer would load `_REBUILT_CLASSES` as that class, gives
+  `backend` the pipeline that class builds in place of the file's (no normalizer, a Metaspace
+  pre-tokenizer whose prepend scheme follows `add_prefix_space` and `legacy`, its decoder),
+  keeping the file's vocabulary and merges. AutoTokenizer loads the file as it is instead where
+  it names "ByteLevel" anywhere (for model type qwen2, as Qwen2Tokenizer, whose pipeline is a
+  Qwen-style file's own: tests/data/hf_tokenizer_test.py), or where config.json's model type
+  registers a plain backend (mistral); `model_config` is that config.json ({} where none).
 
   Raises:
-    TokenizerError: the file's model is not a BPE with the rebuild's settings.
+    TokenizerError: the file's model is not a BPE with the rebuild's settings, or the model type
+      (qwen2) would have it rebuilt as another class.
   """
-  if config.get("tokenizer_class") not in _REBUILT_CLASSES:
+  declared = config.get("tokenizer_class")
+  if declared not in _REBUILT_CLASSES:
+    return
+  text = _read_text(tokenizer_file)
+  model_type = model_config.get("model_type")
+  if '"ByteLevel"' in text or model_type == "mistral":
     return
   from tokenizers import decoders, pre_tokenizers
 
-  with open(tokenizer_file, encoding="utf-8") as f:
-    model = json.load(f).get("model") or {}
+  model = json.loads(text).get("model") or {}
   found = {key: model.get(key) for key in _REBUILT_BPE}
   # The rebuilt BPE has no unk token; with byte fallback over all 256 bytes none is ever used.
   bytes_known = all(f"<0x{b:02X}>" in (model.get("vocab") or {}) for b in range(256))
-  if (
-    model.get("type") != "BPE"
-    or found != _REBUILT_BPE
-    or (model.get("unk_token") and not bytes_known)
-  ):
+  unk_used = model.get("unk_token") and not bytes_known
+  if model_type == "qwen2" or model.get("type") != "BPE" or found != _REBUILT_BPE or unk_used:
     raise TokenizerError(
-      f"{tokenizer_file}: tokenizer_class {config['tokenizer_class']} is rebuilt by transformers "
-      f"5 as a BPE with {_REBUILT_BPE} (and no unk token), but this file's model is "
-      f"{model.get('type')} with {found}; jaxrl cannot reproduce what transformers makes of it."
+      f"{tokenizer_file}: transformers 5 would not run this file's pipeline but rebuild it "
+      f"(tokenizer_class {declared}, model type {model_type}), as a byte-fallback BPE with "
+      f"{_REBUILT_BPE} and no unk token, Metaspace pre-tokenizer; this file's model is "
+      f"{model.get('type')} with {found}, which jaxrl cannot rebuild the same way."
     )
   prefix_space = config.get("add_prefix_space")
   prefix_space = True if prefix_space is None else bool(prefix_space)

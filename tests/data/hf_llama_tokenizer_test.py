@@ -1,6 +1,7 @@
-"""`load_tokenizer` on sentencepiece-style tokenizers whose `tokenizer_class` is LlamaTokenizer
-(Llama 2, Mistral 7B): transformers 5 rebuilds their pipeline at load, and jaxrl must give the
-same ids and text whichever layout tokenizer.json has.
+"""`load_tokenizer` on tokenizers whose `tokenizer_class` is LlamaTokenizer (Llama 2, Mistral 7B,
+DeepSeek's distilled models): transformers 5 rebuilds the pipeline of some of them at load, and
+jaxrl must give the same ids and text whichever layout tokenizer.json has and whichever model
+type the checkpoint's config.json names.
 
 The tokenizer is trained on the spot (a byte-fallback BPE over "▁"-joined words, as sentencepiece
 models are converted), in the two layouts the Hub holds: the older one (a Prepend + Replace
@@ -9,6 +10,7 @@ normalizer, no pre-tokenizer) and the newer one (a Metaspace pre-tokenizer).
 
 import functools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -73,39 +75,69 @@ def _tokenizer_json(layout: str) -> str:
   return backend.to_str()
 
 
-def _write(directory, layout, **config):
+def _write(directory, layout, model_type=None, **config):
   (directory / "tokenizer.json").write_text(_tokenizer_json(layout), encoding="utf-8")
   base = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>"}
   base |= {"unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}
   (directory / "tokenizer_config.json").write_text(json.dumps(base | config))
+  if model_type is not None:  # a checkpoint's directory: AutoTokenizer reads its model type
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
   return directory
 
 
+def _assert_same(ours, theirs, texts):
+  for text in texts:
+    want = theirs(text, add_special_tokens=False)["input_ids"]
+    assert ours.encode(text) == want, text
+    bos = [] if ours.bos_id is None else [ours.bos_id]
+    assert theirs(text)["input_ids"] == [*bos, *want], text
+    until_eos = want[: want.index(ours.eos_id)] if ours.eos_id in want else want
+    assert ours.decode(want) == theirs.decode(until_eos, skip_special_tokens=True), text
+  assert ours.bos_id == theirs.bos_token_id
+
+
+def _texts():
+  rng = np.random.default_rng(0)
+  randoms = ["".join(rng.choice(FRAGMENTS, size=int(rng.integers(1, 20)))) for _ in range(100)]
+  return (*TEXTS, *randoms)
+
+
 @pytest.mark.parametrize(
-  "layout, config",
+  "layout, config, model_type",
   [
-    ("normalizer", {"legacy": True}),
-    ("normalizer", {"legacy": False}),
-    ("normalizer", {"add_prefix_space": False}),
-    ("metaspace", {"legacy": False}),
-    ("metaspace", {"legacy": True}),
-    ("metaspace", {}),
+    ("normalizer", {"legacy": True}, None),
+    ("normalizer", {"legacy": False}, None),
+    ("normalizer", {"add_prefix_space": False}, None),
+    ("normalizer", {"legacy": False}, "llama"),  # rebuilt
+    ("normalizer", {"legacy": False}, "mistral"),  # run as it is
+    ("metaspace", {"legacy": False}, None),
+    ("metaspace", {"legacy": True}, None),
+    ("metaspace", {}, "mistral"),
   ],
 )
 def test_ids_text_and_bos_are_transformers_whatever_the_layout(
-  tmp_path, auto_tokenizer, layout, config
+  tmp_path, auto_tokenizer, layout, config, model_type
 ):
-  directory = _write(tmp_path, layout, **config)
+  directory = _write(tmp_path, layout, model_type, **config)
   ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
-  rng = np.random.default_rng(0)
-  randoms = ["".join(rng.choice(FRAGMENTS, size=int(rng.integers(1, 20)))) for _ in range(100)]
-  for text in (*TEXTS, *randoms):
-    want = theirs(text, add_special_tokens=False)["input_ids"]
-    assert ours.encode(text) == want, text
-    assert theirs(text)["input_ids"] == [ours.bos_id, *want], text
-    until_eos = want[: want.index(ours.eos_id)] if ours.eos_id in want else want
-    assert ours.decode(want) == theirs.decode(until_eos, skip_special_tokens=True), text
-  assert ours.bos_id == theirs.bos_token_id == 1
+  _assert_same(ours, theirs, _texts())
+  assert ours.bos_id == 1
+
+
+def test_a_byte_level_file_under_the_llama_class_is_run_as_it_is(tmp_path, auto_tokenizer):
+  """DeepSeek's distilled models declare LlamaTokenizerFast over a byte-level tokenizer.json,
+  which AutoTokenizer then runs as it is."""
+  from helpers import hf_tokenizers
+
+  directory = hf_tokenizers.write_tokenizer(tmp_path, "qwen3")
+  path = os.path.join(directory, "tokenizer_config.json")
+  with open(path) as f:
+    config = json.load(f) | {"tokenizer_class": "LlamaTokenizerFast", "legacy": True}
+  with open(path, "w") as f:
+    json.dump(config, f)
+  ours, theirs = load_tokenizer(directory), auto_tokenizer.from_pretrained(directory)
+  texts = ("Hello world", " 12 clips?", "a\nb  c", "<|im_start|>user\nhi<|im_end|>")
+  _assert_same(ours, theirs, texts)
 
 
 def test_the_older_layout_is_not_read_as_it_is(tmp_path, auto_tokenizer):
@@ -129,7 +161,5 @@ def test_a_model_the_rebuild_would_replace_is_refused(tmp_path):
   Backend(models.WordLevel(words, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
   config = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
   (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-  with pytest.raises(
-    TokenizerError, match=r"tokenizer\.json: tokenizer_class LlamaTokenizerFast.*"
-  ):
+  with pytest.raises(TokenizerError, match=r"tokenizer\.json: transformers 5 would not run"):
     load_tokenizer(tmp_path)
