@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out: jaxrl's logits and greedy tokens equal transformers' for
-Llama (llama3 RoPE), Qwen2, Qwen3 and Qwen3-MoE, tied and untied; save_pretrained writes what
-transformers loads back; sharded files, meshes, both config.json layouts, bf16, and every error
-names its file and tensor or key."""
+Llama (llama3 RoPE), Mistral, Qwen2, Qwen3 and Qwen3-MoE, tied and untied; save_pretrained writes
+what transformers loads back; sharded files, meshes, bf16, and every error names its file and
+tensor or key (config.json alone: hf_config_test.py)."""
 
 import dataclasses
 import functools
@@ -24,7 +24,6 @@ from helpers import hf_checkpoints as hc
 from safetensors.numpy import load_file, save_file
 
 from jaxrl.model import (
-  PRESETS,
   CheckpointError,
   ExpertParallel,
   Model,
@@ -202,22 +201,14 @@ def test_save_pretrained_loads_in_transformers(checkpoints, tmp_path, arch, tied
   assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   # The generated config.json describes the same model to us too.
   assert config_from_hf(_load_json(tmp_path / "out" / "config.json")) == model.config
-  if arch == "mistral":  # with its source, it stays Mistral, window included
-    save_pretrained(model, params, tmp_path / "sourced", source=path)
-    assert type(hc.load_model(tmp_path / "sourced")).__name__ == "MistralForCausalLM"
-    assert _load_json(tmp_path / "sourced" / "config.json")["sliding_window"] == 384
 
 
-def test_a_mistral_window_caps_the_sequence_length():
-  """Up to its window, sliding attention is full attention: the model reads with max_seq_len
-  at most the window (transformers' default window where config.json has no key)."""
-  core = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
-  core |= dict(num_key_value_heads=2)
-  config = {"model_type": "mistral", "vocab_size": 100, "max_position_embeddings": 8192, **core}
-  assert config_from_hf(config).max_seq_len == 4096
-  assert config_from_hf(config | {"sliding_window": 1000}).max_seq_len == 1000
-  assert config_from_hf(config | {"sliding_window": 9000}).max_seq_len == 8192
-  assert config_from_hf(config | {"sliding_window": None}).max_seq_len == 8192
+def test_a_mistral_saved_with_its_source_stays_mistral(checkpoints, tmp_path):
+  path = checkpoints("mistral")
+  model, params = load_pretrained(path, dtype="float32")
+  save_pretrained(model, params, tmp_path / "sourced", source=path)
+  assert type(hc.load_model(tmp_path / "sourced")).__name__ == "MistralForCausalLM"
+  assert _load_json(tmp_path / "sourced" / "config.json")["sliding_window"] == 384
 
 
 def test_save_pretrained_copies_source_files(tmp_path):
@@ -368,57 +359,6 @@ def test_loading_holds_one_tensor_beyond_the_params(tmp_path):
   )
   memory = json.loads(run.stdout.strip().splitlines()[-1])
   assert memory["peak"] - memory["base"] < 1.5 * size, (memory, size)
-
-
-# -- configs -------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-  "hub,preset", [(hc.QWEN3_0_6B, "qwen3-0.6b"), (hc.QWEN3_30B_A3B, "qwen3-30b-a3b")]
-)
-def test_hub_configs_give_the_presets(hub, preset):
-  got = config_from_hf(hub)
-  assert dataclasses.replace(got, dtype="bfloat16", param_dtype="bfloat16") == PRESETS[preset]
-
-
-def _new_layout(old: dict) -> dict:
-  """The layout transformers 5 writes: rope_parameters and dtype."""
-  new = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
-  new["rope_parameters"] = dict(old.get("rope_scaling") or {"rope_type": "default"})
-  new["rope_parameters"]["rope_theta"] = old["rope_theta"]
-  new["dtype"] = old["torch_dtype"]
-  return new
-
-
-@pytest.mark.parametrize(
-  "hub", [hc.QWEN3_0_6B, hc.QWEN3_30B_A3B, hc.LLAMA_3_2_1B], ids=lambda h: h["model_type"]
-)
-def test_old_and_new_config_layouts_agree(hub):
-  old = config_from_hf(hub)
-  assert config_from_hf(_new_layout(hub)) == old
-  # The older spelling of the scaling's type key, too.
-  if hub.get("rope_scaling"):
-    legacy = hub | {"rope_scaling": hub["rope_scaling"] | {"type": "llama3"}}
-    del legacy["rope_scaling"]["rope_type"]
-    assert config_from_hf(legacy) == old
-    assert (old.rope_scaling, old.rope_factor, old.rope_theta) == ("llama3", 32.0, 500000.0)
-  # And transformers' own round trip of it.
-  hf = transformers.AutoConfig.for_model(**hub)
-  assert config_from_hf(hf.to_dict()) == old
-
-
-@pytest.mark.parametrize("arch", hc.ARCHS)
-def test_missing_keys_take_transformers_defaults(arch):
-  core = dict(
-    vocab_size=100,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-  )
-  full = transformers.AutoConfig.for_model(arch, **core).to_dict()
-  assert config_from_hf({"model_type": arch, **core}) == config_from_hf(full)
 
 
 # -- bf16 ----------------------------------------------------------------------------------------
