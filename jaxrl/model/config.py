@@ -6,7 +6,7 @@ import dataclasses
 
 DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("dense", "flash", "cudnn")
-ROPE_SCALINGS = ("", "llama3")
+ROPE_SCALINGS = ("", "llama3", "linear", "yarn")  # jaxrl/model/rope.py says what each does
 # What a rematerialised block keeps for the backward pass (`ModelConfig.remat_policy`).
 REMAT_POLICIES = ("full", "save_attention", "save_dots")
 
@@ -25,13 +25,22 @@ class ModelConfig:
     mlp_dim: hidden width of the dense SwiGLU MLP.
     max_seq_len: longest sequence (prompt + response) the model is used with.
     rope_theta: RoPE base frequency.
-    rope_scaling: "" for plain RoPE, or "llama3" for Llama 3.1's frequency-dependent scaling
-      (low frequencies divided by rope_factor, high ones kept, a smooth blend in between).
-    rope_factor: llama3 scaling: how much the low frequencies are stretched.
+    rope_scaling: "" for plain RoPE; "llama3" (Llama 3.1's frequency-dependent scaling: low
+      frequencies divided by rope_factor, high ones kept, a smooth blend in between);
+      "linear" (every frequency divided by rope_factor); "yarn" (YaRN, Qwen2.5/Qwen3's long
+      context: low frequencies interpolated, high ones kept, cos and sin scaled by an
+      attention factor). `jaxrl/model/rope.py` has the formulas.
+    rope_factor: llama3, linear and yarn: how much the low frequencies are stretched.
     rope_low_freq_factor: llama3 scaling: wavelengths above original_max / this are scaled.
     rope_high_freq_factor: llama3 scaling: wavelengths below original_max / this are kept.
-    rope_original_max_position_embeddings: llama3 scaling: the context length the model was
+    rope_original_max_position_embeddings: llama3 and yarn: the context length the model was
       pretrained with before the scaling.
+    rope_beta_fast: yarn: dimensions turning more than this many times over the original
+      context keep their frequency.
+    rope_beta_slow: yarn: dimensions turning fewer than this many times are interpolated.
+    rope_attention_factor: yarn: what cos and sin are multiplied by; 0 takes YaRN's
+      `0.1 ln(rope_factor) + 1`.
+    rope_truncate: yarn: round the ramp's ends to whole dimensions (transformers' default).
     norm_eps: RMSNorm epsilon.
     qk_norm: RMSNorm on each query/key head before RoPE (Qwen3).
     qkv_bias: bias on the q/k/v projections (Qwen2).
@@ -94,6 +103,10 @@ class ModelConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_position_embeddings: int = 8192
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_attention_factor: float = 0.0
+  rope_truncate: bool = True
   norm_eps: float = 1e-6
   qk_norm: bool = False
   qkv_bias: bool = False
@@ -137,8 +150,8 @@ class ModelConfig:
         f"model.rope_scaling must be one of {ROPE_SCALINGS} ('' = plain RoPE), "
         f"got {self.rope_scaling!r}."
       )
-    if self.rope_scaling == "llama3":
-      self._check_llama3_scaling()
+    if self.rope_scaling:
+      self._check_rope_scaling()
     if self.num_experts < 0:
       raise ValueError(f"model.num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
     if self.num_experts:
@@ -174,26 +187,39 @@ class ModelConfig:
         f"model.dtype={self.dtype!r}: set model.dtype=bfloat16, or model.attention=flash."
       )
 
-  def _check_llama3_scaling(self):
+  def _check_rope_scaling(self):
+    kind = self.rope_scaling
     if self.rope_factor < 1:
       raise ValueError(
-        f"model.rope_factor must be >= 1 for llama3 scaling, got {self.rope_factor}."
+        f"model.rope_factor must be >= 1 for {kind} scaling, got {self.rope_factor}."
       )
-    if self.rope_low_freq_factor <= 0:
+    if kind != "linear" and self.rope_original_max_position_embeddings < 1:
       raise ValueError(
-        "model.rope_low_freq_factor must be > 0 for llama3 scaling, got "
-        f"{self.rope_low_freq_factor}."
-      )
-    if self.rope_high_freq_factor <= self.rope_low_freq_factor:
-      raise ValueError(
-        f"model.rope_high_freq_factor ({self.rope_high_freq_factor}) must be greater than "
-        f"model.rope_low_freq_factor ({self.rope_low_freq_factor}) for llama3 scaling."
-      )
-    if self.rope_original_max_position_embeddings < 1:
-      raise ValueError(
-        "model.rope_original_max_position_embeddings must be >= 1 for llama3 scaling, got "
+        f"model.rope_original_max_position_embeddings must be >= 1 for {kind} scaling, got "
         f"{self.rope_original_max_position_embeddings}."
       )
+    if kind == "llama3":
+      if self.rope_low_freq_factor <= 0:
+        raise ValueError(
+          "model.rope_low_freq_factor must be > 0 for llama3 scaling, got "
+          f"{self.rope_low_freq_factor}."
+        )
+      if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+        raise ValueError(
+          f"model.rope_high_freq_factor ({self.rope_high_freq_factor}) must be greater than "
+          f"model.rope_low_freq_factor ({self.rope_low_freq_factor}) for llama3 scaling."
+        )
+    if kind == "yarn":
+      if not 0 < self.rope_beta_slow <= self.rope_beta_fast:
+        raise ValueError(
+          f"model.rope_beta_slow ({self.rope_beta_slow}) must be > 0 and at most "
+          f"model.rope_beta_fast ({self.rope_beta_fast}) for yarn scaling."
+        )
+      if self.rope_attention_factor < 0:
+        raise ValueError(
+          "model.rope_attention_factor must be >= 0 (0 = YaRN's default) for yarn scaling, "
+          f"got {self.rope_attention_factor}."
+        )
 
   @property
   def is_moe(self) -> bool:

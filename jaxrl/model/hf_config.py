@@ -4,7 +4,11 @@ Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `r
 dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
 `rope_theta`, `dtype`). Keys a config.json leaves out take transformers' defaults for that model
 type. What jaxrl does not implement (biases Llama can switch on, sliding windows, dense layers
-inside an MoE model, other RoPE types) is refused with the key that asks for it.
+inside an MoE model, RoPE types other than plain, llama3, linear and yarn) is refused with the
+key that asks for it.
+
+Under YaRN (`rope_scaling` of type "yarn", which Qwen2.5 and Qwen3 document for 128k contexts)
+`max_seq_len` is at least the original context times the factor, the length YaRN extends to.
 
 Mistral is Llama's network with a sliding attention window (`sliding_window`: each position
 attends to at most that many, itself included). Up to that many positions, that is full
@@ -19,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrl.model.config import ModelConfig
+from jaxrl.model.rope import yarn_default_attention_factor
 from jaxrl.model.safetensors_io import CheckpointError
 
 ARCHITECTURES = {
@@ -61,12 +66,6 @@ ARCH_FIELDS = (
 )
 """The ModelConfig fields a checkpoint fixes (the rest are runtime choices: dtypes, lengths)."""
 
-_LLAMA3_FIELDS = (
-  "rope_factor",
-  "rope_low_freq_factor",
-  "rope_high_freq_factor",
-  "rope_original_max_position_embeddings",
-)
 _MOE_FIELDS = ("experts_per_token", "moe_mlp_dim", "norm_topk_prob")
 
 _MISSING = object()
@@ -111,26 +110,107 @@ def _rope(config: Mapping[str, Any], max_positions: int) -> dict[str, Any]:
   fields = {"rope_theta": theta}
   if rope_type == "default":
     return fields
-  if rope_type != "llama3":
+  if rope_type not in _ROPE_READERS:
     raise CheckpointError(
       f"config.json: {key}.rope_type={rope_type!r} is not supported; jaxrl implements "
-      "'default' and 'llama3' RoPE."
+      f"{['default', *_ROPE_READERS]} RoPE."
     )
-  sub = {k: params.get(k, _MISSING) for k in ("factor", "low_freq_factor", "high_freq_factor")}
-  for name, value in sub.items():
-    if value is _MISSING:
-      raise CheckpointError(f"config.json: {key}.{name} is missing; llama3 RoPE needs it.")
-  original = params.get("original_max_position_embeddings", max_positions)
-  try:
-    return fields | {
-      "rope_scaling": "llama3",
-      "rope_factor": float(sub["factor"]),
-      "rope_low_freq_factor": float(sub["low_freq_factor"]),
-      "rope_high_freq_factor": float(sub["high_freq_factor"]),
-      "rope_original_max_position_embeddings": int(original),
-    }
-  except (TypeError, ValueError) as e:
-    raise CheckpointError(f"config.json: {key} has a non-numeric llama3 parameter ({e}).") from None
+  # transformers takes a top-level original_max_position_embeddings over the scaling's own.
+  where = "original_max_position_embeddings"
+  original = config.get(where)
+  if original is None:
+    original, where = params.get(where), f"{key}.{where}"
+  if original is None:
+    original = max_positions
+  elif not (isinstance(original, (int, float)) and original == int(original) > 0):
+    raise CheckpointError(f"config.json: {where}={original!r}; expected a positive integer.")
+  readers = _ROPE_READERS[rope_type]
+  return fields | {"rope_scaling": rope_type} | readers(params, key, int(original), max_positions)
+
+
+def _number(params: Mapping[str, Any], key: str, name: str, default: Any = _MISSING) -> float:
+  """`params[name]` as a float; `default` where it is missing or null (required without)."""
+  value = params.get(name)
+  if value is None:
+    if default is _MISSING:
+      rope_type = params.get("rope_type", params.get("type"))
+      raise CheckpointError(f"config.json: {key}.{name} is missing; {rope_type} RoPE needs it.")
+    return default
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise CheckpointError(f"config.json: {key}.{name}={value!r}; expected a number.")
+  return float(value)
+
+
+def _llama3(params, key: str, original: int, max_positions: int) -> dict[str, Any]:
+  return {
+    "rope_factor": _number(params, key, "factor"),
+    "rope_low_freq_factor": _number(params, key, "low_freq_factor"),
+    "rope_high_freq_factor": _number(params, key, "high_freq_factor"),
+    "rope_original_max_position_embeddings": original,
+  }
+
+
+def _linear(params, key: str, original: int, max_positions: int) -> dict[str, Any]:
+  return {"rope_factor": _number(params, key, "factor")}
+
+
+def _yarn(params, key: str, original: int, max_positions: int) -> dict[str, Any]:
+  """transformers' reading: a missing factor is max_position_embeddings / original; a missing
+  attention factor follows from the factor (and DeepSeek's mscale and mscale_all_dim); null or
+  zero betas take their defaults."""
+  factor = _number(params, key, "factor", max_positions / original)
+  attention = _number(params, key, "attention_factor", None)
+  if attention is not None and attention <= 0:
+    raise CheckpointError(f"config.json: {key}.attention_factor={attention}; expected > 0.")
+  mscale = _number(params, key, "mscale", 0.0)
+  mscale_all_dim = _number(params, key, "mscale_all_dim", 0.0)
+  if attention is None and mscale and mscale_all_dim:
+    attention = yarn_default_attention_factor(factor, mscale, mscale_all_dim)
+  truncate = params.get("truncate", True)
+  if not isinstance(truncate, bool):
+    raise CheckpointError(f"config.json: {key}.truncate={truncate!r}; expected true or false.")
+  return {
+    "rope_factor": factor,
+    "rope_original_max_position_embeddings": original,
+    "rope_beta_fast": _number(params, key, "beta_fast", 0.0) or 32.0,
+    "rope_beta_slow": _number(params, key, "beta_slow", 0.0) or 1.0,
+    "rope_attention_factor": attention or 0.0,
+    "rope_truncate": truncate,
+  }
+
+
+_ROPE_READERS = {"linear": _linear, "llama3": _llama3, "yarn": _yarn}
+"""The RoPE scalings jaxrl implements: rope_type -> reader of its parameters."""
+
+_SCALING_FIELDS = {
+  "": (),
+  "linear": ("rope_factor",),
+  "llama3": (
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position_embeddings",
+  ),
+  "yarn": (
+    "rope_factor",
+    "rope_original_max_position_embeddings",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_attention_factor",
+    "rope_truncate",
+  ),
+}
+"""The ModelConfig fields each scaling reads."""
+
+
+def _context_length(rope: Mapping[str, Any], max_positions: int) -> int:
+  """The longest sequence a checkpoint is for: `max_position_embeddings`, or under YaRN at
+  least the original context times the factor (YaRN's extended context: Qwen3's documented
+  setting, factor 4 over 32,768, gives 131,072 where its config.json says 40,960)."""
+  if rope.get("rope_scaling") != "yarn":
+    return max_positions
+  extended = rope["rope_original_max_position_embeddings"] * rope["rope_factor"]
+  return max(max_positions, int(extended))
 
 
 def _refusals(config: Mapping[str, Any], model_type: str) -> None:
@@ -180,7 +260,8 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   _refusals(config, model_type)
   d, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
   max_positions = _get(config, "max_position_embeddings", _MAX_POSITIONS[model_type])
-  rope = _rope(config, max_positions)  # llama3 RoPE's original context defaults to the full one
+  rope = _rope(config, max_positions)  # a scaling's original context defaults to the full one
+  max_positions = _context_length(rope, max_positions)
   if model_type == "mistral":
     window = config.get("sliding_window", _MISTRAL_WINDOW)
     if window is not None:
@@ -276,14 +357,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     "torch_dtype": dtype,
     "use_cache": True,
   }
-  if cfg.rope_scaling == "llama3":
-    out["rope_scaling"] = {
-      "rope_type": "llama3",
-      "factor": cfg.rope_factor,
-      "low_freq_factor": cfg.rope_low_freq_factor,
-      "high_freq_factor": cfg.rope_high_freq_factor,
-      "original_max_position_embeddings": cfg.rope_original_max_position_embeddings,
-    }
+  if cfg.rope_scaling:
+    out["rope_scaling"] = _rope_scaling_to_hf(cfg)
   if model_type != "qwen2":
     out["attention_bias"] = False
   if model_type == "llama":
@@ -302,14 +377,33 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
   return out
 
 
+def _rope_scaling_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  out: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
+  if cfg.rope_scaling != "linear":
+    out["original_max_position_embeddings"] = cfg.rope_original_max_position_embeddings
+  if cfg.rope_scaling == "llama3":
+    out |= {
+      "low_freq_factor": cfg.rope_low_freq_factor,
+      "high_freq_factor": cfg.rope_high_freq_factor,
+    }
+  if cfg.rope_scaling == "yarn":  # transformers' defaults are left out, as the Hub's files do
+    optional = {
+      "beta_fast": (cfg.rope_beta_fast, 32.0),
+      "beta_slow": (cfg.rope_beta_slow, 1.0),
+      "attention_factor": (cfg.rope_attention_factor, 0.0),
+      "truncate": (cfg.rope_truncate, True),
+    }
+    out |= {name: value for name, (value, default) in optional.items() if value != default}
+  return out
+
+
 def check_same_architecture(cfg: ModelConfig, source: ModelConfig, where: str) -> None:
   """Raises ValueError naming the first field a checkpoint fixes where `cfg` and `source`
   differ (`where` names the source's config.json)."""
   names = list(ARCH_FIELDS)
   if not cfg.is_moe:
     names.append("mlp_dim")
-  if cfg.rope_scaling == "llama3":
-    names += _LLAMA3_FIELDS
+  names += _SCALING_FIELDS[cfg.rope_scaling]
   if cfg.is_moe:
     names += _MOE_FIELDS
   for name in names:

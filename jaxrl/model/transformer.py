@@ -6,13 +6,10 @@ h query heads, k kv heads, g query heads per kv head, e head dim, f mlp width, v
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxrl.kernels.flash_attention import save_attention_policy
@@ -27,6 +24,7 @@ from jaxrl.model.cache import (
 )
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.moe import MoEInputs, MoEMLP, param
+from jaxrl.model.rope import rope_cos_sin
 
 
 def remat_policy(name: str):
@@ -49,37 +47,6 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x):
     return rms_norm(x, self.scale.get_value(), self.eps)
-
-
-@functools.lru_cache(maxsize=64)
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-  """The inverse frequencies of RoPE, float32 `[head_dim // 2]`, with `cfg`'s scaling.
-
-  Computed on the host in float32 the way transformers does (`_compute_default_rope_parameters`
-  and `_compute_llama3_parameters`), so that logits match its checkpoints' to float32 rounding.
-  """
-  dim = cfg.head_dim
-  inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2).astype(np.float32) / dim))
-  if cfg.rope_scaling != "llama3":
-    return inv_freq.astype(np.float32)
-  factor, old_len = cfg.rope_factor, cfg.rope_original_max_position_embeddings
-  low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-  wavelen = 2 * math.pi / inv_freq
-  # Long wavelengths (beyond the pretraining context / low) are stretched by `factor`, short ones
-  # (below context / high) kept, and the band between blends the two linearly in 1 / wavelength.
-  scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-  smooth = (old_len / wavelen - low) / (high - low)
-  blended = (1 - smooth) * scaled / factor + smooth * scaled
-  medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-  return np.where(medium, blended, scaled).astype(np.float32)
-
-
-def rope_cos_sin(positions_bt: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-  """Cosines and sines of the rotary angles, float32 `[b, t, head_dim // 2]` each; `cfg` gives
-  the base frequency and the scaling (`rope_inv_freq`)."""
-  inv_freq = jnp.asarray(rope_inv_freq(cfg))
-  angles_btf = positions_bt[..., None].astype(jnp.float32) * inv_freq
-  return jnp.cos(angles_btf), jnp.sin(angles_btf)
 
 
 class Attention(nnx.Module):

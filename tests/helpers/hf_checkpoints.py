@@ -273,3 +273,30 @@ def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
       pad_token_id=0,
     )
   return out[0, len(prompt) :].tolist()
+
+
+def paged_greedy(directory: str | os.PathLike, prompts: list[list[int]], max_new_tokens: int):
+  """jaxrl's greedy continuations of `prompts` (at most 2) from the checkpoint in `directory`:
+  the paged engine in float32, pages of 32 slots (a prompt past 32 tokens crosses a page), one
+  prefill and one decode window (one compilation each). Compare with `greedy`."""
+  import jax
+
+  from jaxrl.model import load_pretrained
+  from jaxrl.rollout.paged import PagedConfig, PagedEngine
+  from jaxrl.rollout.sampling import SamplingParams
+  from jaxrl.sharding import STAGE_RULES, make_mesh
+
+  model, params = load_pretrained(directory, dtype="float32")
+  mesh = make_mesh(jax.devices()[:1], {"data": 1})
+  longest = max(map(len, prompts))
+  config = PagedConfig(
+    page_size=32,
+    num_pages=8,
+    max_running=2,
+    prefill_chunk=32 * -(-longest // 32),
+    decode_steps=max_new_tokens,
+  )
+  engine = PagedEngine(model, mesh, STAGE_RULES["rollout"], eos_id=2, pad_id=0, config=config)
+  engine.update_weights(params, 0)
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+  return [c.token_ids.tolist() for c in engine.generate(prompts, sampling, seed=0)]

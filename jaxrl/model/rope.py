@@ -1,0 +1,107 @@
+"""Rotary position embeddings (RoPE) and the context-extension scalings checkpoints declare.
+
+Frequencies are computed on the host in float32 the way transformers computes them
+(`modeling_rope_utils`), so that logits match its checkpoints' to float32 rounding. The scalings
+(`ModelConfig.rope_scaling`):
+  "": plain RoPE, inverse frequencies `theta ** (-2i / head_dim)`.
+  "llama3" (Llama 3.1): wavelengths longer than the pretraining context / low_freq_factor are
+    stretched by `rope_factor`, those shorter than it / high_freq_factor kept, a linear blend
+    in 1 / wavelength between.
+  "linear" (position interpolation): every frequency divided by `rope_factor`.
+  "yarn" (YaRN, Peng et al. 2023; Qwen2.5 and Qwen3 extend to 128k with it): dimensions that
+    turn fewer than `rope_beta_slow` times over the pretraining context are interpolated
+    (divided by `rope_factor`), those turning more than `rope_beta_fast` times kept, a linear
+    ramp over dimension index between; and cos and sin are multiplied by an attention factor
+    (default `0.1 ln(factor) + 1`), which scales every attention logit by its square. The
+    scaling is static: the same at every length, as in transformers and vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.model.config import ModelConfig
+
+
+def yarn_default_attention_factor(
+  factor: float, mscale: float | None = None, mscale_all_dim: float | None = None
+) -> float:
+  """YaRN's attention factor when a checkpoint gives none: `0.1 ln(factor) + 1`, or with
+  DeepSeek's `mscale` and `mscale_all_dim` the ratio of that formula at the two scales."""
+
+  def get(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+  if mscale and mscale_all_dim:
+    return float(get(factor, mscale) / get(factor, mscale_all_dim))
+  return get(factor)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+  """What cos and sin are multiplied by: 1 except under YaRN."""
+  if cfg.rope_scaling != "yarn":
+    return 1.0
+  return cfg.rope_attention_factor or yarn_default_attention_factor(cfg.rope_factor)
+
+
+def _yarn(powers: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  """`powers` is `theta ** (2i / head_dim)`, float32 (the plain wavelengths over 2 pi)."""
+  dim, base, old_len = cfg.head_dim, cfg.rope_theta, cfg.rope_original_max_position_embeddings
+
+  def dim_turning(turns: float) -> float:  # the dimension that turns `turns` times in old_len
+    return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+  low, high = dim_turning(cfg.rope_beta_fast), dim_turning(cfg.rope_beta_slow)
+  if cfg.rope_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001  # transformers' guard against a zero-width ramp
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  kept = 1 - ramp.astype(np.float32)  # 1: the plain frequency (extrapolated), 0: interpolated
+  interpolated = np.float32(1.0) / (np.float32(cfg.rope_factor) * powers)
+  return interpolated * (1 - kept) + (np.float32(1.0) / powers) * kept
+
+
+def _llama3(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  factor, old_len = cfg.rope_factor, cfg.rope_original_max_position_embeddings
+  low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  # Long wavelengths (beyond the pretraining context / low) are stretched by `factor`, short ones
+  # (below context / high) kept, and the band between blends the two linearly in 1 / wavelength.
+  scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+  return np.where(medium, blended, scaled)
+
+
+@functools.lru_cache(maxsize=64)
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """The inverse frequencies of RoPE, float32 `[head_dim // 2]`, with `cfg`'s scaling."""
+  dim = cfg.head_dim
+  powers = np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2).astype(np.float32) / dim)
+  inv_freq = np.float32(1.0) / powers
+  if cfg.rope_scaling == "llama3":
+    inv_freq = _llama3(inv_freq, cfg)
+  elif cfg.rope_scaling == "linear":
+    inv_freq = inv_freq / np.float32(cfg.rope_factor)
+  elif cfg.rope_scaling == "yarn":
+    inv_freq = _yarn(powers, cfg)
+  return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(positions_bt: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """Cosines and sines of the rotary angles, float32 `[b, t, head_dim // 2]` each, times the
+  scaling's attention factor (1 except under YaRN)."""
+  inv_freq = jnp.asarray(rope_inv_freq(cfg))
+  angles_btf = positions_bt[..., None].astype(jnp.float32) * inv_freq
+  scale = rope_attention_factor(cfg)
+  if scale == 1.0:
+    return jnp.cos(angles_btf), jnp.sin(angles_btf)
+  return jnp.cos(angles_btf) * scale, jnp.sin(angles_btf) * scale
