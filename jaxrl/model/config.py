@@ -41,6 +41,8 @@ class ModelConfig:
     rope_attention_factor: yarn: what cos and sin are multiplied by; 0 takes YaRN's
       `0.1 ln(rope_factor) + 1`.
     rope_truncate: yarn: round the ramp's ends to whole dimensions (transformers' default).
+    nope_layers: indices of the layers whose attention uses no positional rotation (NoPE:
+      SmolLM3 leaves every fourth layer unrotated); () rotates in every layer.
     norm_eps: RMSNorm epsilon.
     qk_norm: RMSNorm on each query/key head before RoPE (Qwen3).
     qkv_bias: bias on the q/k/v projections (Qwen2).
@@ -107,6 +109,7 @@ class ModelConfig:
   rope_beta_slow: float = 1.0
   rope_attention_factor: float = 0.0
   rope_truncate: bool = True
+  nope_layers: tuple[int, ...] = ()
   norm_eps: float = 1e-6
   qk_norm: bool = False
   qkv_bias: bool = False
@@ -152,6 +155,13 @@ class ModelConfig:
       )
     if self.rope_scaling:
       self._check_rope_scaling()
+    if list(self.nope_layers) != sorted(set(self.nope_layers)) or not all(
+      0 <= i < self.num_layers for i in self.nope_layers
+    ):
+      raise ValueError(
+        f"model.nope_layers must be increasing layer indices in [0, num_layers="
+        f"{self.num_layers}), got {self.nope_layers!r}."
+      )
     if self.num_experts < 0:
       raise ValueError(f"model.num_experts must be >= 0 (0 = dense), got {self.num_experts}.")
     if self.num_experts:

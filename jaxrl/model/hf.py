@@ -544,5 +544,5 @@ def save_pretrained(
     if tokenizer_source:
       _copy_files(tokenizer_source, out, _tokenizer_files(tokenizer_source))
     if not (src and _copy_files(src, out, ["generation_config.json"])):
-      ids = {k: hub_config[k] for k in _TOKEN_ID_KEYS if k in hub_config}
+      ids = {k: hub_config[k] for k in _TOKEN_ID_KEYS if hub_config.get(k) is not None}
       _write_json(os.path.join(out, "generation_config.json"), {"_from_model_config": True, **ids})

@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` <-> `ModelConfig` for Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE.
+"""Hugging Face `config.json` <-> `ModelConfig` for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and
+SmolLM3.
 
 Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `rope_scaling`
 dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
@@ -15,6 +16,9 @@ attends to at most that many, itself included). Up to that many positions, that 
 attention, so a Mistral checkpoint reads with `max_seq_len` capped at its window (a run that
 asks for longer sequences gets the window: `PretrainedConfig.path`); a model saved without its
 source checkpoint is written as Llama, the same network.
+
+SmolLM3 is Llama's network with no RoPE in some layers (`no_rope_layers`: 1 rotates, 0 does
+not; by default every fourth layer is NoPE): `ModelConfig.nope_layers`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ ARCHITECTURES = {
   "qwen2": "Qwen2ForCausalLM",
   "qwen3": "Qwen3ForCausalLM",
   "qwen3_moe": "Qwen3MoeForCausalLM",
+  "smollm3": "SmolLM3ForCausalLM",
 }
 """The model types jaxrl reads and writes, with their transformers architecture."""
 
@@ -42,11 +47,14 @@ _MAX_POSITIONS = {
   "qwen2": 32768,
   "qwen3": 32768,
   "qwen3_moe": 32768,
+  "smollm3": 32768,
 }
-_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "qwen3_moe": 4}  # llama: num_attention_heads
+_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "qwen3_moe": 4, "smollm3": 4}  # llama: heads
 _MISTRAL_WINDOW = 4096  # transformers' MistralConfig.sliding_window
 _HEAD_DIM = {"qwen3": 128}  # others: hidden_size // num_attention_heads
-_ROPE_THETA = 10_000.0
+_ROPE_THETA = {"smollm3": 2_000_000.0}  # others: 10,000
+_TIED = {"smollm3"}  # model types whose tie_word_embeddings defaults to true
+_NOPE_INTERVAL = 4  # SmolLM3: without no_rope_layers, every fourth layer is NoPE
 _MOE_DEFAULTS = {"num_experts_per_tok": 8, "moe_intermediate_size": 768, "num_experts": 128}
 
 ARCH_FIELDS = (
@@ -63,6 +71,7 @@ ARCH_FIELDS = (
   "qkv_bias",
   "tie_embeddings",
   "num_experts",
+  "nope_layers",
 )
 """The ModelConfig fields a checkpoint fixes (the rest are runtime choices: dtypes, lengths)."""
 
@@ -87,7 +96,7 @@ def _refuse(config: Mapping[str, Any], key: str, ok, why: str) -> None:
     raise CheckpointError(f"config.json: {key}={config[key]!r} is not supported: {why}.")
 
 
-def _rope(config: Mapping[str, Any], max_positions: int) -> dict[str, Any]:
+def _rope(config: Mapping[str, Any], model_type: str, max_positions: int) -> dict[str, Any]:
   """The RoPE fields of ModelConfig, from either config.json layout."""
   # transformers gives a legacy rope_scaling priority over rope_parameters; so do we.
   key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
@@ -99,7 +108,7 @@ def _rope(config: Mapping[str, Any], max_positions: int) -> dict[str, Any]:
       f"config.json: {key} holds per-layer-type RoPE parameters; jaxrl uses one RoPE for all "
       "layers."
     )
-  theta = params.get("rope_theta", config.get("rope_theta", _ROPE_THETA))
+  theta = params.get("rope_theta", config.get("rope_theta", _ROPE_THETA.get(model_type, 1e4)))
   theta = _get({"rope_theta": theta}, "rope_theta", kind=float)
   partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
   if partial != 1.0:
@@ -216,7 +225,7 @@ def _context_length(rope: Mapping[str, Any], max_positions: int) -> int:
 def _refusals(config: Mapping[str, Any], model_type: str) -> None:
   """Raises for the options of these architectures that jaxrl does not implement."""
   _refuse(config, "hidden_act", lambda v: v == "silu", "jaxrl's MLPs use SiLU (SwiGLU)")
-  if model_type == "llama":
+  if model_type in ("llama", "smollm3"):
     _refuse(config, "mlp_bias", lambda v: not v, "jaxrl's MLPs have no biases")
   if model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others can turn them on
     _refuse(config, "attention_bias", lambda v: not v, "jaxrl has no attention biases here")
@@ -260,7 +269,9 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   _refusals(config, model_type)
   d, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
   max_positions = _get(config, "max_position_embeddings", _MAX_POSITIONS[model_type])
-  rope = _rope(config, max_positions)  # a scaling's original context defaults to the full one
+  rope = _rope(
+    config, model_type, max_positions
+  )  # a scaling's original context defaults to the full one
   max_positions = _context_length(rope, max_positions)
   if model_type == "mistral":
     window = config.get("sliding_window", _MISTRAL_WINDOW)
@@ -283,9 +294,11 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     norm_eps=_get(config, "rms_norm_eps", 1e-6, float),
     qk_norm=model_type in ("qwen3", "qwen3_moe"),
     qkv_bias=model_type == "qwen2",
-    tie_embeddings=_get(config, "tie_word_embeddings", False, bool),
+    tie_embeddings=_get(config, "tie_word_embeddings", model_type in _TIED, bool),
     **rope,
   )
+  if model_type == "smollm3":
+    fields["nope_layers"] = _nope_layers(config, fields["num_layers"])
   if model_type == "qwen3_moe":
     experts = {config.get(k) for k in ("num_experts", "num_local_experts")} - {None}
     if len(experts) > 1:
@@ -308,12 +321,34 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     raise CheckpointError(f"config.json: gives an invalid model: {e}") from None
 
 
+def _nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+  """SmolLM3's layers without RoPE: where `no_rope_layers` (a 1 or 0 per layer) says 0, or
+  without it every `no_rope_layer_interval`-th layer."""
+  flags = config.get("no_rope_layers")
+  if flags is None:
+    interval = _get(config, "no_rope_layer_interval", _NOPE_INTERVAL)
+    if interval < 1:
+      raise CheckpointError(f"config.json: no_rope_layer_interval={interval}; expected >= 1.")
+    flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+  if (
+    not isinstance(flags, list)
+    or len(flags) < num_layers
+    or any(isinstance(f, bool) or f not in (0, 1) for f in flags)
+  ):
+    raise CheckpointError(
+      f"config.json: no_rope_layers={flags!r}; expected a list of 1 (RoPE) or 0 (none) for "
+      f"each of the num_hidden_layers={num_layers} layers."
+    )
+  return tuple(i for i in range(num_layers) if not flags[i])
+
+
 def model_type_of(cfg: ModelConfig) -> str:
   """The Hugging Face model type that holds `cfg`: MoE -> qwen3_moe, q/k norm -> qwen3, q/k/v
-  bias -> qwen2, else llama.
+  bias -> qwen2, NoPE layers -> smollm3, else llama.
 
   Raises:
-    ValueError: a combination none of them has (an MoE without q/k norm, q/k norm with biases).
+    ValueError: a combination none of them has (an MoE without q/k norm, q/k norm with biases
+      or NoPE layers).
   """
   if cfg.is_moe:
     model_type = "qwen3_moe"
@@ -321,6 +356,8 @@ def model_type_of(cfg: ModelConfig) -> str:
     model_type = "qwen3"
   elif cfg.qkv_bias:
     model_type = "qwen2"
+  elif cfg.nope_layers:
+    model_type = "smollm3"
   else:
     model_type = "llama"
   wanted = dict(qk_norm=model_type in ("qwen3", "qwen3_moe"), qkv_bias=model_type == "qwen2")
@@ -329,6 +366,12 @@ def model_type_of(cfg: ModelConfig) -> str:
       raise ValueError(
         f"No Hugging Face architecture has this model: {model_type} needs model.{name}={value}."
       )
+  if cfg.nope_layers and model_type != "smollm3":
+    raise ValueError(
+      f"No Hugging Face architecture has this model: {model_type} rotates every layer, "
+      f"model.nope_layers={cfg.nope_layers} (only SmolLM3 has NoPE layers, with neither q/k "
+      "norm nor biases)."
+    )
   return model_type
 
 
@@ -356,15 +399,22 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     "tie_word_embeddings": cfg.tie_embeddings,
     "torch_dtype": dtype,
     "use_cache": True,
+    # Unknown here (the tokenizer's; `save_pretrained(token_ids=...)` fills them): null, so
+    # that transformers does not take its class defaults, another tokenizer's ids.
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
   }
   if cfg.rope_scaling:
     out["rope_scaling"] = _rope_scaling_to_hf(cfg)
   if model_type != "qwen2":
     out["attention_bias"] = False
-  if model_type == "llama":
+  if model_type in ("llama", "smollm3"):
     out["mlp_bias"] = False
-  else:
+  if model_type != "llama":
     out["use_sliding_window"] = False
+  if model_type == "smollm3":
+    out["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
   if model_type == "qwen3_moe":
     out |= {
       "num_experts": cfg.num_experts,

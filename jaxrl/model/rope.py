@@ -14,6 +14,7 @@ Frequencies are computed on the host in float32 the way transformers computes th
     ramp over dimension index between; and cos and sin are multiplied by an attention factor
     (default `0.1 ln(factor) + 1`), which scales every attention logit by its square. The
     scaling is static: the same at every length, as in transformers and vLLM.
+Layers listed in `ModelConfig.nope_layers` are not rotated at all (NoPE, SmolLM3).
 """
 
 from __future__ import annotations
@@ -96,12 +97,22 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
-def rope_cos_sin(positions_bt: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(
+  positions_bt: jax.Array, cfg: ModelConfig, layer: int | jax.Array = 0
+) -> tuple[jax.Array, jax.Array]:
   """Cosines and sines of the rotary angles, float32 `[b, t, head_dim // 2]` each, times the
-  scaling's attention factor (1 except under YaRN)."""
+  scaling's attention factor (1 except under YaRN). In a layer of `cfg.nope_layers` (`layer`
+  may be traced: a scanned stack's index) they are 1 and 0, the identity rotation, which
+  leaves q and k exactly as they are."""
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   angles_btf = positions_bt[..., None].astype(jnp.float32) * inv_freq
   scale = rope_attention_factor(cfg)
-  if scale == 1.0:
-    return jnp.cos(angles_btf), jnp.sin(angles_btf)
-  return jnp.cos(angles_btf) * scale, jnp.sin(angles_btf) * scale
+  cos, sin = jnp.cos(angles_btf), jnp.sin(angles_btf)
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
+  if not cfg.nope_layers:
+    return cos, sin
+  if isinstance(layer, int):
+    return (jnp.ones_like(cos), jnp.zeros_like(sin)) if layer in cfg.nope_layers else (cos, sin)
+  rotates = jnp.asarray([i not in cfg.nope_layers for i in range(cfg.num_layers)])[layer]
+  return jnp.where(rotates, cos, 1.0), jnp.where(rotates, sin, 0.0)

@@ -68,7 +68,8 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(e, cfg.norm_eps, pd)
       self.k_norm = RMSNorm(e, cfg.norm_eps, pd)
 
-  def __call__(self, x_btd, positions_bt, cache, segment_ids_bt=None):
+  def __call__(self, x_btd, positions_bt, cache, segment_ids_bt=None, layer=0):
+    """`layer`: this block's index (traced in a scanned stack), for `cfg.nope_layers`."""
     cfg = self.cfg
     dt = x_btd.dtype
     q = jnp.einsum("btd,dhe->bthe", x_btd, self.wq_dhe.get_value().astype(dt))
@@ -78,7 +79,7 @@ class Attention(nnx.Module):
       q = q + self.bq_he.get_value().astype(dt)
       k = k + self.bk_ke.get_value().astype(dt)
       v = v + self.bv_ke.get_value().astype(dt)
-    cos_btf, sin_btf = rope_cos_sin(positions_bt, cfg)
+    cos_btf, sin_btf = rope_cos_sin(positions_bt, cfg, layer)
     if isinstance(cache, PagedLayerCache) and q.shape[1] == 1:
       # A decode step: the norms, the rotation and the cache write are one kernel on a GPU.
       scales = (self.q_norm.scale.get_value(), self.k_norm.scale.get_value()) if cfg.qk_norm else ()
@@ -125,7 +126,7 @@ class Block(nnx.Module):
     self, x_btd, positions_bt, cache, moe: MoEInputs | None, layer: int, segment_ids_bt=None
   ):
     """Returns (output, cache, an MoE MLP's `MoERouting` or None)."""
-    attn_out, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, segment_ids_bt)
+    attn_out, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, segment_ids_bt, layer)
     x_btd = x_btd + attn_out
     mlp_out, routing = self.mlp(self.mlp_norm(x_btd), moe, layer)
     return x_btd + mlp_out, cache, routing

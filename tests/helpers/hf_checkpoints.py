@@ -15,6 +15,8 @@ Architectures (`ARCHS`) and what each exercises:
   "qwen2": q/k/v biases, rope_theta 1e6.
   "qwen3": q/k RMSNorm, head_dim 24, rope_theta 1e6.
   "qwen3_moe": 8 experts, top-2, q/k norm; `norm_topk_prob` as given (default True).
+  "smollm3": the second layer without RoPE (NoPE), rope_theta 1e4 (its default, 2e6, would
+    barely turn within the tests' sequences).
 
 Also the config.json of Qwen3-0.6B, Qwen3-30B-A3B and Llama-3.2-1B as the Hub publishes them
 (`QWEN3_0_6B`, `QWEN3_30B_A3B`, `LLAMA_3_2_1B`), for tests of configs without weights.
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 import transformers
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm3")
 VOCAB_SIZE = 512
 
 _COMMON = dict(
@@ -65,6 +67,10 @@ _ARCH = {
   ),
   "qwen2": (transformers.Qwen2Config, dict(rope_parameters=dict(rope_theta=1e6))),
   "qwen3": (transformers.Qwen3Config, dict(head_dim=24, rope_parameters=dict(rope_theta=1e6))),
+  "smollm3": (
+    transformers.SmolLM3Config,
+    dict(no_rope_layers=[1, 0], rope_parameters=dict(rope_theta=1e4)),
+  ),
   "qwen3_moe": (
     transformers.Qwen3MoeConfig,
     dict(

@@ -1,5 +1,6 @@
 """`config_from_hf` on config.json alone (no weights): the Hub's configs give the presets, both
-layouts agree, missing keys take transformers' defaults, and a Mistral window caps the length."""
+layouts agree, missing keys take transformers' defaults, a Mistral window caps the length, and
+SmolLM3's NoPE layers read and write."""
 
 import dataclasses
 
@@ -7,7 +8,8 @@ import pytest
 import transformers
 from helpers import hf_checkpoints as hc
 
-from jaxrl.model import PRESETS, config_from_hf
+from jaxrl.model import PRESETS, CheckpointError, ModelConfig, config_from_hf
+from jaxrl.model.hf_config import config_to_hf, model_type_of
 
 
 @pytest.mark.parametrize(
@@ -68,3 +70,38 @@ def test_a_mistral_window_caps_the_sequence_length():
   assert config_from_hf(config | {"sliding_window": 1000}).max_seq_len == 1000
   assert config_from_hf(config | {"sliding_window": 9000}).max_seq_len == 8192
   assert config_from_hf(config | {"sliding_window": None}).max_seq_len == 8192
+
+
+def test_smollm3_nope_layers():
+  """SmolLM3: no RoPE where no_rope_layers says 0; without the key, every fourth layer (as
+  transformers fills it in); written back as SmolLM3, or as Llama with no NoPE layer."""
+  core = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+  hf = transformers.SmolLM3Config(**core, num_hidden_layers=8)
+  cfg = config_from_hf(hf.to_dict())
+  assert cfg.nope_layers == (3, 7) and cfg.tie_embeddings and cfg.rope_theta == 2e6
+  assert config_from_hf({"model_type": "smollm3", "num_hidden_layers": 8, **core}) == cfg
+  written = config_to_hf(cfg, "bfloat16")
+  assert written["architectures"] == ["SmolLM3ForCausalLM"] and config_from_hf(written) == cfg
+  assert transformers.AutoConfig.for_model(**written).no_rope_layers == hf.no_rope_layers
+  listed = hf.to_dict() | {"no_rope_layers": [0, 1, 1, 1, 1, 1, 1, 1, 1]}  # longer is allowed
+  assert config_from_hf(listed).nope_layers == (0,)
+  every_layer = config_from_hf(hf.to_dict() | {"no_rope_layers": [1] * 8})
+  assert every_layer.nope_layers == () and model_type_of(every_layer) == "llama"
+
+
+@pytest.mark.parametrize(
+  "change",
+  [{"no_rope_layers": [1, 0]}, {"no_rope_layers": [1, 2] * 4}, {"no_rope_layer_interval": 0}],
+)
+def test_bad_nope_layers_are_clear_errors(change):
+  config = {"model_type": "smollm3", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 8}
+  config |= {"intermediate_size": 96, "num_attention_heads": 4} | change
+  with pytest.raises(CheckpointError, match=rf"config\.json: {next(iter(change))}="):
+    config_from_hf(config)
+
+
+def test_nope_layers_only_in_a_model_smollm3_holds():
+  with pytest.raises(ValueError, match="nope_layers must be increasing layer indices"):
+    ModelConfig(num_layers=2, nope_layers=(2,))
+  with pytest.raises(ValueError, match="only SmolLM3 has NoPE layers"):
+    model_type_of(ModelConfig(num_layers=2, nope_layers=(1,), qk_norm=True))

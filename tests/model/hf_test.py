@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out: jaxrl's logits and greedy tokens equal transformers' for
-Llama (llama3 RoPE), Mistral, Qwen2, Qwen3 and Qwen3-MoE, tied and untied; save_pretrained writes
-what transformers loads back; sharded files, meshes, bf16, and every error names its file and
-tensor or key (config.json alone: hf_config_test.py)."""
+Llama (llama3 RoPE), Mistral, Qwen2, Qwen3, Qwen3-MoE and SmolLM3 (NoPE layers), tied and
+untied; save_pretrained writes what transformers loads back; sharded files, meshes, bf16, and
+every error names its file and tensor or key (config.json alone: hf_config_test.py)."""
 
 import dataclasses
 import functools
@@ -40,7 +40,8 @@ torch.set_num_threads(1)
 SEQ = 256
 # (arch, tied, transformers config overrides): every architecture tied and untied, Qwen3-MoE
 # with and without renormalised top-k weights.
-CASES = [(arch, tied, {}) for arch in ("llama", "qwen2", "qwen3") for tied in (False, True)] + [
+ARCHS_TIED_AND_UNTIED = ("llama", "qwen2", "qwen3", "smollm3")
+CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, True)] + [
   ("mistral", False, {}),
   ("qwen3_moe", False, {"norm_topk_prob": True}),
   ("qwen3_moe", True, {"norm_topk_prob": False}),
@@ -127,6 +128,8 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, rope_scaling="")
   elif arch == "qwen3_moe":
     wrong = dataclasses.replace(cfg, norm_topk_prob=not cfg.norm_topk_prob)
+  elif arch == "smollm3":
+    wrong = dataclasses.replace(cfg, nope_layers=())
   else:
     wrong = dataclasses.replace(cfg, rope_theta=cfg.rope_theta / 10)
   assert _rel_err(_logits(Model(wrong), params, tokens), want) > 1e-2
@@ -146,7 +149,7 @@ def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
 # -- greedy generation ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "smollm3"])
 def test_paged_greedy_matches_transformers_generate(checkpoints, arch):
   path = checkpoints(arch)
   rng = np.random.default_rng()
