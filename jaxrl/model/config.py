@@ -9,6 +9,7 @@ ATTENTIONS = ("dense", "flash", "cudnn")
 ROPE_SCALINGS = ("", "llama3", "linear", "yarn")  # jaxrl/model/rope.py says what each does
 # What a rematerialised block keeps for the backward pass (`ModelConfig.remat_policy`).
 REMAT_POLICIES = ("full", "save_attention", "save_dots")
+NORM_POSITIONS = ("pre", "post")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,10 @@ class ModelConfig:
       SmolLM3 leaves every fourth layer unrotated); () rotates in every layer.
     norm_eps: RMSNorm epsilon.
     qk_norm: RMSNorm on each query/key head before RoPE (Qwen3).
+    qk_norm_across_heads: with qk_norm, normalise each token's whole query (and key)
+      projection, all heads at once, with a scale per head and dimension (OLMo 2).
+    norm_position: "pre" (Llama, Qwen): each sublayer's input is RMS-normed; "post" (OLMo 2):
+      its output is, before it is added to the residual stream.
     qkv_bias: bias on the q/k/v projections (Qwen2).
     tie_embeddings: the LM head reuses the token embedding.
     num_experts: 0 for a dense MLP, otherwise the experts of every MoE layer.
@@ -112,6 +117,8 @@ class ModelConfig:
   nope_layers: tuple[int, ...] = ()
   norm_eps: float = 1e-6
   qk_norm: bool = False
+  qk_norm_across_heads: bool = False
+  norm_position: str = "pre"
   qkv_bias: bool = False
   tie_embeddings: bool = True
   num_experts: int = 0
@@ -177,6 +184,12 @@ class ModelConfig:
         f"model.vocab_limit must be in [0, vocab_size={self.vocab_size}] (0 = all rows), "
         f"got {self.vocab_limit}."
       )
+    if self.norm_position not in NORM_POSITIONS:
+      raise ValueError(
+        f"model.norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}."
+      )
+    if self.qk_norm_across_heads and not self.qk_norm:
+      raise ValueError("model.qk_norm_across_heads=True needs model.qk_norm=True.")
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(
         f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}."

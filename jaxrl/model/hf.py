@@ -124,7 +124,8 @@ def _heads_out(path: Path, name: str, h: int, e: int, d: int) -> _Leaf:
   )
 
 
-def _heads_bias(path: Path, name: str, n: int, e: int) -> _Leaf:
+def _per_head(path: Path, name: str, n: int, e: int) -> _Leaf:
+  """q/k/v biases and OLMo 2's q/k norm scales: Hub [n * e] <-> ours [n, e]."""
   return _Leaf(
     path, (name,), ((n * e,),), lambda read, dt: read(0).reshape(n, e), lambda v: iter([v.ravel()])
   )
@@ -158,24 +159,34 @@ def _leaves(cfg: ModelConfig, fused_layers: frozenset[int] = frozenset()) -> lis
   experts a checkpoint holds fused."""
   v, d, h, k, e = cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   leaves = [_same(("embed_vd",), "model.embed_tokens.weight", (v, d))]
+  # Pre-norm models: input_layernorm before attention, post_attention_layernorm before the
+  # MLP; OLMo 2 (post-norm): post_attention_layernorm after attention, post_feedforward after.
+  attn_norm, mlp_norm = ("input_layernorm", "post_attention_layernorm")
+  if cfg.norm_position == "post":
+    attn_norm, mlp_norm = ("post_attention_layernorm", "post_feedforward_layernorm")
   for i in range(cfg.num_layers):
     hub, ours = f"model.layers.{i}.", ("blocks", i)
     attn, mlp = hub + "self_attn.", hub + "mlp."
     leaves += [
-      _same((*ours, "attn_norm", "scale"), hub + "input_layernorm.weight", (d,)),
+      _same((*ours, "attn_norm", "scale"), hub + attn_norm + ".weight", (d,)),
       _heads_in((*ours, "attn", "wq_dhe"), attn + "q_proj.weight", d, h, e),
       _heads_in((*ours, "attn", "wk_dke"), attn + "k_proj.weight", d, k, e),
       _heads_in((*ours, "attn", "wv_dke"), attn + "v_proj.weight", d, k, e),
       _heads_out((*ours, "attn", "wo_hed"), attn + "o_proj.weight", h, e, d),
-      _same((*ours, "mlp_norm", "scale"), hub + "post_attention_layernorm.weight", (d,)),
+      _same((*ours, "mlp_norm", "scale"), hub + mlp_norm + ".weight", (d,)),
     ]
     if cfg.qkv_bias:
       leaves += [
-        _heads_bias((*ours, "attn", "bq_he"), attn + "q_proj.bias", h, e),
-        _heads_bias((*ours, "attn", "bk_ke"), attn + "k_proj.bias", k, e),
-        _heads_bias((*ours, "attn", "bv_ke"), attn + "v_proj.bias", k, e),
+        _per_head((*ours, "attn", "bq_he"), attn + "q_proj.bias", h, e),
+        _per_head((*ours, "attn", "bk_ke"), attn + "k_proj.bias", k, e),
+        _per_head((*ours, "attn", "bv_ke"), attn + "v_proj.bias", k, e),
       ]
-    if cfg.qk_norm:
+    if cfg.qk_norm_across_heads:
+      leaves += [
+        _per_head((*ours, "attn", "q_norm", "scale"), attn + "q_norm.weight", h, e),
+        _per_head((*ours, "attn", "k_norm", "scale"), attn + "k_norm.weight", k, e),
+      ]
+    elif cfg.qk_norm:
       leaves += [
         _same((*ours, "attn", "q_norm", "scale"), attn + "q_norm.weight", (e,)),
         _same((*ours, "attn", "k_norm", "scale"), attn + "k_norm.weight", (e,)),

@@ -1,5 +1,5 @@
-"""Hugging Face `config.json` <-> `ModelConfig` for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and
-SmolLM3.
+"""Hugging Face `config.json` <-> `ModelConfig` for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
+SmolLM3 and OLMo 2.
 
 Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `rope_scaling`
 dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
@@ -18,7 +18,9 @@ asks for longer sequences gets the window: `PretrainedConfig.path`); a model sav
 source checkpoint is written as Llama, the same network.
 
 SmolLM3 is Llama's network with no RoPE in some layers (`no_rope_layers`: 1 rotates, 0 does
-not; by default every fourth layer is NoPE): `ModelConfig.nope_layers`.
+not; by default every fourth layer is NoPE): `ModelConfig.nope_layers`. OLMo 2 norms each
+sublayer's output rather than its input (`norm_position="post"`) and each token's q and k
+projections across all heads (`qk_norm_across_heads`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ ARCHITECTURES = {
   "qwen3": "Qwen3ForCausalLM",
   "qwen3_moe": "Qwen3MoeForCausalLM",
   "smollm3": "SmolLM3ForCausalLM",
+  "olmo2": "Olmo2ForCausalLM",
 }
 """The model types jaxrl reads and writes, with their transformers architecture."""
 
@@ -48,7 +51,9 @@ _MAX_POSITIONS = {
   "qwen3": 32768,
   "qwen3_moe": 32768,
   "smollm3": 32768,
+  "olmo2": 2048,
 }
+_NORM_EPS = {"olmo2": 1e-5}  # others: 1e-6
 _KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "qwen3_moe": 4, "smollm3": 4}  # llama: heads
 _MISTRAL_WINDOW = 4096  # transformers' MistralConfig.sliding_window
 _HEAD_DIM = {"qwen3": 128}  # others: hidden_size // num_attention_heads
@@ -72,6 +77,8 @@ ARCH_FIELDS = (
   "tie_embeddings",
   "num_experts",
   "nope_layers",
+  "qk_norm_across_heads",
+  "norm_position",
 )
 """The ModelConfig fields a checkpoint fixes (the rest are runtime choices: dtypes, lengths)."""
 
@@ -291,8 +298,10 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     head_dim=_get({"head_dim": head_dim}, "head_dim"),
     mlp_dim=_get(config, "intermediate_size", 6144 if model_type == "qwen3_moe" else _MISSING),
     max_seq_len=max_positions,
-    norm_eps=_get(config, "rms_norm_eps", 1e-6, float),
-    qk_norm=model_type in ("qwen3", "qwen3_moe"),
+    norm_eps=_get(config, "rms_norm_eps", _NORM_EPS.get(model_type, 1e-6), float),
+    qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2"),
+    qk_norm_across_heads=model_type == "olmo2",
+    norm_position="post" if model_type == "olmo2" else "pre",
     qkv_bias=model_type == "qwen2",
     tie_embeddings=_get(config, "tie_word_embeddings", model_type in _TIED, bool),
     **rope,
@@ -343,15 +352,17 @@ def _nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
 
 
 def model_type_of(cfg: ModelConfig) -> str:
-  """The Hugging Face model type that holds `cfg`: MoE -> qwen3_moe, q/k norm -> qwen3, q/k/v
-  bias -> qwen2, NoPE layers -> smollm3, else llama.
+  """The Hugging Face model type that holds `cfg`: MoE -> qwen3_moe, post-norm -> olmo2, q/k
+  norm -> qwen3, q/k/v bias -> qwen2, NoPE layers -> smollm3, else llama.
 
   Raises:
     ValueError: a combination none of them has (an MoE without q/k norm, q/k norm with biases
-      or NoPE layers).
+      or NoPE layers, ...), naming the field to change.
   """
   if cfg.is_moe:
     model_type = "qwen3_moe"
+  elif cfg.norm_position == "post":
+    model_type = "olmo2"
   elif cfg.qk_norm:
     model_type = "qwen3"
   elif cfg.qkv_bias:
@@ -360,11 +371,16 @@ def model_type_of(cfg: ModelConfig) -> str:
     model_type = "smollm3"
   else:
     model_type = "llama"
-  wanted = dict(qk_norm=model_type in ("qwen3", "qwen3_moe"), qkv_bias=model_type == "qwen2")
+  wanted = dict(
+    qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2"),
+    qk_norm_across_heads=model_type == "olmo2",
+    norm_position="post" if model_type == "olmo2" else "pre",
+    qkv_bias=model_type == "qwen2",
+  )
   for name, value in wanted.items():
     if getattr(cfg, name) != value:
       raise ValueError(
-        f"No Hugging Face architecture has this model: {model_type} needs model.{name}={value}."
+        f"No Hugging Face architecture has this model: {model_type} needs model.{name}={value!r}."
       )
   if cfg.nope_layers and model_type != "smollm3":
     raise ValueError(
@@ -411,7 +427,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     out["attention_bias"] = False
   if model_type in ("llama", "smollm3"):
     out["mlp_bias"] = False
-  if model_type != "llama":
+  if model_type not in ("llama", "olmo2"):
     out["use_sliding_window"] = False
   if model_type == "smollm3":
     out["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]

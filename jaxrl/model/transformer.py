@@ -49,6 +49,22 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.scale.get_value(), self.eps)
 
 
+class HeadsRMSNorm(nnx.Module):
+  """RMSNorm over all heads of a token's projection at once (`[..., n, e]`, scale `[n, e]`):
+  OLMo 2's q/k norm. Heads sharded over a mesh axis reduce across it."""
+
+  def __init__(self, heads: int, dim: int, eps: float, param_dtype, heads_axis: str):
+    self.eps = eps
+    self.scale = nnx.Param(
+      jnp.ones((heads, dim), param_dtype), logical_axes=(heads_axis, "head_dim")
+    )
+
+  def __call__(self, x_bthe):
+    shape = x_bthe.shape
+    flat = rms_norm(x_bthe.reshape(*shape[:-2], -1), self.scale.get_value().reshape(-1), self.eps)
+    return flat.reshape(shape)
+
+
 class Attention(nnx.Module):
   """Grouped-query attention; writes its keys/values into the cache when one is given."""
 
@@ -64,7 +80,10 @@ class Attention(nnx.Module):
       self.bq_he = nnx.Param(jnp.zeros((h, e), pd), logical_axes=("heads", "head_dim"))
       self.bk_ke = nnx.Param(jnp.zeros((k, e), pd), logical_axes=("kv_heads", "head_dim"))
       self.bv_ke = nnx.Param(jnp.zeros((k, e), pd), logical_axes=("kv_heads", "head_dim"))
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_across_heads:
+      self.q_norm = HeadsRMSNorm(h, e, cfg.norm_eps, pd, "heads")
+      self.k_norm = HeadsRMSNorm(k, e, cfg.norm_eps, pd, "kv_heads")
+    elif cfg.qk_norm:
       self.q_norm = RMSNorm(e, cfg.norm_eps, pd)
       self.k_norm = RMSNorm(e, cfg.norm_eps, pd)
 
@@ -80,14 +99,19 @@ class Attention(nnx.Module):
       k = k + self.bk_ke.get_value().astype(dt)
       v = v + self.bv_ke.get_value().astype(dt)
     cos_btf, sin_btf = rope_cos_sin(positions_bt, cfg, layer)
+    if cfg.qk_norm_across_heads:  # a norm over all heads: not the fused kernel's per-head one
+      q, k = self.q_norm(q), self.k_norm(k)
+    per_head_norm = cfg.qk_norm and not cfg.qk_norm_across_heads
     if isinstance(cache, PagedLayerCache) and q.shape[1] == 1:
       # A decode step: the norms, the rotation and the cache write are one kernel on a GPU.
-      scales = (self.q_norm.scale.get_value(), self.k_norm.scale.get_value()) if cfg.qk_norm else ()
+      scales = ()
+      if per_head_norm:
+        scales = (self.q_norm.scale.get_value(), self.k_norm.scale.get_value())
       out_bthe, cache = attend_paged_decode(
         q, k, v, positions_bt, cache, cos_btf, sin_btf, *scales, eps=cfg.norm_eps
       )
     else:
-      if cfg.qk_norm:
+      if per_head_norm:
         q, k = self.q_norm(q), self.k_norm(k)
       q, k = apply_rope(q, cos_btf, sin_btf), apply_rope(k, cos_btf, sin_btf)
       out_bthe, cache = attend(
@@ -126,6 +150,11 @@ class Block(nnx.Module):
     self, x_btd, positions_bt, cache, moe: MoEInputs | None, layer: int, segment_ids_bt=None
   ):
     """Returns (output, cache, an MoE MLP's `MoERouting` or None)."""
+    if self.attn.cfg.norm_position == "post":  # OLMo 2: sublayer outputs normed, inputs not
+      attn_out, cache = self.attn(x_btd, positions_bt, cache, segment_ids_bt, layer)
+      x_btd = x_btd + self.attn_norm(attn_out)
+      mlp_out, routing = self.mlp(x_btd, moe, layer)
+      return x_btd + self.mlp_norm(mlp_out), cache, routing
     attn_out, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, segment_ids_bt, layer)
     x_btd = x_btd + attn_out
     mlp_out, routing = self.mlp(self.mlp_norm(x_btd), moe, layer)

@@ -17,6 +17,7 @@ Architectures (`ARCHS`) and what each exercises:
   "qwen3_moe": 8 experts, top-2, q/k norm; `norm_topk_prob` as given (default True).
   "smollm3": the second layer without RoPE (NoPE), rope_theta 1e4 (its default, 2e6, would
     barely turn within the tests' sequences).
+  "olmo2": norms after each sublayer, q/k norms across heads, rope_theta 5e5, eps 1e-5.
 
 Also the config.json of Qwen3-0.6B, Qwen3-30B-A3B and Llama-3.2-1B as the Hub publishes them
 (`QWEN3_0_6B`, `QWEN3_30B_A3B`, `LLAMA_3_2_1B`), for tests of configs without weights.
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 import transformers
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "olmo2")
 VOCAB_SIZE = 512
 
 _COMMON = dict(
@@ -70,6 +71,10 @@ _ARCH = {
   "smollm3": (
     transformers.SmolLM3Config,
     dict(no_rope_layers=[1, 0], rope_parameters=dict(rope_theta=1e4)),
+  ),
+  "olmo2": (
+    transformers.Olmo2Config,
+    dict(rms_norm_eps=1e-5, rope_parameters=dict(rope_theta=5e5)),
   ),
   "qwen3_moe": (
     transformers.Qwen3MoeConfig,

@@ -105,3 +105,18 @@ def test_nope_layers_only_in_a_model_smollm3_holds():
     ModelConfig(num_layers=2, nope_layers=(2,))
   with pytest.raises(ValueError, match="only SmolLM3 has NoPE layers"):
     model_type_of(ModelConfig(num_layers=2, nope_layers=(1,), qk_norm=True))
+
+
+def test_olmo2_options_only_together():
+  """Post-norm is OLMo 2's, which also norms q and k across heads: a model with one but not
+  the other has no Hugging Face architecture."""
+  olmo2 = ModelConfig(norm_position="post", qk_norm=True, qk_norm_across_heads=True)
+  assert model_type_of(olmo2) == "olmo2"
+  with pytest.raises(ValueError, match="olmo2 needs model.qk_norm_across_heads=True"):
+    model_type_of(ModelConfig(norm_position="post", qk_norm=True))
+  with pytest.raises(ValueError, match="qwen3 needs model.qk_norm_across_heads=False"):
+    model_type_of(ModelConfig(qk_norm=True, qk_norm_across_heads=True))
+  with pytest.raises(ValueError, match="norm_position must be one of"):
+    ModelConfig(norm_position="sandwich")
+  with pytest.raises(ValueError, match="qk_norm_across_heads=True needs model.qk_norm=True"):
+    ModelConfig(qk_norm_across_heads=True)

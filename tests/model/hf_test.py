@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out: jaxrl's logits and greedy tokens equal transformers' for
-Llama (llama3 RoPE), Mistral, Qwen2, Qwen3, Qwen3-MoE and SmolLM3 (NoPE layers), tied and
-untied; save_pretrained writes what transformers loads back; sharded files, meshes, bf16, and
-every error names its file and tensor or key (config.json alone: hf_config_test.py)."""
+Llama (llama3 RoPE), Mistral, Qwen2, Qwen3, Qwen3-MoE, SmolLM3 (NoPE layers) and OLMo 2
+(post-norm), tied and untied; save_pretrained writes what transformers loads back; sharded
+files, meshes, bf16, and every error names its file and tensor or key (config.json alone:
+hf_config_test.py)."""
 
 import dataclasses
 import functools
@@ -40,7 +41,7 @@ torch.set_num_threads(1)
 SEQ = 256
 # (arch, tied, transformers config overrides): every architecture tied and untied, Qwen3-MoE
 # with and without renormalised top-k weights.
-ARCHS_TIED_AND_UNTIED = ("llama", "qwen2", "qwen3", "smollm3")
+ARCHS_TIED_AND_UNTIED = ("llama", "qwen2", "qwen3", "smollm3", "olmo2")
 CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, True)] + [
   ("mistral", False, {}),
   ("qwen3_moe", False, {"norm_topk_prob": True}),
@@ -130,6 +131,8 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, norm_topk_prob=not cfg.norm_topk_prob)
   elif arch == "smollm3":
     wrong = dataclasses.replace(cfg, nope_layers=())
+  elif arch == "olmo2":
+    wrong = dataclasses.replace(cfg, norm_position="pre")
   else:
     wrong = dataclasses.replace(cfg, rope_theta=cfg.rope_theta / 10)
   assert _rel_err(_logits(Model(wrong), params, tokens), want) > 1e-2
@@ -149,7 +152,7 @@ def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
 # -- greedy generation ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "smollm3"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "smollm3", "olmo2"])
 def test_paged_greedy_matches_transformers_generate(checkpoints, arch):
   path = checkpoints(arch)
   rng = np.random.default_rng()
@@ -259,8 +262,10 @@ def test_writes_shards_with_an_index(checkpoints, tmp_path):
 # -- meshes --------------------------------------------------------------------------------------
 
 
-def test_loads_onto_a_mesh_in_its_sharding(checkpoints):
-  path = checkpoints("qwen2")
+# OLMo 2: its q/k norms reduce across heads, which the tensor axis splits.
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2"])
+def test_loads_onto_a_mesh_in_its_sharding(checkpoints, arch):
+  path = checkpoints(arch)
   mesh = make_mesh(jax.devices()[:8], {"fsdp": 4, "tensor": 2})
   model, params = load_pretrained(path, dtype="float32", mesh=mesh)
   rules = STAGE_RULES["train"]
