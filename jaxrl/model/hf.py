@@ -1,13 +1,10 @@
-"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE safetensors.
+"""Hugging Face checkpoints in and out (the architectures `hf_config.ARCHITECTURES` names).
 
 `load_pretrained` reads a checkpoint directory (or Hub id) one tensor at a time, converts each
-from the Hub layout (`q_proj.weight` is `[heads * head_dim, hidden]`, per-expert MLPs) to
-jaxrl's (`wq_dhe` is `[d, h, e]`, experts stacked `[x, d, f]`) and places it straight into its
-sharding, so that no device ever holds the whole model when a mesh is given and the host holds
-one tensor beyond what is already placed. `save_pretrained` writes the Hub names and layout
-back (what transformers and vLLM load), gathering one parameter at a time.
-
-Glossary: v vocab, d model width, h query heads, k kv heads, e head dim, f mlp width, x experts.
+from the Hub layout to jaxrl's (`hf_layout`) and places it straight into its sharding, so that
+no device ever holds the whole model when a mesh is given and the host holds one tensor beyond
+what is already placed. `save_pretrained` writes the Hub names and layout back (what
+transformers and vLLM load), gathering one parameter at a time.
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal, NamedTuple
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +33,15 @@ from jaxrl.model.hf_config import (
   config_to_hf,
   model_type_of,
   with_dtype,
+)
+from jaxrl.model.hf_layout import (
+  Leaf,
+  check_coverage,
+  fused_expert_layers,
+  has_fused_projections,
+  hub_arrays,
+  hub_leaves,
+  param_paths,
 )
 from jaxrl.model.safetensors_io import (
   CheckpointError,
@@ -70,171 +76,6 @@ _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _COMPARE_BYTES = 64 << 20  # rows compared at a time when checking a tied head
-
-Path = tuple  # a parameter's keys in the params tree, e.g. ("blocks", 0, "attn", "wq_dhe")
-
-
-class _Leaf(NamedTuple):
-  """One jaxrl parameter and the Hub tensors it is stored as.
-
-  Attributes:
-    path: the parameter's keys in the params tree.
-    names: its Hub tensors, in the order `load` reads and `save` yields them.
-    shapes: their Hub shapes.
-    load: (read, dtype) -> the parameter on the host, where read(i) reads names[i]; a view of
-      what read returned where the layouts allow, else a new array in `dtype`.
-    save: the parameter on the host -> its Hub tensors, in `names` order.
-  """
-
-  path: Path
-  names: tuple[str, ...]
-  shapes: tuple[tuple[int, ...], ...]
-  load: Callable[[Callable[[int], np.ndarray], np.dtype], np.ndarray]
-  save: Callable[[np.ndarray], Iterator[np.ndarray]]
-
-
-def _same(path: Path, name: str, shape: tuple[int, ...]) -> _Leaf:
-  return _Leaf(path, (name,), (shape,), lambda read, dt: read(0), lambda v: iter([v]))
-
-
-def _transposed(path: Path, name: str, shape: tuple[int, int]) -> _Leaf:
-  """Hub `nn.Linear` weights are [out, in]; ours are [in, out]."""
-  return _Leaf(path, (name,), (shape,), lambda read, dt: read(0).T, lambda v: iter([v.T]))
-
-
-def _heads_in(path: Path, name: str, d: int, n: int, e: int) -> _Leaf:
-  """q/k/v projections: Hub [n * e, d] <-> ours [d, n, e]."""
-  return _Leaf(
-    path,
-    (name,),
-    ((n * e, d),),
-    lambda read, dt: read(0).T.reshape(d, n, e),
-    lambda v: iter([v.reshape(d, n * e).T]),
-  )
-
-
-def _heads_out(path: Path, name: str, h: int, e: int, d: int) -> _Leaf:
-  """The output projection: Hub [d, h * e] <-> ours [h, e, d]."""
-  return _Leaf(
-    path,
-    (name,),
-    ((d, h * e),),
-    lambda read, dt: read(0).T.reshape(h, e, d),
-    lambda v: iter([v.reshape(h * e, d).T]),
-  )
-
-
-def _per_head(path: Path, name: str, n: int, e: int) -> _Leaf:
-  """q/k/v biases and OLMo 2's q/k norm scales: Hub [n * e] <-> ours [n, e]."""
-  return _Leaf(
-    path, (name,), ((n * e,),), lambda read, dt: read(0).reshape(n, e), lambda v: iter([v.ravel()])
-  )
-
-
-def _experts(path: Path, names: list[str], shape: tuple[int, int]) -> _Leaf:
-  """Per-expert Hub weights [out, in] each <-> ours stacked [x, in, out]."""
-  x, (a, b) = len(names), shape
-
-  def load(read, dt):
-    out = np.empty((x, b, a), dt)
-    for i in range(x):
-      out[i] = read(i).T
-    return out
-
-  return _Leaf(path, tuple(names), (shape,) * x, load, lambda v: (v[i].T for i in range(x)))
-
-
-def _fused_experts(path: Path, name: str, shape: tuple[int, int, int], part: slice) -> _Leaf:
-  """transformers 5's in-memory expert layout, should a checkpoint hold it: gate_up_proj
-  [x, 2f, d] (gate rows first) and down_proj [x, d, f]. Read only; we save per expert."""
-
-  def save(v):
-    raise AssertionError("save_pretrained writes experts one by one, never fused.")
-
-  return _Leaf(path, (name,), (shape,), lambda read, dt: read(0)[:, part].transpose(0, 2, 1), save)
-
-
-def _leaves(cfg: ModelConfig, fused_layers: frozenset[int] = frozenset()) -> list[_Leaf]:
-  """Every parameter of `cfg`'s model with its Hub tensors; `fused_layers`: MoE layers whose
-  experts a checkpoint holds fused."""
-  v, d, h, k, e = cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  leaves = [_same(("embed_vd",), "model.embed_tokens.weight", (v, d))]
-  # Pre-norm models: input_layernorm before attention, post_attention_layernorm before the
-  # MLP; OLMo 2 (post-norm): post_attention_layernorm after attention, post_feedforward after.
-  attn_norm, mlp_norm = ("input_layernorm", "post_attention_layernorm")
-  if cfg.norm_position == "post":
-    attn_norm, mlp_norm = ("post_attention_layernorm", "post_feedforward_layernorm")
-  for i in range(cfg.num_layers):
-    hub, ours = f"model.layers.{i}.", ("blocks", i)
-    attn, mlp = hub + "self_attn.", hub + "mlp."
-    leaves += [
-      _same((*ours, "attn_norm", "scale"), hub + attn_norm + ".weight", (d,)),
-      _heads_in((*ours, "attn", "wq_dhe"), attn + "q_proj.weight", d, h, e),
-      _heads_in((*ours, "attn", "wk_dke"), attn + "k_proj.weight", d, k, e),
-      _heads_in((*ours, "attn", "wv_dke"), attn + "v_proj.weight", d, k, e),
-      _heads_out((*ours, "attn", "wo_hed"), attn + "o_proj.weight", h, e, d),
-      _same((*ours, "mlp_norm", "scale"), hub + mlp_norm + ".weight", (d,)),
-    ]
-    if cfg.qkv_bias:
-      leaves += [
-        _per_head((*ours, "attn", "bq_he"), attn + "q_proj.bias", h, e),
-        _per_head((*ours, "attn", "bk_ke"), attn + "k_proj.bias", k, e),
-        _per_head((*ours, "attn", "bv_ke"), attn + "v_proj.bias", k, e),
-      ]
-    if cfg.qk_norm_across_heads:
-      leaves += [
-        _per_head((*ours, "attn", "q_norm", "scale"), attn + "q_norm.weight", h, e),
-        _per_head((*ours, "attn", "k_norm", "scale"), attn + "k_norm.weight", k, e),
-      ]
-    elif cfg.qk_norm:
-      leaves += [
-        _same((*ours, "attn", "q_norm", "scale"), attn + "q_norm.weight", (e,)),
-        _same((*ours, "attn", "k_norm", "scale"), attn + "k_norm.weight", (e,)),
-      ]
-    if not cfg.is_moe:
-      f = cfg.mlp_dim
-      leaves += [
-        _transposed((*ours, "mlp", "w_gate_df"), mlp + "gate_proj.weight", (f, d)),
-        _transposed((*ours, "mlp", "w_up_df"), mlp + "up_proj.weight", (f, d)),
-        _transposed((*ours, "mlp", "w_down_fd"), mlp + "down_proj.weight", (d, f)),
-      ]
-      continue
-    x, f = cfg.num_experts, cfg.moe_mlp_dim
-    leaves.append(_transposed((*ours, "mlp", "router_dx"), mlp + "gate.weight", (x, d)))
-    if i in fused_layers:
-      gate_up, down = mlp + "experts.gate_up_proj", mlp + "experts.down_proj"
-      leaves += [
-        _fused_experts((*ours, "mlp", "w_gate_xdf"), gate_up, (x, 2 * f, d), slice(0, f)),
-        _fused_experts((*ours, "mlp", "w_up_xdf"), gate_up, (x, 2 * f, d), slice(f, 2 * f)),
-        _fused_experts((*ours, "mlp", "w_down_xfd"), down, (x, d, f), slice(None)),
-      ]
-      continue
-    experts = [f"{mlp}experts.{j}." for j in range(x)]
-    leaves += [
-      _experts((*ours, "mlp", "w_gate_xdf"), [p + "gate_proj.weight" for p in experts], (f, d)),
-      _experts((*ours, "mlp", "w_up_xdf"), [p + "up_proj.weight" for p in experts], (f, d)),
-      _experts((*ours, "mlp", "w_down_xfd"), [p + "down_proj.weight" for p in experts], (d, f)),
-    ]
-  leaves.append(_same(("final_norm", "scale"), "model.norm.weight", (d,)))
-  if not cfg.tie_embeddings:
-    leaves.append(_transposed(("lm_head_dv",), "lm_head.weight", (v, d)))
-  return leaves
-
-
-def _paths(tree: Params) -> dict[Path, Any]:
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {tuple(key.key for key in path): leaf for path, leaf in flat}
-
-
-def _check_coverage(leaves: list[_Leaf], params: Params) -> None:
-  ours, mapped = set(_paths(params)), {leaf.path for leaf in leaves}
-  if ours != mapped:
-    raise ValueError(
-      f"The Hugging Face mapping and the model disagree: parameters without a Hub tensor "
-      f"{sorted(map(str, ours - mapped))}, Hub tensors without a parameter "
-      f"{sorted(map(str, mapped - ours))}. Update jaxrl/model/hf.py with the model."
-    )
-
 
 # -- loading -----------------------------------------------------------------------------------
 
@@ -334,15 +175,7 @@ def _check_tied(embed: TensorInfo, head: TensorInfo) -> None:
       )
 
 
-def _fused_layers(cfg: ModelConfig, tensors: Mapping[str, TensorInfo]) -> frozenset[int]:
-  if not cfg.is_moe:
-    return frozenset()
-  return frozenset(
-    i for i in range(cfg.num_layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in tensors
-  )
-
-
-def _reader(leaf: _Leaf, tensors: Mapping[str, TensorInfo], where: str):
+def _reader(leaf: Leaf, tensors: Mapping[str, TensorInfo], where: str):
   def read(i: int) -> np.ndarray:
     name, shape = leaf.names[i], leaf.shapes[i]
     info = tensors.get(name)
@@ -374,8 +207,8 @@ def load_pretrained(
   mesh: jax.sharding.Mesh | None = None,
   rules: Rules | None = None,
 ) -> tuple[Model, Params]:
-  """Loads a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE) as a Model and
-  params.
+  """Loads a Hugging Face checkpoint (an architecture of `hf_config.ARCHITECTURES`) as a Model
+  and params.
 
   Args:
     path: a checkpoint directory, or a Hub id (see `jaxrl.hub.resolve_pretrained`).
@@ -400,15 +233,15 @@ def load_pretrained(
   cfg = config_from_hf(_read_json(root, "config.json"))
   cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
   tensors, where = _tensor_index(root)
-  leaves = _leaves(cfg, _fused_layers(cfg, tensors))
+  leaves = hub_leaves(cfg, fused_expert_layers(cfg, tensors), has_fused_projections(tensors))
   _check_names(cfg, leaves, tensors, where)
   model = Model(cfg)
   abstract = model.abstract_params()
-  _check_coverage(leaves, abstract)
+  check_coverage(leaves, abstract)
   shardings = None
   if mesh is not None:
     rules = rules or STAGE_RULES["train"]
-    shardings = _paths(tree_shardings(model.logical_axes, mesh, rules, abstract))
+    shardings = param_paths(tree_shardings(model.logical_axes, mesh, rules, abstract))
   target = np.dtype(jnp.dtype(dtype))
   loaded = {}
   total = sum(tensors[n].nbytes for leaf in leaves for n in leaf.names if n in tensors)
@@ -425,15 +258,6 @@ def load_pretrained(
 
 
 # -- saving ------------------------------------------------------------------------------------
-
-
-def _hub_arrays(leaves: list[_Leaf], params: Params) -> Iterator[tuple[str, np.ndarray]]:
-  """The Hub tensors of `params` in `leaves` order; one parameter on the host at a time."""
-  values = _paths(params)
-  for leaf in leaves:
-    value = np.asarray(jax.device_get(values[leaf.path]))
-    yield from zip(leaf.names, leaf.save(value), strict=True)
-    del value
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -527,8 +351,9 @@ def save_pretrained(
     tokenizer_source = src or False
   elif tokenizer_source is not False:
     tokenizer_source = resolve_pretrained(tokenizer_source)
-  leaves = _leaves(cfg)
-  _check_coverage(leaves, params)
+  # Phi-3 checkpoints fuse q/k/v and gate/up; a model saved as Phi-3 (with a Phi-3 source) too.
+  leaves = hub_leaves(cfg, fused_projections=hub_config.get("model_type") == "phi3")
+  check_coverage(leaves, params)
   target = np.dtype(jnp.dtype(dtype))
   shapes = {n: s for leaf in leaves for n, s in zip(leaf.names, leaf.shapes, strict=True)}
   sizes = {n: math.prod(s) * target.itemsize for n, s in shapes.items()}
@@ -537,7 +362,7 @@ def save_pretrained(
   files = (
     [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
   )
-  arrays = _hub_arrays(leaves, params)
+  arrays = hub_arrays(leaves, params)
   with staged_directory(path, _written_by_save) as out:
     with tqdm.tqdm(
       total=sum(sizes.values()), unit="B", unit_scale=True, desc="save", disable=None

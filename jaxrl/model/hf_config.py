@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> `ModelConfig` for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-SmolLM3 and OLMo 2.
+SmolLM3, OLMo 2, OLMoE and Phi-3.
 
 Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `rope_scaling`
 dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
@@ -20,7 +20,10 @@ source checkpoint is written as Llama, the same network.
 SmolLM3 is Llama's network with no RoPE in some layers (`no_rope_layers`: 1 rotates, 0 does
 not; by default every fourth layer is NoPE): `ModelConfig.nope_layers`. OLMo 2 norms each
 sublayer's output rather than its input (`norm_position="post"`) and each token's q and k
-projections across all heads (`qk_norm_across_heads`).
+projections across all heads (`qk_norm_across_heads`); OLMoE is a pre-norm MoE with those q/k
+norms (its `intermediate_size` is one expert's width). Phi-3 (Phi-3, Phi-4) is Llama's network
+with fused q/k/v and gate/up tensors (`hf_layout`) and, in some, a sliding window (which caps
+`max_seq_len` as Mistral's does); saved without its source it is written as Llama.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ ARCHITECTURES = {
   "qwen3_moe": "Qwen3MoeForCausalLM",
   "smollm3": "SmolLM3ForCausalLM",
   "olmo2": "Olmo2ForCausalLM",
+  "olmoe": "OlmoeForCausalLM",
+  "phi3": "Phi3ForCausalLM",
 }
 """The model types jaxrl reads and writes, with their transformers architecture."""
 
@@ -52,15 +57,26 @@ _MAX_POSITIONS = {
   "qwen3_moe": 32768,
   "smollm3": 32768,
   "olmo2": 2048,
+  "olmoe": 4096,
+  "phi3": 4096,
 }
-_NORM_EPS = {"olmo2": 1e-5}  # others: 1e-6
+_NORM_EPS = {"olmo2": 1e-5, "olmoe": 1e-5, "phi3": 1e-5}  # others: 1e-6
+_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "across", "olmoe": "across"}
+"""Model types with q/k norms: per head, or across all heads of a token (OLMo's)."""
 _KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "qwen3_moe": 4, "smollm3": 4}  # llama: heads
-_MISTRAL_WINDOW = 4096  # transformers' MistralConfig.sliding_window
+# Model types with a sliding window (which caps max_seq_len), and transformers' default for it.
+_WINDOW = {"mistral": 4096, "phi3": None}
 _HEAD_DIM = {"qwen3": 128}  # others: hidden_size // num_attention_heads
 _ROPE_THETA = {"smollm3": 2_000_000.0}  # others: 10,000
+_PHI3_ORIGINAL = 4096  # Phi3Config's original_max_position_embeddings, which outranks the scaling's
 _TIED = {"smollm3"}  # model types whose tie_word_embeddings defaults to true
 _NOPE_INTERVAL = 4  # SmolLM3: without no_rope_layers, every fourth layer is NoPE
-_MOE_DEFAULTS = {"num_experts_per_tok": 8, "moe_intermediate_size": 768, "num_experts": 128}
+# MoE model types: transformers' defaults, and the key holding one expert's hidden width.
+_MOE_DEFAULTS = {
+  "qwen3_moe": {"num_experts_per_tok": 8, "num_experts": 128, "intermediate_size": 6144},
+  "olmoe": {"num_experts_per_tok": 8, "num_experts": 64, "intermediate_size": 2048},
+}
+_EXPERT_WIDTH = {"qwen3_moe": ("moe_intermediate_size", 768), "olmoe": ("intermediate_size", 2048)}
 
 ARCH_FIELDS = (
   "vocab_size",
@@ -133,7 +149,7 @@ def _rope(config: Mapping[str, Any], model_type: str, max_positions: int) -> dic
     )
   # transformers takes a top-level original_max_position_embeddings over the scaling's own.
   where = "original_max_position_embeddings"
-  original = config.get(where)
+  original = config.get(where, _PHI3_ORIGINAL if model_type == "phi3" else None)
   if original is None:
     original, where = params.get(where), f"{key}.{where}"
   if original is None:
@@ -244,6 +260,8 @@ def _refusals(config: Mapping[str, Any], model_type: str) -> None:
       lambda v: all(t == "full_attention" for t in v),
       "jaxrl has full attention in every layer",
     )
+  if model_type == "olmoe":
+    _refuse(config, "clip_qkv", lambda v: False, "jaxrl does not clip q, k and v")
   if model_type == "qwen3_moe":
     _refuse(config, "mlp_only_layers", lambda v: not v, "every layer of jaxrl's MoE is sparse")
     _refuse(config, "decoder_sparse_step", lambda v: v == 1, "every layer of jaxrl's MoE is sparse")
@@ -276,12 +294,11 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   _refusals(config, model_type)
   d, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
   max_positions = _get(config, "max_position_embeddings", _MAX_POSITIONS[model_type])
-  rope = _rope(
-    config, model_type, max_positions
-  )  # a scaling's original context defaults to the full one
+  # A scaling's original context defaults to the full one.
+  rope = _rope(config, model_type, max_positions)
   max_positions = _context_length(rope, max_positions)
-  if model_type == "mistral":
-    window = config.get("sliding_window", _MISTRAL_WINDOW)
+  if model_type in _WINDOW:
+    window = config.get("sliding_window", _WINDOW[model_type])
     if window is not None:
       window = _get({"sliding_window": window}, "sliding_window")
       if window < 1:
@@ -296,11 +313,15 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     num_heads=heads,
     num_kv_heads=_get({"num_key_value_heads": kv_heads}, "num_key_value_heads"),
     head_dim=_get({"head_dim": head_dim}, "head_dim"),
-    mlp_dim=_get(config, "intermediate_size", 6144 if model_type == "qwen3_moe" else _MISSING),
+    mlp_dim=_get(
+      config,
+      "intermediate_size",
+      _MOE_DEFAULTS.get(model_type, {}).get("intermediate_size", _MISSING),
+    ),
     max_seq_len=max_positions,
     norm_eps=_get(config, "rms_norm_eps", _NORM_EPS.get(model_type, 1e-6), float),
-    qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2"),
-    qk_norm_across_heads=model_type == "olmo2",
+    qk_norm=model_type in _QK_NORM,
+    qk_norm_across_heads=_QK_NORM.get(model_type) == "across",
     norm_position="post" if model_type == "olmo2" else "pre",
     qkv_bias=model_type == "qwen2",
     tie_embeddings=_get(config, "tie_word_embeddings", model_type in _TIED, bool),
@@ -308,20 +329,21 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   )
   if model_type == "smollm3":
     fields["nope_layers"] = _nope_layers(config, fields["num_layers"])
-  if model_type == "qwen3_moe":
+  if model_type in _MOE_DEFAULTS:
+    defaults = _MOE_DEFAULTS[model_type]
     experts = {config.get(k) for k in ("num_experts", "num_local_experts")} - {None}
     if len(experts) > 1:
       raise CheckpointError(
         f"config.json: num_experts and num_local_experts disagree ({sorted(experts)})."
       )
-    num_experts = experts.pop() if experts else _MOE_DEFAULTS["num_experts"]
+    num_experts = experts.pop() if experts else defaults["num_experts"]
     _get({"num_experts": num_experts}, "num_experts")
     if num_experts < 1:
       raise CheckpointError(f"config.json: num_experts={num_experts}: an MoE needs experts.")
     fields |= dict(
       num_experts=num_experts,
-      experts_per_token=_get(config, "num_experts_per_tok", _MOE_DEFAULTS["num_experts_per_tok"]),
-      moe_mlp_dim=_get(config, "moe_intermediate_size", _MOE_DEFAULTS["moe_intermediate_size"]),
+      experts_per_token=_get(config, "num_experts_per_tok", defaults["num_experts_per_tok"]),
+      moe_mlp_dim=_get(config, *_EXPERT_WIDTH[model_type]),
       norm_topk_prob=_get(config, "norm_topk_prob", False, bool),
     )
   try:
@@ -352,15 +374,16 @@ def _nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
 
 
 def model_type_of(cfg: ModelConfig) -> str:
-  """The Hugging Face model type that holds `cfg`: MoE -> qwen3_moe, post-norm -> olmo2, q/k
-  norm -> qwen3, q/k/v bias -> qwen2, NoPE layers -> smollm3, else llama.
+  """The Hugging Face model type that holds `cfg`: MoE -> olmoe with q/k norms across heads,
+  else qwen3_moe; post-norm -> olmo2, q/k norm -> qwen3, q/k/v bias -> qwen2, NoPE layers ->
+  smollm3, else llama.
 
   Raises:
     ValueError: a combination none of them has (an MoE without q/k norm, q/k norm with biases
       or NoPE layers, ...), naming the field to change.
   """
   if cfg.is_moe:
-    model_type = "qwen3_moe"
+    model_type = "olmoe" if cfg.qk_norm_across_heads else "qwen3_moe"
   elif cfg.norm_position == "post":
     model_type = "olmo2"
   elif cfg.qk_norm:
@@ -372,8 +395,8 @@ def model_type_of(cfg: ModelConfig) -> str:
   else:
     model_type = "llama"
   wanted = dict(
-    qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2"),
-    qk_norm_across_heads=model_type == "olmo2",
+    qk_norm=model_type in _QK_NORM,
+    qk_norm_across_heads=_QK_NORM.get(model_type) == "across",
     norm_position="post" if model_type == "olmo2" else "pre",
     qkv_bias=model_type == "qwen2",
   )
@@ -427,10 +450,18 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     out["attention_bias"] = False
   if model_type in ("llama", "smollm3"):
     out["mlp_bias"] = False
-  if model_type not in ("llama", "olmo2"):
+  if model_type not in ("llama", "olmo2", "olmoe"):
     out["use_sliding_window"] = False
   if model_type == "smollm3":
     out["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
+  if model_type == "olmoe":  # intermediate_size is one expert's width
+    out |= {
+      "intermediate_size": cfg.moe_mlp_dim,
+      "num_experts": cfg.num_experts,
+      "num_experts_per_tok": cfg.experts_per_token,
+      "norm_topk_prob": cfg.norm_topk_prob,
+      "clip_qkv": None,
+    }
   if model_type == "qwen3_moe":
     out |= {
       "num_experts": cfg.num_experts,

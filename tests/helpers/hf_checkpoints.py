@@ -18,6 +18,9 @@ Architectures (`ARCHS`) and what each exercises:
   "smollm3": the second layer without RoPE (NoPE), rope_theta 1e4 (its default, 2e6, would
     barely turn within the tests' sequences).
   "olmo2": norms after each sublayer, q/k norms across heads, rope_theta 5e5, eps 1e-5.
+  "phi3": q/k/v fused in qkv_proj, gate/up in gate_up_proj, eps 1e-5.
+  "olmoe": 8 experts of width 32 (its intermediate_size), top-2 without renormalisation
+    (transformers' default), q/k norms across heads.
 
 Also the config.json of Qwen3-0.6B, Qwen3-30B-A3B and Llama-3.2-1B as the Hub publishes them
 (`QWEN3_0_6B`, `QWEN3_30B_A3B`, `LLAMA_3_2_1B`), for tests of configs without weights.
@@ -31,7 +34,7 @@ import numpy as np
 import torch
 import transformers
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "olmo2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmoe", "phi3")
 VOCAB_SIZE = 512
 
 _COMMON = dict(
@@ -75,6 +78,11 @@ _ARCH = {
   "olmo2": (
     transformers.Olmo2Config,
     dict(rms_norm_eps=1e-5, rope_parameters=dict(rope_theta=5e5)),
+  ),
+  "phi3": (transformers.Phi3Config, dict(rms_norm_eps=1e-5, rope_parameters=dict(rope_theta=1e4))),
+  "olmoe": (
+    transformers.OlmoeConfig,
+    dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, rms_norm_eps=1e-5),
   ),
   "qwen3_moe": (
     transformers.Qwen3MoeConfig,

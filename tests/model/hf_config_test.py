@@ -120,3 +120,14 @@ def test_olmo2_options_only_together():
     ModelConfig(norm_position="sandwich")
   with pytest.raises(ValueError, match="qk_norm_across_heads=True needs model.qk_norm=True"):
     ModelConfig(qk_norm_across_heads=True)
+
+
+def test_a_phi3_window_caps_the_sequence_length():
+  """Phi-3-mini-4k's config says sliding_window 2047: read like Mistral's, but Phi-3 has no
+  window by default."""
+  core = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+  config = {"model_type": "phi3", "num_attention_heads": 4, "max_position_embeddings": 4096}
+  config |= core
+  assert config_from_hf(config).max_seq_len == 4096
+  assert config_from_hf(config | {"sliding_window": 2047}).max_seq_len == 2047
+  assert model_type_of(config_from_hf(config)) == "llama"  # the same network

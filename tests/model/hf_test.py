@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out: jaxrl's logits and greedy tokens equal transformers' for
 Llama (llama3 RoPE), Mistral, Qwen2, Qwen3, Qwen3-MoE, SmolLM3 (NoPE layers) and OLMo 2
-(post-norm), tied and untied; save_pretrained writes what transformers loads back; sharded
+(post-norm) and OLMoE, tied and untied; save_pretrained writes what transformers loads back; sharded
 files, meshes, bf16, and every error names its file and tensor or key (config.json alone:
 hf_config_test.py)."""
 
@@ -47,6 +47,8 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("qwen3_moe", False, {"norm_topk_prob": True}),
   ("qwen3_moe", True, {"norm_topk_prob": False}),
   ("qwen3_moe", False, {"norm_topk_prob": False}),
+  ("olmoe", False, {}),
+  ("phi3", False, {}),
 ]
 
 
@@ -133,6 +135,8 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, nope_layers=())
   elif arch == "olmo2":
     wrong = dataclasses.replace(cfg, norm_position="pre")
+  elif arch == "olmoe":
+    wrong = dataclasses.replace(cfg, norm_topk_prob=True)
   else:
     wrong = dataclasses.replace(cfg, rope_theta=cfg.rope_theta / 10)
   assert _rel_err(_logits(Model(wrong), params, tokens), want) > 1e-2
@@ -177,21 +181,36 @@ def test_save_pretrained_loads_in_transformers(checkpoints, tmp_path, arch, tied
     "model.safetensors",
   ]
   reloaded = hc.load_model(tmp_path / "out")
-  # Without its source checkpoint, a Mistral model is written as Llama: the same network.
+  # Without its source checkpoint, a Mistral or Phi-3 model is written as Llama: the same
+  # network (for Phi-3, q/k/v and gate/up unfused).
   source_arch = _load_json(path / "config.json")["architectures"][0]
-  written = "LlamaForCausalLM" if arch == "mistral" else source_arch
+  written = "LlamaForCausalLM" if arch in ("mistral", "phi3") else source_arch
   assert type(reloaded).__name__ == written
   assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   # The generated config.json describes the same model to us too.
   assert config_from_hf(_load_json(tmp_path / "out" / "config.json")) == model.config
 
 
-def test_a_mistral_saved_with_its_source_stays_mistral(checkpoints, tmp_path):
-  path = checkpoints("mistral")
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_saved_with_its_source_a_model_keeps_its_architecture(checkpoints, tmp_path, arch):
+  """Mistral keeps its window; Phi-3's q/k/v and gate/up are fused again, in Phi-3's order,
+  sharded too (a fused tensor is one tensor of one shard)."""
+  path = checkpoints(arch)
+  tokens = _tokens(np.random.default_rng(), length=64)
+  want = hc.logits(hc.load_model(path), tokens)
   model, params = load_pretrained(path, dtype="float32")
-  save_pretrained(model, params, tmp_path / "sourced", source=path)
-  assert type(hc.load_model(tmp_path / "sourced")).__name__ == "MistralForCausalLM"
-  assert _load_json(tmp_path / "sourced" / "config.json")["sliding_window"] == 384
+  save_pretrained(model, params, tmp_path / "sourced", source=path, max_shard_size="40KB")
+  reloaded = hc.load_model(tmp_path / "sourced")
+  assert type(reloaded).__name__ == _load_json(path / "config.json")["architectures"][0]
+  assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-6
+  if arch == "mistral":
+    assert _load_json(tmp_path / "sourced" / "config.json")["sliding_window"] == 384
+  else:
+    index = _load_json(tmp_path / "sourced" / "model.safetensors.index.json")["weight_map"]
+    assert "model.layers.1.self_attn.qkv_proj.weight" in index
+    assert "model.layers.1.mlp.gate_up_proj.weight" in index
+    unfused = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    assert not [name for name in index if name.split(".")[-2] in unfused]
 
 
 def test_save_pretrained_copies_source_files(tmp_path):
@@ -409,6 +428,7 @@ def test_reads_fused_experts(checkpoints, tmp_path):
     ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
     ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
     ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type"),
     ("qwen3", {"hidden_size": None}, "hidden_size"),
     ("qwen3", {"hidden_size": "64"}, "hidden_size"),

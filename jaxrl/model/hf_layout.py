@@ -1,0 +1,248 @@
+"""The Hub layout of jaxrl's parameters: which Hugging Face tensors each parameter is stored
+as, and how it converts (`hub_leaves`). `hf.py` reads and writes checkpoints with it.
+
+The Hub's `nn.Linear` weights are `[out, in]` (`q_proj.weight` is `[heads * head_dim,
+hidden]`), MoE experts are one tensor per expert, and Phi-3 fuses q, k and v into `qkv_proj`
+and the MLP's gate and up into `gate_up_proj`; jaxrl's are `[in, out]` with heads split
+(`wq_dhe` is `[d, h, e]`) and experts stacked (`[x, d, f]`). A parameter stored as rows of a
+fused tensor reads its rows on load; on save `hub_arrays` joins the parts of a tensor again.
+
+Glossary: v vocab, d model width, h query heads, k kv heads, e head dim, f mlp width, x experts.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.functional import Params
+from jaxrl.model.safetensors_io import TensorInfo
+
+Path = tuple  # a parameter's keys in the params tree, e.g. ("blocks", 0, "attn", "wq_dhe")
+
+
+class Leaf(NamedTuple):
+  """One jaxrl parameter and the Hub tensors it is stored as.
+
+  Attributes:
+    path: the parameter's keys in the params tree.
+    names: its Hub tensors, in the order `load` reads and `save` yields them.
+    shapes: their Hub shapes.
+    load: (read, dtype) -> the parameter on the host, where read(i) reads names[i]; a view of
+      what read returned where the layouts allow, else a new array in `dtype`.
+    save: the parameter on the host -> its Hub tensors, in `names` order.
+  """
+
+  path: Path
+  names: tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  load: Callable[[Callable[[int], np.ndarray], np.dtype], np.ndarray]
+  save: Callable[[np.ndarray], Iterator[np.ndarray]]
+
+
+def _same(path: Path, name: str, shape: tuple[int, ...]) -> Leaf:
+  return Leaf(path, (name,), (shape,), lambda read, dt: read(0), lambda v: iter([v]))
+
+
+def _transposed(path: Path, name: str, shape: tuple[int, int]) -> Leaf:
+  """Hub `nn.Linear` weights are [out, in]; ours are [in, out]."""
+  return Leaf(path, (name,), (shape,), lambda read, dt: read(0).T, lambda v: iter([v.T]))
+
+
+def _heads_in(path: Path, name: str, d: int, n: int, e: int) -> Leaf:
+  """q/k/v projections: Hub [n * e, d] <-> ours [d, n, e]."""
+  return Leaf(
+    path,
+    (name,),
+    ((n * e, d),),
+    lambda read, dt: read(0).T.reshape(d, n, e),
+    lambda v: iter([v.reshape(d, n * e).T]),
+  )
+
+
+def _heads_out(path: Path, name: str, h: int, e: int, d: int) -> Leaf:
+  """The output projection: Hub [d, h * e] <-> ours [h, e, d]."""
+  return Leaf(
+    path,
+    (name,),
+    ((d, h * e),),
+    lambda read, dt: read(0).T.reshape(h, e, d),
+    lambda v: iter([v.reshape(h * e, d).T]),
+  )
+
+
+def _per_head(path: Path, name: str, n: int, e: int) -> Leaf:
+  """q/k/v biases and OLMo 2's q/k norm scales: Hub [n * e] <-> ours [n, e]."""
+  return Leaf(
+    path, (name,), ((n * e,),), lambda read, dt: read(0).reshape(n, e), lambda v: iter([v.ravel()])
+  )
+
+
+def _experts(path: Path, names: list[str], shape: tuple[int, int]) -> Leaf:
+  """Per-expert Hub weights [out, in] each <-> ours stacked [x, in, out]."""
+  x, (a, b) = len(names), shape
+
+  def load(read, dt):
+    out = np.empty((x, b, a), dt)
+    for i in range(x):
+      out[i] = read(i).T
+    return out
+
+  return Leaf(path, tuple(names), (shape,) * x, load, lambda v: (v[i].T for i in range(x)))
+
+
+def _fused_experts(path: Path, name: str, shape: tuple[int, int, int], part: slice) -> Leaf:
+  """transformers 5's in-memory expert layout, should a checkpoint hold it: gate_up_proj
+  [x, 2f, d] (gate rows first) and down_proj [x, d, f]. Read only; we save per expert."""
+
+  def save(v):
+    raise AssertionError("save_pretrained writes experts one by one, never fused.")
+
+  return Leaf(path, (name,), (shape,), lambda read, dt: read(0)[:, part].transpose(0, 2, 1), save)
+
+
+def _rows(leaf: Leaf, name: str, shape: tuple[int, ...], start: int) -> Leaf:
+  """`leaf`'s one Hub tensor stored as rows `[start, start + its rows)` of tensor `name` of
+  `shape`; its save yields those rows, which `hub_arrays` joins with the others."""
+  part = slice(start, start + leaf.shapes[0][0])
+  return Leaf(
+    leaf.path, (name,), (shape,), lambda read, dt: leaf.load(lambda i: read(0)[part], dt), leaf.save
+  )
+
+
+def _fused(parts: list[Leaf], name: str) -> list[Leaf]:
+  """`parts` (of one Hub tensor each) stored as consecutive row blocks of tensor `name`:
+  Phi-3's qkv_proj and gate_up_proj."""
+  rows = [leaf.shapes[0][0] for leaf in parts]
+  shape = (sum(rows), *parts[0].shapes[0][1:])
+  starts = np.cumsum([0, *rows[:-1]])
+  return [_rows(leaf, name, shape, int(start)) for leaf, start in zip(parts, starts, strict=True)]
+
+
+def hub_leaves(
+  cfg: ModelConfig, fused_layers: frozenset[int] = frozenset(), fused_projections: bool = False
+) -> list[Leaf]:
+  """Every parameter of `cfg`'s model with its Hub tensors; `fused_layers`: MoE layers whose
+  experts a checkpoint holds fused; `fused_projections`: q, k, v and the MLP's gate and up as
+  Phi-3 stores them (`qkv_proj`, `gate_up_proj`)."""
+  v, d, h, k, e = cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  leaves = [_same(("embed_vd",), "model.embed_tokens.weight", (v, d))]
+  # Pre-norm models: input_layernorm before attention, post_attention_layernorm before the
+  # MLP; OLMo 2 (post-norm): post_attention_layernorm after attention, post_feedforward after.
+  attn_norm, mlp_norm = ("input_layernorm", "post_attention_layernorm")
+  if cfg.norm_position == "post":
+    attn_norm, mlp_norm = ("post_attention_layernorm", "post_feedforward_layernorm")
+  for i in range(cfg.num_layers):
+    hub, ours = f"model.layers.{i}.", ("blocks", i)
+    attn, mlp = hub + "self_attn.", hub + "mlp."
+    qkv = [
+      _heads_in((*ours, "attn", "wq_dhe"), attn + "q_proj.weight", d, h, e),
+      _heads_in((*ours, "attn", "wk_dke"), attn + "k_proj.weight", d, k, e),
+      _heads_in((*ours, "attn", "wv_dke"), attn + "v_proj.weight", d, k, e),
+    ]
+    if fused_projections:
+      qkv = _fused(qkv, attn + "qkv_proj.weight")
+    leaves += [
+      _same((*ours, "attn_norm", "scale"), hub + attn_norm + ".weight", (d,)),
+      *qkv,
+      _heads_out((*ours, "attn", "wo_hed"), attn + "o_proj.weight", h, e, d),
+      _same((*ours, "mlp_norm", "scale"), hub + mlp_norm + ".weight", (d,)),
+    ]
+    if cfg.qkv_bias:
+      leaves += [
+        _per_head((*ours, "attn", "bq_he"), attn + "q_proj.bias", h, e),
+        _per_head((*ours, "attn", "bk_ke"), attn + "k_proj.bias", k, e),
+        _per_head((*ours, "attn", "bv_ke"), attn + "v_proj.bias", k, e),
+      ]
+    if cfg.qk_norm_across_heads:
+      leaves += [
+        _per_head((*ours, "attn", "q_norm", "scale"), attn + "q_norm.weight", h, e),
+        _per_head((*ours, "attn", "k_norm", "scale"), attn + "k_norm.weight", k, e),
+      ]
+    elif cfg.qk_norm:
+      leaves += [
+        _same((*ours, "attn", "q_norm", "scale"), attn + "q_norm.weight", (e,)),
+        _same((*ours, "attn", "k_norm", "scale"), attn + "k_norm.weight", (e,)),
+      ]
+    if not cfg.is_moe:
+      f = cfg.mlp_dim
+      gate_up = [
+        _transposed((*ours, "mlp", "w_gate_df"), mlp + "gate_proj.weight", (f, d)),
+        _transposed((*ours, "mlp", "w_up_df"), mlp + "up_proj.weight", (f, d)),
+      ]
+      if fused_projections:
+        gate_up = _fused(gate_up, mlp + "gate_up_proj.weight")
+      leaves += [
+        *gate_up,
+        _transposed((*ours, "mlp", "w_down_fd"), mlp + "down_proj.weight", (d, f)),
+      ]
+      continue
+    x, f = cfg.num_experts, cfg.moe_mlp_dim
+    leaves.append(_transposed((*ours, "mlp", "router_dx"), mlp + "gate.weight", (x, d)))
+    if i in fused_layers:
+      gate_up, down = mlp + "experts.gate_up_proj", mlp + "experts.down_proj"
+      leaves += [
+        _fused_experts((*ours, "mlp", "w_gate_xdf"), gate_up, (x, 2 * f, d), slice(0, f)),
+        _fused_experts((*ours, "mlp", "w_up_xdf"), gate_up, (x, 2 * f, d), slice(f, 2 * f)),
+        _fused_experts((*ours, "mlp", "w_down_xfd"), down, (x, d, f), slice(None)),
+      ]
+      continue
+    experts = [f"{mlp}experts.{j}." for j in range(x)]
+    leaves += [
+      _experts((*ours, "mlp", "w_gate_xdf"), [p + "gate_proj.weight" for p in experts], (f, d)),
+      _experts((*ours, "mlp", "w_up_xdf"), [p + "up_proj.weight" for p in experts], (f, d)),
+      _experts((*ours, "mlp", "w_down_xfd"), [p + "down_proj.weight" for p in experts], (d, f)),
+    ]
+  leaves.append(_same(("final_norm", "scale"), "model.norm.weight", (d,)))
+  if not cfg.tie_embeddings:
+    leaves.append(_transposed(("lm_head_dv",), "lm_head.weight", (v, d)))
+  return leaves
+
+
+def param_paths(tree: Params) -> dict[Path, Any]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {tuple(key.key for key in path): leaf for path, leaf in flat}
+
+
+def check_coverage(leaves: list[Leaf], params: Params) -> None:
+  ours, mapped = set(param_paths(params)), {leaf.path for leaf in leaves}
+  if ours != mapped:
+    raise ValueError(
+      f"The Hugging Face mapping and the model disagree: parameters without a Hub tensor "
+      f"{sorted(map(str, ours - mapped))}, Hub tensors without a parameter "
+      f"{sorted(map(str, mapped - ours))}. Update jaxrl/model/hf_layout.py with the model."
+    )
+
+
+def fused_expert_layers(cfg: ModelConfig, tensors: Mapping[str, TensorInfo]) -> frozenset[int]:
+  if not cfg.is_moe:
+    return frozenset()
+  return frozenset(
+    i for i in range(cfg.num_layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in tensors
+  )
+
+
+def has_fused_projections(tensors: Mapping[str, TensorInfo]) -> bool:
+  """Whether a checkpoint stores q, k, v fused (Phi-3's `qkv_proj`)."""
+  return "model.layers.0.self_attn.qkv_proj.weight" in tensors
+
+
+def hub_arrays(leaves: list[Leaf], params: Params) -> Iterator[tuple[str, np.ndarray]]:
+  """The Hub tensors of `params` in `leaves` order, the row blocks of a fused tensor joined;
+  one parameter (or one fused tensor's) on the host at a time."""
+  values = param_paths(params)
+  blocks = collections.Counter(name for leaf in leaves for name in leaf.names)
+  parts: list[np.ndarray] = []
+  for leaf in leaves:
+    value = np.asarray(jax.device_get(values[leaf.path]))
+    for name, array in zip(leaf.names, leaf.save(value), strict=True):
+      parts.append(array)
+      if len(parts) == blocks[name]:
+        yield name, parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        parts = []
+    del value
