@@ -40,7 +40,9 @@ builds its own (no normalizer, a Metaspace pre-tokenizer, byte fallback). Older 
 Prepend + Replace normalizer) would tokenize differently: a leading space, for one. Its
 AutoTokenizer rebuilds only where the file is not byte-level (DeepSeek's distilled models
 declare the class over a byte-level file) and the checkpoint's model type registers no other
-tokenizer (Mistral's runs the file as it is); the loader does the same (`_rebuild_pipeline`).
+tokenizer (Mistral's, Phi-3's and OLMo 2's run the file as they are); the loader does the same.
+Files declaring GPT2Tokenizer or GPTNeoXTokenizer run as they are, with a warning where
+transformers 5's rebuild of those classes gives other ids (`transformers_pipelines`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxrl.data.chat_template import alias_reasoning, environment, plain
+from jaxrl.data.tokenizer import TokenizerError
+from jaxrl.data.transformers_pipelines import match_transformers
 from jaxrl.hub import resolve_pretrained
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -69,10 +73,6 @@ _EXTRA_LIST_KEYS = ("additional_special_tokens", "extra_special_tokens")
 _STANDARD_NAMES = tuple(f"{n}_token" for n in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"))
 # The ids jaxrl uses: a missing one must fail at load, not as a wrong id later.
 _REQUIRED_NAMES = ("bos_token", "eos_token", "pad_token")
-
-
-class TokenizerError(ValueError):
-  """Tokenizer files that cannot be read, or a chat template that fails; names the file/key."""
 
 
 class _Template(NamedTuple):
@@ -119,7 +119,13 @@ def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> H
     raise TokenizerError(f"{tokenizer_file}: not a tokenizers file ({e})") from None
 
   config = _read_json(directory, CONFIG_FILE)
-  _rebuild_pipeline(backend, tokenizer_file, config, _read_json(directory, "config.json"))
+  match_transformers(
+    backend,
+    _read_text(tokenizer_file),
+    tokenizer_file,
+    config,
+    _read_json(directory, "config.json"),
+  )
   named, extras = _special_tokens(directory, config)
   return HFTokenizer(
     backend,
@@ -396,62 +402,6 @@ class HFTokenizer:
 _CLEAN_UP = tuple(
   (f" {p}", p.strip()) for p in (".", "?", "!", ",", "' ", "n't", "'m", "'s", "'ve", "'re")
 )
-
-
-# tokenizer_config.json's `tokenizer_class` values whose pipeline transformers 5 rebuilds.
-_REBUILT_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
-# The BPE settings of that rebuild; a file whose BPE has others is refused.
-_REBUILT_BPE = {"byte_fallback": True, "fuse_unk": True, "ignore_merges": False, "dropout": None}
-
-
-def _rebuild_pipeline(
-  backend: Any, tokenizer_file: str, config: Mapping[str, Any], model_config: Mapping[str, Any]
-) -> None:
-  """Where transformers 5's AutoTokenizer would load `_REBUILT_CLASSES` as that class, gives
-  `backend` the pipeline that class builds in place of the file's (no normalizer, a Metaspace
-  pre-tokenizer whose prepend scheme follows `add_prefix_space` and `legacy`, its decoder),
-  keeping the file's vocabulary and merges. AutoTokenizer loads the file as it is instead where
-  it names "ByteLevel" anywhere (for model type qwen2, as Qwen2Tokenizer, whose pipeline is a
-  Qwen-style file's own: tests/data/hf_tokenizer_test.py), or where config.json's model type
-  registers a plain backend (mistral); `model_config` is that config.json ({} where none).
-
-  Raises:
-    TokenizerError: the file's model is not a BPE with the rebuild's settings, or the model type
-      (qwen2) would have it rebuilt as another class.
-  """
-  declared = config.get("tokenizer_class")
-  if declared not in _REBUILT_CLASSES:
-    return
-  text = _read_text(tokenizer_file)
-  model_type = model_config.get("model_type")
-  if '"ByteLevel"' in text or model_type == "mistral":
-    return
-  from tokenizers import decoders, pre_tokenizers
-
-  model = json.loads(text).get("model") or {}
-  found = {key: model.get(key) for key in _REBUILT_BPE}
-  # The rebuilt BPE has no unk token; with byte fallback over all 256 bytes none is ever used.
-  bytes_known = all(f"<0x{b:02X}>" in (model.get("vocab") or {}) for b in range(256))
-  unk_used = model.get("unk_token") and not bytes_known
-  if model_type == "qwen2" or model.get("type") != "BPE" or found != _REBUILT_BPE or unk_used:
-    raise TokenizerError(
-      f"{tokenizer_file}: transformers 5 would not run this file's pipeline but rebuild it "
-      f"(tokenizer_class {declared}, model type {model_type}), as a byte-fallback BPE with "
-      f"{_REBUILT_BPE} and no unk token, Metaspace pre-tokenizer; this file's model is "
-      f"{model.get('type')} with {found}, which jaxrl cannot rebuild the same way."
-    )
-  prefix_space = config.get("add_prefix_space")
-  prefix_space = True if prefix_space is None else bool(prefix_space)
-  # transformers' `_get_prepend_scheme`, with LlamaTokenizer's default legacy=False.
-  scheme = ("always" if config.get("legacy", False) else "first") if prefix_space else "never"
-  backend.normalizer = None
-  backend.pre_tokenizer = pre_tokenizers.Metaspace(
-    replacement="\u2581", prepend_scheme=scheme, split=False
-  )
-  steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-  if prefix_space:  # the space the pre-tokenizer put before the text
-    steps.append(decoders.Strip(" ", 1, 0))
-  backend.decoder = decoders.Sequence(steps)
 
 
 def _bos_of_post_processor(backend: Any, source: str) -> int | None:

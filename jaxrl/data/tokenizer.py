@@ -18,6 +18,10 @@ NUM_SPECIAL = 3
 CHARS = "0123456789+-*/=(),: abcdefghijklmnopqrstuvwxyz"
 
 
+class TokenizerError(ValueError):
+  """Tokenizer files that cannot be read, or a chat template that fails; names the file/key."""
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
   """What the rest of jaxrl needs from a tokenizer."""

@@ -113,6 +113,13 @@ def _texts():
     ("metaspace", {"legacy": False}, None),
     ("metaspace", {"legacy": True}, None),
     ("metaspace", {}, "mistral"),
+    # transformers 5 registers a plain backend for these model types too: run as it is.
+    ("normalizer", {"legacy": False}, "phi3"),
+    ("normalizer", {"legacy": False}, "olmo2"),
+    # and its own class for none of these: rebuilt as the declared LlamaTokenizer.
+    ("normalizer", {"legacy": False}, "smollm3"),
+    ("normalizer", {"legacy": False}, "qwen3"),
+    ("normalizer", {"legacy": False}, "olmoe"),
   ],
 )
 def test_ids_text_and_bos_are_transformers_whatever_the_layout(
