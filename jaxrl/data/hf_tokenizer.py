@@ -40,9 +40,10 @@ builds its own (no normalizer, a Metaspace pre-tokenizer, byte fallback). Older 
 Prepend + Replace normalizer) would tokenize differently: a leading space, for one. Its
 AutoTokenizer rebuilds only where the file is not byte-level (DeepSeek's distilled models
 declare the class over a byte-level file) and the checkpoint's model type registers no other
-tokenizer (Mistral's, Phi-3's and OLMo 2's run the file as they are); the loader does the same.
-Files declaring GPT2Tokenizer or GPTNeoXTokenizer run as they are, with a warning where
-transformers 5's rebuild of those classes gives other ids (`transformers_pipelines`).
+tokenizer (Mistral's, Mixtral's, Phi-3's and OLMo 2's run the file as they are); the loader
+does the same. Files declaring GPT2Tokenizer or GPTNeoXTokenizer run as they are, with a
+warning where transformers 5's rebuild of those classes gives other ids
+(`transformers_pipelines`).
 """
 
 from __future__ import annotations

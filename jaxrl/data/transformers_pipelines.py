@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _REBUILT_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
 # Model types transformers 5 registers the plain backend for (`TOKENIZER_MAPPING_NAMES`): their
 # AutoTokenizer runs a file declaring another class as it is.
-_PLAIN_BACKEND_MODEL_TYPES = ("mistral", "phi3", "olmo2")
+_PLAIN_BACKEND_MODEL_TYPES = ("mistral", "mixtral", "phi3", "olmo2")
 # The BPE settings of that rebuild; a file whose BPE has others is refused.
 _REBUILT_BPE = {"byte_fallback": True, "fuse_unk": True, "ignore_merges": False, "dropout": None}
 

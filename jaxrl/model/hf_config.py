@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> `ModelConfig` for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-SmolLM3, OLMo 2, OLMoE and Phi-3.
+SmolLM3, OLMo 2, OLMoE, Phi-3 and Mixtral.
 
 Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `rope_scaling`
 dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
@@ -23,7 +23,8 @@ sublayer's output rather than its input (`norm_position="post"`) and each token'
 projections across all heads (`qk_norm_across_heads`); OLMoE is a pre-norm MoE with those q/k
 norms (its `intermediate_size` is one expert's width). Phi-3 (Phi-3, Phi-4) is Llama's network
 with fused q/k/v and gate/up tensors (`hf_layout`) and, in some, a sliding window (which caps
-`max_seq_len` as Mistral's does); saved without its source it is written as Llama.
+`max_seq_len` as Mistral's does); saved without its source it is written as Llama. Mixtral is
+Mistral's network with MoE MLPs (top-k router weights always renormalised, no q/k norms).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ ARCHITECTURES = {
   "olmo2": "Olmo2ForCausalLM",
   "olmoe": "OlmoeForCausalLM",
   "phi3": "Phi3ForCausalLM",
+  "mixtral": "MixtralForCausalLM",
 }
 """The model types jaxrl reads and writes, with their transformers architecture."""
 
@@ -59,15 +61,17 @@ _MAX_POSITIONS = {
   "olmo2": 2048,
   "olmoe": 4096,
   "phi3": 4096,
+  "mixtral": 131072,
 }
-_NORM_EPS = {"olmo2": 1e-5, "olmoe": 1e-5, "phi3": 1e-5}  # others: 1e-6
+_NORM_EPS = {"olmo2": 1e-5, "olmoe": 1e-5, "phi3": 1e-5, "mixtral": 1e-5}  # others: 1e-6
 _QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "across", "olmoe": "across"}
 """Model types with q/k norms: per head, or across all heads of a token (OLMo's)."""
-_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "qwen3_moe": 4, "smollm3": 4}  # llama: heads
+# transformers' num_key_value_heads where config.json has none (others: num_attention_heads).
+_KV_HEADS = {"mistral": 8, "mixtral": 8, "qwen2": 32, "qwen3": 32, "qwen3_moe": 4, "smollm3": 4}
 # Model types with a sliding window (which caps max_seq_len), and transformers' default for it.
-_WINDOW = {"mistral": 4096, "phi3": None}
+_WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
 _HEAD_DIM = {"qwen3": 128}  # others: hidden_size // num_attention_heads
-_ROPE_THETA = {"smollm3": 2_000_000.0}  # others: 10,000
+_ROPE_THETA = {"smollm3": 2_000_000.0, "mixtral": 1_000_000.0}  # others: 10,000
 _PHI3_ORIGINAL = 4096  # Phi3Config's original_max_position_embeddings, which outranks the scaling's
 _TIED = {"smollm3"}  # model types whose tie_word_embeddings defaults to true
 _NOPE_INTERVAL = 4  # SmolLM3: without no_rope_layers, every fourth layer is NoPE
@@ -75,8 +79,16 @@ _NOPE_INTERVAL = 4  # SmolLM3: without no_rope_layers, every fourth layer is NoP
 _MOE_DEFAULTS = {
   "qwen3_moe": {"num_experts_per_tok": 8, "num_experts": 128, "intermediate_size": 6144},
   "olmoe": {"num_experts_per_tok": 8, "num_experts": 64, "intermediate_size": 2048},
+  "mixtral": {"num_experts_per_tok": 2, "num_experts": 8, "intermediate_size": 14336},
 }
-_EXPERT_WIDTH = {"qwen3_moe": ("moe_intermediate_size", 768), "olmoe": ("intermediate_size", 2048)}
+# Whether the top-k router weights are renormalised where config.json says nothing (Mixtral
+# always renormalises; it has no key for it).
+_NORM_TOPK = {"mixtral": True}
+_EXPERT_WIDTH = {
+  "qwen3_moe": ("moe_intermediate_size", 768),
+  "olmoe": ("intermediate_size", 2048),
+  "mixtral": ("intermediate_size", 14336),
+}
 
 ARCH_FIELDS = (
   "vocab_size",
@@ -260,6 +272,10 @@ def _refusals(config: Mapping[str, Any], model_type: str) -> None:
       lambda v: all(t == "full_attention" for t in v),
       "jaxrl has full attention in every layer",
     )
+  if model_type == "mixtral":
+    _refuse(
+      config, "router_jitter_noise", lambda v: v == 0, "jaxrl's router adds no noise in training"
+    )
   if model_type == "olmoe":
     _refuse(config, "clip_qkv", lambda v: False, "jaxrl does not clip q, k and v")
   if model_type == "qwen3_moe":
@@ -344,7 +360,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       num_experts=num_experts,
       experts_per_token=_get(config, "num_experts_per_tok", defaults["num_experts_per_tok"]),
       moe_mlp_dim=_get(config, *_EXPERT_WIDTH[model_type]),
-      norm_topk_prob=_get(config, "norm_topk_prob", False, bool),
+      norm_topk_prob=_get(config, "norm_topk_prob", _NORM_TOPK.get(model_type, False), bool),
     )
   try:
     return ModelConfig(**fields)
@@ -375,15 +391,15 @@ def _nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
 
 def model_type_of(cfg: ModelConfig) -> str:
   """The Hugging Face model type that holds `cfg`: MoE -> olmoe with q/k norms across heads,
-  else qwen3_moe; post-norm -> olmo2, q/k norm -> qwen3, q/k/v bias -> qwen2, NoPE layers ->
-  smollm3, else llama.
+  qwen3_moe with per-head ones, mixtral without; post-norm -> olmo2, q/k norm -> qwen3, q/k/v
+  bias -> qwen2, NoPE layers -> smollm3, else llama.
 
   Raises:
     ValueError: a combination none of them has (an MoE without q/k norm, q/k norm with biases
       or NoPE layers, ...), naming the field to change.
   """
   if cfg.is_moe:
-    model_type = "olmoe" if cfg.qk_norm_across_heads else "qwen3_moe"
+    model_type = "olmoe" if cfg.qk_norm_across_heads else "qwen3_moe" if cfg.qk_norm else "mixtral"
   elif cfg.norm_position == "post":
     model_type = "olmo2"
   elif cfg.qk_norm:
@@ -405,6 +421,11 @@ def model_type_of(cfg: ModelConfig) -> str:
       raise ValueError(
         f"No Hugging Face architecture has this model: {model_type} needs model.{name}={value!r}."
       )
+  if model_type == "mixtral" and not cfg.norm_topk_prob:
+    raise ValueError(
+      "No Hugging Face architecture has this model: an MoE without q/k norms is Mixtral, which "
+      "renormalises its top-k router weights: mixtral needs model.norm_topk_prob=True."
+    )
   if cfg.nope_layers and model_type != "smollm3":
     raise ValueError(
       f"No Hugging Face architecture has this model: {model_type} rotates every layer, "
@@ -450,10 +471,18 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     out["attention_bias"] = False
   if model_type in ("llama", "smollm3"):
     out["mlp_bias"] = False
-  if model_type not in ("llama", "olmo2", "olmoe"):
+  if model_type not in ("llama", "olmo2", "olmoe", "mixtral"):
     out["use_sliding_window"] = False
   if model_type == "smollm3":
     out["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
+  if model_type == "mixtral":  # intermediate_size is one expert's width
+    out |= {
+      "intermediate_size": cfg.moe_mlp_dim,
+      "num_local_experts": cfg.num_experts,
+      "num_experts_per_tok": cfg.experts_per_token,
+      "sliding_window": None,
+      "router_jitter_noise": 0.0,
+    }
   if model_type == "olmoe":  # intermediate_size is one expert's width
     out |= {
       "intermediate_size": cfg.moe_mlp_dim,

@@ -183,7 +183,10 @@ def hub_leaves(
       ]
       continue
     x, f = cfg.num_experts, cfg.moe_mlp_dim
-    leaves.append(_transposed((*ours, "mlp", "router_dx"), mlp + "gate.weight", (x, d)))
+    # Mixtral (the MoE without q/k norms) keeps its own names: block_sparse_moe, w1/w3/w2.
+    mixtral = not cfg.qk_norm and i not in fused_layers
+    moe = hub + "block_sparse_moe." if mixtral else mlp
+    leaves.append(_transposed((*ours, "mlp", "router_dx"), moe + "gate.weight", (x, d)))
     if i in fused_layers:
       gate_up, down = mlp + "experts.gate_up_proj", mlp + "experts.down_proj"
       leaves += [
@@ -192,11 +195,12 @@ def hub_leaves(
         _fused_experts((*ours, "mlp", "w_down_xfd"), down, (x, d, f), slice(None)),
       ]
       continue
-    experts = [f"{mlp}experts.{j}." for j in range(x)]
+    experts = [f"{moe}experts.{j}." for j in range(x)]
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     leaves += [
-      _experts((*ours, "mlp", "w_gate_xdf"), [p + "gate_proj.weight" for p in experts], (f, d)),
-      _experts((*ours, "mlp", "w_up_xdf"), [p + "up_proj.weight" for p in experts], (f, d)),
-      _experts((*ours, "mlp", "w_down_xfd"), [p + "down_proj.weight" for p in experts], (d, f)),
+      _experts((*ours, "mlp", "w_gate_xdf"), [f"{p}{gate}.weight" for p in experts], (f, d)),
+      _experts((*ours, "mlp", "w_up_xdf"), [f"{p}{up}.weight" for p in experts], (f, d)),
+      _experts((*ours, "mlp", "w_down_xfd"), [f"{p}{down}.weight" for p in experts], (d, f)),
     ]
   leaves.append(_same(("final_norm", "scale"), "model.norm.weight", (d,)))
   if not cfg.tie_embeddings:

@@ -115,6 +115,7 @@ def _texts():
     ("metaspace", {}, "mistral"),
     # transformers 5 registers a plain backend for these model types too: run as it is.
     ("normalizer", {"legacy": False}, "phi3"),
+    ("normalizer", {"legacy": False}, "mixtral"),
     ("normalizer", {"legacy": False}, "olmo2"),
     # and its own class for none of these: rebuilt as the declared LlamaTokenizer.
     ("normalizer", {"legacy": False}, "smollm3"),

@@ -19,6 +19,8 @@ Architectures (`ARCHS`) and what each exercises:
     barely turn within the tests' sequences).
   "olmo2": norms after each sublayer, q/k norms across heads, rope_theta 5e5, eps 1e-5.
   "phi3": q/k/v fused in qkv_proj, gate/up in gate_up_proj, eps 1e-5.
+  "mixtral": 8 experts of width 32 (its intermediate_size), top-2 renormalised, no q/k norms,
+    its own tensor names (block_sparse_moe, w1/w2/w3), rope_theta 1e4.
   "olmoe": 8 experts of width 32 (its intermediate_size), top-2 without renormalisation
     (transformers' default), q/k norms across heads.
 
@@ -34,7 +36,18 @@ import numpy as np
 import torch
 import transformers
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmoe", "phi3")
+ARCHS = (
+  "llama",
+  "mistral",
+  "qwen2",
+  "qwen3",
+  "qwen3_moe",
+  "smollm3",
+  "olmo2",
+  "olmoe",
+  "phi3",
+  "mixtral",
+)
 VOCAB_SIZE = 512
 
 _COMMON = dict(
@@ -80,6 +93,16 @@ _ARCH = {
     dict(rms_norm_eps=1e-5, rope_parameters=dict(rope_theta=5e5)),
   ),
   "phi3": (transformers.Phi3Config, dict(rms_norm_eps=1e-5, rope_parameters=dict(rope_theta=1e4))),
+  "mixtral": (
+    transformers.MixtralConfig,
+    dict(
+      num_local_experts=8,
+      num_experts_per_tok=2,
+      intermediate_size=32,
+      rms_norm_eps=1e-5,
+      rope_parameters=dict(rope_theta=1e4),
+    ),
+  ),
   "olmoe": (
     transformers.OlmoeConfig,
     dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, rms_norm_eps=1e-5),

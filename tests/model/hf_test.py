@@ -1,8 +1,8 @@
 """Hugging Face checkpoints in and out: jaxrl's logits and greedy tokens equal transformers' for
-Llama (llama3 RoPE), Mistral, Qwen2, Qwen3, Qwen3-MoE, SmolLM3 (NoPE layers) and OLMo 2
-(post-norm) and OLMoE, tied and untied; save_pretrained writes what transformers loads back; sharded
-files, meshes, bf16, and every error names its file and tensor or key (config.json alone:
-hf_config_test.py)."""
+Llama (llama3 RoPE), Mistral, Qwen2, Qwen3, Qwen3-MoE, SmolLM3 (NoPE layers), OLMo 2
+(post-norm), OLMoE, Phi-3 and Mixtral, tied and untied; save_pretrained writes what
+transformers loads back; sharded files, meshes, bf16, and every error names its file and
+tensor or key (config.json alone: hf_config_test.py)."""
 
 import dataclasses
 import functools
@@ -49,6 +49,7 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("qwen3_moe", False, {"norm_topk_prob": False}),
   ("olmoe", False, {}),
   ("phi3", False, {}),
+  ("mixtral", False, {}),
 ]
 
 
@@ -137,6 +138,8 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, norm_position="pre")
   elif arch == "olmoe":
     wrong = dataclasses.replace(cfg, norm_topk_prob=True)
+  elif arch == "mixtral":
+    wrong = dataclasses.replace(cfg, norm_topk_prob=False)
   else:
     wrong = dataclasses.replace(cfg, rope_theta=cfg.rope_theta / 10)
   assert _rel_err(_logits(Model(wrong), params, tokens), want) > 1e-2
@@ -429,6 +432,7 @@ def test_reads_fused_experts(checkpoints, tmp_path):
     ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type"),
     ("qwen3", {"hidden_size": None}, "hidden_size"),
     ("qwen3", {"hidden_size": "64"}, "hidden_size"),
