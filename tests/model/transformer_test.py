@@ -15,6 +15,14 @@ VARIANTS = {
   "qwen3-style": get_preset("tiny", qk_norm=True, tie_embeddings=False),
   "qwen2-style": get_preset("tiny", qkv_bias=True, num_kv_heads=1),
   "tiny-moe": get_preset("tiny-moe"),
+  # OLMo 2: norms after each sublayer, q/k norms across heads.
+  "olmo2-style": get_preset(
+    "tiny", qk_norm=True, qk_norm_across_heads=True, norm_position="post", tie_embeddings=False
+  ),
+  "smollm3-style": get_preset("tiny", nope_layers=(1,)),  # the second layer unrotated
+  "yarn": get_preset(
+    "tiny", rope_scaling="yarn", rope_factor=4.0, rope_original_max_position_embeddings=8
+  ),
 }
 
 
@@ -122,7 +130,14 @@ def test_unknown_preset():
 
 # "remat" is `slow`: remat_policy_test takes every policy's gradients on packed rows.
 @pytest.mark.parametrize(
-  "name", ["tiny", "tiny-moe", pytest.param("remat", marks=pytest.mark.slow)]
+  "name",
+  [
+    "tiny",
+    "tiny-moe",
+    "olmo2-style",
+    "smollm3-style",
+    pytest.param("remat", marks=pytest.mark.slow),
+  ],
 )
 def test_packed_row_logits_equal_each_sequence_run_alone(name):
   """Segment ids keep packed sequences apart: each token attends only to its own segment's
