@@ -81,9 +81,9 @@ _MOE_DEFAULTS = {
   "olmoe": {"num_experts_per_tok": 8, "num_experts": 64, "intermediate_size": 2048},
   "mixtral": {"num_experts_per_tok": 2, "num_experts": 8, "intermediate_size": 14336},
 }
-# Whether the top-k router weights are renormalised where config.json says nothing (Mixtral
-# always renormalises; it has no key for it).
-_NORM_TOPK = {"mixtral": True}
+# Model types whose router always renormalises its top-k weights (transformers' Mixtral reads
+# no norm_topk_prob key); the others read it, default false.
+_ALWAYS_NORM_TOPK = {"mixtral"}
 _EXPERT_WIDTH = {
   "qwen3_moe": ("moe_intermediate_size", 768),
   "olmoe": ("intermediate_size", 2048),
@@ -360,7 +360,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       num_experts=num_experts,
       experts_per_token=_get(config, "num_experts_per_tok", defaults["num_experts_per_tok"]),
       moe_mlp_dim=_get(config, *_EXPERT_WIDTH[model_type]),
-      norm_topk_prob=_get(config, "norm_topk_prob", _NORM_TOPK.get(model_type, False), bool),
+      norm_topk_prob=model_type in _ALWAYS_NORM_TOPK or _get(config, "norm_topk_prob", False, bool),
     )
   try:
     return ModelConfig(**fields)

@@ -131,3 +131,12 @@ def test_a_phi3_window_caps_the_sequence_length():
   assert config_from_hf(config).max_seq_len == 4096
   assert config_from_hf(config | {"sliding_window": 2047}).max_seq_len == 2047
   assert model_type_of(config_from_hf(config)) == "llama"  # the same network
+
+
+def test_mixtral_always_renormalises_its_router_weights():
+  """transformers' Mixtral reads no norm_topk_prob key: its router always renormalises."""
+  core = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+  config = {"model_type": "mixtral", "num_attention_heads": 8, **core}
+  assert config_from_hf(config).norm_topk_prob
+  assert config_from_hf(config | {"norm_topk_prob": False}).norm_topk_prob
+  assert model_type_of(config_from_hf(config)) == "mixtral"
