@@ -176,7 +176,7 @@ def _check_tied(embed: TensorInfo, head: TensorInfo) -> None:
 
 
 def _reader(leaf: Leaf, tensors: Mapping[str, TensorInfo], where: str):
-  def read(i: int) -> np.ndarray:
+  def read(i: int, rows: tuple[int, int] | None = None) -> np.ndarray:
     name, shape = leaf.names[i], leaf.shapes[i]
     info = tensors.get(name)
     if info is None:
@@ -186,7 +186,7 @@ def _reader(leaf: Leaf, tensors: Mapping[str, TensorInfo], where: str):
         f"{info.file}: tensor {name} has shape {list(info.shape)}, but config.json gives "
         f"{list(shape)}."
       )
-    return read_tensor(info)
+    return read_tensor(info, rows)
 
   return read
 

@@ -75,20 +75,21 @@ _ROPE_THETA = {"smollm3": 2_000_000.0, "mixtral": 1_000_000.0}  # others: 10,000
 _PHI3_ORIGINAL = 4096  # Phi3Config's original_max_position_embeddings, which outranks the scaling's
 _TIED = {"smollm3"}  # model types whose tie_word_embeddings defaults to true
 _NOPE_INTERVAL = 4  # SmolLM3: without no_rope_layers, every fourth layer is NoPE
-# MoE model types: transformers' defaults, and the key holding one expert's hidden width.
+# MoE model types: transformers' defaults. One expert's width is `moe_intermediate_size` where
+# the type has that key, else `intermediate_size` itself.
 _MOE_DEFAULTS = {
-  "qwen3_moe": {"num_experts_per_tok": 8, "num_experts": 128, "intermediate_size": 6144},
+  "qwen3_moe": {
+    "num_experts_per_tok": 8,
+    "num_experts": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+  },
   "olmoe": {"num_experts_per_tok": 8, "num_experts": 64, "intermediate_size": 2048},
   "mixtral": {"num_experts_per_tok": 2, "num_experts": 8, "intermediate_size": 14336},
 }
 # Model types whose router always renormalises its top-k weights (transformers' Mixtral reads
 # no norm_topk_prob key); the others read it, default false.
 _ALWAYS_NORM_TOPK = {"mixtral"}
-_EXPERT_WIDTH = {
-  "qwen3_moe": ("moe_intermediate_size", 768),
-  "olmoe": ("intermediate_size", 2048),
-  "mixtral": ("intermediate_size", 14336),
-}
 
 ARCH_FIELDS = (
   "vocab_size",
@@ -336,10 +337,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     ),
     max_seq_len=max_positions,
     norm_eps=_get(config, "rms_norm_eps", _NORM_EPS.get(model_type, 1e-6), float),
-    qk_norm=model_type in _QK_NORM,
-    qk_norm_across_heads=_QK_NORM.get(model_type) == "across",
-    norm_position="post" if model_type == "olmo2" else "pre",
-    qkv_bias=model_type == "qwen2",
+    **_layer_options(model_type),
     tie_embeddings=_get(config, "tie_word_embeddings", model_type in _TIED, bool),
     **rope,
   )
@@ -359,13 +357,26 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     fields |= dict(
       num_experts=num_experts,
       experts_per_token=_get(config, "num_experts_per_tok", defaults["num_experts_per_tok"]),
-      moe_mlp_dim=_get(config, *_EXPERT_WIDTH[model_type]),
+      moe_mlp_dim=fields["mlp_dim"]
+      if "moe_intermediate_size" not in defaults
+      else _get(config, "moe_intermediate_size", defaults["moe_intermediate_size"]),
       norm_topk_prob=model_type in _ALWAYS_NORM_TOPK or _get(config, "norm_topk_prob", False, bool),
     )
   try:
     return ModelConfig(**fields)
   except ValueError as e:
     raise CheckpointError(f"config.json: gives an invalid model: {e}") from None
+
+
+def _layer_options(model_type: str) -> dict[str, Any]:
+  """The ModelConfig options a model type fixes in every layer: q/k norms, norm position,
+  q/k/v biases."""
+  return dict(
+    qk_norm=model_type in _QK_NORM,
+    qk_norm_across_heads=_QK_NORM.get(model_type) == "across",
+    norm_position="post" if model_type == "olmo2" else "pre",
+    qkv_bias=model_type == "qwen2",
+  )
 
 
 def _nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -410,13 +421,7 @@ def model_type_of(cfg: ModelConfig) -> str:
     model_type = "smollm3"
   else:
     model_type = "llama"
-  wanted = dict(
-    qk_norm=model_type in _QK_NORM,
-    qk_norm_across_heads=_QK_NORM.get(model_type) == "across",
-    norm_position="post" if model_type == "olmo2" else "pre",
-    qkv_bias=model_type == "qwen2",
-  )
-  for name, value in wanted.items():
+  for name, value in _layer_options(model_type).items():
     if getattr(cfg, name) != value:
       raise ValueError(
         f"No Hugging Face architecture has this model: {model_type} needs model.{name}={value!r}."
@@ -475,31 +480,21 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     out["use_sliding_window"] = False
   if model_type == "smollm3":
     out["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
-  if model_type == "mixtral":  # intermediate_size is one expert's width
-    out |= {
-      "intermediate_size": cfg.moe_mlp_dim,
-      "num_local_experts": cfg.num_experts,
-      "num_experts_per_tok": cfg.experts_per_token,
-      "sliding_window": None,
-      "router_jitter_noise": 0.0,
-    }
-  if model_type == "olmoe":  # intermediate_size is one expert's width
-    out |= {
-      "intermediate_size": cfg.moe_mlp_dim,
-      "num_experts": cfg.num_experts,
-      "num_experts_per_tok": cfg.experts_per_token,
-      "norm_topk_prob": cfg.norm_topk_prob,
-      "clip_qkv": None,
-    }
+  if cfg.is_moe:
+    experts = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    out |= {experts: cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token}
+    if "moe_intermediate_size" in _MOE_DEFAULTS[model_type]:
+      out["moe_intermediate_size"] = cfg.moe_mlp_dim
+    else:  # intermediate_size is one expert's width
+      out["intermediate_size"] = cfg.moe_mlp_dim
+    if model_type not in _ALWAYS_NORM_TOPK:
+      out["norm_topk_prob"] = cfg.norm_topk_prob
+  if model_type == "mixtral":
+    out |= {"sliding_window": None, "router_jitter_noise": 0.0}
+  if model_type == "olmoe":
+    out["clip_qkv"] = None
   if model_type == "qwen3_moe":
-    out |= {
-      "num_experts": cfg.num_experts,
-      "num_experts_per_tok": cfg.experts_per_token,
-      "moe_intermediate_size": cfg.moe_mlp_dim,
-      "norm_topk_prob": cfg.norm_topk_prob,
-      "decoder_sparse_step": 1,
-      "mlp_only_layers": [],
-    }
+    out |= {"decoder_sparse_step": 1, "mlp_only_layers": []}
   return out
 
 

@@ -33,7 +33,8 @@ class Leaf(NamedTuple):
     path: the parameter's keys in the params tree.
     names: its Hub tensors, in the order `load` reads and `save` yields them.
     shapes: their Hub shapes.
-    load: (read, dtype) -> the parameter on the host, where read(i) reads names[i]; a view of
+    load: (read, dtype) -> the parameter on the host, where read(i) reads names[i] (and
+      read(i, (a, b)) only its rows [a, b)); a view of
       what read returned where the layouts allow, else a new array in `dtype`.
     save: the parameter on the host -> its Hub tensors, in `names` order.
   """
@@ -41,7 +42,7 @@ class Leaf(NamedTuple):
   path: Path
   names: tuple[str, ...]
   shapes: tuple[tuple[int, ...], ...]
-  load: Callable[[Callable[[int], np.ndarray], np.dtype], np.ndarray]
+  load: Callable[[Callable[..., np.ndarray], np.dtype], np.ndarray]
   save: Callable[[np.ndarray], Iterator[np.ndarray]]
 
 
@@ -108,10 +109,11 @@ def _fused_experts(path: Path, name: str, shape: tuple[int, int, int], part: sli
 
 def _rows(leaf: Leaf, name: str, shape: tuple[int, ...], start: int) -> Leaf:
   """`leaf`'s one Hub tensor stored as rows `[start, start + its rows)` of tensor `name` of
-  `shape`; its save yields those rows, which `hub_arrays` joins with the others."""
-  part = slice(start, start + leaf.shapes[0][0])
+  `shape`; it reads only those rows, and its save yields them, which `hub_arrays` joins with
+  the others."""
+  rows = (start, start + leaf.shapes[0][0])
   return Leaf(
-    leaf.path, (name,), (shape,), lambda read, dt: leaf.load(lambda i: read(0)[part], dt), leaf.save
+    leaf.path, (name,), (shape,), lambda read, dt: leaf.load(lambda i: read(0, rows), dt), leaf.save
   )
 
 
