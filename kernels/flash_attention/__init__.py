@@ -1,6 +1,7 @@
-"""Causal grouped-query attention for training and prefill, with segment ids for packed rows
-and positions for chunks after cached keys: blockwise jnp reference, Pallas TPU and GPU
-kernels, forward and backward; and cuDNN's fused attention behind the same rule."""
+"""Causal grouped-query attention for training and prefill, with segment ids for packed rows,
+positions for chunks after cached keys, an optional sliding window and an optional logit
+softcap: blockwise jnp reference, Pallas TPU and GPU kernels, forward and backward; and
+cuDNN's fused attention behind the same rule (without a window or a cap)."""
 
 from jaxrl.kernels.common import IMPLS
 from jaxrl.kernels.flash_attention.api import (

@@ -5,6 +5,7 @@ Shapes: b batch, t query tokens, s key tokens, h query heads, k kv heads, e head
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -90,9 +91,11 @@ def _load_gpu() -> ModuleType:
 
 
 # Kernels load lazily, so that a CPU-only install never imports a backend it cannot use. Each
-# module has `forward(q, k, v, meta, *, causal, sm_scale, block_sizes, interpret) -> (o,
-# residual)` and `backward(q, k, v, meta, o, residual, do, *, ...) -> (dq, dk, dv)`, where
-# `residual` (the log-sum-exp of each query's logits) is laid out as that module likes.
+# module has `forward(q, k, v, meta, *, causal, window, softcap, sm_scale, block_sizes,
+# interpret) -> (o, residual)` and `backward(q, k, v, meta, o, residual, do, *, ...) -> (dq, dk,
+# dv)`, where `residual` (the log-sum-exp of each query's logits) is laid out as that module
+# likes, `window` is the sliding window (`reference.visible`) and `softcap` the logit cap
+# (`reference.scaled_logits`), None for none.
 _LOADERS: dict[str, Callable[[], ModuleType]] = {
   "reference": lambda: reference,
   "pallas_tpu": _load_tpu,
@@ -150,6 +153,38 @@ def _check_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positi
     )
 
 
+def _check_window(window, causal: bool) -> None:
+  """A static window size, or None. A bool is an int to Python but never a window; the bound
+  keeps `q_positions - window` inside int32 for the non-negative positions this package uses."""
+  if window is None:
+    return
+  if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2**31:
+    raise ValueError(
+      f"sliding_window must be None or a Python int in [1, 2**31), got {window!r}: it is "
+      "static, the number of positions a query sees, its own included."
+    )
+  if not causal:
+    raise ValueError(
+      f"sliding_window={window} needs causal=True: the window holds the positions up to the "
+      "query's own."
+    )
+
+
+def _check_softcap(softcap) -> float | None:
+  """A static cap as a float, or None. A bool is an int to Python but never a cap; an array
+  (traced or not) cannot be one, since the cap is compiled into the kernels."""
+  if softcap is None:
+    return None
+  if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
+    raise ValueError(
+      f"logit_softcap must be None or a Python float > 0, got {softcap!r}: it is static, the "
+      "bound c of the logits s -> c * tanh(s / c) (Gemma 2's attention uses 50.0)."
+    )
+  if not math.isfinite(softcap):
+    raise ValueError(f"logit_softcap must be finite, got {softcap!r}; None caps nothing.")
+  return float(softcap)
+
+
 def _metadata(b, t, s, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
   """(q segment ids, kv segment ids, q positions, kv positions), int32, defaults filled in.
 
@@ -169,16 +204,26 @@ def _metadata(b, t, s, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
   return reference.Metadata(*(x.astype(jnp.int32) for x in ids))
 
 
-# Static configuration shared by forward and backward: (impl, causal, sm_scale, block_sizes,
-# interpret).
+# Static configuration shared by forward and backward: (impl, causal, window, softcap, sm_scale,
+# block_sizes, interpret); `window` is the sliding window and `softcap` the logit cap (a float),
+# None for none.
 
 
 def _forward(cfg, q, k, v, meta):
-  impl, causal, sm_scale, block_sizes, interpret = cfg
+  impl, causal, window, softcap, sm_scale, block_sizes, interpret = cfg
   module = _LOADERS[impl]()
   kwargs = {} if impl == "reference" else {"interpret": interpret}
   return module.forward(
-    q, k, v, meta, causal=causal, sm_scale=sm_scale, block_sizes=block_sizes, **kwargs
+    q,
+    k,
+    v,
+    meta,
+    causal=causal,
+    window=window,
+    softcap=softcap,
+    sm_scale=sm_scale,
+    block_sizes=block_sizes,
+    **kwargs,
   )
 
 
@@ -197,7 +242,7 @@ def _flash_fwd(q_bthe, k_bske, v_bske, meta, cfg):
 
 
 def _flash_bwd(cfg, residuals, do_bthe):
-  impl, causal, sm_scale, block_sizes, interpret = cfg
+  impl, causal, window, softcap, sm_scale, block_sizes, interpret = cfg
   q_bthe, k_bske, v_bske, meta, o_bthe, residual = residuals
   module = _LOADERS[impl]()
   kwargs = {} if impl == "reference" else {"interpret": interpret}
@@ -210,6 +255,8 @@ def _flash_bwd(cfg, residuals, do_bthe):
     residual,
     do_bthe.astype(q_bthe.dtype),
     causal=causal,
+    window=window,
+    softcap=softcap,
     sm_scale=sm_scale,
     block_sizes=block_sizes,
     **kwargs,
@@ -230,7 +277,7 @@ def _run(q, k, v, ids, *, cfg):
 @functools.partial(jax.jit, static_argnames=("cfg", "max_segments"))
 def _run_cudnn(q, k, v, ids, *, cfg, max_segments):
   """cuDNN where the batch's layout allows, else the kernel of `cfg` (`cudnn.attention`)."""
-  _, causal, sm_scale, _, _ = cfg
+  _, causal, _, _, sm_scale, _, _ = cfg
   b, t = q.shape[:2]
   meta = _metadata(b, t, k.shape[1], *ids)
   q_seg, kv_seg, q_pos, kv_pos = ids
@@ -253,6 +300,8 @@ def flash_attention(
   q_positions: jax.Array | None = None,
   kv_positions: jax.Array | None = None,
   causal: bool = True,
+  sliding_window: int | None = None,
+  logit_softcap: float | None = None,
   sm_scale: float | None = None,
   impl: str = "auto",
   block_sizes: BlockSizes | None = None,
@@ -262,12 +311,17 @@ def flash_attention(
 
   Query `i` of row `b` sees key `j` iff they share a segment id that is not negative and, when
   `causal`, `kv_positions[b, j] <= q_positions[b, i]` (the visibility rule of
-  `jaxrl.model.cache.dot_attention`, plus segments). Query head `n` uses kv head
-  `n // (num_q_heads // num_kv_heads)`. The softmax runs in float32 over blocks of keys (online
-  softmax), so no `[q_len, kv_len]` matrix is ever formed; a query that sees no key gets zeros
-  (not NaN) and passes no gradient. Differentiable in q, k and v with every impl: a
-  `custom_vjp` whose backward pass recomputes the probabilities block by block from the saved
-  log-sum-exp (FlashAttention-2).
+  `jaxrl.model.cache.dot_attention`, plus segments), and with a `sliding_window` w also
+  `kv_positions[b, j] > q_positions[b, i] - w`: the query sees the w positions up to its own
+  (Mistral's and Gemma 3's local attention; transformers' `sliding_window_overlay`). Query head
+  `n` uses kv head `n // (num_q_heads // num_kv_heads)`. The logits are `s = sm_scale * q . k`,
+  with a `logit_softcap` c capped to `c * tanh(s / c)` (Gemma 2), then masked by the rule (a
+  key the query does not see stays out of its softmax). The softmax runs in float32 over
+  blocks of keys (online softmax), so no `[q_len, kv_len]` matrix is ever formed; a query that
+  sees no key gets zeros (not NaN) and passes no gradient. Differentiable in q, k and v with
+  every impl: a `custom_vjp` whose backward pass recomputes the probabilities (and the cap's
+  tanh, whose derivative `1 - tanh**2` it passes on) block by block from the saved log-sum-exp
+  of the capped logits (FlashAttention-2).
 
   Packed rows: give each sequence of a row its own segment id (0, 1, 2, ...) and restart its
   positions at 0. Padding: segment id -1 (any negative id), for query and key tokens alike; a
@@ -285,13 +339,23 @@ def flash_attention(
       `causal` and kv_len != q_len both positions must be given (a prefill chunk after cached
       keys).
     causal: apply the position rule; False attends to the whole segment.
-    sm_scale: logit multiplier (> 0), default `head_dim ** -0.5`.
+    sliding_window: None (no window), or a Python int >= 1 (static: each value compiles its
+      own kernels), with `causal`: each query sees only keys less than this many positions
+      behind it (1: itself alone). Key blocks wholly outside every query's window are skipped.
+    logit_softcap: None (no cap), or a Python float c > 0 (an int is taken as a float; static:
+      each value compiles its own kernels): logits `s` become `c * tanh(s / c)`, inside (-c, c)
+      (transformers' Gemma 2 `attn_logit_softcapping`, 50.0 there). None traces no tanh: the
+      uncapped kernels.
+    sm_scale: logit multiplier (> 0), default `head_dim ** -0.5`, applied before the cap.
     impl: `"auto"` (`pallas_tpu` on TPU, `pallas_gpu` on GPU, `reference` elsewhere, from the
       platform of q's devices, or of the default backend while tracing), `"reference"` (jnp,
       blockwise), `"pallas_tpu"`, `"pallas_gpu"`, or `"cudnn"`: cuDNN's fused attention
       through jax (bf16/fp16, q_len == kv_len, an NVIDIA GPU; packed rows on Hopper or later
       in cuDNN's packed layout), with the `pallas_gpu` kernel for a batch whose rows are not
-      laid out as that layout needs (`jaxrl.kernels.flash_attention.cudnn`).
+      laid out as that layout needs (`jaxrl.kernels.flash_attention.cudnn`). With a
+      `sliding_window` or a `logit_softcap` it always runs that `pallas_gpu` fallback, not
+      cuDNN (whose own window has not been tested against this rule, and which has no cap);
+      the inputs must still be what cuDNN takes.
     block_sizes: tiling, None for defaults derived from the shapes.
     interpret: run the Pallas kernel in interpret mode (on CPU). True, or for `pallas_tpu` a
       `pltpu.InterpretParams`; it needs a kernel `impl`, since the reference has no kernel
@@ -303,7 +367,8 @@ def flash_attention(
   Raises:
     ValueError: unknown `impl`, inconsistent shapes or dtypes, missing positions for a causal
       q_len != kv_len, `interpret` without a kernel, block sizes the chosen implementation
-      cannot use, or `sm_scale` <= 0.
+      cannot use, `sm_scale` <= 0, a `sliding_window` that is not an int >= 1 or comes
+      without `causal`, or a `logit_softcap` that is not a finite float (or int) > 0.
   """
   if impl not in FLASH_IMPLS:
     raise ValueError(f"Unknown flash_attention impl {impl!r}; expected one of {FLASH_IMPLS}.")
@@ -311,6 +376,8 @@ def flash_attention(
     raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes)}.")
   if not isinstance(causal, bool):
     raise ValueError(f"causal must be a bool, got {causal!r}.")
+  _check_window(sliding_window, causal)
+  softcap = _check_softcap(logit_softcap)
   _check_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal)
   max_segments = block_sizes.max_segments if block_sizes is not None else None
   if impl == "cudnn":
@@ -336,7 +403,9 @@ def flash_attention(
     return jnp.zeros(q.shape, q.dtype)  # nothing to attend to: every query sees no key
   ids = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
   if impl == "cudnn":
-    cfg = ("pallas_gpu", causal, float(sm_scale), block_sizes, interpret)
+    cfg = ("pallas_gpu", causal, sliding_window, softcap, float(sm_scale), block_sizes, interpret)
+    if sliding_window is not None or softcap is not None:  # cuDNN's fallback for every batch
+      return _run(q, k, v, ids, cfg=cfg)
     return _run_cudnn(q, k, v, ids, cfg=cfg, max_segments=max_segments)
-  cfg = (impl, causal, float(sm_scale), block_sizes, interpret)
+  cfg = (impl, causal, sliding_window, softcap, float(sm_scale), block_sizes, interpret)
   return _run(q, k, v, ids, cfg=cfg)

@@ -18,7 +18,9 @@ them runs the fallback (the Pallas GPU kernel) instead, through one `lax.cond`, 
 always follows this package's rule. (XLA's GPU runtime picks a conditional's branch on the
 host: each call waits for the device once; docs/BENCHMARKS.md.) Rows without segment ids are
 one sequence each: cuDNN's plain causal mask, positions (if given) checked to increase along
-the row.
+the row. A sliding window or a logit softcap never comes here: `flash_attention` runs the
+fallback for them (cuDNN's own sliding window has not been tested against this rule; jax's
+wrapper takes no cap).
 
 Padding: cuDNN neither reads nor writes the tokens outside the segments, so their outputs and
 gradients are whatever the buffers held. They are selected away: q, k and v are zeroed there

@@ -4,13 +4,18 @@ Triton has no scalar prefetch, so the per-block metadata are ordinary inputs, co
 (`reference.block_visibility`): for each (row, query block) the range `[lo, hi)` of key blocks
 that may be visible, and for each (row, key block) the range of query blocks that may see it.
 Programs loop over their range only: causal rows skip the blocks above the diagonal, packed
-rows the blocks of other segments, and a query block of padding runs no step at all. Inside
-the range, the mask (`reference.visible`) handles block pairs that straddle a boundary, and
-only those: the run of pairs that see each other whole (`reference.full_block_run`; in a
-causal row every pair off the diagonal) skips the mask's loads, compares and selects, about
-a third of the elementwise work per score. The softmax runs in base 2 (`exp2` of logits
-scaled by `sm_scale * log2(e)`; the log-sum-exp stays natural), and the backward kernels apply
-`sm_scale` once to the sums of dq and dk rather than to every score.
+rows the blocks of other segments, a sliding window the blocks behind it, and a query block of
+padding runs no step at all. Inside the range, the mask (`reference.visible`) handles block
+pairs that straddle a boundary, and only those: the run of pairs that see each other whole
+(`reference.full_block_run`; in a causal row every pair off the diagonal and, with a window,
+off its far edge) skips the mask's loads, compares and selects, about a third of the
+elementwise work per score. Masks and walks take one static `rule`: `reference.visible`'s
+keywords (`causal`, `window`). The softmax runs in base 2 (`exp2` of logits scaled by
+`sm_scale * log2(e)`; the log-sum-exp stays natural), and the backward kernels apply
+`sm_scale` once to the sums of dq and dk rather than to every score. A logit softcap
+(`reference.scaled_logits`) needs the scaled logits inside its tanh: with one, the scores the
+kernels take the maximum of and exponentiate are the capped logits, scaled already (`_scores`),
+and the backward kernels recompute the tanh with the probabilities.
 
 - forward, grid `(b, h, n)`: one query block of one head against the keys of its kv head,
   online softmax in float32; writes the output and the log-sum-exp of each query.
@@ -28,7 +33,6 @@ Shapes: b batch, t query tokens, s key tokens, h query heads, k kv heads, g = h 
 dim; n query blocks of bq tokens, m key blocks of bk tokens.
 """
 
-import contextvars
 import functools
 from typing import Any
 
@@ -37,8 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl.kernels.common import traced_setting
-from jaxrl.kernels.flash_attention import reference
+from jaxrl.kernels.flash_attention import gpu_ab, reference
 from jaxrl.kernels.flash_attention.api import BlockSizes
 from jaxrl.kernels.tf32 import split_dot, tf32_parts
 
@@ -61,7 +64,9 @@ _DEFAULT_F32 = (64, 64, 64, 32)  # block_q, block_kv, block_q_bwd, block_kv_bwd
 # the logits' scale. Compiled for an H100, the kernels' float32 instructions fell by 42-52%
 # (`launch/bench.py kernel_code`; docs/BENCHMARKS.md).
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
+
+# The timing A/B settings (`gpu_ab`), where their users find them.
+mask_every_block, natural_exp = gpu_ab.mask_every_block, gpu_ab.natural_exp
 
 
 def _is_pow2(x: int) -> bool:
@@ -155,6 +160,20 @@ def _geometry(q_bthe, k_bske, bs: BlockSizes):
   return t_pad, s_pad
 
 
+def _scores(logits_qk, sm_scale: float, softcap: float | None):
+  """(scores, tanh): the kernels' softmax of the raw logits q . k is that of
+  `scores * _logit_scale(...)`: without a cap the raw logits themselves (sm_scale joins log2(e)
+  in the exp2's multiply), with one the capped logits and the tanh the backward needs."""
+  if softcap is None:
+    return logits_qk, None
+  return reference.scaled_logits(logits_qk, sm_scale, softcap)
+
+
+def _logit_scale(sm_scale: float, softcap: float | None) -> float:
+  """The factor from the scores of `_scores` to natural logits."""
+  return sm_scale if softcap is None else 1.0
+
+
 def _masked_then_full_then_masked(lo_ref, hi_ref, first_ref, end_ref, body, carry):
   """Runs `body(j, carry, masked)` over the blocks `[lo, hi)`: masked where a block pair may
   see only in part, without the mask on the run `[first, end)` where every pair sees
@@ -182,30 +201,33 @@ def _fwd_kernel(
   *,
   bk: int,
   sm_scale: float,
-  causal: bool,
+  softcap: float | None,
+  rule: dict,
   precision,
 ):
   bq, e = q_ref.shape
   q_qe = _operand(q_ref[...], precision)
   seg_q, pos_q = seg_q_ref[...][:, None], pos_q_ref[...][:, None]
-  log2_scale = sm_scale * _LOG2E
+  logit_scale = _logit_scale(sm_scale, softcap)
+  log2_scale = logit_scale * _LOG2E
 
   def body(j, carry, masked):
-    acc_qe, max_q, denom_q = carry  # max_q: the running maximum of the unscaled logits
+    acc_qe, max_q, denom_q = carry  # max_q: the running maximum of the scores (`_scores`)
     keys = pl.ds(j * bk, bk)
     logits_qk = _dot(q_qe, k_ref[keys, :], precision, trans_b=True)
+    logits_qk, _ = _scores(logits_qk, sm_scale, softcap)
     if masked:
       vis_qk = reference.visible(
-        seg_q, pos_q, seg_kv_ref[keys][None, :], pos_kv_ref[keys][None, :], causal=causal
+        seg_q, pos_q, seg_kv_ref[keys][None, :], pos_kv_ref[keys][None, :], **rule
       )
       logits_qk = jnp.where(vis_qk, logits_qk, -jnp.inf)
     new_max = jnp.maximum(max_q, jnp.max(logits_qk, axis=1))
-    # A query that has seen no key yet keeps max -inf; a finite stand-in keeps _exp2() at 0.
+    # A query that has seen no key yet keeps max -inf; a finite stand-in keeps exp2() at 0.
     shift_q = jnp.where(new_max == -jnp.inf, 0.0, new_max * log2_scale)
     # exp(scale * (x - max)) as exp2(x * log2_scale - shift): a multiply, a subtract and one
-    # ex2 a score (sm_scale > 0, so the maximum of the scaled logits is the scaled maximum).
-    probs_qk = _exp2(logits_qk * log2_scale - shift_q[:, None])
-    rescale = _exp2(max_q * log2_scale - shift_q)
+    # ex2 a score (log2_scale > 0, so the maximum of the scaled scores is the scaled maximum).
+    probs_qk = gpu_ab.exp2(logits_qk * log2_scale - shift_q[:, None])
+    rescale = gpu_ab.exp2(max_q * log2_scale - shift_q)
     probs_qk_in = probs_qk.astype(v_ref.dtype)
     acc_qe = acc_qe * rescale[:, None] + _dot(probs_qk_in, v_ref[keys, :], precision)
     return acc_qe, new_max, denom_q * rescale + jnp.sum(probs_qk, axis=1)
@@ -221,7 +243,7 @@ def _fwd_kernel(
   seen = denom_q > 0
   safe_denom = jnp.where(seen, denom_q, 1.0)
   o_ref[...] = (acc_qe * jnp.where(seen, 1.0 / safe_denom, 0.0)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, max_q * sm_scale + jnp.log(safe_denom), jnp.inf)
+  lse_ref[...] = jnp.where(seen, max_q * logit_scale + jnp.log(safe_denom), jnp.inf)
 
 
 def _padded_inputs(q_bthe, k_bske, v_bske, meta, t_pad, s_pad):
@@ -233,55 +255,18 @@ def _padded_inputs(q_bthe, k_bske, v_bske, meta, t_pad, s_pad):
   )
 
 
-_MASK_EVERY_BLOCK: contextvars.ContextVar[bool] = contextvars.ContextVar(
-  "flash_attention_gpu_mask_every_block", default=False
-)
-
-
-def mask_every_block():
-  """Traces inside mask every block pair, as the kernels did before they skipped the mask on
-  pairs that see each other whole: for timing the two in one process
-  (`launch/bench_attention.py`). Same results."""
-  return traced_setting(_MASK_EVERY_BLOCK, True)
-
-
-_NATURAL_EXP: contextvars.ContextVar[bool] = contextvars.ContextVar(
-  "flash_attention_gpu_natural_exp", default=False
-)
-
-
-def natural_exp():
-  """Traces inside take the softmax's exponentials with `jnp.exp` (libdevice's accurate expf),
-  as the kernels did before they worked in base 2: for timing the two in one process
-  (`launch/bench_attention.py`). Same results to rounding."""
-  return traced_setting(_NATURAL_EXP, True)
-
-
-def _exp2(x):
-  """2**x: one ex2.approx a score; under `natural_exp`, libdevice's expf of x ln 2."""
-  if _NATURAL_EXP.get():
-    return jnp.exp(x * _LN2)
-  return jnp.exp2(x)
-
-
-def _full_run(full_xy, lo_x, hi_x):
-  if _MASK_EVERY_BLOCK.get():
-    return hi_x, hi_x  # an empty run: every block visited with the mask
-  return reference.full_block_run(full_xy, lo_x, hi_x)
-
-
-def _walks(meta_p, bq: int, bk: int, causal: bool) -> tuple[list, list]:
+def _walks(meta_p, bq: int, bk: int, causal: bool, window: int | None = None) -> tuple[list, list]:
   """The programs' walks, each flattened to `[lo, hi, first, end]`: for each (row, query block)
   the key blocks it visits `[lo, hi)` and, inside, the run `[first, end)` it visits without a
   mask; and for each (row, key block) the query blocks that visit it and the run that sees it
   whole. One pair of block-visibility matrices serves both (the forward pass uses the first;
   jit drops the second)."""
-  maybe_bnm = reference.block_visibility(meta_p, bq=bq, bk=bk, causal=causal)
-  full_bnm = reference.block_full_visibility(meta_p, bq=bq, bk=bk, causal=causal)
+  maybe_bnm = reference.block_visibility(meta_p, bq=bq, bk=bk, causal=causal, window=window)
+  full_bnm = reference.block_full_visibility(meta_p, bq=bq, bk=bk, causal=causal, window=window)
 
   def walk(maybe, full):
     lo, hi = reference.block_ranges(maybe)
-    first, end = _full_run(full, lo, hi)
+    first, end = gpu_ab.full_run(full, lo, hi)
     return [x.reshape(-1) for x in (lo, hi, first, end)]
 
   by_key_block = walk(jnp.swapaxes(maybe_bnm, 1, 2), jnp.swapaxes(full_bnm, 1, 2))
@@ -298,6 +283,8 @@ def forward(
   sm_scale: float,
   block_sizes: BlockSizes | None = None,
   interpret: Any = False,
+  window: int | None = None,
+  softcap: float | None = None,
 ):
   """Output `[b, t, h, e]` in q's dtype and the float32 log-sum-exp `[b, h, t_pad]` (+inf for
   queries that see no key); arguments as in `jaxrl.kernels.flash_attention.reference`."""
@@ -310,7 +297,8 @@ def forward(
   t_pad, s_pad = _geometry(q_bthe, k_bske, bs)
   n = t_pad // bq
   q_p, k_p, v_p, meta_p = _padded_inputs(q_bthe, k_bske, v_bske, meta, t_pad, s_pad)
-  ranges, _ = _walks(meta_p, bq, bk, causal)
+  rule = {"causal": causal, "window": window}
+  ranges, _ = _walks(meta_p, bq, bk, **rule)
 
   def kv_head(j):
     return jax.lax.div(j, g)
@@ -321,7 +309,12 @@ def forward(
   q_ids_spec = pl.BlockSpec((None, bq), lambda i, j, x: (i, x))
   kv_ids_spec = pl.BlockSpec((None, s_pad), lambda i, j, x: (i, 0))
   kernel = functools.partial(
-    _fwd_kernel, bk=bk, sm_scale=sm_scale, causal=causal, precision=_precision(q_bthe.dtype)
+    _fwd_kernel,
+    bk=bk,
+    sm_scale=sm_scale,
+    softcap=softcap,
+    rule=rule,
+    precision=_precision(q_bthe.dtype),
   )
   o_bthe, lse_bht = pl.pallas_call(
     kernel,
@@ -376,27 +369,30 @@ def _dq_kernel(
   *,
   bk: int,
   sm_scale: float,
-  causal: bool,
+  softcap: float | None,
+  rule: dict,
   precision,
 ):
   q_qe, do_qe = _operand(q_ref[...], precision), _operand(do_ref[...], precision)
   lse2_q1, delta_q1 = lse2_ref[...][:, None], delta_ref[...][:, None]
   seg_q, pos_q = seg_q_ref[...][:, None], pos_q_ref[...][:, None]
-  log2_scale = sm_scale * _LOG2E
+  log2_scale = _logit_scale(sm_scale, softcap) * _LOG2E
 
   def body(j, dq_qe, masked):
     keys = pl.ds(j * bk, bk)
     k_ke = _operand(k_ref[keys, :], precision)
     logits_qk = _dot(q_qe, k_ke, precision, trans_b=True)
-    probs_qk = _exp2(logits_qk * log2_scale - lse2_q1)
+    logits_qk, tanh_qk = _scores(logits_qk, sm_scale, softcap)
+    probs_qk = gpu_ab.exp2(logits_qk * log2_scale - lse2_q1)
     if masked:
       vis_qk = reference.visible(
-        seg_q, pos_q, seg_kv_ref[keys][None, :], pos_kv_ref[keys][None, :], causal=causal
+        seg_q, pos_q, seg_kv_ref[keys][None, :], pos_kv_ref[keys][None, :], **rule
       )
       probs_qk = jnp.where(vis_qk, probs_qk, 0.0)
     dprobs_qk = _dot(do_qe, v_ref[keys, :], precision, trans_b=True)
-    # The logits' gradient without its factor sm_scale, applied once to the sum.
-    dlogits_qk = probs_qk * (dprobs_qk - delta_q1)
+    # The scaled logits' gradient (through the cap's tanh) without its factor sm_scale,
+    # applied once to the sum.
+    dlogits_qk = reference.softcap_grad(probs_qk * (dprobs_qk - delta_q1), tanh_qk)
     return dq_qe + _dot(dlogits_qk.astype(k_ref.dtype), k_ke, precision)
 
   dq_qe = _masked_then_full_then_masked(
@@ -425,13 +421,14 @@ def _dkv_kernel(
   *,
   bq: int,
   sm_scale: float,
-  causal: bool,
+  softcap: float | None,
+  rule: dict,
   precision,
 ):
   k_ke, v_ke = _operand(k_ref[...], precision), _operand(v_ref[...], precision)
   seg_kv, pos_kv = seg_kv_ref[...][:, None], pos_kv_ref[...][:, None]
   g = q_ref.shape[1]
-  log2_scale = sm_scale * _LOG2E
+  log2_scale = _logit_scale(sm_scale, softcap) * _LOG2E
   carry = (jnp.zeros(k_ref.shape, jnp.float32), jnp.zeros(v_ref.shape, jnp.float32))
   for head in range(g):  # static: g is small, and a static index keeps the loads plain
     # Scores are laid out keys by queries ([bk, bq], the transpose of the other kernels'), so
@@ -444,16 +441,18 @@ def _dkv_kernel(
       q_qe = _operand(q_ref[queries, head, :], precision)
       do_qe = _operand(do_ref[queries, head, :], precision)
       logits_kq = _dot(k_ke, q_qe, precision, trans_b=True)
-      probs_kq = _exp2(logits_kq * log2_scale - lse2_ref[head, queries][None, :])
+      logits_kq, tanh_kq = _scores(logits_kq, sm_scale, softcap)
+      probs_kq = gpu_ab.exp2(logits_kq * log2_scale - lse2_ref[head, queries][None, :])
       if masked:
         vis_kq = reference.visible(
-          seg_q_ref[queries][None, :], pos_q_ref[queries][None, :], seg_kv, pos_kv, causal=causal
+          seg_q_ref[queries][None, :], pos_q_ref[queries][None, :], seg_kv, pos_kv, **rule
         )
         probs_kq = jnp.where(vis_kq, probs_kq, 0.0)
       dv_ke += _dot(probs_kq.astype(do_ref.dtype), do_qe, precision)
       dprobs_kq = _dot(v_ke, do_qe, precision, trans_b=True)
       # Without sm_scale, as in the dq kernel.
       dlogits_kq = probs_kq * (dprobs_kq - delta_ref[head, queries][None, :])
+      dlogits_kq = reference.softcap_grad(dlogits_kq, tanh_kq)
       dk_ke += _dot(dlogits_kq.astype(q_ref.dtype), q_qe, precision)
       return dk_ke, dv_ke
 
@@ -476,6 +475,8 @@ def backward(
   sm_scale: float,
   block_sizes: BlockSizes | None = None,
   interpret: Any = False,
+  window: int | None = None,
+  softcap: float | None = None,
 ):
   """(dq, dk, dv) in the inputs' dtypes from the forward pass's output and log-sum-exp."""
   b, t, h, e = q_bthe.shape
@@ -497,9 +498,10 @@ def backward(
   )
   delta_bht = jnp.pad(delta_bht, ((0, 0), (0, 0), (0, t_pad - t)))
   lse2_bht = lse_bht * _LOG2E  # +inf (a query that sees no key) stays +inf: exp2 gives 0
-  key_ranges, query_ranges = _walks(meta_p, bq, bk, causal)
+  rule = {"causal": causal, "window": window}
+  key_ranges, query_ranges = _walks(meta_p, bq, bk, **rule)
   if (bq_dq, bk_dq) != (bq, bk):
-    key_ranges, _ = _walks(meta_p, bq_dq, bk_dq, causal)
+    key_ranges, _ = _walks(meta_p, bq_dq, bk_dq, **rule)
   compiler_params = _TritonParams(num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd)
   precision = _precision(q_bthe.dtype)
   ids = (
@@ -518,9 +520,8 @@ def backward(
   q_range_spec = pl.BlockSpec((1,), lambda i, j, x: (i * n + x,))
   q_ids_spec = pl.BlockSpec((None, bq_dq), lambda i, j, x: (i, x))
   kv_ids_spec = pl.BlockSpec((None, s_pad), lambda i, j, x: (i, 0))
-  dq_kernel = functools.partial(
-    _dq_kernel, bk=bk_dq, sm_scale=sm_scale, causal=causal, precision=precision
-  )
+  scale = {"sm_scale": sm_scale, "softcap": softcap}
+  dq_kernel = functools.partial(_dq_kernel, bk=bk_dq, rule=rule, precision=precision, **scale)
   dq_bthe = pl.pallas_call(
     dq_kernel,
     grid=(b, h, n),
@@ -552,7 +553,7 @@ def backward(
   all_q_ids_spec = pl.BlockSpec((None, t_pad), lambda i, j, y: (i, 0))
   kv_block_ids_spec = pl.BlockSpec((None, bk), lambda i, j, y: (i, y))
   dk_bske, dv_bske = pl.pallas_call(
-    functools.partial(_dkv_kernel, bq=bq, sm_scale=sm_scale, causal=causal, precision=precision),
+    functools.partial(_dkv_kernel, bq=bq, rule=rule, precision=precision, **scale),
     grid=(b, kh, m),
     in_specs=[
       *[kv_range_spec] * 4,

@@ -6,8 +6,10 @@ Block skipping comes from per-block ranges computed in jnp (`reference.block_vis
 scalar-prefetched into SMEM: a step outside its range computes nothing, and its index map
 clamps the block it asks for into the range, so the pipeline copies nothing new for it (the
 block it names is the one already resident). Causal rows thus skip the blocks above the
-diagonal, packed rows the blocks of other segments; the mask (`reference.visible`) handles the
-pairs that straddle a boundary.
+diagonal, packed rows the blocks of other segments, a sliding window the blocks behind it; the
+mask (`reference.visible`) handles the pairs that straddle a boundary. A logit softcap
+(`reference.scaled_logits`) caps the scaled logits before the mask; the backward kernels
+recompute its tanh with the probabilities.
 
 - forward, grid `(b, h, n, m)`: query block i of head j against key block y of its kv head;
   the last key step writes the output and the log-sum-exp.
@@ -135,6 +137,8 @@ def _fwd_kernel(
   *,
   sm_scale: float,
   causal: bool,
+  window: int | None,
+  softcap: float | None,
   num_q_blocks: int,
   precision,
 ):
@@ -149,9 +153,15 @@ def _fwd_kernel(
 
   @pl.when((y >= lo) & (y < hi))
   def _():
-    logits_qk = _dot(q_ref[...], k_ref[...], precision, trans_b=True) * sm_scale
+    logits_qk = _dot(q_ref[...], k_ref[...], precision, trans_b=True)
+    logits_qk, _ = reference.scaled_logits(logits_qk, sm_scale, softcap)
     vis_qk = reference.visible(
-      seg_q_ref[...], pos_q_ref[...], seg_kv_ref[...], pos_kv_ref[...], causal=causal
+      seg_q_ref[...],
+      pos_q_ref[...],
+      seg_kv_ref[...],
+      pos_kv_ref[...],
+      causal=causal,
+      window=window,
     )
     logits_qk = jnp.where(vis_qk, logits_qk, -jnp.inf)
     max_q1 = max_ref[...]
@@ -184,6 +194,8 @@ def forward(
   sm_scale: float,
   block_sizes: BlockSizes | None = None,
   interpret: Any = False,
+  window: int | None = None,
+  softcap: float | None = None,
 ):
   """Output `[b, t, h, e]` in q's dtype and the float32 log-sum-exp `[b, h, t_pad, 1]` (+inf
   for queries that see no key); arguments as in `jaxrl.kernels.flash_attention.reference`.
@@ -199,7 +211,7 @@ def forward(
   n, m = t_pad // bq, s_pad // bk
   q_bhte, k_bkse, v_bkse, ids, meta_p = _layout(q_bthe, k_bske, v_bske, meta, t_pad, s_pad)
   lo_bn, hi_bn = reference.block_ranges(
-    reference.block_visibility(meta_p, bq=bq, bk=bk, causal=causal)
+    reference.block_visibility(meta_p, bq=bq, bk=bk, causal=causal, window=window)
   )
 
   def kv_block(row, i, y, lo_ref, hi_ref):
@@ -225,6 +237,8 @@ def forward(
     _fwd_kernel,
     sm_scale=sm_scale,
     causal=causal,
+    window=window,
+    softcap=softcap,
     num_q_blocks=n,
     precision=_precision(q_bthe.dtype),
   )
@@ -276,6 +290,8 @@ def _dq_kernel(
   *,
   sm_scale: float,
   causal: bool,
+  window: int | None,
+  softcap: float | None,
   num_q_blocks: int,
   precision,
 ):
@@ -289,13 +305,20 @@ def _dq_kernel(
   @pl.when((y >= lo) & (y < hi))
   def _():
     k_ke = k_ref[...]
-    logits_qk = _dot(q_ref[...], k_ke, precision, trans_b=True) * sm_scale
+    logits_qk = _dot(q_ref[...], k_ke, precision, trans_b=True)
+    logits_qk, tanh_qk = reference.scaled_logits(logits_qk, sm_scale, softcap)
     vis_qk = reference.visible(
-      seg_q_ref[...], pos_q_ref[...], seg_kv_ref[...], pos_kv_ref[...], causal=causal
+      seg_q_ref[...],
+      pos_q_ref[...],
+      seg_kv_ref[...],
+      pos_kv_ref[...],
+      causal=causal,
+      window=window,
     )
     probs_qk = jnp.where(vis_qk, jnp.exp(logits_qk - lse_ref[...]), 0.0)
     dprobs_qk = _dot(do_ref[...], v_ref[...], precision, trans_b=True)
-    dlogits_qk = probs_qk * (dprobs_qk - delta_ref[...]) * sm_scale
+    dlogits_qk = reference.softcap_grad(probs_qk * (dprobs_qk - delta_ref[...]), tanh_qk)
+    dlogits_qk = dlogits_qk * sm_scale
     acc_ref[...] += _dot(dlogits_qk.astype(k_ke.dtype), k_ke, precision)
 
   @pl.when(y == pl.num_programs(3) - 1)
@@ -323,6 +346,8 @@ def _dkv_kernel(
   *,
   sm_scale: float,
   causal: bool,
+  window: int | None,
+  softcap: float | None,
   num_kv_blocks: int,
   precision,
 ):
@@ -337,14 +362,21 @@ def _dkv_kernel(
   @pl.when((i >= lo) & (i < hi))
   def _():
     q_qe, do_qe = q_ref[...], do_ref[...]
-    logits_qk = _dot(q_qe, k_ref[...], precision, trans_b=True) * sm_scale
+    logits_qk = _dot(q_qe, k_ref[...], precision, trans_b=True)
+    logits_qk, tanh_qk = reference.scaled_logits(logits_qk, sm_scale, softcap)
     vis_qk = reference.visible(
-      seg_q_ref[...], pos_q_ref[...], seg_kv_ref[...], pos_kv_ref[...], causal=causal
+      seg_q_ref[...],
+      pos_q_ref[...],
+      seg_kv_ref[...],
+      pos_kv_ref[...],
+      causal=causal,
+      window=window,
     )
     probs_qk = jnp.where(vis_qk, jnp.exp(logits_qk - lse_ref[...]), 0.0)
     dv_acc_ref[...] += _dot(probs_qk.astype(do_qe.dtype), do_qe, precision, trans_a=True)
     dprobs_qk = _dot(do_qe, v_ref[...], precision, trans_b=True)
-    dlogits_qk = probs_qk * (dprobs_qk - delta_ref[...]) * sm_scale
+    dlogits_qk = reference.softcap_grad(probs_qk * (dprobs_qk - delta_ref[...]), tanh_qk)
+    dlogits_qk = dlogits_qk * sm_scale
     dk_acc_ref[...] += _dot(dlogits_qk.astype(q_qe.dtype), q_qe, precision, trans_a=True)
 
   @pl.when((head == pl.num_programs(3) - 1) & (i == pl.num_programs(4) - 1))
@@ -366,6 +398,8 @@ def backward(
   sm_scale: float,
   block_sizes: BlockSizes | None = None,
   interpret: Any = False,
+  window: int | None = None,
+  softcap: float | None = None,
 ):
   """(dq, dk, dv) in the inputs' dtypes from the forward pass's output and log-sum-exp."""
   b, t, h, e = q_bthe.shape
@@ -385,7 +419,7 @@ def backward(
     precision=jax.lax.Precision.HIGHEST,
   )
   delta_bht1 = jnp.pad(delta_bht, ((0, 0), (0, 0), (0, t_pad - t)))[..., None]
-  maybe_bnm = reference.block_visibility(meta_p, bq=bq, bk=bk, causal=causal)
+  maybe_bnm = reference.block_visibility(meta_p, bq=bq, bk=bk, causal=causal, window=window)
   lo_bn, hi_bn = reference.block_ranges(maybe_bnm)
   lo_bm, hi_bm = reference.block_ranges(jnp.swapaxes(maybe_bnm, 1, 2))
   precision = _precision(q_bthe.dtype)
@@ -414,7 +448,13 @@ def backward(
   kv_ids_spec = pl.BlockSpec((None, 1, bk), kv_ids_map)
   dq_bhte = pl.pallas_call(
     functools.partial(
-      _dq_kernel, sm_scale=sm_scale, causal=causal, num_q_blocks=n, precision=precision
+      _dq_kernel,
+      sm_scale=sm_scale,
+      causal=causal,
+      window=window,
+      softcap=softcap,
+      num_q_blocks=n,
+      precision=precision,
     ),
     out_shape=jax.ShapeDtypeStruct((b, h, t_pad, e), q_bthe.dtype),
     grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -475,7 +515,13 @@ def backward(
   kv_ids_spec = pl.BlockSpec((None, 1, bk), group_kv_ids_map)
   dk_bkse, dv_bkse = pl.pallas_call(
     functools.partial(
-      _dkv_kernel, sm_scale=sm_scale, causal=causal, num_kv_blocks=m, precision=precision
+      _dkv_kernel,
+      sm_scale=sm_scale,
+      causal=causal,
+      window=window,
+      softcap=softcap,
+      num_kv_blocks=m,
+      precision=precision,
     ),
     out_shape=[
       jax.ShapeDtypeStruct((b, kh, s_pad, e), k_bske.dtype),

@@ -1,5 +1,9 @@
 """The public `paged_attention`: input checks, block sizes, and the choice of implementation.
 
+A sliding window (`sliding_window=w`, Mistral / Gemma 3 local layers) limits a sequence of
+length L, whose query is at position L - 1, to the positions `[max(0, L - w), L)`: the w
+positions up to and including its own (transformers' `kv_idx > q_idx - sliding_window`).
+
 Shapes: n sequences, h query heads, k kv heads, d head dim, p pages in the pool, s tokens per
 page, m pages per sequence.
 """
@@ -7,6 +11,7 @@ page, m pages per sequence.
 import contextvars
 import dataclasses
 import functools
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -149,11 +154,59 @@ def _check_inputs(q, k_pages, v_pages, lengths, page_indices) -> None:
       raise ValueError(f"{name} must be an integer (int32) array, got {x.dtype}.")
 
 
+def _check_sliding_window(sliding_window, capacity: int) -> int | None:
+  """`sliding_window` as a Python int, or None where it cannot exclude a position: a window
+  of at least the page table's capacity covers every (clipped) length, so it runs the kernels
+  without window arithmetic, as the same compiled programs as no window."""
+  if sliding_window is None:
+    return None
+  if (
+    isinstance(sliding_window, bool)
+    or not isinstance(sliding_window, numbers.Integral)
+    or sliding_window < 1
+  ):
+    raise ValueError(
+      "sliding_window must be None or a Python int >= 1 (static: it shapes the kernel's "
+      f"loops), got {sliding_window!r}."
+    )
+  return None if sliding_window >= capacity else int(sliding_window)
+
+
+def _check_logit_softcap(logit_softcap) -> float | None:
+  if logit_softcap is None:
+    return None
+  if (
+    isinstance(logit_softcap, bool)
+    or not isinstance(logit_softcap, numbers.Real)
+    or not 0 < logit_softcap < float("inf")
+  ):
+    raise ValueError(
+      f"logit_softcap must be None or a finite Python float > 0, got {logit_softcap!r}."
+    )
+  return float(logit_softcap)
+
+
 @functools.partial(
-  jax.jit, static_argnames=("impl", "sm_scale", "block_sizes", "precision", "interpret")
-)
+  jax.jit,
+  static_argnames=(
+    "impl", "sm_scale", "sliding_window", "logit_softcap", "block_sizes", "precision",
+    "interpret",
+  ),
+)  # fmt: skip
 def _run(
-  q, k_pages, v_pages, lengths, page_indices, *, impl, sm_scale, block_sizes, precision, interpret
+  q,
+  k_pages,
+  v_pages,
+  lengths,
+  page_indices,
+  *,
+  impl,
+  sm_scale,
+  sliding_window,
+  logit_softcap,
+  block_sizes,
+  precision,
+  interpret,
 ):
   _, _, s, _ = k_pages.shape
   m = page_indices.shape[1]
@@ -161,10 +214,14 @@ def _run(
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, m * s)
   page_indices = page_indices.astype(jnp.int32)
   fn = _LOADERS[impl]()
+  # Passed only when set, so that calls without them trace exactly as they always have.
+  extra = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
+  extra = {key: value for key, value in extra.items() if value is not None}
   if impl == "reference":
-    return fn(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale)
+    return fn(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, **extra)
   # The TPU kernel multiplies in float32 at HIGHEST, at least as accurate as any precision.
-  extra = {"precision": precision} if impl == "pallas_gpu" else {}
+  if impl == "pallas_gpu":
+    extra["precision"] = precision
   return fn(
     q,
     k_pages,
@@ -186,6 +243,8 @@ def paged_attention(
   page_indices: jax.Array,
   *,
   sm_scale: float | None = None,
+  sliding_window: int | None = None,
+  logit_softcap: float | None = None,
   precision: str | jax.lax.Precision | None = None,
   impl: str = "auto",
   block_sizes: BlockSizes | None = None,
@@ -196,7 +255,11 @@ def paged_attention(
   Query head `i` attends with kv head `i // (num_q_heads // num_kv_heads)` to the first
   `lengths[b]` tokens of sequence `b`, stored in order in pages `page_indices[b, 0], ...` of
   the pools (token `t` lives in page `page_indices[b, t // page_size]`, slot
-  `t % page_size`). The softmax runs in float32.
+  `t % page_size`). With `sliding_window=w` it attends only to the last w of them, positions
+  `[max(0, lengths[b] - w), lengths[b])`: the query sits at position `lengths[b] - 1`, and
+  key position `j` is seen when `j > lengths[b] - 1 - w` (transformers' sliding-window rule,
+  Mistral and Gemma 3's local layers). With `logit_softcap=c` the scaled logits `s` become
+  `c * tanh(s / c)` before the mask (Gemma 2). The softmax runs in float32.
 
   Precision. The softmax and every sum are float32. Products: the reference and the TPU kernel
   multiply in float32 (`Precision.HIGHEST`) whatever `precision` says. The GPU kernel
@@ -224,6 +287,12 @@ def paged_attention(
     page_indices: int32 `[num_seqs, pages_per_seq]` page ids of each sequence in order;
       entries past a sequence's last used page are never used but must be valid page ids.
     sm_scale: logit multiplier, default `head_dim ** -0.5`.
+    sliding_window: None (every position) or a static Python int w >= 1: each sequence
+      attends to its last w positions, its own included (above). The kernels mask positions
+      before the window like those past the length (stale slots cannot leak in) and skip the
+      compute blocks and pages wholly before it; a window of at least `pages_per_seq *
+      page_size` tokens excludes nothing and runs as None.
+    logit_softcap: None, or a static Python float c > 0 (above).
     precision: None, a `jax.lax.Precision` or its name ("default", "high", "highest"): the
       least accuracy of the GPU kernel's float32 products (above).
     impl: `"auto"` (`pallas_tpu` on TPU, `pallas_gpu` on GPU, `reference` elsewhere, from the
@@ -238,8 +307,10 @@ def paged_attention(
     `[num_seqs, num_q_heads, head_dim]` attention output in q's dtype.
 
   Raises:
-    ValueError: unknown `impl` or `precision`, inconsistent shapes or dtypes, `interpret`
-      without a kernel, or block sizes the chosen kernel cannot use.
+    ValueError: unknown `impl` or `precision`, inconsistent shapes or dtypes, a
+      `sliding_window` that is not None or an int >= 1, a `logit_softcap` that is not None or
+      a float > 0, `interpret` without a kernel, or
+      block sizes the chosen kernel cannot use.
   """
   if impl not in IMPLS:
     raise ValueError(f"Unknown paged_attention impl {impl!r}; expected one of {IMPLS}.")
@@ -248,6 +319,8 @@ def paged_attention(
   block_sizes = block_sizes or _DEFAULT_BLOCK_SIZES.get()
   _check_inputs(q, k_pages, v_pages, lengths, page_indices)
   precision = _check_precision(precision)
+  sliding_window = _check_sliding_window(sliding_window, page_indices.shape[1] * k_pages.shape[2])
+  logit_softcap = _check_logit_softcap(logit_softcap)
   auto = impl == "auto"
   impl = resolve_impl("paged_attention", impl, interpret, q)
   threshold = block_sizes and block_sizes.reference_below_tokens
@@ -266,6 +339,8 @@ def paged_attention(
     page_indices,
     impl=impl,
     sm_scale=float(sm_scale),
+    sliding_window=sliding_window,
+    logit_softcap=logit_softcap,
     block_sizes=block_sizes,
     precision=precision,
     interpret=interpret,

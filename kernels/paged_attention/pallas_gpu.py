@@ -4,9 +4,11 @@ Grid `(n, k * r, x)`: one program per (sequence, block of `b` query heads sharin
 part of the page axis). Triton has no scalar prefetch, so the program loads its length and,
 per compute block, `pages_per_compute_block` page ids as ordinary inputs, gathers those pages
 of its kv head and runs an online softmax in float32 over the blocks of its part, stopping at
-the sequence's last token. Each part writes its normalised output, running max and
-denominator; a few jnp ops merge the parts (split-K, "flash decoding") so that short batches
-still fill the GPU.
+the sequence's last token. With a sliding window of w tokens it starts at the block holding
+position `length - w`, the window's first: parts wholly before the window exit at once, like
+parts past the length, and positions before the window are masked like those past the length.
+Each part writes its normalised output, running max and denominator; a few jnp ops merge the
+parts (split-K, "flash decoding") so that short batches still fill the GPU.
 
 A decode step reads every cached key and value once and does one multiply-add with each for
 each of the g query heads, so it is bound by memory unless the products are slow. Two ways
@@ -61,6 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrl.kernels.paged_attention.api import BlockSizes
+from jaxrl.kernels.paged_attention.reference import scale_logits
 from jaxrl.kernels.tf32 import TF32_PARTS, split_dot, tf32_parts
 
 # The Triton compiler-params class was `TritonCompilerParams` before it became
@@ -205,6 +208,8 @@ def _kernel(
   compute_rows: int,
   dot: bool,
   parts: int,
+  sliding_window: int | None,
+  logit_softcap: float | None,
 ):
   c = pages_per_block
   _, s, d = k_pages_ref.shape
@@ -213,6 +218,14 @@ def _kernel(
   num_pages = jax.lax.div(length + s - 1, s)
   first = pl.program_id(2) * blocks_per_split
   end = jnp.minimum(first + blocks_per_split, jax.lax.div(length + t - 1, t))
+  if sliding_window is not None:
+    # Positions from `window_start` on are seen. The part starts no earlier than the block
+    # holding the window's first token, so every block it visits has a valid token; a part
+    # wholly before the window gets first >= end and runs no block.
+    window_start = length - sliding_window
+    first_token = jnp.maximum(window_start, 0)
+    first_page = jax.lax.div(first_token, s)
+    first = jnp.maximum(first, jax.lax.div(first_token, t))
   b = compute_rows
   q_bd = _repeat_rows(q_ref[...], b)
   q_parts = tf32_parts(q_bd, parts)  # split once, used by every block
@@ -220,14 +233,23 @@ def _kernel(
   def body(i, carry):
     o_bd, max_b, denom_b = carry
     pages_c = page_indices_ref[pl.ds(i * c, c)]
-    # Pages of the block past the length are swapped for its first page, which is used: the
-    # gather then re-reads cached lines instead of fetching unused pages from memory. Slots
-    # past the length are masked below with `where`: they may hold anything, NaN included.
-    used_c = i * c + jax.lax.broadcasted_iota(jnp.int32, (c,), 0) < num_pages
-    pages_c = jnp.where(used_c, pages_c, page_indices_ref[i * c])
+    # Pages of the block past the length (or before the window) are swapped for its first
+    # used page: the gather then re-reads cached lines instead of fetching unused pages from
+    # memory. Slots past the length or before the window are masked below with `where`: they
+    # may hold anything, NaN included.
+    page_pos_c = i * c + jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
+    used_c = page_pos_c < num_pages
+    if sliding_window is None:
+      pages_c = jnp.where(used_c, pages_c, page_indices_ref[i * c])
+    else:
+      used_c &= page_pos_c >= first_page
+      pages_c = jnp.where(used_c, pages_c, page_indices_ref[jnp.maximum(i * c, first_page)])
     k_td = k_pages_ref[pages_c].reshape(t, d)
     v_td = v_pages_ref[pages_c].reshape(t, d)
-    valid_t = i * t + jax.lax.broadcasted_iota(jnp.int32, (t,), 0) < length
+    pos_t = i * t + jax.lax.broadcasted_iota(jnp.int32, (t,), 0)
+    valid_t = pos_t < length
+    if sliding_window is not None:
+      valid_t &= pos_t >= window_start
     v_td = jnp.where(valid_t[:, None], v_td, jnp.zeros_like(v_td))
 
     if dot:
@@ -235,7 +257,8 @@ def _kernel(
     else:
       k_td = k_td.astype(jnp.float32)
       logits_bt = jnp.sum(q_bd[:, None, :] * k_td[None, :, :], axis=2)
-    logits_bt = jnp.where(valid_t[None, :], logits_bt * sm_scale, -jnp.inf)
+    logits_bt = scale_logits(logits_bt, sm_scale, logit_softcap)
+    logits_bt = jnp.where(valid_t[None, :], logits_bt, -jnp.inf)
     new_max_b = jnp.maximum(max_b, jnp.max(logits_bt, axis=1))
     rescale_b = jnp.exp(max_b - new_max_b)  # every visited block has a token: finite max
     probs_bt = jnp.exp(logits_bt - new_max_b[:, None])
@@ -280,15 +303,18 @@ def paged_attention(
   page_indices_nm: jax.Array,
   *,
   sm_scale: float,
+  sliding_window: int | None = None,
+  logit_softcap: float | None = None,
   block_sizes: BlockSizes | None = None,
   precision: jax.lax.Precision = jax.lax.Precision.HIGH,
   interpret: Any = False,
 ) -> jax.Array:
   """Paged decode attention on GPU; arguments as in `jaxrl.kernels.paged_attention`.
 
-  `lengths_n` must already be clipped to `[0, m * s]` (the public function does it).
-  `precision` applies to float32 pools multiplied by dots (module docstring). `interpret` goes
-  to `pl.pallas_call` as is.
+  `lengths_n` must already be clipped to `[0, m * s]` (the public function does it);
+  `sliding_window` is None or an int >= 1, `logit_softcap` None or a float > 0. `precision`
+  applies to float32 pools multiplied by dots (module docstring). `interpret` goes to
+  `pl.pallas_call` as is.
   """
   n, h, d = q_nhd.shape
   k, _, s, _ = k_pages_kpsd.shape
@@ -352,6 +378,8 @@ def paged_attention(
     compute_rows=b,
     dot=dot,
     parts=parts,
+    sliding_window=sliding_window,
+    logit_softcap=logit_softcap,
   )
   pages_spec = pl.BlockSpec((None, *k_pages_kpsd.shape[1:]), lambda i, j, y: (kv_head(j), 0, 0, 0))
   f32 = jnp.float32

@@ -5,7 +5,10 @@ Lengths and page ids are scalar-prefetched into SMEM; the pools stay in HBM and 
 copies one compute block (`pages_per_compute_block` pages) at a time into a two-slot VMEM
 buffer, starting block `i + 1`'s DMAs before computing block `i`, and stops after the last block
 holding tokens of its sequence (pages past the length inside that block are not copied either).
-An online softmax in float32 runs over the blocks.
+With a sliding window of w tokens the loop starts at the block holding position `length - w`,
+the window's first, and pages of that block before the window are not copied; positions before
+the window are masked like those past the length. An online softmax in float32 runs over the
+blocks.
 
 Shapes: n sequences, h query heads, k kv heads, g = h // k, d head dim, p pages in the pool,
 s tokens per page, m pages per sequence, c pages per compute block, t = c * s tokens per block.
@@ -20,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxrl.kernels.paged_attention.api import BlockSizes
+from jaxrl.kernels.paged_attention.reference import scale_logits
 
 # Tokens per compute block the defaults aim for: enough bytes per step to hide DMA latency,
 # small enough that 2 slots x (k, v) stay far below VMEM.
@@ -60,6 +64,8 @@ def _kernel(
   sm_scale: float,
   pages_per_block: int,
   pages_per_seq: int,
+  sliding_window: int | None,
+  logit_softcap: float | None,
 ):
   seq, head = pl.program_id(0), pl.program_id(1)
   _, _, s, d = k_buf_ref.shape
@@ -70,6 +76,15 @@ def _kernel(
   # CPU-only export (the lowering test) cannot tell.
   num_blocks = jax.lax.div(length + t - 1, t)
   num_pages = jax.lax.div(length + s - 1, s)
+  if sliding_window is None:
+    first_block, first_page = 0, None
+  else:
+    # Positions from `window_start` on are seen; blocks and pages wholly before it are skipped.
+    # The first block visited holds `window_start`, so every block visited has a valid token.
+    window_start = length - sliding_window
+    first_token = jnp.maximum(window_start, 0)
+    first_block = jax.lax.div(first_token, t)
+    first_page = jax.lax.div(first_token, s)
 
   def block_copies(block, slot):
     """DMA descriptors of the pages of `block` that hold tokens, with the page's guard."""
@@ -81,9 +96,10 @@ def _kernel(
         (k_hbm_ref, k_buf_ref, sems.at[0, slot]),
         (v_hbm_ref, v_buf_ref, sems.at[1, slot]),
       ):
-        copies.append(
-          (page_pos < num_pages, pltpu.make_async_copy(src.at[head, page], dst.at[slot, j], sem))
-        )
+        needed = page_pos < num_pages
+        if first_page is not None:  # pages before the window are not copied
+          needed &= page_pos >= first_page
+        copies.append((needed, pltpu.make_async_copy(src.at[head, page], dst.at[slot, j], sem)))
     return copies
 
   def start(block, slot):
@@ -98,9 +114,9 @@ def _kernel(
   max_ref[...] = jnp.full_like(max_ref, -jnp.inf)
   denom_ref[...] = jnp.zeros_like(denom_ref)
 
-  @pl.when(num_blocks > 0)
+  @pl.when(num_blocks > first_block)
   def _():
-    start(0, 0)
+    start(first_block, 0 if sliding_window is None else jax.lax.rem(first_block, 2))
 
   q_gd = q_ref[...]
 
@@ -120,10 +136,17 @@ def _kernel(
     logits_gt = jax.lax.dot_general(
       q_gd, k_td, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32
     )
-    # `where`, not an additive mask: slots past the length may hold anything, NaN included.
-    logits_gt = jnp.where(pos_gt < length, logits_gt * sm_scale, -jnp.inf)
+    # `where`, not an additive mask: slots past the length, or before the window (pages not
+    # copied keep an earlier block's or uninitialised data), may hold anything, NaN included.
+    valid_gt = pos_gt < length
+    if sliding_window is not None:
+      valid_gt &= pos_gt >= window_start
+    logits_gt = jnp.where(valid_gt, scale_logits(logits_gt, sm_scale, logit_softcap), -jnp.inf)
     pos_td = i * t + jax.lax.broadcasted_iota(jnp.int32, (t, d), 0)
-    v_td = jnp.where(pos_td < length, v_td, 0.0)
+    valid_td = pos_td < length
+    if sliding_window is not None:
+      valid_td &= pos_td >= window_start
+    v_td = jnp.where(valid_td, v_td, 0.0)
 
     max_prev_g1 = max_ref[...]
     max_g1 = jnp.maximum(max_prev_g1, jnp.max(logits_gt, axis=1, keepdims=True))
@@ -136,7 +159,7 @@ def _kernel(
     )
     return carry
 
-  jax.lax.fori_loop(0, num_blocks, body, 0)
+  jax.lax.fori_loop(first_block, num_blocks, body, 0)
 
   denom_g1 = denom_ref[...]
   o_ref[...] = o_ref[...] * jnp.where(denom_g1 > 0, 1.0 / denom_g1, 0.0)
@@ -150,15 +173,18 @@ def paged_attention(
   page_indices_nm: jax.Array,
   *,
   sm_scale: float,
+  sliding_window: int | None = None,
+  logit_softcap: float | None = None,
   block_sizes: BlockSizes | None = None,
   interpret: Any = False,
 ) -> jax.Array:
   """Paged decode attention on TPU; arguments as in `jaxrl.kernels.paged_attention`.
 
-  `lengths_n` must already be clipped to `[0, m * s]` (the public function does it).
-  `interpret=True` runs the kernel in the Mosaic TPU interpreter (`pltpu.InterpretParams()`,
-  which fills uninitialised buffers with NaN and raises on out-of-bounds reads); an
-  `InterpretParams` is passed through as is.
+  `lengths_n` must already be clipped to `[0, m * s]` (the public function does it);
+  `sliding_window` is None or an int >= 1, `logit_softcap` None or a float > 0.
+  `interpret=True` runs the kernel in the Mosaic TPU
+  interpreter (`pltpu.InterpretParams()`, which fills uninitialised buffers with NaN and raises
+  on out-of-bounds reads); an `InterpretParams` is passed through as is.
   """
   n, h, d = q_nhd.shape
   k, _, s, _ = k_pages_kpsd.shape
@@ -180,7 +206,14 @@ def paged_attention(
 
   qo_spec = pl.BlockSpec((None, None, g, d), lambda b, j, *_: (b, j, 0, 0))
   hbm_spec = pl.BlockSpec(memory_space=pl.ANY)
-  kernel = functools.partial(_kernel, sm_scale=sm_scale, pages_per_block=c, pages_per_seq=m_padded)
+  kernel = functools.partial(
+    _kernel,
+    sm_scale=sm_scale,
+    pages_per_block=c,
+    pages_per_seq=m_padded,
+    sliding_window=sliding_window,
+    logit_softcap=logit_softcap,
+  )
   out_nkgd = pl.pallas_call(
     kernel,
     out_shape=jax.ShapeDtypeStruct((n, k, g, d), jnp.float32),

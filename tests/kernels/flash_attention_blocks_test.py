@@ -1,5 +1,6 @@
-"""Flash attention's block bookkeeping: which block pairs see each other whole (and skip the
-mask in the GPU kernels), checked against the token-level rule."""
+"""Flash attention's block bookkeeping, with and without a sliding window: which block pairs
+may see each other (the rest are skipped) and which see each other whole (and skip the mask in
+the GPU kernels), checked against the token-level rule."""
 
 import jax
 import jax.numpy as jnp
@@ -40,28 +41,96 @@ def _metadata(rng, b: int, t: int, s: int) -> reference.Metadata:
   )
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("t, s, bq, bk", [(64, 64, 8, 16), (64, 64, 16, 8), (32, 96, 8, 32)])
-def test_full_visibility_is_exactly_every_token_pair(causal, t, s, bq, bk):
-  rng = np.random.default_rng([t, s, bq, bk, causal])
+def _plain_metadata(b: int, t: int, s: int) -> reference.Metadata:
+  """Rows of one sequence without padding: keys at positions `arange(s)`, the queries the
+  last t of them, in row r moved on by 8 r positions."""
+  kv_pos = np.broadcast_to(np.arange(s), (b, s))
+  q_pos = np.arange(s - t, s)[None] + 8 * np.arange(b)[:, None]
+  zeros = np.zeros((b, t), np.int32), np.zeros((b, s), np.int32)
+  return reference.Metadata(*(jnp.asarray(x, jnp.int32) for x in (*zeros, q_pos, kv_pos)))
+
+
+def _token_visibility(meta: reference.Metadata, causal: bool, window) -> np.ndarray:
+  """bool `[b, t, s]`: the rule, token by token."""
+  return np.asarray(
+    reference.visible(
+      meta.q_segment_ids_bt[:, :, None],
+      meta.q_positions_bt[:, :, None],
+      meta.kv_segment_ids_bs[:, None, :],
+      meta.kv_positions_bs[:, None, :],
+      causal=causal,
+      window=window,
+    )
+  )
+
+
+def _blocks(x_bts: np.ndarray, bq: int, bk: int) -> np.ndarray:
+  """`[b, t, s]` -> `[b, n, bq, m, bk]`."""
+  b, t, s = x_bts.shape
+  return x_bts.reshape(b, t // bq, bq, s // bk, bk)
+
+
+# (causal, window): without a window; with one inside a block and one across several blocks.
+RULES = [(False, None), (True, None), (True, 5), (True, 48)]
+SHAPES = [(64, 64, 8, 16), (64, 64, 16, 8), (32, 96, 8, 32)]
+
+
+@pytest.mark.parametrize("causal, window", RULES)
+@pytest.mark.parametrize("t, s, bq, bk", SHAPES)
+def test_full_visibility_is_exactly_every_token_pair(causal, window, t, s, bq, bk):
+  rng = np.random.default_rng([t, s, bq, bk, causal, *([window] if window else [])])
   kinds = set()
   for _ in range(8):
     meta = _metadata(rng, 4, t, s)
-    got = np.asarray(reference.block_full_visibility(meta, bq=bq, bk=bk, causal=causal))
-    vis = np.asarray(
-      reference.visible(
-        meta.q_segment_ids_bt[:, :, None],
-        meta.q_positions_bt[:, :, None],
-        meta.kv_segment_ids_bs[:, None, :],
-        meta.kv_positions_bs[:, None, :],
-        causal=causal,
-      )
-    )
-    b = vis.shape[0]
-    want = vis.reshape(b, t // bq, bq, s // bk, bk).all(axis=(2, 4))
-    np.testing.assert_array_equal(got, want)
+    got = reference.block_full_visibility(meta, bq=bq, bk=bk, causal=causal, window=window)
+    want = _blocks(_token_visibility(meta, causal, window), bq, bk).all(axis=(2, 4))
+    np.testing.assert_array_equal(np.asarray(got), want)
     kinds |= set(want.ravel().tolist())
-  assert kinds == {True, False}  # both kinds of block pair occurred
+  # Both kinds of block pair occurred, where a window can hold a whole pair.
+  assert kinds == ({True, False} if window is None or window >= bq + bk else {False})
+
+
+@pytest.mark.parametrize("causal, window", RULES)
+@pytest.mark.parametrize("t, s, bq, bk", SHAPES)
+def test_block_visibility_drops_only_pairs_that_see_nothing(causal, window, t, s, bq, bk):
+  """Conservative on packed rows; exact on rows of one sequence (the per-block summaries then
+  describe every token pair), where a window drops pairs that causality alone keeps."""
+  rng = np.random.default_rng([t, s, bq, bk, causal, *([window] if window else [])])
+  for _ in range(8):
+    meta = _metadata(rng, 4, t, s)
+    got = np.asarray(reference.block_visibility(meta, bq=bq, bk=bk, causal=causal, window=window))
+    sees = _blocks(_token_visibility(meta, causal, window), bq, bk).any(axis=(2, 4))
+    assert not (sees & ~got).any()
+  plain = _plain_metadata(4, t, s)
+  got = np.asarray(reference.block_visibility(plain, bq=bq, bk=bk, causal=causal, window=window))
+  sees = _blocks(_token_visibility(plain, causal, window), bq, bk).any(axis=(2, 4))
+  np.testing.assert_array_equal(got, sees)
+  if window is not None:
+    assert (np.asarray(reference.block_visibility(plain, bq=bq, bk=bk, causal=True)) & ~got).any()
+
+
+@pytest.mark.parametrize("window", [None, 5, 48])
+def test_gpu_walks_visit_every_pair_that_sees_and_skip_the_mask_only_on_whole_ones(window):
+  """The GPU kernels' walks on packed rows, by query block and by key block: every block pair
+  that sees lies in `[lo, hi)`, and every pair of the run `[first, end)` visited without a
+  mask sees whole (a window's far edge is a second place where a run can end)."""
+  rng = np.random.default_rng([11, window or 0])
+  runs = 0
+  for t, s, bq, bk in SHAPES:
+    meta = _metadata(rng, 4, t, s)
+    vis = _blocks(_token_visibility(meta, True, window), bq, bk)
+    by_query, by_key = gpu_kernel._walks(meta, bq, bk, True, window)
+    for walk, sees, whole in (
+      (by_query, vis.any(axis=(2, 4)), vis.all(axis=(2, 4))),
+      (by_key, vis.any(axis=(2, 4)).swapaxes(1, 2), vis.all(axis=(2, 4)).swapaxes(1, 2)),
+    ):
+      lo, hi, first, end = (np.asarray(x).reshape(sees.shape[:2])[..., None] for x in walk)
+      blocks = np.arange(sees.shape[-1])
+      assert not (sees & ((blocks < lo) | (blocks >= hi))).any()
+      assert whole[(blocks >= first) & (blocks < end)].all()
+      runs += int(np.sum(end > first))
+  # Unmasked runs occurred, except where the window cannot hold a pair of blocks whole.
+  assert (runs > 0) == (window != 5)
 
 
 def test_full_block_run_is_the_first_run_inside_the_range():

@@ -237,6 +237,27 @@ def test_cudnn_runs_exactly_where_it_serves(stand_in, case):
   np.testing.assert_array_equal(np.asarray(out)[~in_segment], 0.0)
 
 
+@pytest.mark.parametrize(
+  "rule",
+  [{"sliding_window": 6}, {"logit_softcap": 1.0}, {"sliding_window": 6, "logit_softcap": 1.0}],
+)
+def test_a_sliding_window_or_a_softcap_runs_the_pallas_kernel(stand_in, rule):
+  """With a window or a logit softcap, impl="cudnn" runs its fallback, the Pallas GPU kernel,
+  even for a batch cuDNN would serve (the stand-in's 7s appear nowhere), and gives the output
+  of the rule with them."""
+  stand_in(lambda q, *args, **kwargs: jnp.full_like(q, 7.0))
+  b, t = 2, 40
+  qkv, _, _ = _make_inputs(
+    _rng("cudnn window"), b=b, t=t, s=t, h=4, k=2, e=16, dtype=jnp.float32, layout="packed"
+  )
+  seg, _, pos, _ = _sorted_packed(b, t)
+  kwargs = {"q_segment_ids": seg, "q_positions": pos, **rule}
+  got = flash_attention(*qkv, impl="cudnn", interpret=True, **kwargs)
+  assert not np.any(np.asarray(got) == 7.0)
+  want = flash_attention(*qkv, impl="reference", **kwargs)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- remat
 
 _REMAT = ("checkpoint", "remat2", "remat")

@@ -1,6 +1,6 @@
 """Flash attention lowered for the platforms a CPU machine does not have: the TPU kernels
 through Mosaic, the GPU kernels for CUDA (the Triton calls, their Triton IR's dots, and the
-launch settings of each pass).
+launch settings of each pass), with and without a sliding window and a logit softcap.
 
 Shapes: b batch, t query tokens, s key tokens, h query heads, k kv heads, e head dim.
 """
@@ -26,11 +26,12 @@ def _shapes(b, t, s, h, k, e, dtype):
   return (sds((b, t, h, e), dtype), sds((b, s, k, e), dtype), sds((b, s, k, e), dtype), *ids)
 
 
-def _fwd_and_grad(impl, block_sizes):
+def _fwd_and_grad(impl, block_sizes, sliding_window=None, logit_softcap=None):
   def fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     return flash_attention(
       q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=q_pos,
-      kv_positions=kv_pos, impl=impl, block_sizes=block_sizes,
+      kv_positions=kv_pos, impl=impl, block_sizes=block_sizes, sliding_window=sliding_window,
+      logit_softcap=logit_softcap,
     )  # fmt: skip
 
   def grad(q, k, v, *ids):
@@ -75,6 +76,63 @@ def test_gpu_kernels_lower_for_cuda(b, t, s, h, k, e, dtype, blocks):
   assert len(modules) == 3  # forward, dq, dk/dv
   for verified, triton_ir in modules:
     assert verified and "tt.dot" in triton_ir
+
+
+def _kernel_code(impl: str, text: str) -> list[str]:
+  """The code of each kernel in an exported module: each Triton module's IR (verified), or
+  each Mosaic kernel's serialized body."""
+  if impl == "pallas_gpu":
+    modules = triton_modules(text)
+    assert all(verified and "tt.dot" in ir for verified, ir in modules)
+    return [ir for _, ir in modules]
+  return re.findall(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)", text)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_sliding_window_kernels_lower(impl):
+  """Gemma 3's local layers (a 512-position window) on packed rows of 1000 tokens with
+  Qwen3-0.6B's heads: the forward, dq and dk/dv kernels lower, each with the window inside it
+  (its code differs from the windowless kernel's)."""
+  args = _shapes(2, 1000, 1000, 16, 8, 128, jnp.bfloat16)
+  kernels = {}
+  for window in (None, 512):
+    grad = jax.jit(_fwd_and_grad(impl, None, sliding_window=window)[1])
+    if impl == "pallas_gpu":
+      exported = export_cuda(grad, *args)
+    else:
+      exported = jax.export.export(grad, platforms=["tpu"])(*args)
+    assert [x.shape for x in exported.out_avals] == [x.shape for x in args[:3]]
+    kernels[window] = _kernel_code(impl, exported.mlir_module())
+  assert len(kernels[None]) == len(kernels[512]) == 3  # forward, dq, dk/dv
+  for plain, windowed in zip(kernels[None], kernels[512], strict=True):
+    assert plain != windowed
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_logit_softcap_kernels_lower(impl):
+  """Gemma 2's attention (its 8 query and 4 kv heads of 256, logits capped at 50.0; every other
+  layer with a 4096-position window) on packed rows of 1000 tokens, bf16 and float32: the
+  forward, dq and dk/dv kernels lower with the cap, with and without the window, each with the
+  cap inside it (its code differs from the uncapped kernel's; in the Triton IR, libdevice's
+  tanhf, which the uncapped kernels never call)."""
+  for dtype in (jnp.bfloat16, jnp.float32):
+    args = _shapes(2, 1000, 1000, 8, 4, 256, dtype)
+    kernels = {}
+    for window, cap in ((None, None), (None, 50.0), (4096, 50.0)):
+      grad = jax.jit(_fwd_and_grad(impl, None, sliding_window=window, logit_softcap=cap)[1])
+      if impl == "pallas_gpu":
+        exported = export_cuda(grad, *args)
+      else:
+        exported = jax.export.export(grad, platforms=["tpu"])(*args)
+      assert [x.shape for x in exported.out_avals] == [x.shape for x in args[:3]]
+      kernels[window, cap] = _kernel_code(impl, exported.mlir_module())
+    plain = kernels[None, None]
+    for capped in (kernels[None, 50.0], kernels[4096, 50.0]):
+      assert len(plain) == len(capped) == 3  # forward, dq, dk/dv
+      assert all(a != b for a, b in zip(plain, capped, strict=True))
+      if impl == "pallas_gpu":
+        assert all("__nv_tanhf" in code for code in capped)
+        assert not any("__nv_tanhf" in code for code in plain)
 
 
 def _triton_dots(dtype) -> list[list[tuple[str, str]]]:

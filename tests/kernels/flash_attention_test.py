@@ -1,6 +1,8 @@
 """Flash attention: the reference vs a float64 numpy oracle (output and gradients), both Pallas
-kernels in interpret mode vs the reference (forward and backward), input errors, and the GPU
-kernel compiled on a GPU. Lowering for the platforms: `flash_attention_lowering_test.py`.
+kernels in interpret mode vs the reference (forward and backward), all three with a sliding
+window vs the oracle, input errors, and the GPU kernel compiled on a GPU. With a logit
+softcap: `flash_attention_softcap_test.py`; lowering for the platforms:
+`flash_attention_lowering_test.py`.
 
 Shapes: b batch, t query tokens, s key tokens, h query heads, k kv heads, g = h // k, e head
 dim.
@@ -115,15 +117,18 @@ def _outputs(qkv, ids, cot, **kwargs):
   return dict(zip(NAMES, compiled(*qkv, ids, cot), strict=True))
 
 
-def _oracle(qkv, ids, cot, *, causal=True, sm_scale=None):
+def _oracle(qkv, ids, cot, *, causal=True, sm_scale=None, sliding_window=None, logit_softcap=None):
   """Dense float64 attention and its gradients, with the scale of each element's float32
-  rounding; a query that sees no key gets 0.
+  rounding; a query that sees no key gets 0. The mask is `flash_attention`'s rule written out
+  over `[t, s]`; a `logit_softcap` c caps the scaled logits s to `c * tanh(s / c)` before it.
 
   Scales (sums of |terms| along the chain of sums behind each element): logits of row i are off
   by up to L_i = max_j sm|q_i|.|k_j| units, which moves p_ij by 2 L_i p_ij (through the exp and
   the normaliser); the output sums p |v|; dp_ij sums |do_i|.|v_j|, delta_i = do_i . o_i sums
   |do_i|.(|o_i| + its error); ds = p (dp - delta) carries all of those, and dq, dk, dv sum
-  ds |k|, ds |q|, p |do|.
+  ds |k|, ds |q|, p |do|. A cap adds the tanh's rounding to the logits' (within 4.4 float32 ulps
+  of c on XLA:CPU, 2 in CUDA's libdevice, then the multiply by c: 5c more units in L_i) and
+  takes ds through `1 - tanh**2`, itself off by about twice the tanh's ulps (10 u, absolute).
   """
   q, k, v = (np.asarray(x, np.float64) for x in qkv)
   q_seg, kv_seg, q_pos, kv_pos = (np.asarray(x) for x in ids)
@@ -135,9 +140,13 @@ def _oracle(qkv, ids, cot, *, causal=True, sm_scale=None):
   vis = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] >= 0)
   if causal:
     vis &= kv_pos[:, None, :] <= q_pos[:, :, None]
+  if sliding_window is not None:
+    vis &= kv_pos[:, None, :] > q_pos[:, :, None] - sliding_window
   vis = vis[:, None]  # [b, 1, t, s]
   kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-  logits = np.where(vis, np.einsum("bthe,bshe->bhts", q, kk) * sm, -np.inf)
+  scaled = np.einsum("bthe,bshe->bhts", q, kk) * sm
+  tanh = np.tanh(scaled / logit_softcap) if logit_softcap is not None else None
+  logits = np.where(vis, scaled if tanh is None else logit_softcap * tanh, -np.inf)
   top = np.max(logits, axis=-1, keepdims=True)
   weights = np.where(vis, np.exp(logits - np.where(np.isfinite(top), top, 0.0)), 0.0)
   denom = weights.sum(-1, keepdims=True)
@@ -145,19 +154,21 @@ def _oracle(qkv, ids, cot, *, causal=True, sm_scale=None):
   out = np.einsum("bhts,bshe->bthe", p, vv)
   dp = np.einsum("bthe,bshe->bhts", do, vv)
   delta = np.einsum("bthe,bthe->bht", do, out)
-  ds = p * (dp - delta[..., None])
+  ds = p * (dp - delta[..., None])  # the gradient of the (capped) logits
+  dscaled = ds if tanh is None else ds * (1 - tanh**2)  # of the scaled logits
 
   def group_sum(x_bshe):
     return x_bshe.reshape(b, s, kh, g, e).sum(3)
 
   want = {
     "out": out,
-    "dq": sm * np.einsum("bhts,bshe->bthe", ds, kk),
-    "dk": group_sum(sm * np.einsum("bhts,bthe->bshe", ds, q)),
+    "dq": sm * np.einsum("bhts,bshe->bthe", dscaled, kk),
+    "dk": group_sum(sm * np.einsum("bhts,bthe->bshe", dscaled, q)),
     "dv": group_sum(np.einsum("bhts,bthe->bshe", p, do)),
   }
   aq, ak, av, ado = np.abs(q), np.abs(kk), np.abs(vv), np.abs(do)
   lmax = np.max(np.where(vis, np.einsum("bthe,bshe->bhts", aq, ak) * sm, 0.0), axis=-1)
+  lmax += 0.0 if tanh is None else 5 * logit_softcap
   pv = np.einsum("bhts,bshe->bthe", p, av)
   lmax_t = np.moveaxis(lmax, 1, 2)[..., None]  # [b, t, h, 1]
   scale_out = pv + lmax_t * (pv + np.abs(out))
@@ -167,6 +178,8 @@ def _oracle(qkv, ids, cot, *, causal=True, sm_scale=None):
     + d_bht[..., None]
     + 2 * lmax[..., None] * np.abs(dp - delta[..., None])
   ) + np.abs(ds)
+  if tanh is not None:
+    ds_scale = ds_scale * (1 - tanh**2 + 10 * tolerance.UNIT_ROUNDOFF) + 10 * np.abs(ds)
   scales = {
     "out": scale_out,
     "dq": sm * np.einsum("bhts,bshe->bthe", ds_scale, ak),
@@ -351,6 +364,56 @@ def test_tpu_default_block_sizes():
   assert (whole.block_q, whole.block_kv, t_pad, s_pad) == (40, 72, 40, 72)
 
 
+# ----------------------------------------------------------------------------- sliding window
+
+# (layout, t, s, window), float32: packed rows (positions restart in each segment, padding)
+# with a window of 1 (a query sees itself alone), one across several blocks (of a short
+# sequence and a long one crossing the middle: late query blocks skip the first key block, on
+# the TPU's 128-token blocks too), and one past the row (the same as no window); a prefill
+# chunk after cached keys of different lengths, its window smaller than a block reaching into
+# the cache (across a block boundary on the GPU).
+WINDOW_CASES = [
+  ("packed", 64, 64, 1),
+  ("packed_long", 256, 256, 40),
+  ("packed", 64, 64, 1000),
+  ("prefill", 24, 56, 5),
+]
+# Several blocks each way (the TPU's fewest: each interpreted grid step costs), the backward's
+# apart from the forward's.
+WINDOW_BLOCKS = {
+  "reference": BlockSizes(block_q=16, block_kv=16, block_q_bwd=32, block_kv_bwd=8),
+  "pallas_tpu": BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128),
+  "pallas_gpu": BlockSizes(
+    block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=32, block_q_dq=32, block_kv_dq=16
+  ),
+}
+
+
+@pytest.mark.parametrize("case", range(len(WINDOW_CASES)))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sliding_window_matches_dense_oracle(impl, case):
+  """Output and gradients against the float64 oracle of the rule with the window; where the
+  window covers every earlier position, that is the oracle without one."""
+  layout, t, s, window = WINDOW_CASES[case]
+  b = 2 if layout == "prefill" else 1  # the prefill rows' caches differ
+  qkv, ids, cot = _make_inputs(
+    _rng("window", case), b=b, t=t, s=s, h=2, k=1, e=16, dtype=jnp.float32, layout=layout
+  )
+  blocks = WINDOW_BLOCKS[impl]
+  if layout == "packed_long":  # the window, not causality, drops block pairs
+
+    def maybe(w):
+      meta = reference.pad_metadata(reference.Metadata(*ids), t, s)
+      bq, bk = blocks.block_q, blocks.block_kv
+      return np.asarray(reference.block_visibility(meta, bq=bq, bk=bk, causal=True, window=w))
+
+    assert (maybe(None) & ~maybe(window)).any()
+  kwargs = {"impl": impl, "block_sizes": blocks, "sliding_window": window}
+  got = _outputs(qkv, ids, cot, **kwargs, **({} if impl == "reference" else {"interpret": True}))
+  oracle = _oracle(qkv, ids, cot, sliding_window=window if window < s else None)
+  _assert_matches(got, oracle[0], oracle, jnp.float32, exact=True)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -387,6 +450,18 @@ def test_bad_inputs(small):
     ((q, k, v), {"causal": 1}, "causal must be a bool"),
     ((q, k, v), {"sm_scale": 0.0}, "sm_scale > 0"),
     ((q, k, v), {"sm_scale": -0.1}, "sm_scale > 0"),
+    ((q, k, v), {"sliding_window": 4, "causal": False}, "sliding_window=4 needs causal=True"),
+    ((q, k, v), {"sliding_window": 0}, "sliding_window must be None or a Python int"),
+    ((q, k, v), {"sliding_window": 4.0}, "sliding_window must be None or a Python int"),
+    ((q, k, v), {"sliding_window": True}, "sliding_window must be None or a Python int"),
+    ((q, k, v), {"sliding_window": 2**31}, "sliding_window must be None or a Python int"),
+    ((q, k, v), {"logit_softcap": 0.0}, "logit_softcap must be None or a Python float > 0"),
+    ((q, k, v), {"logit_softcap": -50.0}, "logit_softcap must be None or a Python float > 0"),
+    ((q, k, v), {"logit_softcap": float("nan")}, "logit_softcap must be None or a Python float"),
+    ((q, k, v), {"logit_softcap": True}, "logit_softcap must be None or a Python float > 0"),
+    ((q, k, v), {"logit_softcap": "50"}, "logit_softcap must be None or a Python float > 0"),
+    ((q, k, v), {"logit_softcap": jnp.float32(50)}, "logit_softcap must be None or a Python"),
+    ((q, k, v), {"logit_softcap": float("inf")}, "logit_softcap must be finite"),
   ]
   for args, kwargs, match in bad:
     with pytest.raises(ValueError, match=match):

@@ -1,6 +1,6 @@
 """Paged attention lowered for the platforms a CPU machine does not have: the TPU kernel
 through Mosaic, the GPU kernel for CUDA (the Triton call, and in its Triton IR which dots it
-takes at each precision).
+takes at each precision), both also with a sliding window.
 
 Shapes: n sequences, h query heads, k kv heads, g = h // k, d head dim, p pages in the pool,
 s tokens per page, m pages per sequence.
@@ -104,3 +104,38 @@ def test_gpu_kernel_dots_in_triton_ir(g, dtype, precision, dot_min_group, dots):
   assert found == dots, triton_ir
   if not dots:  # the broadcast multiply's sums
     assert "tt.reduce" in triton_ir
+
+
+# (n, h, k, d, p, s, m, dtype, block_sizes, sliding_window): windows within a page, across the
+# pages of a compute block and across compute blocks and GPU parts (Gemma 3's 512 and 1,024),
+# in 16-bit (dots) and float32 pools, GQA 4 and 1.
+WINDOW_LOWERING_CASES = [
+  (8, 32, 8, 128, 512, 16, 64, jnp.bfloat16, None, 512),
+  (3, 8, 8, 64, 100, 8, 5, jnp.float32, None, 5),
+  (16, 64, 8, 128, 2048, 32, 33, jnp.bfloat16, BlockSizes(pages_per_compute_block=4), 1024),
+  (4, 16, 8, 128, 640, 16, 136, jnp.bfloat16, None, 100),
+]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("n,h,k,d,p,s,m,dtype,block_sizes,window", WINDOW_LOWERING_CASES)
+def test_windowed_kernels_lower(platform, n, h, k, d, p, s, m, dtype, block_sizes, window):
+  impl = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]
+  shapes = _shapes(n, h, k, d, p, s, m, dtype)
+
+  def export(**kwargs):
+    f = functools.partial(paged_attention, impl=impl, block_sizes=block_sizes, **kwargs)
+    if platform == "cuda":
+      return export_cuda(f, *shapes)
+    return jax.export.export(jax.jit(f), platforms=["tpu"])(*shapes)
+
+  exported = export(sliding_window=window)
+  text = exported.mlir_module()
+  assert exported.out_avals[0].shape == (n, h, d) and exported.out_avals[0].dtype == dtype
+  if platform == "tpu":
+    assert "tpu_custom_call" in text
+  else:
+    assert TRITON_CALL in text
+    ((verified, _),) = triton_modules(text)
+    assert verified
+  assert text != export().mlir_module(), "the window should change the kernel"

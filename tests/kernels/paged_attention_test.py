@@ -1,7 +1,8 @@
 """Paged attention: reference vs a numpy oracle, both Pallas kernels in interpret mode vs the
 reference on poisoned caches, the GPU kernel's ways to multiply (tensor-core dots at each
-precision, CUDA-core sums) vs the oracle, and input errors (lowering for TPU and CUDA:
-`paged_attention_lowering_test.py`).
+precision, CUDA-core sums) vs the oracle, sliding windows in every implementation vs the
+oracle, and input errors (lowering for TPU and CUDA: `paged_attention_lowering_test.py`; the
+tilings the kernels choose: `paged_attention_tiling_test.py`).
 
 Shapes: n sequences, h query heads, k kv heads, g = h // k, d head dim, p pages in the pool,
 s tokens per page, m pages per sequence.
@@ -9,7 +10,6 @@ s tokens per page, m pages per sequence.
 
 import functools
 import math
-import re
 import zlib
 
 import jax
@@ -76,36 +76,39 @@ def _make_inputs(rng, *, n, h, k, d, s, m, dtype, lengths=None):
   )
 
 
-def _heads_f64(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
+def _heads_f64(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale, sliding_window=None):
   """Yields (sequence, head, its query, keys, values, softmax weights) in float64 for every
-  sequence with a positive length: dense attention, one sequence and head at a time."""
+  sequence with a positive length: dense attention, one sequence and head at a time, over the
+  positions `[max(0, length - sliding_window), length)` (transformers' rule `kv_idx > q_idx -
+  sliding_window` with the query at `length - 1`) or, without a window, `[0, length)`."""
   q, kp, vp = (np.asarray(x, np.float64) for x in (q_nhd, k_kpsd, v_kpsd))
   _, h, d = q.shape
   k, _, s, _ = kp.shape
   m = page_indices_nm.shape[1]
   for b in range(q.shape[0]):
     length = int(np.clip(lengths_n[b], 0, m * s))
+    start = 0 if sliding_window is None else max(0, length - sliding_window)
     pages = np.asarray(page_indices_nm[b])
     for i in range(h if length else 0):
       kv = i // (h // k)
-      keys = kp[kv, pages].reshape(m * s, d)[:length]
-      values = vp[kv, pages].reshape(m * s, d)[:length]
+      keys = kp[kv, pages].reshape(m * s, d)[start:length]
+      values = vp[kv, pages].reshape(m * s, d)[start:length]
       logits = keys @ q[b, i] * sm_scale
       weights = np.exp(logits - logits.max())
       yield b, i, q[b, i], keys, values, weights / weights.sum()
 
 
-def _numpy_oracle(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
-  """Dense float64 attention (0 for sequences of length 0)."""
+def _numpy_oracle(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale, sliding_window=None):
+  """Dense float64 attention (0 for sequences of length 0), within the window if given."""
   out = np.zeros(q_nhd.shape)
   for b, i, _, _, values, weights in _heads_f64(
-    q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale
+    q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale, sliding_window
   ):
     out[b, i] = weights @ values
   return out
 
 
-def _rounding_sums(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
+def _rounding_sums(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale, sliding_window):
   """(terms, scale per output element) of float32 rounding in attention: the output sums up to
   m * s weighted values, sum_t w_t |v_t| in absolute value; each logit sums d products, and
   logits off by e relative to the sum of their |products| move the output by up to
@@ -113,7 +116,7 @@ def _rounding_sums(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
   d, s, m = q_nhd.shape[-1], k_kpsd.shape[2], page_indices_nm.shape[1]
   scale = np.zeros(q_nhd.shape)
   for b, i, q_d, keys, values, weights in _heads_f64(
-    q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale
+    q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale, sliding_window
   ):
     logit_sums = np.abs(keys) @ np.abs(q_d) * abs(sm_scale)
     spread = weights @ np.abs(values - weights @ values)
@@ -121,10 +124,11 @@ def _rounding_sums(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sm_scale):
   return max(d, m * s), scale
 
 
-def _assert_close(out, ref, dtype, args, sm_scale=None, products_error=0.0):
+def _assert_close(out, ref, dtype, args, sm_scale=None, products_error=0.0, sliding_window=None):
   """`out` matches `ref`, both attention over `args` = (q, k pages, v pages, lengths, page
-  indices); sm_scale defaults to d**-0.5 as in paged_attention. For float32, `out`'s products
-  may be off by `products_error` of their size (split precision) on top of rounding."""
+  indices) within `sliding_window`; sm_scale defaults to d**-0.5 as in paged_attention. For
+  float32, `out`'s products may be off by `products_error` of their size (split precision) on
+  top of rounding."""
   out, ref = np.asarray(out, np.float32), np.asarray(ref)
   assert out.shape == ref.shape
   assert np.all(np.isfinite(out)), "NaN/inf leaked from the poisoned cache or output buffer"
@@ -134,7 +138,7 @@ def _assert_close(out, ref, dtype, args, sm_scale=None, products_error=0.0):
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=BF16_TOL, rtol=BF16_TOL)
   else:
     sm_scale = out.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    n, scale = _rounding_sums(*args, sm_scale)
+    n, scale = _rounding_sums(*args, sm_scale, sliding_window)
     # Against the float64 oracle only `out` rounds.
     exact = ref.dtype == np.float64
     # Products off by a fraction e of their size move each logit by e times the sum of its
@@ -240,74 +244,6 @@ def test_kernel_block_sizes(impl, block_sizes):
   )
 
 
-def test_gpu_default_block_sizes_fill_the_gpu():
-  small = gpu_kernel.resolve_block_sizes(None, num_programs=4, page_size=16, pages_per_seq=64)
-  assert small.pages_per_compute_block * 16 >= 16 and small.num_splits > 1
-  big = gpu_kernel.resolve_block_sizes(None, num_programs=1024, page_size=16, pages_per_seq=64)
-  assert big.num_splits == 1
-  tiny_pages = gpu_kernel.resolve_block_sizes(None, num_programs=8, page_size=8, pages_per_seq=1)
-  assert tiny_pages.pages_per_compute_block * 8 >= 16
-
-
-@pytest.mark.parametrize(
-  "pages, dtype, block_pages, warps, stages, splits",
-  [
-    (6, jnp.bfloat16, 2, 2, 1, 1),  # 96 tokens a sequence: short
-    (8, jnp.bfloat16, 2, 2, 1, 1),  # 128
-    (9, jnp.bfloat16, 4, 2, 1, 1),  # 144: medium
-    (68, jnp.bfloat16, 4, 2, 1, 2),  # 1,088 (1k-token prompts, the capacity measured)
-    (128, jnp.bfloat16, 4, 2, 1, 2),  # 2,048
-    (129, jnp.bfloat16, 8, 4, 2, 3),  # 2,064: long
-    (6, jnp.float32, 2, 4, 2, 1),  # float32 (g = 2: sums, blocks of 8192 / (2 * 128) tokens)
-  ],
-)
-def test_gpu_short_and_medium_contexts_take_small_blocks_of_few_warps(
-  pages, dtype, block_pages, warps, stages, splits
-):
-  """A 16-bit cache of at most 128 tokens a sequence runs 32-token blocks at 2 warps and 1
-  stage, one of at most 2,048 tokens 64-token blocks (the tilings measured fastest inside the
-  model, docs/BENCHMARKS.md); longer ones and float32 caches keep their defaults. Qwen3-0.6B's
-  heads, 64 rows, pages of 16 tokens."""
-  from jaxrl.kernels.common import target_platform
-
-  n = 64
-  q = jnp.zeros((n, 16, 128), dtype)
-  pool = jnp.zeros((8, n * pages, 16, 128), dtype)
-  table = jnp.arange(n * pages, dtype=jnp.int32).reshape(n, pages)
-  args = (q, pool, pool, jnp.full((n,), 90, jnp.int32), table)
-  with target_platform("cuda"):
-    jaxpr = str(jax.make_jaxpr(paged_attention)(*args))
-  tiling = re.findall(r"num_warps=\d+|num_stages=\d+|grid=\([^)]*\)", jaxpr)
-  assert tiling == [f"num_warps={warps}", f"num_stages={stages}", f"grid=(64, 8, {splits})"]
-  # The kernel loads a compute block's pages of keys, then of values, from the pools.
-  assert re.findall(r"\[(\d+),16,128\] <-", jaxpr) == [str(block_pages)] * 2
-
-
-def test_default_block_sizes_apply_where_a_call_passes_none_and_only_inside():
-  from jaxrl.kernels.common import target_platform
-  from jaxrl.kernels.paged_attention import default_block_sizes
-
-  q = jnp.zeros((4, 16, 128), jnp.bfloat16)
-  pool = jnp.zeros((8, 544, 16, 128), jnp.bfloat16)  # 2,176 tokens a sequence: a long context
-  args = (q, pool, pool, jnp.full((4,), 90, jnp.int32), jnp.arange(544, dtype=jnp.int32))
-  args = (*args[:4], args[4].reshape(4, 136))
-
-  def tiling(**kwargs):
-    jaxpr = str(jax.make_jaxpr(functools.partial(paged_attention, **kwargs))(*args))
-    return re.findall(r"num_warps=\d+|num_stages=\d+|grid=\([^)]*\)", jaxpr)
-
-  with target_platform("cuda"):
-    derived = tiling()
-    assert derived == ["num_warps=4", "num_stages=2", "grid=(4, 8, 6)"]
-    with default_block_sizes(BlockSizes(2, None, 2, 1)):
-      assert tiling() == ["num_warps=2", "num_stages=1", "grid=(4, 8, 8)"]
-      given = tiling(block_sizes=BlockSizes(8, 1, 8, 3))  # a call's own block sizes win
-      assert given == ["num_warps=8", "num_stages=3", "grid=(4, 8, 1)"]
-    assert tiling() == derived
-  with pytest.raises(ValueError, match="BlockSizes"), default_block_sizes((2, None, 2, 1)):
-    pass
-
-
 # (g, dtype, precision, dot_min_group, products_error): each way the GPU kernel multiplies, at
 # GQA 1, 2, 4 and 8, against the float64 oracle. Float32: 3xTF32 dots (its default from g = 5,
 # forced below), one TF32 pass, IEEE dots, and exact CUDA-core sums (its default up to g = 4,
@@ -388,6 +324,135 @@ def test_interpret_mode_poisons_unwritten_outputs(impl):
   assert np.all(np.isnan(np.asarray(out)))
 
 
+# ----------------------------------------------------------------------------- sliding window
+
+
+def _poison_before_window(args, window):
+  """`args` with every key and value slot before each sequence's window set to NaN, so that a
+  position before the window that is not masked with `where` shows as NaN in the output."""
+  q, k_kpsd, v_kpsd, lengths_n, page_indices_nm = args
+  k_kpsd, v_kpsd = np.array(k_kpsd), np.array(v_kpsd)
+  s = k_kpsd.shape[2]
+  for b, length in enumerate(np.asarray(lengths_n)):
+    for t in range(max(0, int(length) - window)):
+      page, slot = page_indices_nm[b, t // s], t % s
+      k_kpsd[:, page, slot] = v_kpsd[:, page, slot] = np.nan
+  return q, jnp.asarray(k_kpsd), jnp.asarray(v_kpsd), lengths_n, page_indices_nm
+
+
+# (g, page_size, dtype, kv heads, head_dim, pages per sequence, windows): GQA 1/2/3/8, and for
+# each dtype windows of one position, less than a page, two whole pages and several pages not
+# page-aligned (`_lengths`' lengths, 0, 1, whole pages, a full table and random ones, make
+# windows start mid-page too); a window past every length: the test after next. With the
+# default tiling the TPU kernel takes each sequence in one compute block and the GPU kernel
+# splits the bfloat16 cases' page axis in two parts; other tilings: WINDOW_BLOCK_CASES.
+WINDOW_CASES = [
+  (1, 8, jnp.float32, 2, 32, 5, (1, 19)),
+  (2, 16, jnp.bfloat16, 2, 64, 4, (9, 32)),
+  (3, 16, jnp.float32, 2, 32, 3, (9, 32)),
+  (8, 8, jnp.bfloat16, 1, 32, 4, (1, 19)),
+]
+
+
+@pytest.mark.parametrize("impl", ("reference", *KERNELS))
+@pytest.mark.parametrize("g,s,dtype,k,d,m,windows", WINDOW_CASES)
+def test_sliding_window_matches_oracle(impl, g, s, dtype, k, d, m, windows):
+  """Every implementation against the float64 oracle, which slices each sequence's last
+  `window` positions (the rule itself); slots before the window are NaN."""
+  n = 7
+  args = _make_inputs(_rng("window", impl, g, s), n=n, h=g * k, k=k, d=d, s=s, m=m, dtype=dtype)
+  for window in windows:
+    out = paged_attention(
+      *_poison_before_window(args, window),
+      sliding_window=window,
+      impl=impl,
+      interpret=impl != "reference",
+    )
+    assert out.dtype == dtype and out.shape == (n, g * k, d)
+    oracle = _numpy_oracle(*args, sm_scale=d**-0.5, sliding_window=window)
+    error = TF32X3_ERROR if impl == "pallas_gpu" else 0.0
+    _assert_close(out, oracle, dtype, args, products_error=error, sliding_window=window)
+
+
+# Tilings where windows start past the first compute block, with pages of 8 tokens and lengths
+# 0, 1, 8, 16, 48 (a full table) and one random. TPU: the loop starts at a later block, and
+# (blocks of 2 pages, a window of 5) pages of the first block visited are skipped. GPU (both
+# ways to multiply): parts wholly before the window run no block.
+WINDOW_BLOCK_CASES = [
+  ("pallas_tpu", BlockSizes(pages_per_compute_block=1), 19),
+  ("pallas_tpu", BlockSizes(pages_per_compute_block=2), 5),
+  ("pallas_gpu", BlockSizes(pages_per_compute_block=1, num_splits=6), 19),
+  ("pallas_gpu", BlockSizes(pages_per_compute_block=2, num_splits=3, dot_min_group=1), 5),
+]
+
+
+@pytest.mark.parametrize("impl,block_sizes,window", WINDOW_BLOCK_CASES)
+def test_sliding_window_block_sizes(impl, block_sizes, window):
+  n, k, g, d, s, m = 6, 2, 2, 32, 8, 6
+  args = _make_inputs(
+    _rng("window", block_sizes), n=n, h=g * k, k=k, d=d, s=s, m=m, dtype=jnp.float32
+  )
+  out = paged_attention(
+    *_poison_before_window(args, window),
+    sliding_window=window,
+    impl=impl,
+    block_sizes=block_sizes,
+    interpret=True,
+  )
+  oracle = _numpy_oracle(*args, sm_scale=d**-0.5, sliding_window=window)
+  error = TF32X3_ERROR if impl == "pallas_gpu" else 0.0
+  _assert_close(out, oracle, jnp.float32, args, products_error=error, sliding_window=window)
+
+
+@pytest.mark.parametrize("impl", ("reference", *KERNELS))
+def test_window_past_every_length_changes_nothing(impl):
+  """A window longer than every length gives what no window gives, bit for bit, through the
+  windowed code; one of at least the page table's capacity runs as no window."""
+  n, k, g, d, s, m = 5, 2, 2, 32, 8, 4
+  args = _make_inputs(
+    _rng("wide window", impl),
+    n=n,
+    h=g * k,
+    k=k,
+    d=d,
+    s=s,
+    m=m,
+    dtype=jnp.float32,
+    lengths=[0, 1, 9, 17, 23],
+  )
+  run = functools.partial(paged_attention, impl=impl, interpret=impl != "reference")
+  jaxpr = lambda **kw: str(jax.make_jaxpr(functools.partial(run, **kw))(*args))
+  assert jaxpr(sliding_window=24) != jaxpr(), "the window should reach the implementation"
+  np.testing.assert_array_equal(run(*args, sliding_window=24), run(*args))
+  assert jaxpr(sliding_window=m * s) == jaxpr(sliding_window=10**9) == jaxpr()
+
+
+def test_tpu_kernel_copies_no_page_before_the_window():
+  """Pages wholly before the window are never copied. White-box: their page-table entries here
+  are out of bounds (outside the contract, which asks for valid ids), which the TPU interpreter
+  raises on, as it does for the same table without the window. Compute blocks of 2 pages: whole
+  blocks and single pages of a block are skipped."""
+  n, k, g, d, s, m, window = 4, 2, 2, 32, 8, 6, 11
+  args = _make_inputs(
+    _rng("skip"), n=n, h=g * k, k=k, d=d, s=s, m=m, dtype=jnp.float32, lengths=[48, 37, 20, 0]
+  )
+  q, kp, vp, lengths, pages = args
+  out_of_bounds = np.array(pages)
+  for b, length in enumerate(np.asarray(lengths)):
+    out_of_bounds[b, : max(0, int(length) - window) // s] = kp.shape[1] + 100
+  run = functools.partial(
+    paged_attention,
+    impl="pallas_tpu",
+    block_sizes=BlockSizes(pages_per_compute_block=2),
+    interpret=True,
+  )
+  out = run(q, kp, vp, lengths, jnp.asarray(out_of_bounds), sliding_window=window)
+  oracle = _numpy_oracle(*args, sm_scale=d**-0.5, sliding_window=window)
+  _assert_close(out, oracle, jnp.float32, args, sliding_window=window)
+  with pytest.raises(Exception, match="Out-of-bounds read"):
+    jax.block_until_ready(run(q, kp, vp, lengths, jnp.asarray(out_of_bounds)))
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -421,23 +486,6 @@ def test_bad_shapes(small_args):
     paged_attention(q, kp, vp.astype(jnp.bfloat16), lengths, pages)
 
 
-@pytest.mark.parametrize(
-  "fields,match",
-  [
-    ({"pages_per_compute_block": 0}, "positive int"),
-    ({"num_splits": -1}, "positive int"),
-    ({"num_stages": 2.0}, "positive int"),
-    ({"pages_per_compute_block": True}, "positive int"),
-    ({"num_warps": 3}, "power of two"),
-    ({"dot_min_group": 0}, "positive int"),
-    ({"reference_below_tokens": -64}, "positive int"),
-  ],
-)
-def test_bad_block_sizes(fields, match):
-  with pytest.raises(ValueError, match=match):
-    BlockSizes(**fields)
-
-
 def test_block_sizes_a_kernel_cannot_use(small_args):
   q, kp, vp, lengths, pages = small_args
   run = functools.partial(paged_attention, interpret=True)
@@ -468,6 +516,17 @@ def test_precision_names(small_args):
   for precision in ("highest", "float32", jax.lax.Precision.DEFAULT):
     out = paged_attention(*small_args, impl="reference", precision=precision)
     np.testing.assert_array_equal(out, ref)  # the reference always multiplies in float32
+
+
+@pytest.mark.parametrize("window", [0, -4, 2.0, True, "4", jnp.int32(4)])
+def test_bad_sliding_window(small_args, window):
+  with pytest.raises(ValueError, match="sliding_window must be None or a Python int >= 1"):
+    paged_attention(*small_args, sliding_window=window)
+
+
+def test_numpy_int_window_is_an_int(small_args):
+  out = paged_attention(*small_args, sliding_window=np.int64(3))
+  np.testing.assert_array_equal(out, paged_attention(*small_args, sliding_window=3))
 
 
 def test_auto_runs_the_reference_below_the_threshold(small_args, monkeypatch):
