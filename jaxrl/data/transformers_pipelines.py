@@ -13,6 +13,9 @@ vocabulary, merges and post-processor:
   another one under those names (one that splits digits, another regex) is tokenized by
   transformers 5 unlike the file the model was trained with; jaxrl runs the file and warns,
   with a text whose ids differ (`_warn_where_transformers_differs`).
+- GemmaTokenizer: a normalizer that turns spaces into "▁", a split on spaces, a byte-fallback
+  BPE. That is the pipeline of Gemma's own files (tests/data/hf_gemma_tokenizer_test.py); a file
+  with another under that name gets the same warning.
 """
 
 from __future__ import annotations
@@ -89,9 +92,37 @@ def _rebuild_llama_pipeline(
   backend.decoder = decoders.Sequence(steps)
 
 
-# tokenizer_config.json's classes transformers 5 rebuilds as a byte-level BPE: the normalizer
-# each builds (None: none).
-_BYTE_LEVEL_CLASSES = {"GPT2Tokenizer": None, "GPTNeoXTokenizer": "NFC"}
+def _byte_level(nfc: bool):
+  def rebuild(config: Mapping[str, Any]) -> tuple[Any, Any, str]:
+    from tokenizers import normalizers, pre_tokenizers
+
+    prefix_space = bool(config.get("add_prefix_space", False))
+    return (
+      normalizers.NFC() if nfc else None,
+      pre_tokenizers.ByteLevel(add_prefix_space=prefix_space),
+      "a byte-level pre-tokenizer with GPT-2's regex",
+    )
+
+  return rebuild
+
+
+def _gemma(config: Mapping[str, Any]) -> tuple[Any, Any, str]:
+  from tokenizers import normalizers, pre_tokenizers
+
+  return (
+    normalizers.Replace(" ", "\u2581"),
+    pre_tokenizers.Split(" ", "merged_with_previous"),
+    "spaces replaced by '\u2581', no prefix",
+  )
+
+
+# tokenizer_config.json's classes whose own pipeline transformers 5 builds over the file's
+# vocabulary: config -> (normalizer, pre-tokenizer, what it is, for the warning).
+_REBUILDING_CLASSES = {
+  "GPT2Tokenizer": _byte_level(nfc=False),
+  "GPTNeoXTokenizer": _byte_level(nfc=True),
+  "GemmaTokenizer": _gemma,
+}
 # Texts whose ids show a different pre-tokenizer: digits, contractions, punctuation, spaces,
 # accents (NFC), code.
 _PROBES = (
@@ -107,26 +138,23 @@ def _warn_where_transformers_differs(
   backend: Any, source: str, config: Mapping[str, Any], model_type: str | None
 ) -> None:
   declared = (config.get("tokenizer_class") or "").removesuffix("Fast")
-  if declared not in _BYTE_LEVEL_CLASSES or model_type in _PLAIN_BACKEND_MODEL_TYPES:
+  if declared not in _REBUILDING_CLASSES or model_type in _PLAIN_BACKEND_MODEL_TYPES:
     return
   if model_type == "qwen2":  # loaded as Qwen2Tokenizer, whatever the file declares
     return
-  from tokenizers import Tokenizer, normalizers, pre_tokenizers
+  from tokenizers import Tokenizer
 
   rebuilt = Tokenizer.from_str(backend.to_str())
-  rebuilt.normalizer = normalizers.NFC() if _BYTE_LEVEL_CLASSES[declared] else None
-  prefix_space = bool(config.get("add_prefix_space", False))
-  rebuilt.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
+  rebuilt.normalizer, rebuilt.pre_tokenizer, what = _REBUILDING_CLASSES[declared](config)
   for probe in _PROBES:
     ours = backend.encode(probe, add_special_tokens=False).ids
     theirs = rebuilt.encode(probe, add_special_tokens=False).ids
     if ours != theirs:
       log.warning(
         "%s: tokenizer_config.json declares %s, and transformers 5's AutoTokenizer rebuilds "
-        "that class's own pipeline (a byte-level pre-tokenizer with GPT-2's regex) in place of "
-        "this file's: %r is %s there but %s here. jaxrl runs the file's pipeline, the one the "
-        "model was trained with.",
-        source, declared, probe, theirs, ours,
+        "that class's own pipeline (%s) in place of this file's: %r is %s there but %s here. "
+        "jaxrl runs the file's pipeline, the one the model was trained with.",
+        source, declared, what, probe, theirs, ours,
       )  # fmt: skip
       return
 
@@ -136,7 +164,7 @@ def match_transformers(
 ) -> None:
   """Gives `backend` (the tokenizer.json at `source`, whose text is `text`) the pipeline
   transformers 5's AutoTokenizer runs where jaxrl follows it (LlamaTokenizer), and warns where
-  it does not (GPT2Tokenizer, GPTNeoXTokenizer over another pipeline). `config` is
+  it does not (GPT2Tokenizer, GPTNeoXTokenizer, GemmaTokenizer over another pipeline). `config` is
   tokenizer_config.json, `model_config` the checkpoint's config.json ({} where none).
 
   Raises:
