@@ -364,13 +364,16 @@ ATTENTION_CASES = (
   # took 18 us a layer for 17 MB of keys and values, latency-bound.
   ("qwen3-0.6b_64x96", 64, 16, 8, 128, 16, 96),
   ("qwen3-0.6b_256x96", 256, 16, 8, 128, 16, 96),
+  # Gemma 3 1B's local layers: 4k contexts of which a 512-position window is read (an eighth).
+  ("gemma3-1b_64x4k_window512", 64, 4, 1, 256, 16, 4096, 512),
 )
 
 
 def bench_paged_attention(cases=ATTENTION_CASES, dtypes=("bfloat16", "float32")) -> dict:
   """Paged decode attention, one device: this backend's kernel against the jnp reference.
 
-  Pages are a random permutation of the pool (a fragmented cache). Reports each
+  Pages are a random permutation of the pool (a fragmented cache); a case with an eighth
+  entry attends with that sliding window (its bytes: the pages the window overlaps). Reports each
   implementation's time, the KV bytes it must read per second, that rate as a fraction of the
   in-place copy rate (read + write) measured in the same run, and the kernel's largest
   difference from the reference. Rows are named by case, with "/float32" for a float32 cache;
@@ -384,7 +387,8 @@ def bench_paged_attention(cases=ATTENTION_CASES, dtypes=("bfloat16", "float32"))
   out = {"machine": {"platform": device.platform, "kind": device.device_kind}}
   out["machine"]["memcpy_GBps"] = bandwidth / 1e9
   rng = np.random.default_rng(0)
-  for dtype, (name, n, h, k, d, s, context) in itertools.product(dtypes, cases):
+  for dtype, (name, n, h, k, d, s, context, *window) in itertools.product(dtypes, cases):
+    window = window[0] if window else None
     dt = jnp.dtype(dtype)
     if context > 0:
       lengths = np.full(n, context, np.int32)
@@ -402,9 +406,11 @@ def bench_paged_attention(cases=ATTENTION_CASES, dtypes=("bfloat16", "float32"))
       jax.device_put(lengths, device),
       jax.device_put(page_indices, device),
     )
-    # Keys and values of the used pages, the bytes a decode step cannot avoid reading.
-    kv_bytes = 2 * k * d * dt.itemsize * s * int(np.sum(-(-lengths // s)))
-    row = {"tokens": int(lengths.sum()), "kv_MB": kv_bytes / 2**20}
+    # Keys and values of the used pages (with a window, those it overlaps), the bytes a decode
+    # step cannot avoid reading.
+    first_pages = 0 if window is None else np.maximum(lengths - window, 0) // s
+    kv_bytes = 2 * k * d * dt.itemsize * s * int(np.sum(-(-lengths // s) - first_pages))
+    row = {"tokens": int(lengths.sum()), "kv_MB": kv_bytes / 2**20, "window": window}
     # (row key, impl, precision)
     variants = [("reference", "reference", None)]
     if kernel:
@@ -413,7 +419,9 @@ def bench_paged_attention(cases=ATTENTION_CASES, dtypes=("bfloat16", "float32"))
         variants.append((f"{kernel}_highest", kernel, "highest"))
     results = {}
     for key, impl, precision in variants:
-      fn = jax.jit(functools.partial(paged_attention, impl=impl, precision=precision))
+      fn = jax.jit(
+        functools.partial(paged_attention, impl=impl, precision=precision, sliding_window=window)
+      )
       results[key] = fn(*args)
       seconds = _best_seconds(lambda fn=fn, args=args: fn(*args))
       row[f"{key}_us"] = seconds * 1e6

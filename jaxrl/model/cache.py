@@ -1,7 +1,8 @@
 """KV caches and the attention that reads them: none (training), dense slots, or pages.
 
 Every path writes the new keys/values first and then attends, with visibility decided by
-positions (key position <= query position). Stale cache contents beyond a row's current
+positions (key position <= query position; in a sliding-window layer also key position >
+query position - window). Stale cache contents beyond a row's current
 position are therefore never read, and a ragged batch needs no extra mask. Without a cache
 (training), rows may be packed with several sequences: segment ids then also restrict a query
 to the keys of its own sequence (`jaxrl.train.packing`).
@@ -89,10 +90,14 @@ def dot_attention(
   key_pos_bs,
   q_segment_ids_bt=None,
   key_segment_ids_bs=None,
+  sliding_window: int | None = None,
+  logit_softcap: float | None = None,
 ):
   """Grouped-query softmax attention (fp32 softmax); a key is visible iff its position <= the
-  query's and, when segment ids are given (packed rows), it has the query's segment id and that
-  id is not negative (padding). A query that sees no key outputs zeros.
+  query's, with a `sliding_window` also > the query's minus the window, and, when segment ids
+  are given (packed rows), it has the query's segment id and that id is not negative
+  (padding). A query that sees no key outputs zeros. `logit_softcap` c: logits `s` become
+  `c * tanh(s / c)` before the mask (Gemma 2).
 
   The rule of `jaxrl.kernels.flash_attention`, so the kernel computes the same attention."""
   b, t, h, e = q_bthe.shape
@@ -101,7 +106,11 @@ def dot_attention(
   q_btkge = q_bthe.reshape(b, t, k, h // k, e)
   scores = jnp.einsum("btkge,bske->bkgts", q_btkge, keys_bske.astype(dt)).astype(jnp.float32)
   scores = scores * (e**-0.5)
+  if logit_softcap is not None:
+    scores = logit_softcap * jnp.tanh(scores / logit_softcap)
   visible_bts = key_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
+  if sliding_window is not None:
+    visible_bts &= key_pos_bs[:, None, :] > q_pos_bt[:, :, None] - sliding_window
   if q_segment_ids_bt is not None:
     key_segment_b1s = key_segment_ids_bs[:, None, :]
     visible_bts &= (key_segment_b1s == q_segment_ids_bt[:, :, None]) & (key_segment_b1s >= 0)
@@ -113,36 +122,52 @@ def dot_attention(
   return out_btkge.reshape(b, t, h, e)
 
 
+class LogitRule(NamedTuple):
+  """A layer's static options of its attention logits: the sliding window (None: every
+  earlier position) and the softcap (None: none). Their names are the keyword arguments of
+  `dot_attention`, `flash_attention` and `paged_attention`."""
+
+  sliding_window: int | None = None
+  logit_softcap: float | None = None
+
+
 # `ModelConfig.attention` -> `flash_attention`'s impl ("dense" is `dot_attention`).
 FLASH_IMPL = {"flash": "auto", "cudnn": "cudnn"}
 
 
 def attend(
-  q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None, attention: str = "dense"
-):
+  q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None, attention: str = "dense",
+  sliding_window: int | None = None, logit_softcap: float | None = None,
+):  # fmt: skip
   """Writes this call's keys/values into `cache` (if any) and attends; returns (out, cache).
+  `sliding_window`: the layer's window (static), None for full causal attention;
+  `logit_softcap`: the attention logits' cap (static, `dot_attention`), None for none.
+  With a paged cache, `paged_attention` reads the pages.
 
   `segment_ids_bt` (no cache only): packed rows, where a token attends to the earlier (or
   equal) positions of its own segment; `positions_bt` then restart at 0 in every segment.
   `attention` (`ModelConfig.attention`; no cache only): "dense" (`dot_attention`), or "flash"
   or "cudnn", `flash_attention` through the kernel of the platform or cuDNN: the same rule."""
+  rule = LogitRule(sliding_window, logit_softcap)
   if cache is None:
     if attention in FLASH_IMPL:
       out = flash_attention(
         q_bthe, k_btke, v_btke,
         q_segment_ids=segment_ids_bt, kv_segment_ids=segment_ids_bt,
         q_positions=positions_bt, kv_positions=positions_bt, impl=FLASH_IMPL[attention],
+        **rule._asdict(),
       )  # fmt: skip
       return out, None
     out = dot_attention(
-      q_bthe, k_btke, v_btke, positions_bt, positions_bt, segment_ids_bt, segment_ids_bt
-    )
+      q_bthe, k_btke, v_btke, positions_bt, positions_bt, segment_ids_bt, segment_ids_bt,
+      **rule._asdict(),
+    )  # fmt: skip
     return out, None
   if isinstance(cache, (PackedPrefillCache, PackedPrefillKeys)):
     if segment_ids_bt is None:
       raise ValueError("A packed prefill (PackedPrefillCache) needs segment_ids_bt.")
     return _attend_packed_prefill(
-      q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention
+      q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention, rule
     )
   if segment_ids_bt is not None:
     raise ValueError(
@@ -151,21 +176,23 @@ def attend(
       "segment_ids_bt=None."
     )
   if isinstance(cache, LayerCache):
-    return _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache)
-  return _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache)
+    return _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache, rule)
+  return _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache, rule)
 
 
-def _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache: LayerCache):
+def _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache: LayerCache, rule: LogitRule):
   # Each row writes at its own positions (ragged batch).
   rows_b1 = jnp.arange(q_bthe.shape[0])[:, None]
   keys = cache.k_bske.at[rows_b1, positions_bt].set(k_btke.astype(cache.k_bske.dtype))
   values = cache.v_bske.at[rows_b1, positions_bt].set(v_btke.astype(cache.v_bske.dtype))
   key_pos_bs = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
-  out = dot_attention(q_bthe, keys, values, positions_bt, key_pos_bs)
+  out = dot_attention(q_bthe, keys, values, positions_bt, key_pos_bs, **rule._asdict())
   return out, LayerCache(keys, values)
 
 
-def _attend_packed_prefill(q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention):
+def _attend_packed_prefill(
+  q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention, rule: LogitRule
+):
   """Every sequence of a packed row starts at position 0 here: its keys are all in the row, so
   attention reads them from the row (cast to the cache's dtype first, as a chunked prefill
   reads them back from the pages) and the pages are only written: here, or after the scan
@@ -173,7 +200,9 @@ def _attend_packed_prefill(q_bthe, k_btke, v_btke, positions_bt, cache, segment_
   scanned = isinstance(cache, PackedPrefillKeys)
   dtype = cache.dtype if scanned else cache.k_pages_kpze.dtype
   keys_btke, values_btke = k_btke.astype(dtype), v_btke.astype(dtype)
-  out, _ = attend(q_bthe, keys_btke, values_btke, positions_bt, None, segment_ids_bt, attention)
+  out, _ = attend(
+    q_bthe, keys_btke, values_btke, positions_bt, None, segment_ids_bt, attention, *rule
+  )
   if scanned:
     return out, (keys_btke, values_btke)
   return out, write_packed_prefill(cache, keys_btke, values_btke, positions_bt)
@@ -216,17 +245,18 @@ def _token_pages(positions_bt, cache: PagedLayerCache):
   return jnp.where(positions_bt >= 0, page_bt, num_pages), safe_pos_bt % page_size
 
 
-def _read_paged_decode(q_bthe, k_pages, v_pages, positions_bt, page_table_bn):
+def _read_paged_decode(q_bthe, k_pages, v_pages, positions_bt, page_table_bn, rule: LogitRule):
   """Decode attention, one query per row, read straight from the pages (this step's keys and
   values already written)."""
   lengths_b = jnp.where(positions_bt[:, 0] >= 0, positions_bt[:, 0] + 1, 0).astype(jnp.int32)
   table_bn = page_table_bn.astype(jnp.int32)
-  return paged_attention(q_bthe[:, 0], k_pages, v_pages, lengths_b, table_bn)[:, None]
+  out = paged_attention(q_bthe[:, 0], k_pages, v_pages, lengths_b, table_bn, **rule._asdict())
+  return out[:, None]
 
 
 def attend_paged_decode(
   q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache, cos_btf, sin_btf, q_scale=None,
-  k_scale=None, *, eps,
+  k_scale=None, *, eps, sliding_window: int | None = None, logit_softcap: float | None = None,
 ):  # fmt: skip
   """A decode step (t = 1) against a paged cache, from the projections: q and k RMS-normed
   (with `q_scale`/`k_scale`, when given) and rotated, k and v written into the pages
@@ -238,11 +268,14 @@ def attend_paged_decode(
     q_bthe[:, 0], k_btke[:, 0], v_btke[:, 0], cos_btf[:, 0], sin_btf[:, 0], rows_b,
     cache.k_pages_kpze, cache.v_pages_kpze, q_scale=q_scale, k_scale=k_scale, eps=eps,
   )  # fmt: skip
-  out = _read_paged_decode(q_bhe[:, None], k_pages, v_pages, positions_bt, cache.page_table_bn)
+  out = _read_paged_decode(
+    q_bhe[:, None], k_pages, v_pages, positions_bt, cache.page_table_bn,
+    LogitRule(sliding_window, logit_softcap),
+  )  # fmt: skip
   return out, PagedLayerCache(k_pages, v_pages, cache.page_table_bn)
 
 
-def _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache):
+def _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache, rule: LogitRule):
   """Positions < 0 mark padding tokens: they write nothing and their outputs are ignored."""
   page_size = cache.k_pages_kpze.shape[2]
   page_bt, slot_bt = _token_pages(positions_bt, cache)
@@ -250,7 +283,7 @@ def _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache):
   v_pages = write_pages(cache.v_pages_kpze, v_btke, page_bt, slot_bt)
   new_cache = PagedLayerCache(k_pages, v_pages, cache.page_table_bn)
   if q_bthe.shape[1] == 1:
-    out = _read_paged_decode(q_bthe, k_pages, v_pages, positions_bt, cache.page_table_bn)
+    out = _read_paged_decode(q_bthe, k_pages, v_pages, positions_bt, cache.page_table_bn, rule)
     return out, new_cache
   # Prefill chunk: gather each row's pages into contiguous slots and attend densely.
   b, n = cache.page_table_bn.shape
@@ -261,4 +294,5 @@ def _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache):
     b, n * page_size, -1, v_pages.shape[-1]
   )
   key_pos_bs = jnp.broadcast_to(jnp.arange(n * page_size), (b, n * page_size))
-  return dot_attention(q_bthe, keys, values, positions_bt, key_pos_bs), new_cache
+  out = dot_attention(q_bthe, keys, values, positions_bt, key_pos_bs, **rule._asdict())
+  return out, new_cache

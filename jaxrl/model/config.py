@@ -9,7 +9,8 @@ ATTENTIONS = ("dense", "flash", "cudnn")
 ROPE_SCALINGS = ("", "llama3", "linear", "yarn")  # jaxrl/model/rope.py says what each does
 # What a rematerialised block keeps for the backward pass (`ModelConfig.remat_policy`).
 REMAT_POLICIES = ("full", "save_attention", "save_dots")
-NORM_POSITIONS = ("pre", "post")
+NORM_POSITIONS = ("pre", "post", "sandwich")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,29 @@ class ModelConfig:
     qk_norm_across_heads: with qk_norm, normalise each token's whole query (and key)
       projection, all heads at once, with a scale per head and dimension (OLMo 2).
     norm_position: "pre" (Llama, Qwen): each sublayer's input is RMS-normed; "post" (OLMo 2):
-      its output is, before it is added to the residual stream.
+      its output is, before it is added to the residual stream; "sandwich" (Gemma 2 and 3):
+      both, two norms per sublayer.
+    norm_scale_plus_one: RMSNorm multiplies by `1 + scale` in float32 and then rounds (Gemma's
+      checkpoints store the scales minus one); False multiplies by `scale` after rounding
+      (Llama's order). The q/k norms too.
+    mlp_activation: the gate's activation in the gated MLP: "silu" (SwiGLU) or "gelu_tanh"
+      (GeGLU with GELU's tanh approximation: Gemma).
+    scale_embeddings: token embeddings are multiplied by `sqrt(d_model)`, rounded to the
+      compute dtype (Gemma).
+    attention_logit_scale: what attention logits are multiplied by; 0 takes `head_dim ** -0.5`
+      (Gemma: `query_pre_attn_scalar ** -0.5`).
+    sliding_window: in the layers of `sliding_layers`, a query attends to this many positions,
+      its own included (keys at positions `> q - sliding_window`: Mistral, Phi-3, Gemma 3's
+      local layers); 0 with no sliding layers.
+    sliding_layers: indices of the layers with the window; the others attend to every earlier
+      position.
+    attention_logit_softcap: attention logits `s` become `c * tanh(s / c)` before the mask and
+      the softmax (Gemma 2: c = 50); 0 leaves them.
+    final_logit_softcap: the LM head's float32 logits likewise (Gemma 2: 30), before sampling
+      and log-probs alike; 0 leaves them.
+    local_rope_theta: RoPE base of the sliding layers, which then rotate with plain RoPE
+      (Gemma 3: 10,000 there, 1,000,000 and the scaling in the others); 0 rotates every layer
+      alike.
     qkv_bias: bias on the q/k/v projections (Qwen2).
     tie_embeddings: the LM head reuses the token embedding.
     num_experts: 0 for a dense MLP, otherwise the experts of every MoE layer.
@@ -119,6 +142,15 @@ class ModelConfig:
   qk_norm: bool = False
   qk_norm_across_heads: bool = False
   norm_position: str = "pre"
+  norm_scale_plus_one: bool = False
+  mlp_activation: str = "silu"
+  scale_embeddings: bool = False
+  attention_logit_scale: float = 0.0
+  sliding_window: int = 0
+  sliding_layers: tuple[int, ...] = ()
+  local_rope_theta: float = 0.0
+  attention_logit_softcap: float = 0.0
+  final_logit_softcap: float = 0.0
   qkv_bias: bool = False
   tie_embeddings: bool = True
   num_experts: int = 0
@@ -188,6 +220,29 @@ class ModelConfig:
       raise ValueError(
         f"model.norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}."
       )
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise ValueError(
+        f"model.mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}."
+      )
+    if self.mlp_activation != "silu" and self.num_experts:
+      raise ValueError(
+        f"model.mlp_activation={self.mlp_activation!r}: jaxrl's MoE experts are SwiGLU; use "
+        "'silu' with model.num_experts > 0."
+      )
+    if self.attention_logit_scale < 0:
+      raise ValueError(
+        "model.attention_logit_scale must be >= 0 (0 = head_dim ** -0.5), got "
+        f"{self.attention_logit_scale}."
+      )
+    self._check_sliding_layers()
+    for name in ("attention_logit_softcap", "final_logit_softcap"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"model.{name} must be >= 0 (0 = none), got {getattr(self, name)}.")
+    if self.qk_norm_across_heads and self.norm_scale_plus_one:
+      raise ValueError(
+        "model.norm_scale_plus_one=True with model.qk_norm_across_heads=True is not "
+        "implemented (no checkpoint has both): the norm across heads scales by `scale`."
+      )
     if self.qk_norm_across_heads and not self.qk_norm:
       raise ValueError("model.qk_norm_across_heads=True needs model.qk_norm=True.")
     if self.remat_policy not in REMAT_POLICIES:
@@ -209,6 +264,28 @@ class ModelConfig:
         f"model.attention='cudnn' computes in bfloat16 (cuDNN's fused attention), got "
         f"model.dtype={self.dtype!r}: set model.dtype=bfloat16, or model.attention=flash."
       )
+
+  def _check_sliding_layers(self):
+    layers = self.sliding_layers
+    if list(layers) != sorted(set(layers)) or not all(0 <= i < self.num_layers for i in layers):
+      raise ValueError(
+        f"model.sliding_layers must be increasing layer indices in [0, num_layers="
+        f"{self.num_layers}), got {layers!r}."
+      )
+    if self.sliding_window < 0 or bool(self.sliding_window) != bool(layers):
+      raise ValueError(
+        f"model.sliding_window={self.sliding_window} with model.sliding_layers={layers!r}: "
+        "give a window >= 1 and the layers it applies to, or 0 and ()."
+      )
+    if self.local_rope_theta < 0 or (self.local_rope_theta and not layers):
+      raise ValueError(
+        f"model.local_rope_theta={self.local_rope_theta} applies to the sliding layers: give "
+        "model.sliding_layers, or leave it 0."
+      )
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of layer `layer` (a Python int), None where it sees every position."""
+    return self.sliding_window if layer in self.sliding_layers else None
 
   def _check_rope_scaling(self):
     kind = self.rope_scaling
@@ -254,13 +331,13 @@ class ModelConfig:
     attn = d * e * (self.num_heads * 2 + self.num_kv_heads * 2)
     if self.qkv_bias:
       attn += e * (self.num_heads + 2 * self.num_kv_heads)
-    if self.qk_norm:
-      attn += 2 * e
+    if self.qk_norm:  # across heads (OLMo): a scale per head and dimension
+      attn += (self.num_heads + self.num_kv_heads) * e if self.qk_norm_across_heads else 2 * e
     if self.is_moe:
       mlp = d * self.num_experts + self.num_experts * 3 * d * self.moe_mlp_dim
     else:
       mlp = 3 * d * self.mlp_dim
-    per_layer = attn + mlp + 2 * d
+    per_layer = attn + mlp + (4 if self.norm_position == "sandwich" else 2) * d
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.num_layers * per_layer + self.vocab_size * d + head + d
 
@@ -311,6 +388,30 @@ PRESETS: dict[str, ModelConfig] = {
     max_seq_len=40960,
     rope_theta=1_000_000.0,
     qk_norm=True,
+    tie_embeddings=True,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+  ),
+  # Gemma 3 1B's shapes (google/gemma-3-1b-it): local layers with a 512-position window and
+  # base 10,000, every sixth layer global; for benchmarks of windowed attention.
+  "gemma3-1b": ModelConfig(
+    vocab_size=262144,
+    d_model=1152,
+    num_layers=26,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=256,
+    mlp_dim=6912,
+    max_seq_len=32768,
+    rope_theta=1_000_000.0,
+    qk_norm=True,
+    norm_position="sandwich",
+    norm_scale_plus_one=True,
+    mlp_activation="gelu_tanh",
+    scale_embeddings=True,
+    sliding_window=512,
+    sliding_layers=tuple(i for i in range(26) if (i + 1) % 6),
+    local_rope_theta=10_000.0,
     tie_embeddings=True,
     dtype="bfloat16",
     param_dtype="bfloat16",

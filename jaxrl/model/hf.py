@@ -5,6 +5,10 @@ from the Hub layout to jaxrl's (`hf_layout`) and places it straight into its sha
 no device ever holds the whole model when a mesh is given and the host holds one tensor beyond
 what is already placed. `save_pretrained` writes the Hub names and layout back (what
 transformers and vLLM load), gathering one parameter at a time.
+
+Of a multimodal checkpoint (Gemma 3 4B and up: Gemma3ForConditionalGeneration) the language
+model is read, and the vision tower left on disk; saved, the model is that language model
+(Gemma3ForCausalLM), which transformers and vLLM load as a text-only model.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import logging
 import math
 import os
 import re
@@ -34,6 +39,7 @@ from jaxrl.model.hf_config import (
   model_type_of,
   with_dtype,
 )
+from jaxrl.model.hf_gemma import is_multimodal
 from jaxrl.model.hf_layout import (
   Leaf,
   check_coverage,
@@ -76,6 +82,12 @@ _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _COMPARE_BYTES = 64 << 20  # rows compared at a time when checking a tied head
+# Where a multimodal checkpoint keeps its language model: transformers 4's layout (the Hub's
+# Gemma 3 files) and transformers 5's.
+_LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+_LANGUAGE_MODEL_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
+
+log = logging.getLogger(__name__)
 
 # -- loading -----------------------------------------------------------------------------------
 
@@ -132,6 +144,34 @@ def _tensor_index(root: str) -> tuple[dict[str, TensorInfo], str]:
       "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir)."
     )
   raise CheckpointError(f"{root}: has no {SINGLE_FILE} and no {INDEX_FILE}.")
+
+
+def language_model_tensors(tensors: Mapping[str, TensorInfo], where: str) -> dict[str, TensorInfo]:
+  """A multimodal checkpoint's language-model tensors under a text model's names
+  (`model.layers.0...`, `lm_head.weight`); the others (vision tower, projector) are left out,
+  and counted in a log line."""
+  text, left_out = {}, []
+  for name, info in tensors.items():
+    for prefix in _LANGUAGE_MODEL_PREFIXES:
+      if name.startswith(prefix):
+        text["model." + name.removeprefix(prefix)] = info
+        break
+    else:
+      if name in _LANGUAGE_MODEL_HEADS:
+        text["lm_head.weight"] = info
+      else:
+        left_out.append(name)
+  if not text:
+    raise CheckpointError(
+      f"{where}: no language-model tensor (named {_LANGUAGE_MODEL_PREFIXES[0]}* or "
+      f"{_LANGUAGE_MODEL_PREFIXES[1]}*) in this multimodal checkpoint."
+    )
+  if left_out:
+    log.info(
+      "%s: reading the language model; %d tensors of the other parts (%s, ...) are not part "
+      "of it and stay on disk.", where, len(left_out), sorted(left_out)[0],
+    )  # fmt: skip
+  return text
 
 
 def _check_names(cfg: ModelConfig, leaves, tensors: dict[str, TensorInfo], where: str) -> None:
@@ -230,9 +270,12 @@ def load_pretrained(
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}.")
   root = resolve_pretrained(path)
-  cfg = config_from_hf(_read_json(root, "config.json"))
+  hub_config = _read_json(root, "config.json")
+  cfg = config_from_hf(hub_config)
   cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
   tensors, where = _tensor_index(root)
+  if is_multimodal(hub_config):
+    tensors = language_model_tensors(tensors, where)
   leaves = hub_leaves(cfg, fused_expert_layers(cfg, tensors), has_fused_projections(tensors))
   _check_names(cfg, leaves, tensors, where)
   model = Model(cfg)
@@ -316,9 +359,10 @@ def save_pretrained(
     max_shard_size: bytes per safetensors file (an int, or e.g. "5GB"); more than one file
       writes model-0000i-of-0000n.safetensors and model.safetensors.index.json.
     source: the checkpoint the model came from (directory or Hub id): its config.json (with
-      the dtype updated), generation_config.json and tokenizer files are copied. None writes a
-      config.json from the model's config (architecture from its options) and a minimal
-      generation_config.json.
+      the dtype updated), generation_config.json and tokenizer files are copied (of a
+      multimodal source, the language model's config.json is written, with the source's token
+      ids). None writes a config.json from the model's config (architecture from its options)
+      and a minimal generation_config.json.
     dtype: "bfloat16" or "float32" for the written tensors; None keeps the parameter dtype.
     tokenizer_source: a directory (or Hub id) whose tokenizer files are copied instead of
       `source`'s (a run whose tokenizer is not its checkpoint's); False copies none.
@@ -339,7 +383,11 @@ def save_pretrained(
     hub_config = _read_json(src, "config.json")
     where = os.path.join(src, "config.json")
     check_same_architecture(cfg, config_from_hf(hub_config), where)
-    hub_config = with_dtype(hub_config, dtype)
+    if is_multimodal(hub_config):  # the language model alone is written
+      ids = {k: hub_config[k] for k in _TOKEN_ID_KEYS if hub_config.get(k) is not None}
+      hub_config = config_to_hf(cfg, dtype) | ids
+    else:
+      hub_config = with_dtype(hub_config, dtype)
   else:
     hub_config = config_to_hf(cfg, dtype)
   for key, value in (token_ids or {}).items():

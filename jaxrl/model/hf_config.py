@@ -1,30 +1,39 @@
 """Hugging Face `config.json` <-> `ModelConfig` for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-SmolLM3, OLMo 2, OLMoE, Phi-3 and Mixtral.
+SmolLM3, OLMo 2, OLMoE, Phi-3, Mixtral, Gemma 2 and Gemma 3 (text).
 
 Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `rope_scaling`
 dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
 `rope_theta`, `dtype`). Keys a config.json leaves out take transformers' defaults for that model
-type. What jaxrl does not implement (biases Llama can switch on, sliding windows, dense layers
-inside an MoE model, RoPE types other than plain, llama3, linear and yarn) is refused with the
-key that asks for it.
+type. What jaxrl does not implement (biases Llama can switch on, Qwen's sliding windows, dense
+layers inside an MoE model, RoPE types other than plain, llama3, linear and yarn) is refused
+with the key that asks for it.
 
 Under YaRN (`rope_scaling` of type "yarn", which Qwen2.5 and Qwen3 document for 128k contexts)
 `max_seq_len` is at least the original context times the factor, the length YaRN extends to.
 
-Mistral is Llama's network with a sliding attention window (`sliding_window`: each position
-attends to at most that many, itself included). Up to that many positions, that is full
-attention, so a Mistral checkpoint reads with `max_seq_len` capped at its window (a run that
-asks for longer sequences gets the window: `PretrainedConfig.path`); a model saved without its
-source checkpoint is written as Llama, the same network.
+Mistral is Llama's network with a sliding attention window in every layer (`sliding_window`:
+each position attends to at most that many, itself included; `ModelConfig.sliding_window`);
+without a window (null, as in Mistral v0.2 and later) a model saved without its source
+checkpoint is written as Llama, the same network.
 
 SmolLM3 is Llama's network with no RoPE in some layers (`no_rope_layers`: 1 rotates, 0 does
 not; by default every fourth layer is NoPE): `ModelConfig.nope_layers`. OLMo 2 norms each
 sublayer's output rather than its input (`norm_position="post"`) and each token's q and k
 projections across all heads (`qk_norm_across_heads`); OLMoE is a pre-norm MoE with those q/k
 norms (its `intermediate_size` is one expert's width). Phi-3 (Phi-3, Phi-4) is Llama's network
-with fused q/k/v and gate/up tensors (`hf_layout`) and, in some, a sliding window (which caps
-`max_seq_len` as Mistral's does); saved without its source it is written as Llama. Mixtral is
+with fused q/k/v and gate/up tensors (`hf_layout`) and, in some, a sliding window in every
+layer; saved without its source it is written as Llama (or Mistral, with a window). Mixtral is
 Mistral's network with MoE MLPs (top-k router weights always renormalised, no q/k norms).
+
+Gemma 3 (`gemma3_text`, Gemma3ForCausalLM: the 1B and 270M checkpoints) norms each sublayer's
+input and output ("sandwich"), with scales stored minus one, per-head q/k norms, GeGLU MLPs,
+embeddings scaled by sqrt(width), a logit scale of `query_pre_attn_scalar ** -0.5`, and sliding
+windows in the layers `layer_types` names "sliding_attention" (by default five in six), which
+rotate with their own RoPE base (`rope_local_base_freq`, or `rope_parameters` per layer type);
+the scaling applies to the full-attention layers. Gemma 2 (`gemma2`) is the same network
+without q/k norms, with one RoPE, a window in every other layer (the first sliding), and its
+logits softcapped: attention logits at `attn_logit_softcapping` (50), the head's at
+`final_logit_softcapping` (30).
 """
 
 from __future__ import annotations
@@ -33,7 +42,27 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrl.model.config import ModelConfig
-from jaxrl.model.rope import yarn_default_attention_factor
+from jaxrl.model.hf_gemma import (
+  GEMMA_PATTERN,
+  GEMMA_QUERY_SCALAR,
+  GEMMA_THETA,
+  GEMMA_TYPES,
+  GEMMA_WINDOW,
+  gemma_refusals,
+  gemma_rope,
+  gemma_softcaps,
+  gemma_to_hf,
+  language_model_config,
+)
+from jaxrl.model.hf_rope import (
+  MISSING,
+  SCALING_FIELDS,
+  context_length,
+  get_key,
+  refuse,
+  rope_fields,
+  rope_scaling_to_hf,
+)
 from jaxrl.model.safetensors_io import CheckpointError
 
 ARCHITECTURES = {
@@ -47,6 +76,8 @@ ARCHITECTURES = {
   "olmoe": "OlmoeForCausalLM",
   "phi3": "Phi3ForCausalLM",
   "mixtral": "MixtralForCausalLM",
+  "gemma2": "Gemma2ForCausalLM",
+  "gemma3_text": "Gemma3ForCausalLM",
 }
 """The model types jaxrl reads and writes, with their transformers architecture."""
 
@@ -62,18 +93,56 @@ _MAX_POSITIONS = {
   "olmoe": 4096,
   "phi3": 4096,
   "mixtral": 131072,
+  "gemma2": 8192,
+  "gemma3_text": 131072,
 }
 _NORM_EPS = {"olmo2": 1e-5, "olmoe": 1e-5, "phi3": 1e-5, "mixtral": 1e-5}  # others: 1e-6
-_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "across", "olmoe": "across"}
+_QK_NORM = {
+  "qwen3": "head",
+  "qwen3_moe": "head",
+  "olmo2": "across",
+  "olmoe": "across",
+  "gemma3_text": "head",
+}
 """Model types with q/k norms: per head, or across all heads of a token (OLMo's)."""
 # transformers' num_key_value_heads where config.json has none (others: num_attention_heads).
-_KV_HEADS = {"mistral": 8, "mixtral": 8, "qwen2": 32, "qwen3": 32, "qwen3_moe": 4, "smollm3": 4}
-# Model types with a sliding window (which caps max_seq_len), and transformers' default for it.
+_KV_HEADS = {
+  "mistral": 8,
+  "mixtral": 8,
+  "qwen2": 32,
+  "qwen3": 32,
+  "qwen3_moe": 4,
+  "smollm3": 4,
+  "gemma2": 4,
+  "gemma3_text": 4,
+}
+# Model types with a sliding window in every layer, and transformers' default for it.
 _WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
-_HEAD_DIM = {"qwen3": 128}  # others: hidden_size // num_attention_heads
-_ROPE_THETA = {"smollm3": 2_000_000.0, "mixtral": 1_000_000.0}  # others: 10,000
+# Head widths where config.json has none (others: hidden_size // num_attention_heads).
+_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+# Default RoPE bases (others: 10,000); Gemma 3's is its full-attention layers'.
+_ROPE_THETA = {"smollm3": 2_000_000.0, "mixtral": 1_000_000.0, "gemma3_text": GEMMA_THETA}
+# Shape keys a config.json may leave out (the others are required): Gemma 3's multimodal
+# checkpoints give only what differs from Gemma3TextConfig's defaults in their text_config.
+_SHAPE_DEFAULTS = {
+  "gemma2": {
+    "vocab_size": 256_000,
+    "hidden_size": 2304,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "intermediate_size": 9216,
+  },
+  "gemma3_text": {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "intermediate_size": 9216,
+  },
+}
 _PHI3_ORIGINAL = 4096  # Phi3Config's original_max_position_embeddings, which outranks the scaling's
-_TIED = {"smollm3"}  # model types whose tie_word_embeddings defaults to true
+# Model types whose tie_word_embeddings defaults to true.
+_TIED = {"smollm3", "gemma2", "gemma3_text"}
 _NOPE_INTERVAL = 4  # SmolLM3: without no_rope_layers, every fourth layer is NoPE
 # MoE model types: transformers' defaults. One expert's width is `moe_intermediate_size` where
 # the type has that key, else `intermediate_size` itself.
@@ -108,180 +177,48 @@ ARCH_FIELDS = (
   "nope_layers",
   "qk_norm_across_heads",
   "norm_position",
+  "attention_logit_softcap",
+  "final_logit_softcap",
+  "norm_scale_plus_one",
+  "mlp_activation",
+  "scale_embeddings",
+  "attention_logit_scale",
+  "sliding_window",
+  "sliding_layers",
+  "local_rope_theta",
 )
 """The ModelConfig fields a checkpoint fixes (the rest are runtime choices: dtypes, lengths)."""
 
 _MOE_FIELDS = ("experts_per_token", "moe_mlp_dim", "norm_topk_prob")
 
-_MISSING = object()
-
-
-def _get(config: Mapping[str, Any], key: str, default: Any = _MISSING, kind: type = int):
-  value = config.get(key, default)
-  if value is _MISSING:
-    raise CheckpointError(f"config.json: key {key!r} is missing; it is required for this model.")
-  if kind is float and isinstance(value, int) and not isinstance(value, bool):
-    value = float(value)
-  if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-    raise CheckpointError(f"config.json: key {key!r} is {value!r}; expected {kind.__name__}.")
-  return value
-
-
-def _refuse(config: Mapping[str, Any], key: str, ok, why: str) -> None:
-  if key in config and config[key] is not None and not ok(config[key]):
-    raise CheckpointError(f"config.json: {key}={config[key]!r} is not supported: {why}.")
-
-
-def _rope(config: Mapping[str, Any], model_type: str, max_positions: int) -> dict[str, Any]:
-  """The RoPE fields of ModelConfig, from either config.json layout."""
-  # transformers gives a legacy rope_scaling priority over rope_parameters; so do we.
-  key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-  params = config.get(key) or {}
-  if not isinstance(params, Mapping):
-    raise CheckpointError(f"config.json: {key} is {params!r}; expected a dict or null.")
-  if any(isinstance(v, Mapping) for v in params.values()):
-    raise CheckpointError(
-      f"config.json: {key} holds per-layer-type RoPE parameters; jaxrl uses one RoPE for all "
-      "layers."
-    )
-  theta = params.get("rope_theta", config.get("rope_theta", _ROPE_THETA.get(model_type, 1e4)))
-  theta = _get({"rope_theta": theta}, "rope_theta", kind=float)
-  partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-  if partial != 1.0:
-    raise CheckpointError(
-      "config.json: partial_rotary_factor != 1 is not supported: jaxrl rotates whole heads."
-    )
-  rope_type = params.get("rope_type", params.get("type", "default"))
-  fields = {"rope_theta": theta}
-  if rope_type == "default":
-    return fields
-  if rope_type not in _ROPE_READERS:
-    raise CheckpointError(
-      f"config.json: {key}.rope_type={rope_type!r} is not supported; jaxrl implements "
-      f"{['default', *_ROPE_READERS]} RoPE."
-    )
-  # transformers takes a top-level original_max_position_embeddings over the scaling's own.
-  where = "original_max_position_embeddings"
-  original = config.get(where, _PHI3_ORIGINAL if model_type == "phi3" else None)
-  if original is None:
-    original, where = params.get(where), f"{key}.{where}"
-  if original is None:
-    original = max_positions
-  elif not (isinstance(original, (int, float)) and original == int(original) > 0):
-    raise CheckpointError(f"config.json: {where}={original!r}; expected a positive integer.")
-  readers = _ROPE_READERS[rope_type]
-  return fields | {"rope_scaling": rope_type} | readers(params, key, int(original), max_positions)
-
-
-def _number(params: Mapping[str, Any], key: str, name: str, default: Any = _MISSING) -> float:
-  """`params[name]` as a float; `default` where it is missing or null (required without)."""
-  value = params.get(name)
-  if value is None:
-    if default is _MISSING:
-      rope_type = params.get("rope_type", params.get("type"))
-      raise CheckpointError(f"config.json: {key}.{name} is missing; {rope_type} RoPE needs it.")
-    return default
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise CheckpointError(f"config.json: {key}.{name}={value!r}; expected a number.")
-  return float(value)
-
-
-def _llama3(params, key: str, original: int, max_positions: int) -> dict[str, Any]:
-  return {
-    "rope_factor": _number(params, key, "factor"),
-    "rope_low_freq_factor": _number(params, key, "low_freq_factor"),
-    "rope_high_freq_factor": _number(params, key, "high_freq_factor"),
-    "rope_original_max_position_embeddings": original,
-  }
-
-
-def _linear(params, key: str, original: int, max_positions: int) -> dict[str, Any]:
-  return {"rope_factor": _number(params, key, "factor")}
-
-
-def _yarn(params, key: str, original: int, max_positions: int) -> dict[str, Any]:
-  """transformers' reading: a missing factor is max_position_embeddings / original; a missing
-  attention factor follows from the factor (and DeepSeek's mscale and mscale_all_dim); null or
-  zero betas take their defaults."""
-  factor = _number(params, key, "factor", max_positions / original)
-  attention = _number(params, key, "attention_factor", None)
-  if attention is not None and attention <= 0:
-    raise CheckpointError(f"config.json: {key}.attention_factor={attention}; expected > 0.")
-  mscale = _number(params, key, "mscale", 0.0)
-  mscale_all_dim = _number(params, key, "mscale_all_dim", 0.0)
-  if attention is None and mscale and mscale_all_dim:
-    attention = yarn_default_attention_factor(factor, mscale, mscale_all_dim)
-  truncate = params.get("truncate", True)
-  if not isinstance(truncate, bool):
-    raise CheckpointError(f"config.json: {key}.truncate={truncate!r}; expected true or false.")
-  return {
-    "rope_factor": factor,
-    "rope_original_max_position_embeddings": original,
-    "rope_beta_fast": _number(params, key, "beta_fast", 0.0) or 32.0,
-    "rope_beta_slow": _number(params, key, "beta_slow", 0.0) or 1.0,
-    "rope_attention_factor": attention or 0.0,
-    "rope_truncate": truncate,
-  }
-
-
-_ROPE_READERS = {"linear": _linear, "llama3": _llama3, "yarn": _yarn}
-"""The RoPE scalings jaxrl implements: rope_type -> reader of its parameters."""
-
-_SCALING_FIELDS = {
-  "": (),
-  "linear": ("rope_factor",),
-  "llama3": (
-    "rope_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_position_embeddings",
-  ),
-  "yarn": (
-    "rope_factor",
-    "rope_original_max_position_embeddings",
-    "rope_beta_fast",
-    "rope_beta_slow",
-    "rope_attention_factor",
-    "rope_truncate",
-  ),
-}
-"""The ModelConfig fields each scaling reads."""
-
-
-def _context_length(rope: Mapping[str, Any], max_positions: int) -> int:
-  """The longest sequence a checkpoint is for: `max_position_embeddings`, or under YaRN at
-  least the original context times the factor (YaRN's extended context: Qwen3's documented
-  setting, factor 4 over 32,768, gives 131,072 where its config.json says 40,960)."""
-  if rope.get("rope_scaling") != "yarn":
-    return max_positions
-  extended = rope["rope_original_max_position_embeddings"] * rope["rope_factor"]
-  return max(max_positions, int(extended))
-
 
 def _refusals(config: Mapping[str, Any], model_type: str) -> None:
   """Raises for the options of these architectures that jaxrl does not implement."""
-  _refuse(config, "hidden_act", lambda v: v == "silu", "jaxrl's MLPs use SiLU (SwiGLU)")
+  if model_type in GEMMA_TYPES:
+    gemma_refusals(config)
+    return
+  refuse(config, "hidden_act", lambda v: v == "silu", "jaxrl's MLPs use SiLU (SwiGLU)")
   if model_type in ("llama", "smollm3"):
-    _refuse(config, "mlp_bias", lambda v: not v, "jaxrl's MLPs have no biases")
+    refuse(config, "mlp_bias", lambda v: not v, "jaxrl's MLPs have no biases")
   if model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others can turn them on
-    _refuse(config, "attention_bias", lambda v: not v, "jaxrl has no attention biases here")
+    refuse(config, "attention_bias", lambda v: not v, "jaxrl has no attention biases here")
   if model_type != "llama":
-    _refuse(config, "use_sliding_window", lambda v: not v, "jaxrl attends over the whole window")
-    _refuse(
+    refuse(config, "use_sliding_window", lambda v: not v, "jaxrl has no Qwen-style windows")
+    refuse(
       config,
       "layer_types",
       lambda v: all(t == "full_attention" for t in v),
       "jaxrl has full attention in every layer",
     )
   if model_type == "mixtral":
-    _refuse(
+    refuse(
       config, "router_jitter_noise", lambda v: v == 0, "jaxrl's router adds no noise in training"
     )
   if model_type == "olmoe":
-    _refuse(config, "clip_qkv", lambda v: False, "jaxrl does not clip q, k and v")
+    refuse(config, "clip_qkv", lambda v: False, "jaxrl does not clip q, k and v")
   if model_type == "qwen3_moe":
-    _refuse(config, "mlp_only_layers", lambda v: not v, "every layer of jaxrl's MoE is sparse")
-    _refuse(config, "decoder_sparse_step", lambda v: v == 1, "every layer of jaxrl's MoE is sparse")
+    refuse(config, "mlp_only_layers", lambda v: not v, "every layer of jaxrl's MoE is sparse")
+    refuse(config, "decoder_sparse_step", lambda v: v == 1, "every layer of jaxrl's MoE is sparse")
 
 
 def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
@@ -296,6 +233,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       mistyped key, or an option jaxrl does not implement; the message names config.json and
       the key.
   """
+  config = language_model_config(config)
   model_type = config.get("model_type")
   if model_type not in ARCHITECTURES:
     raise CheckpointError(
@@ -309,38 +247,51 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       f"jaxrl reads {ARCHITECTURES[model_type]} for it."
     )
   _refusals(config, model_type)
-  d, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
-  max_positions = _get(config, "max_position_embeddings", _MAX_POSITIONS[model_type])
+  shape = _SHAPE_DEFAULTS.get(model_type, {})
+  d = get_key(config, "hidden_size", shape.get("hidden_size", MISSING))
+  heads = get_key(config, "num_attention_heads", shape.get("num_attention_heads", MISSING))
+  max_positions = get_key(config, "max_position_embeddings", _MAX_POSITIONS[model_type])
+  num_layers = get_key(config, "num_hidden_layers", shape.get("num_hidden_layers", MISSING))
+  windows = _windows(config, model_type, num_layers)
   # A scaling's original context defaults to the full one.
-  rope = _rope(config, model_type, max_positions)
-  max_positions = _context_length(rope, max_positions)
-  if model_type in _WINDOW:
-    window = config.get("sliding_window", _WINDOW[model_type])
-    if window is not None:
-      window = _get({"sliding_window": window}, "sliding_window")
-      if window < 1:
-        raise CheckpointError(f"config.json: sliding_window={window}; expected null or >= 1.")
-      max_positions = min(max_positions, window)
+  if model_type == "gemma3_text":
+    rope = gemma_rope(config, max_positions, local=bool(windows.get("sliding_layers")))
+  else:
+    rope = rope_fields(
+      config,
+      max_positions,
+      theta=_ROPE_THETA.get(model_type, 1e4),
+      original=_PHI3_ORIGINAL if model_type == "phi3" else None,
+    )
+  max_positions = context_length(rope, max_positions)
   head_dim = config.get("head_dim") or _HEAD_DIM.get(model_type, d // max(heads, 1))
   kv_heads = config.get("num_key_value_heads") or _KV_HEADS.get(model_type, heads)
   fields = dict(
-    vocab_size=_get(config, "vocab_size"),
+    vocab_size=get_key(config, "vocab_size", shape.get("vocab_size", MISSING)),
     d_model=d,
-    num_layers=_get(config, "num_hidden_layers"),
+    num_layers=num_layers,
     num_heads=heads,
-    num_kv_heads=_get({"num_key_value_heads": kv_heads}, "num_key_value_heads"),
-    head_dim=_get({"head_dim": head_dim}, "head_dim"),
-    mlp_dim=_get(
+    num_kv_heads=get_key({"num_key_value_heads": kv_heads}, "num_key_value_heads"),
+    head_dim=get_key({"head_dim": head_dim}, "head_dim"),
+    mlp_dim=get_key(
       config,
       "intermediate_size",
-      _MOE_DEFAULTS.get(model_type, {}).get("intermediate_size", _MISSING),
+      _MOE_DEFAULTS.get(model_type, shape).get("intermediate_size", MISSING),
     ),
     max_seq_len=max_positions,
-    norm_eps=_get(config, "rms_norm_eps", _NORM_EPS.get(model_type, 1e-6), float),
+    norm_eps=get_key(config, "rms_norm_eps", _NORM_EPS.get(model_type, 1e-6), float),
     **_layer_options(model_type),
-    tie_embeddings=_get(config, "tie_word_embeddings", model_type in _TIED, bool),
+    tie_embeddings=get_key(config, "tie_word_embeddings", model_type in _TIED, bool),
     **rope,
+    **windows,
   )
+  if model_type in GEMMA_TYPES:
+    fields |= gemma_softcaps(config, model_type)
+    scalar = get_key(config, "query_pre_attn_scalar", GEMMA_QUERY_SCALAR, float)
+    if scalar <= 0:
+      raise CheckpointError(f"config.json: query_pre_attn_scalar={scalar}; expected > 0.")
+    if scalar != fields["head_dim"]:  # else the default, head_dim ** -0.5
+      fields["attention_logit_scale"] = scalar**-0.5
   if model_type == "smollm3":
     fields["nope_layers"] = _nope_layers(config, fields["num_layers"])
   if model_type in _MOE_DEFAULTS:
@@ -351,16 +302,18 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
         f"config.json: num_experts and num_local_experts disagree ({sorted(experts)})."
       )
     num_experts = experts.pop() if experts else defaults["num_experts"]
-    _get({"num_experts": num_experts}, "num_experts")
+    get_key({"num_experts": num_experts}, "num_experts")
     if num_experts < 1:
       raise CheckpointError(f"config.json: num_experts={num_experts}: an MoE needs experts.")
     fields |= dict(
       num_experts=num_experts,
-      experts_per_token=_get(config, "num_experts_per_tok", defaults["num_experts_per_tok"]),
+      experts_per_token=get_key(config, "num_experts_per_tok", defaults["num_experts_per_tok"]),
       moe_mlp_dim=fields["mlp_dim"]
       if "moe_intermediate_size" not in defaults
-      else _get(config, "moe_intermediate_size", defaults["moe_intermediate_size"]),
-      norm_topk_prob=model_type in _ALWAYS_NORM_TOPK or _get(config, "norm_topk_prob", False, bool),
+      else get_key(config, "moe_intermediate_size", defaults["moe_intermediate_size"]),
+      norm_topk_prob=(
+        model_type in _ALWAYS_NORM_TOPK or get_key(config, "norm_topk_prob", False, bool)
+      ),
     )
   try:
     return ModelConfig(**fields)
@@ -369,14 +322,54 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
 
 
 def _layer_options(model_type: str) -> dict[str, Any]:
-  """The ModelConfig options a model type fixes in every layer: q/k norms, norm position,
-  q/k/v biases."""
+  """The ModelConfig options a model type fixes in every layer: q/k norms, norm position and
+  style, q/k/v biases, MLP activation, embedding scale."""
+  gemma = model_type in GEMMA_TYPES
   return dict(
     qk_norm=model_type in _QK_NORM,
     qk_norm_across_heads=_QK_NORM.get(model_type) == "across",
-    norm_position="post" if model_type == "olmo2" else "pre",
+    norm_position="post" if model_type == "olmo2" else "sandwich" if gemma else "pre",
     qkv_bias=model_type == "qwen2",
+    norm_scale_plus_one=gemma,
+    mlp_activation="gelu_tanh" if gemma else "silu",
+    scale_embeddings=gemma,
   )
+
+
+def _windows(config: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+  """`sliding_window` and `sliding_layers`: every layer for Mistral, Mixtral and Phi-3 when
+  config.json has a window; Gemma 3's "sliding_attention" layers (`layer_types`, or by default
+  all but every `sliding_window_pattern`-th)."""
+  if model_type not in _WINDOW and model_type not in GEMMA_TYPES:
+    return {}
+  default = GEMMA_WINDOW if model_type in GEMMA_TYPES else _WINDOW[model_type]
+  window = config.get("sliding_window", default)
+  if window is None:
+    return {}
+  window = get_key({"sliding_window": window}, "sliding_window")
+  if window < 1:
+    raise CheckpointError(f"config.json: sliding_window={window}; expected null or >= 1.")
+  if model_type not in GEMMA_TYPES:
+    return {"sliding_window": window, "sliding_layers": tuple(range(num_layers))}
+  types = config.get("layer_types")
+  if types is None:
+    # Gemma 2 alternates (sliding first); Gemma 3 has one full layer in `sliding_window_pattern`.
+    pattern = 2
+    if model_type == "gemma3_text":
+      pattern = get_key(config, "sliding_window_pattern", GEMMA_PATTERN)
+    if pattern < 1:
+      raise CheckpointError(f"config.json: sliding_window_pattern={pattern}; expected >= 1.")
+    types = [
+      "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+    ]
+  kinds = ("sliding_attention", "full_attention")
+  if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
+    raise CheckpointError(
+      f"config.json: layer_types={types!r}; expected one of {kinds} for each of the "
+      f"num_hidden_layers={num_layers} layers."
+    )
+  layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+  return {"sliding_window": window, "sliding_layers": layers} if layers else {}
 
 
 def _nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -384,7 +377,7 @@ def _nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
   without it every `no_rope_layer_interval`-th layer."""
   flags = config.get("no_rope_layers")
   if flags is None:
-    interval = _get(config, "no_rope_layer_interval", _NOPE_INTERVAL)
+    interval = get_key(config, "no_rope_layer_interval", _NOPE_INTERVAL)
     if interval < 1:
       raise CheckpointError(f"config.json: no_rope_layer_interval={interval}; expected >= 1.")
     flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
@@ -402,8 +395,9 @@ def _nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
 
 def model_type_of(cfg: ModelConfig) -> str:
   """The Hugging Face model type that holds `cfg`: MoE -> olmoe with q/k norms across heads,
-  qwen3_moe with per-head ones, mixtral without; post-norm -> olmo2, q/k norm -> qwen3, q/k/v
-  bias -> qwen2, NoPE layers -> smollm3, else llama.
+  qwen3_moe with per-head ones, mixtral without; sandwich norms -> gemma3_text, post-norm ->
+  olmo2, q/k norm -> qwen3, q/k/v bias -> qwen2, NoPE layers -> smollm3, a sliding window in
+  every layer -> mistral, else llama.
 
   Raises:
     ValueError: a combination none of them has (an MoE without q/k norm, q/k norm with biases
@@ -411,6 +405,8 @@ def model_type_of(cfg: ModelConfig) -> str:
   """
   if cfg.is_moe:
     model_type = "olmoe" if cfg.qk_norm_across_heads else "qwen3_moe" if cfg.qk_norm else "mixtral"
+  elif cfg.norm_position == "sandwich":
+    model_type = "gemma3_text" if cfg.qk_norm else "gemma2"
   elif cfg.norm_position == "post":
     model_type = "olmo2"
   elif cfg.qk_norm:
@@ -419,6 +415,8 @@ def model_type_of(cfg: ModelConfig) -> str:
     model_type = "qwen2"
   elif cfg.nope_layers:
     model_type = "smollm3"
+  elif cfg.sliding_layers:
+    model_type = "mistral"
   else:
     model_type = "llama"
   for name, value in _layer_options(model_type).items():
@@ -437,6 +435,23 @@ def model_type_of(cfg: ModelConfig) -> str:
       f"model.nope_layers={cfg.nope_layers} (only SmolLM3 has NoPE layers, with neither q/k "
       "norm nor biases)."
     )
+  everywhere = cfg.sliding_layers == tuple(range(cfg.num_layers))
+  if cfg.sliding_layers and not (
+    model_type in GEMMA_TYPES or (model_type in ("mistral", "mixtral") and everywhere)
+  ):
+    raise ValueError(
+      f"No Hugging Face architecture has this model: {model_type} has no sliding window in "
+      f"model.sliding_layers={cfg.sliding_layers} (Mistral and Mixtral window every layer, "
+      "Gemma 3 any)."
+    )
+  gemma_only = ("attention_logit_scale", "attention_logit_softcap", "final_logit_softcap")
+  only = {"local_rope_theta": ("gemma3_text",)} | dict.fromkeys(gemma_only, GEMMA_TYPES)
+  for name, types in only.items():
+    if getattr(cfg, name) and model_type not in types:
+      raise ValueError(
+        f"No Hugging Face architecture has this model: {model_type} needs model.{name}=0 "
+        f"(only {' and '.join(types)} set it)."
+      )
   return model_type
 
 
@@ -471,12 +486,12 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     "pad_token_id": None,
   }
   if cfg.rope_scaling:
-    out["rope_scaling"] = _rope_scaling_to_hf(cfg)
+    out["rope_scaling"] = rope_scaling_to_hf(cfg)
   if model_type != "qwen2":
     out["attention_bias"] = False
   if model_type in ("llama", "smollm3"):
     out["mlp_bias"] = False
-  if model_type not in ("llama", "olmo2", "olmoe", "mixtral"):
+  if model_type not in ("llama", "olmo2", "olmoe", "mixtral", *GEMMA_TYPES):
     out["use_sliding_window"] = False
   if model_type == "smollm3":
     out["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
@@ -489,32 +504,16 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
       out["intermediate_size"] = cfg.moe_mlp_dim
     if model_type not in _ALWAYS_NORM_TOPK:
       out["norm_topk_prob"] = cfg.norm_topk_prob
+  if model_type in ("mistral", "mixtral"):
+    out["sliding_window"] = cfg.sliding_window or None
   if model_type == "mixtral":
-    out |= {"sliding_window": None, "router_jitter_noise": 0.0}
+    out["router_jitter_noise"] = 0.0
+  if model_type in GEMMA_TYPES:
+    gemma_to_hf(cfg, out)
   if model_type == "olmoe":
     out["clip_qkv"] = None
   if model_type == "qwen3_moe":
     out |= {"decoder_sparse_step": 1, "mlp_only_layers": []}
-  return out
-
-
-def _rope_scaling_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-  out: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
-  if cfg.rope_scaling != "linear":
-    out["original_max_position_embeddings"] = cfg.rope_original_max_position_embeddings
-  if cfg.rope_scaling == "llama3":
-    out |= {
-      "low_freq_factor": cfg.rope_low_freq_factor,
-      "high_freq_factor": cfg.rope_high_freq_factor,
-    }
-  if cfg.rope_scaling == "yarn":  # transformers' defaults are left out, as the Hub's files do
-    optional = {
-      "beta_fast": (cfg.rope_beta_fast, 32.0),
-      "beta_slow": (cfg.rope_beta_slow, 1.0),
-      "attention_factor": (cfg.rope_attention_factor, 0.0),
-      "truncate": (cfg.rope_truncate, True),
-    }
-    out |= {name: value for name, (value, default) in optional.items() if value != default}
   return out
 
 
@@ -524,7 +523,7 @@ def check_same_architecture(cfg: ModelConfig, source: ModelConfig, where: str) -
   names = list(ARCH_FIELDS)
   if not cfg.is_moe:
     names.append("mlp_dim")
-  names += _SCALING_FIELDS[cfg.rope_scaling]
+  names += SCALING_FIELDS[cfg.rope_scaling]
   if cfg.is_moe:
     names += _MOE_FIELDS
   for name in names:

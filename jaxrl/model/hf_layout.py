@@ -135,10 +135,13 @@ def hub_leaves(
   v, d, h, k, e = cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   leaves = [_same(("embed_vd",), "model.embed_tokens.weight", (v, d))]
   # Pre-norm models: input_layernorm before attention, post_attention_layernorm before the
-  # MLP; OLMo 2 (post-norm): post_attention_layernorm after attention, post_feedforward after.
+  # MLP; OLMo 2 (post-norm): post_attention_layernorm after attention, post_feedforward after;
+  # Gemma (sandwich): input_layernorm and pre_feedforward before, the post ones after.
   attn_norm, mlp_norm = ("input_layernorm", "post_attention_layernorm")
   if cfg.norm_position == "post":
     attn_norm, mlp_norm = ("post_attention_layernorm", "post_feedforward_layernorm")
+  if cfg.norm_position == "sandwich":  # Gemma: those two after, these two before
+    attn_norm, mlp_norm = ("input_layernorm", "pre_feedforward_layernorm")
   for i in range(cfg.num_layers):
     hub, ours = f"model.layers.{i}.", ("blocks", i)
     attn, mlp = hub + "self_attn.", hub + "mlp."
@@ -155,6 +158,11 @@ def hub_leaves(
       _heads_out((*ours, "attn", "wo_hed"), attn + "o_proj.weight", h, e, d),
       _same((*ours, "mlp_norm", "scale"), hub + mlp_norm + ".weight", (d,)),
     ]
+    if cfg.norm_position == "sandwich":
+      leaves += [
+        _same((*ours, "attn_post_norm", "scale"), hub + "post_attention_layernorm.weight", (d,)),
+        _same((*ours, "mlp_post_norm", "scale"), hub + "post_feedforward_layernorm.weight", (d,)),
+      ]
     if cfg.qkv_bias:
       leaves += [
         _per_head((*ours, "attn", "bq_he"), attn + "q_proj.bias", h, e),

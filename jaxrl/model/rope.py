@@ -14,11 +14,14 @@ Frequencies are computed on the host in float32 the way transformers computes th
     ramp over dimension index between; and cos and sin are multiplied by an attention factor
     (default `0.1 ln(factor) + 1`), which scales every attention logit by its square. The
     scaling is static: the same at every length, as in transformers and vLLM.
-Layers listed in `ModelConfig.nope_layers` are not rotated at all (NoPE, SmolLM3).
+Layers listed in `ModelConfig.nope_layers` are not rotated at all (NoPE, SmolLM3). With a
+`ModelConfig.local_rope_theta`, the sliding-window layers rotate with plain RoPE of that base
+(Gemma 3) and the scaling applies to the others only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -97,13 +100,22 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
+@functools.lru_cache(maxsize=64)
+def _local_rope(cfg: ModelConfig) -> ModelConfig:
+  """The RoPE of `cfg`'s sliding-window layers: plain, with base `local_rope_theta`."""
+  return dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling="")
+
+
 def rope_cos_sin(
-  positions_bt: jax.Array, cfg: ModelConfig, layer: int | jax.Array = 0
+  positions_bt: jax.Array, cfg: ModelConfig, layer: int | jax.Array = 0, *, local: bool = False
 ) -> tuple[jax.Array, jax.Array]:
   """Cosines and sines of the rotary angles, float32 `[b, t, head_dim // 2]` each, times the
   scaling's attention factor (1 except under YaRN). In a layer of `cfg.nope_layers` (`layer`
   may be traced: a scanned stack's index) they are 1 and 0, the identity rotation, which
-  leaves q and k exactly as they are."""
+  leaves q and k exactly as they are. `local`: a sliding-window layer (static), which takes
+  `cfg.local_rope_theta` where that is set."""
+  if local and cfg.local_rope_theta:
+    cfg = _local_rope(cfg)
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   angles_btf = positions_bt[..., None].astype(jnp.float32) * inv_freq
   scale = rope_attention_factor(cfg)

@@ -40,13 +40,30 @@ def remat_policy(name: str):
   return None
 
 
+def norm(x, scale, eps: float, plus_one: bool):
+  """RMSNorm over the last axis: Llama's (rounded to x's dtype, then scaled) or, with
+  `plus_one`, Gemma's (times `1 + scale` in float32, then rounded)."""
+  if not plus_one:
+    return rms_norm(x, scale, eps)
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, eps: float, param_dtype):
-    self.eps = eps
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+  def __init__(self, dim: int, eps: float, param_dtype, plus_one: bool = False):
+    self.eps, self.plus_one = eps, plus_one
+    # Gemma stores scales minus one: zeros are its identity, ones Llama's.
+    init = jnp.zeros if plus_one else jnp.ones
+    self.scale = nnx.Param(init((dim,), param_dtype), logical_axes=("norm",))
 
   def __call__(self, x):
-    return rms_norm(x, self.scale.get_value(), self.eps)
+    return norm(x, self.scale.get_value(), self.eps, self.plus_one)
+
+  def effective_scale(self):
+    """What the normalised input is multiplied by (float32 for Gemma's `1 + scale`)."""
+    scale = self.scale.get_value()
+    return 1.0 + scale.astype(jnp.float32) if self.plus_one else scale
 
 
 class HeadsRMSNorm(nnx.Module):
@@ -84,11 +101,12 @@ class Attention(nnx.Module):
       self.q_norm = HeadsRMSNorm(h, e, cfg.norm_eps, pd, "heads")
       self.k_norm = HeadsRMSNorm(k, e, cfg.norm_eps, pd, "kv_heads")
     elif cfg.qk_norm:
-      self.q_norm = RMSNorm(e, cfg.norm_eps, pd)
-      self.k_norm = RMSNorm(e, cfg.norm_eps, pd)
+      self.q_norm = RMSNorm(e, cfg.norm_eps, pd, cfg.norm_scale_plus_one)
+      self.k_norm = RMSNorm(e, cfg.norm_eps, pd, cfg.norm_scale_plus_one)
 
-  def __call__(self, x_btd, positions_bt, cache, segment_ids_bt=None, layer=0):
-    """`layer`: this block's index (traced in a scanned stack), for `cfg.nope_layers`."""
+  def __call__(self, x_btd, positions_bt, cache, segment_ids_bt=None, layer=0, window=None):
+    """`layer`: this block's index (traced in a scanned stack), for `cfg.nope_layers`;
+    `window`: its sliding window (static; `ModelConfig.layer_window`), None for none."""
     cfg = self.cfg
     dt = x_btd.dtype
     q = jnp.einsum("btd,dhe->bthe", x_btd, self.wq_dhe.get_value().astype(dt))
@@ -98,7 +116,10 @@ class Attention(nnx.Module):
       q = q + self.bq_he.get_value().astype(dt)
       k = k + self.bk_ke.get_value().astype(dt)
       v = v + self.bv_ke.get_value().astype(dt)
-    cos_btf, sin_btf = rope_cos_sin(positions_bt, cfg, layer)
+    cos_btf, sin_btf = rope_cos_sin(positions_bt, cfg, layer, local=window is not None)
+    # A logit scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar) multiplies
+    # the queries after their norm: the rotation is linear, so it commutes.
+    q_mult = cfg.attention_logit_scale * cfg.head_dim**0.5 if cfg.attention_logit_scale else 1.0
     if cfg.qk_norm_across_heads:  # a norm over all heads: not the fused kernel's per-head one
       q, k = self.q_norm(q), self.k_norm(k)
     per_head_norm = cfg.qk_norm and not cfg.qk_norm_across_heads
@@ -106,25 +127,38 @@ class Attention(nnx.Module):
       # A decode step: the norms, the rotation and the cache write are one kernel on a GPU.
       scales = ()
       if per_head_norm:
-        scales = (self.q_norm.scale.get_value(), self.k_norm.scale.get_value())
+        q_scale = self.q_norm.effective_scale()
+        scales = (q_scale * q_mult if q_mult != 1.0 else q_scale, self.k_norm.effective_scale())
+      elif q_mult != 1.0:
+        q = q * jnp.asarray(q_mult, dt)
       out_bthe, cache = attend_paged_decode(
-        q, k, v, positions_bt, cache, cos_btf, sin_btf, *scales, eps=cfg.norm_eps
-      )
+        q, k, v, positions_bt, cache, cos_btf, sin_btf, *scales, eps=cfg.norm_eps,
+        sliding_window=window, logit_softcap=cfg.attention_logit_softcap or None,
+      )  # fmt: skip
     else:
       if per_head_norm:
         q, k = self.q_norm(q), self.k_norm(k)
+      if q_mult != 1.0:
+        q = q * jnp.asarray(q_mult, dt)
       q, k = apply_rope(q, cos_btf, sin_btf), apply_rope(k, cos_btf, sin_btf)
       out_bthe, cache = attend(
-        q, k, v, positions_bt, cache, segment_ids_bt, attention=cfg.attention
-      )
+        q, k, v, positions_bt, cache, segment_ids_bt, attention=cfg.attention,
+        sliding_window=window, logit_softcap=cfg.attention_logit_softcap or None,
+      )  # fmt: skip
     return jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt)), cache
 
 
+# `ModelConfig.mlp_activation` -> the gate's activation.
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
-  """SwiGLU feed-forward; returns (output, None) to match `MoEMLP`'s (output, routing)."""
+  """Gated feed-forward (SwiGLU, or GeGLU for Gemma); returns (output, None) to match
+  `MoEMLP`'s (output, routing)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f, pd = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
+    self.activation = cfg.mlp_activation
     self.w_gate_df = param(rngs, (d, f), ("embed", "mlp"), d, pd)
     self.w_up_df = param(rngs, (d, f), ("embed", "mlp"), d, pd)
     self.w_down_fd = param(rngs, (f, d), ("mlp", "embed"), f, pd)
@@ -135,29 +169,46 @@ class MLP(nnx.Module):
     gate = jnp.einsum("btd,df->btf", x_btd, self.w_gate_df.get_value().astype(dt))
     up = jnp.einsum("btd,df->btf", x_btd, self.w_up_df.get_value().astype(dt))
     down_fd = self.w_down_fd.get_value().astype(dt)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, down_fd), None
+    hidden = ACTIVATIONS[self.activation](gate) * up
+    return jnp.einsum("btf,fd->btd", hidden, down_fd), None
 
 
 class Block(nnx.Module):
+  """One decoder layer. Norms by `ModelConfig.norm_position`: "pre" norms each sublayer's input
+  (`attn_norm`, `mlp_norm`), "post" its output (the same two), "sandwich" both (`attn_norm`
+  and `mlp_norm` before, `attn_post_norm` and `mlp_post_norm` after)."""
+
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     pd = jnp.dtype(cfg.param_dtype)
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    norm_args = (cfg.d_model, cfg.norm_eps, pd, cfg.norm_scale_plus_one)
+    self.attn_norm = RMSNorm(*norm_args)
     self.attn = Attention(cfg, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.mlp_norm = RMSNorm(*norm_args)
     self.mlp = MoEMLP(cfg, rngs=rngs) if cfg.is_moe else MLP(cfg, rngs=rngs)
+    if cfg.norm_position == "sandwich":
+      self.attn_post_norm = RMSNorm(*norm_args)
+      self.mlp_post_norm = RMSNorm(*norm_args)
 
   def __call__(
-    self, x_btd, positions_bt, cache, moe: MoEInputs | None, layer: int, segment_ids_bt=None
-  ):
-    """Returns (output, cache, an MoE MLP's `MoERouting` or None)."""
-    if self.attn.cfg.norm_position == "post":  # OLMo 2: sublayer outputs normed, inputs not
-      attn_out, cache = self.attn(x_btd, positions_bt, cache, segment_ids_bt, layer)
+    self, x_btd, positions_bt, cache, moe: MoEInputs | None, layer: int, segment_ids_bt=None,
+    window: int | None = None,
+  ):  # fmt: skip
+    """Returns (output, cache, an MoE MLP's `MoERouting` or None). `window`: the layer's
+    sliding window (static), None for full attention."""
+    position = self.attn.cfg.norm_position
+    attn_args = (positions_bt, cache, segment_ids_bt, layer, window)
+    if position == "post":  # OLMo 2: sublayer outputs normed, inputs not
+      attn_out, cache = self.attn(x_btd, *attn_args)
       x_btd = x_btd + self.attn_norm(attn_out)
       mlp_out, routing = self.mlp(x_btd, moe, layer)
       return x_btd + self.mlp_norm(mlp_out), cache, routing
-    attn_out, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, segment_ids_bt, layer)
+    attn_out, cache = self.attn(self.attn_norm(x_btd), *attn_args)
+    if position == "sandwich":
+      attn_out = self.attn_post_norm(attn_out)
     x_btd = x_btd + attn_out
     mlp_out, routing = self.mlp(self.mlp_norm(x_btd), moe, layer)
+    if position == "sandwich":
+      mlp_out = self.mlp_post_norm(mlp_out)
     return x_btd + mlp_out, cache, routing
 
 
@@ -172,7 +223,7 @@ class Transformer(nnx.Module):
       logical_axes=("vocab", "embed"),
     )
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, cfg.norm_scale_plus_one)
     if not cfg.tie_embeddings:
       self.lm_head_dv = param(
         rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model, pd
@@ -231,7 +282,10 @@ class Transformer(nnx.Module):
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     embed_vd = self.embed_vd.get_value()
-    x_btd = _pin(embed_vd[tokens_bt].astype(dt), activation_sharding)
+    x_btd = embed_vd[tokens_bt].astype(dt)
+    if cfg.scale_embeddings:  # Gemma: by sqrt(d_model), itself rounded to the compute dtype
+      x_btd = x_btd * jnp.asarray(cfg.d_model**0.5, dt)
+    x_btd = _pin(x_btd, activation_sharding)
     args = (x_btd, positions_bt, moe, segment_ids_bt, activation_sharding)
     packed_prefill = cache is not None and isinstance(cache[0], PackedPrefillCache)
     if cfg.scan_layers and cache is None:
@@ -244,8 +298,8 @@ class Transformer(nnx.Module):
     if return_hidden:
       out = x_btd, new_cache
     else:
-      logits_btv = self.lm_head().logits(x_btd)
-      logits_btv = vocab_mask(logits_btv.astype(jnp.float32), cfg.vocab_limit)
+      logits_btv = self.lm_head().logits(x_btd).astype(jnp.float32)
+      logits_btv = vocab_mask(softcap(logits_btv, cfg.final_logit_softcap), cfg.vocab_limit)
       out = logits_btv, new_cache
     if return_routing:
       out = *out, ids_btlk
@@ -298,13 +352,13 @@ class Transformer(nnx.Module):
         # pass and recompute the rest, trading compute for activation memory that no longer
         # grows with depth.
         run = nnx.remat(
-          lambda blk, x, pos, seg, i=i: blk(x, pos, None, moe, i, seg),
+          lambda blk, x, pos, seg, i=i: blk(x, pos, None, moe, i, seg, cfg.layer_window(i)),
           policy=remat_policy(cfg.remat_policy),
         )
         x_btd, layer_cache, layer_routing = run(block, x_btd, positions_bt, segment_ids_bt)
       else:
         x_btd, layer_cache, layer_routing = block(
-          x_btd, positions_bt, layer_cache, moe, i, segment_ids_bt
+          x_btd, positions_bt, layer_cache, moe, i, segment_ids_bt, cfg.layer_window(i)
         )
       x_btd = _pin(x_btd, activation_sharding)
       new_cache.append(layer_cache)
@@ -329,46 +383,103 @@ class Transformer(nnx.Module):
     Their weights are stacked along a leading layer axis inside the program, in the compute
     dtype: every block parameter is cast to it where it is used (the norms' scales and the
     biases too), so the stacked copy changes no value, and it is half the size of fp32 master
-    weights. Its gradient is sliced back into the layers' own."""
+    weights. Its gradient is sliced back into the layers' own.
+
+    Layers whose sliding windows differ (Gemma 3: five local layers, then a global one) need
+    the window statically: the scan's step then runs one period of the pattern, its blocks
+    one after another (`_window_period`), and a last scan the layers that remain."""
+    cfg = self.cfg
+    args = (positions_bt, moe, segment_ids_bt, activation_sharding)
+    period = _window_period(cfg, layers)
+    whole = layers // period * period
+    parts = [(0, whole, period)] + [(whole, layers - whole, layers - whole)] * (whole < layers)
+    kvs, ids, routed, dropped = [], [], jnp.int32(0), jnp.int32(0)
+    for first, count, p in parts:
+      x_btd, kv, part_ids, part_routed, part_dropped = self._scan_period(
+        x_btd, *args, first=first, count=count, period=p, kv_dtype=kv_dtype
+      )
+      kvs.append(kv)
+      ids.append(part_ids)
+      routed, dropped = routed + part_routed, dropped + part_dropped
+    cat = lambda *xs: jnp.concatenate(xs, axis=0)  # noqa: E731
+    kv = None if kvs[0] is None else jax.tree.map(cat, *kvs)
+    ids_lbtk = None if ids[0] is None else cat(*ids)
+    ids_btlk = None if ids_lbtk is None else jnp.moveaxis(ids_lbtk, 0, 2).astype(jnp.int32)
+    return x_btd, kv, ids_btlk, routed, dropped
+
+  def _scan_period(
+    self, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, *, first: int,
+    count: int, period: int, kv_dtype,
+  ):  # fmt: skip
+    """Layers `[first, first + count)` as a scan over `count // period` steps of `period`
+    blocks each; returns the residual stream, the keys and values (or None) and the expert
+    ids (or None) stacked by layer (`[count, ...]`), and the routed and dropped sums."""
     cfg = self.cfg
     dt = x_btd.dtype
     graphdef, template = nnx.split(self.blocks[0])
-    weights = [nnx.to_pure_dict(nnx.state(block)) for block in self.blocks[:layers]]
-    stacked = jax.tree.map(lambda *xs: jnp.stack([x.astype(dt) for x in xs]), *weights)
-
+    weights = [nnx.to_pure_dict(nnx.state(b)) for b in self.blocks[first : first + count]]
+    steps = count // period
+    # stacked[j]: the weights of the j-th block of every step, stacked over the steps.
+    stacked = [
+      jax.tree.map(lambda *xs: jnp.stack([x.astype(dt) for x in xs]), *weights[j::period])
+      for j in range(period)
+    ]
+    windows = [cfg.layer_window(first + j) for j in range(period)]
     layer_cache = None if kv_dtype is None else PackedPrefillKeys(kv_dtype)
 
-    def run_block(carry, xs):
-      x_btd, routed, dropped = carry
-      layer, weights = xs
+    def run_block(x_btd, layer, weights, window):
       state = jax.tree.map(lambda v: v, template)
       nnx.replace_by_pure_dict(state, weights)
       block = nnx.merge(graphdef, state)
-      x_btd, kv, routing = block(x_btd, positions_bt, layer_cache, moe, layer, segment_ids_bt)
-      x_btd = _pin(x_btd, activation_sharding)
-      if routing is None:
-        return (x_btd, routed, dropped), (kv, None)
-      carry = (x_btd, routed + routing.routed, dropped + routing.dropped)
-      return carry, (kv, routing.ids_btk)
+      x_btd, kv, routing = block(
+        x_btd, positions_bt, layer_cache, moe, layer, segment_ids_bt, window
+      )
+      return _pin(x_btd, activation_sharding), kv, routing
 
     # Training, as unrolled: keep each block's input (and what the policy names).
     if cfg.remat and kv_dtype is None:
       run_block = jax.checkpoint(
-        run_block, policy=remat_policy(cfg.remat_policy), prevent_cse=False
+        run_block, policy=remat_policy(cfg.remat_policy), prevent_cse=False, static_argnums=(3,)
       )
+
+    def run_step(carry, xs):
+      x_btd, routed, dropped = carry
+      layers_p, weights_p = xs
+      kvs, ids = [], []
+      for j in range(period):
+        x_btd, kv, routing = run_block(x_btd, layers_p[j], weights_p[j], windows[j])
+        kvs.append(kv)
+        if routing is not None:
+          routed, dropped = routed + routing.routed, dropped + routing.dropped
+          ids.append(routing.ids_btk)
+      stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)  # noqa: E731
+      return (x_btd, routed, dropped), (stack(kvs), stack(ids) if ids else None)
+
     zero = jnp.int32(0)
-    layer_ids = jnp.arange(layers, dtype=jnp.int32)
-    (x_btd, routed, dropped), (kv, ids_lbtk) = jax.lax.scan(
-      run_block, (x_btd, zero, zero), (layer_ids, stacked)
+    layer_ids = first + jnp.arange(count, dtype=jnp.int32).reshape(steps, period)
+    (x_btd, routed, dropped), (kv, ids) = jax.lax.scan(
+      run_step, (x_btd, zero, zero), (layer_ids, stacked)
     )
-    ids_btlk = None if ids_lbtk is None else jnp.moveaxis(ids_lbtk, 0, 2).astype(jnp.int32)
-    return x_btd, kv, ids_btlk, routed, dropped
+    # [steps, period, ...] -> [count, ...]: layer first + s * period + j is row s * period + j.
+    flat = lambda x: x.reshape(count, *x.shape[2:])  # noqa: E731
+    kv = None if kv is None else jax.tree.map(flat, kv)
+    return x_btd, kv, None if ids is None else flat(ids), routed, dropped
 
   def lm_head(self) -> LMHead:
     """The LM head as stored: the embedding when tied, else `lm_head_dv`."""
     if self.cfg.tie_embeddings:
       return LMHead(self.embed_vd.get_value(), vocab_major=True)
     return LMHead(self.lm_head_dv.get_value(), vocab_major=False)
+
+
+def _window_period(cfg: ModelConfig, layers: int) -> int:
+  """The shortest period with which the first `layers` layers repeat their sliding windows:
+  1 where every layer has the same (a scan's step is one block)."""
+  windows = [cfg.layer_window(i) for i in range(layers)]
+  for period in range(1, layers + 1):
+    if all(windows[i] == windows[i % period] for i in range(layers)):
+      return period
+  return max(layers, 1)
 
 
 def _pin(x: jax.Array, sharding: jax.sharding.Sharding | None) -> jax.Array:
@@ -392,6 +503,12 @@ class LMHead(NamedTuple):
     """`x_btd @ head` in `x_btd`'s dtype (the weights cast to it), any leading axes."""
     spec = "...d,vd->...v" if self.vocab_major else "...d,dv->...v"
     return jnp.einsum(spec, x_btd, self.weights.astype(x_btd.dtype))
+
+
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+  """`cap * tanh(logits / cap)` (Gemma 2's logit softcapping); `cap` 0 returns them as they
+  are. Its derivative is `1 - (softcap(x) / cap) ** 2`."""
+  return logits if not cap else cap * jnp.tanh(logits / cap)
 
 
 MASKED_LOGIT = -1e30  # finite, so that 0 * logit stays 0 in entropies and sums

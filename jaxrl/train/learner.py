@@ -308,6 +308,7 @@ class Learner:
       vocab_limit=cfg.vocab_limit,
       chunk=self.logprob_chunk,
       vocab_shards=self.vocab_shards,
+      logit_softcap=cfg.final_logit_softcap,
     )
 
   def _replayed_routes(self, batch: TrainBatch) -> np.ndarray | None:

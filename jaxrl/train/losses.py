@@ -130,6 +130,7 @@ def chunked_token_logprobs(
   vocab_limit: int = 0,
   chunk: int = 512,
   vocab_shards: int = 1,
+  logit_softcap: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
   """`token_logprobs` of the LM head applied to `hidden_btd`, and each position's entropy (at
   the same temperature), with at most about `[B, chunk, V]` float32 logits at once.
@@ -150,6 +151,8 @@ def chunked_token_logprobs(
       with `vocab_shards`, those of one shard's part of the vocabulary, on each device.
     vocab_shards: devices the head's vocabulary axis is sharded over (tensor parallelism):
       each block takes rows from every shard, so the head is never gathered.
+    logit_softcap: the model's `final_logit_softcap` (Gemma 2), applied to the float32
+      logits as the model applies it; 0 for none.
 
   Returns:
     (`[B, T]` fp32 log-probabilities, `[B, T]` fp32 entropies).
@@ -160,7 +163,7 @@ def chunked_token_logprobs(
   rows = vocab_block_rows(vocab // vocab_shards, targets_bt.shape[1], chunk)
   return vocab_block_logprobs(
     hidden_btd, head, targets_bt, temperature, vocab_limit=vocab_limit, rows=rows,
-    shards=vocab_shards,
+    shards=vocab_shards, logit_softcap=logit_softcap,
   )  # fmt: skip
 
 

@@ -62,6 +62,7 @@ class SupervisedTrainer:
         vocab_limit=self.learner.model.config.vocab_limit,
         chunk=self.learner.logprob_chunk,
         vocab_shards=self.learner.vocab_shards,
+        logit_softcap=self.learner.model.config.final_logit_softcap,
       )
       return -jnp.sum(logp_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1)
 

@@ -25,8 +25,9 @@ computes its own rows' logits, and only per-position sums cross devices. Blocks 
 contiguous rows would make XLA gather the whole head onto every device.
 
 Numbers: a block's logits are the head's, `LMHead.logits` in the hidden states' dtype, then
-float32, masked past `vocab_limit` and divided by the temperature, exactly as the rollout
-engine computes them; only the order of the log-sum-exp's sums changes.
+float32, softcapped (`ModelConfig.final_logit_softcap`, Gemma 2), masked past `vocab_limit`
+and divided by the temperature, exactly as the rollout engine computes them; only the order of
+the log-sum-exp's sums changes.
 
 Shapes: b batch, t positions, d model width, s shards of the vocabulary, w rows per shard in
 a block.
@@ -41,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxrl.model.transformer import MASKED_LOGIT, LMHead
+from jaxrl.model.transformer import MASKED_LOGIT, LMHead, softcap
 
 _LANES = 128  # blocks are whole multiples of this many rows (TPU lanes, GPU tiles)
 
@@ -105,13 +106,13 @@ def _rows(head, vocab_major: bool, start, size: int):
   return rows if head.ndim == 3 else jnp.expand_dims(rows, 0 if vocab_major else 1)
 
 
-def _block_logits(h_btd, head3, vocab_major, start, size, temperature, vocab_limit):
+def _block_logits(h_btd, head3, vocab_major, start, size, temperature, vocab_limit, cap=0.0):
   """(float32 logits `[b, t, shards, w]` of rows `[start, start + size)` of every shard, as the
-  model computes them (`LMHead.logits`: in the hidden states' dtype, then float32), their
-  vocabulary ids `[shards, w]`)."""
+  model computes them (`LMHead.logits`: in the hidden states' dtype, then float32, then the
+  softcap `cap`), their vocabulary ids `[shards, w]`)."""
   w_rows = _rows(head3, vocab_major, start, size)
   logits = jnp.einsum(_SPECS[vocab_major][0], h_btd, w_rows.astype(h_btd.dtype))
-  logits_btsw = logits.astype(jnp.float32)
+  logits_btsw = softcap(logits.astype(jnp.float32), cap)
   shards, per_shard, _ = _geometry(head3, vocab_major)
   ids_sw = (
     jnp.arange(shards, dtype=jnp.int32)[:, None] * per_shard
@@ -134,11 +135,12 @@ def _starts(vocab: int, rows: int):
 _BLOCK_AXES = (-2, -1)  # a block's logits `[b, t, shards, w]`: its vocabulary axes
 
 
-def _forward(h_btd, head3, targets_bt, temperature, *, vocab_major, vocab_limit, rows):
+def _forward(h_btd, head3, targets_bt, temperature, *, vocab_major, vocab_limit, rows, cap):
   """(log-probs, entropies, log-sum-exp), float32 `[b, t]`."""
   block = functools.partial(
-    _block_logits, h_btd, head3, vocab_major, temperature=temperature, vocab_limit=vocab_limit
-  )
+    _block_logits, h_btd, head3, vocab_major, temperature=temperature, vocab_limit=vocab_limit,
+    cap=cap,
+  )  # fmt: skip
   hit = targets_bt[..., None, None]
 
   def add(carry, start, size):
@@ -166,27 +168,27 @@ def _forward(h_btd, head3, targets_bt, temperature, *, vocab_major, vocab_limit,
   return target_bt - logz_bt, logz_bt - weighted_bt / sum_bt, logz_bt
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _logprobs(h_btd, head3, targets_bt, temperature, vocab_major, vocab_limit, rows):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _logprobs(h_btd, head3, targets_bt, temperature, vocab_major, vocab_limit, rows, cap):
   logp_bt, entropy_bt, _ = _forward(
     h_btd, head3, targets_bt, temperature,
-    vocab_major=vocab_major, vocab_limit=vocab_limit, rows=rows,
+    vocab_major=vocab_major, vocab_limit=vocab_limit, rows=rows, cap=cap,
   )  # fmt: skip
   return logp_bt, entropy_bt
 
 
-def _logprobs_fwd(h_btd, head3, targets_bt, temperature, vocab_major, vocab_limit, rows):
+def _logprobs_fwd(h_btd, head3, targets_bt, temperature, vocab_major, vocab_limit, rows, cap):
   # `symbolic_zeros`: the differentiable arguments come wrapped (value, perturbed).
   h_btd, head3, targets_bt, temperature = (x.value for x in (h_btd, head3, targets_bt, temperature))
   logp_bt, entropy_bt, logz_bt = _forward(
     h_btd, head3, targets_bt, temperature,
-    vocab_major=vocab_major, vocab_limit=vocab_limit, rows=rows,
+    vocab_major=vocab_major, vocab_limit=vocab_limit, rows=rows, cap=cap,
   )  # fmt: skip
   residuals = (h_btd, head3, targets_bt, temperature, logz_bt, entropy_bt)
   return (logp_bt, entropy_bt), residuals
 
 
-def _logprobs_bwd(vocab_major, vocab_limit, rows, residuals, cotangents):
+def _logprobs_bwd(vocab_major, vocab_limit, rows, cap, residuals, cotangents):
   h_btd, head3, targets_bt, temperature, logz_bt, entropy_bt = residuals
   # The learner's entropies are a metric (stop_gradient): their cotangent is a symbolic zero,
   # and its term is left out rather than computed from zeros.
@@ -203,7 +205,9 @@ def _logprobs_bwd(vocab_major, vocab_limit, rows, residuals, cotangents):
   def block_grads(start, size):
     """(head gradient of the block's rows, float32 -> the head's dtype; this block's part of
     the hidden states' gradient, float32)."""
-    logits, ids_sw = _block_logits(h_btd, head3, vocab_major, start, size, temperature, vocab_limit)
+    logits, ids_sw = _block_logits(
+      h_btd, head3, vocab_major, start, size, temperature, vocab_limit, cap
+    )
     probs = jnp.exp(logits - logz)
     hits = ids_sw == hit
     if vocab_limit:  # a masked logit is a constant: a target past the limit passes nothing
@@ -216,8 +220,13 @@ def _logprobs_bwd(vocab_major, vocab_limit, rows, residuals, cotangents):
       d_logits += d_logp_bt * (hits - probs)
     if d_entropy_bt is not None:
       d_logits -= d_entropy_bt * probs * (logits - logz + entropy)
-    # Back through "/ temperature" and the cast of the compute-dtype logits to float32.
-    d_logits = (d_logits / temperature).astype(compute)
+    # Back through "/ temperature", the softcap (derivative 1 - (capped / cap)^2; clipped,
+    # so that a masked logit, -1e30 where capped ones lie in [-cap, cap], gives 0, not the
+    # square's overflow) and the cast of the compute-dtype logits to float32.
+    d_logits = d_logits / temperature
+    if cap:
+      d_logits *= 1.0 - jnp.square(jnp.clip(logits * temperature / cap, -1.0, 1.0))
+    d_logits = d_logits.astype(compute)
     w_rows = _rows(head3, vocab_major, start, size).astype(compute)
     d_w = jnp.einsum(head_spec, h_btd, d_logits, preferred_element_type=jnp.float32)
     d_h = jnp.einsum(hidden_spec, d_logits, w_rows, preferred_element_type=jnp.float32)
@@ -253,17 +262,20 @@ def vocab_block_logprobs(
   vocab_limit: int = 0,
   rows: int,
   shards: int = 1,
+  logit_softcap: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
   """(float32 log-probs, float32 entropies) `[b, t]` of `targets_bt` under the softmax of the
   head's logits over `hidden_btd` at `temperature`, `rows` vocabulary rows of each of
   `shards` equal parts of the vocabulary at a time (module docstring); differentiable in
   `hidden_btd` and the head's weights. `shards`: the devices the head's vocabulary axis is
-  sharded over, so that every block takes rows from every shard and none is gathered."""
+  sharded over, so that every block takes rows from every shard and none is gathered.
+  `logit_softcap`: `ModelConfig.final_logit_softcap` (0: none)."""
   vocab = head.weights.shape[0 if head.vocab_major else 1]
   if shards < 1 or vocab % shards:
     raise ValueError(f"shards must be >= 1 and divide the vocabulary ({vocab}), got {shards}.")
   head3 = _per_shard(head.weights, head.vocab_major, shards)
   logp_bt, entropy_bt = _logprobs(
-    hidden_btd, head3, targets_bt, temperature, head.vocab_major, vocab_limit, rows
-  )
+    hidden_btd, head3, targets_bt, temperature, head.vocab_major, vocab_limit, rows,
+    float(logit_softcap),
+  )  # fmt: skip
   return logp_bt, entropy_bt

@@ -10,8 +10,8 @@ that attention, RoPE and routing visibly shape the logits and a wrong conversion
 Architectures (`ARCHS`) and what each exercises:
   "llama": Llama 3.1 RoPE scaling (llama3, original context 64 so it acts within 256 tokens),
     head_dim 32 != hidden / heads.
-  "mistral": a sliding window of 384 positions (longer than the tests' sequences, shorter than
-    max_position_embeddings), head_dim from hidden / heads, rope_theta 1e6.
+  "mistral": a sliding window of 48 positions in every layer (shorter than the tests'
+    sequences), head_dim from hidden / heads, rope_theta 1e6.
   "qwen2": q/k/v biases, rope_theta 1e6.
   "qwen3": q/k RMSNorm, head_dim 24, rope_theta 1e6.
   "qwen3_moe": 8 experts, top-2, q/k norm; `norm_topk_prob` as given (default True).
@@ -23,6 +23,13 @@ Architectures (`ARCHS`) and what each exercises:
     its own tensor names (block_sparse_moe, w1/w2/w3), rope_theta 1e4.
   "olmoe": 8 experts of width 32 (its intermediate_size), top-2 without renormalisation
     (transformers' default), q/k norms across heads.
+  "gemma3_text": 5 layers, sliding (window 48) but for the third; sandwich norms stored minus
+    one, q/k norms, GeGLU, scaled embeddings, query_pre_attn_scalar 24 (head_dim 16), linear
+    RoPE scaling (factor 2, base 1e4) in full layers and base 1e3 in sliding ones.
+  "gemma2": 3 layers, the first and third sliding (window 48, transformers' default
+    alternation); Gemma 3's norms, GeGLU and embedding scale without q/k norms; attention
+    logits softcapped at 2 and final logits at 5 (Gemma 2's 50 and 30 would leave a tiny
+    model's logits uncapped), query_pre_attn_scalar 24 (head_dim 16).
 
 Also the config.json of Qwen3-0.6B, Qwen3-30B-A3B and Llama-3.2-1B as the Hub publishes them
 (`QWEN3_0_6B`, `QWEN3_30B_A3B`, `LLAMA_3_2_1B`), for tests of configs without weights.
@@ -47,6 +54,8 @@ ARCHS = (
   "olmoe",
   "phi3",
   "mixtral",
+  "gemma3_text",
+  "gemma2",
 )
 VOCAB_SIZE = 512
 
@@ -80,7 +89,7 @@ _ARCH = {
   ),
   "mistral": (
     transformers.MistralConfig,
-    dict(sliding_window=384, rope_parameters=dict(rope_theta=1e6)),
+    dict(sliding_window=48, rope_parameters=dict(rope_theta=1e6)),
   ),
   "qwen2": (transformers.Qwen2Config, dict(rope_parameters=dict(rope_theta=1e6))),
   "qwen3": (transformers.Qwen3Config, dict(head_dim=24, rope_parameters=dict(rope_theta=1e6))),
@@ -106,6 +115,32 @@ _ARCH = {
   "olmoe": (
     transformers.OlmoeConfig,
     dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, rms_norm_eps=1e-5),
+  ),
+  "gemma3_text": (
+    transformers.Gemma3TextConfig,
+    dict(
+      num_hidden_layers=5,
+      head_dim=16,
+      query_pre_attn_scalar=24,
+      sliding_window=48,
+      layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2,
+      rope_parameters={
+        "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e4),
+        "sliding_attention": dict(rope_type="default", rope_theta=1e3),
+      },
+    ),
+  ),
+  "gemma2": (
+    transformers.Gemma2Config,
+    dict(
+      num_hidden_layers=3,
+      head_dim=16,
+      query_pre_attn_scalar=24,
+      sliding_window=48,
+      attn_logit_softcapping=2.0,
+      final_logit_softcapping=5.0,
+      rope_parameters=dict(rope_theta=1e4),
+    ),
   ),
   "qwen3_moe": (
     transformers.Qwen3MoeConfig,
@@ -342,3 +377,34 @@ def paged_greedy(directory: str | os.PathLike, prompts: list[list[int]], max_new
   engine.update_weights(params, 0)
   sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
   return [c.token_ids.tolist() for c in engine.generate(prompts, sampling, seed=0)]
+
+
+def write_gemma3_multimodal(directory: str | os.PathLike, *, seed: int = 0) -> str:
+  """A tiny random Gemma3ForConditionalGeneration (Gemma 3 4B and up): the "gemma3_text"
+  language model of `ARCHS`, tied, under a one-layer SigLIP vision tower, saved as transformers
+  saves it (the Hub's layout: `language_model.model.*`, `vision_tower.*`,
+  `multi_modal_projector.*`; config.json with text_config and vision_config)."""
+  text = hf_config("gemma3_text", tied=True)
+  vision = transformers.SiglipVisionConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+  )
+  config = transformers.Gemma3Config(
+    text_config=text.to_dict(),
+    vision_config=vision.to_dict(),
+    mm_tokens_per_image=4,
+    boi_token_index=VOCAB_SIZE - 3,
+    eoi_token_index=VOCAB_SIZE - 2,
+    image_token_index=VOCAB_SIZE - 1,
+    eos_token_id=[2, 5],
+  )
+  config._attn_implementation = "eager"
+  model = transformers.Gemma3ForConditionalGeneration(config)
+  _randomize(model, seed)
+  model.tie_weights()
+  model.eval().save_pretrained(os.fspath(directory))
+  return os.fspath(directory)

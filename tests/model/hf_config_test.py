@@ -1,5 +1,5 @@
 """`config_from_hf` on config.json alone (no weights): the Hub's configs give the presets, both
-layouts agree, missing keys take transformers' defaults, a Mistral window caps the length, and
+layouts agree, missing keys take transformers' defaults, a Mistral window slides in every layer, and
 SmolLM3's NoPE layers read and write."""
 
 import dataclasses
@@ -60,16 +60,24 @@ def test_missing_keys_take_transformers_defaults(arch):
   assert config_from_hf({"model_type": arch, **core}) == config_from_hf(full)
 
 
-def test_a_mistral_window_caps_the_sequence_length():
-  """Up to its window, sliding attention is full attention: the model reads with max_seq_len
-  at most the window (transformers' default window where config.json has no key)."""
+def test_a_mistral_window_slides_in_every_layer():
+  """Mistral's window applies to every layer (transformers' default window where config.json
+  has no key); the sequence length stays max_position_embeddings; a null window is Llama."""
   core = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
   core |= dict(num_key_value_heads=2)
   config = {"model_type": "mistral", "vocab_size": 100, "max_position_embeddings": 8192, **core}
-  assert config_from_hf(config).max_seq_len == 4096
-  assert config_from_hf(config | {"sliding_window": 1000}).max_seq_len == 1000
-  assert config_from_hf(config | {"sliding_window": 9000}).max_seq_len == 8192
-  assert config_from_hf(config | {"sliding_window": None}).max_seq_len == 8192
+  default = config_from_hf(config)
+  assert (default.sliding_window, default.sliding_layers, default.max_seq_len) == (
+    4096,
+    (0, 1),
+    8192,
+  )
+  windowed = config_from_hf(config | {"sliding_window": 1000})
+  assert (windowed.sliding_window, windowed.max_seq_len) == (1000, 8192)
+  assert model_type_of(windowed) == "mistral"
+  assert config_to_hf(windowed, "float32")["sliding_window"] == 1000
+  unwindowed = config_from_hf(config | {"sliding_window": None})
+  assert (unwindowed.sliding_layers, model_type_of(unwindowed)) == ((), "llama")
 
 
 def test_smollm3_nope_layers():
@@ -117,20 +125,115 @@ def test_olmo2_options_only_together():
   with pytest.raises(ValueError, match="qwen3 needs model.qk_norm_across_heads=False"):
     model_type_of(ModelConfig(qk_norm=True, qk_norm_across_heads=True))
   with pytest.raises(ValueError, match="norm_position must be one of"):
-    ModelConfig(norm_position="sandwich")
+    ModelConfig(norm_position="middle")
   with pytest.raises(ValueError, match="qk_norm_across_heads=True needs model.qk_norm=True"):
     ModelConfig(qk_norm_across_heads=True)
 
 
-def test_a_phi3_window_caps_the_sequence_length():
+def test_a_phi3_window_slides_in_every_layer():
   """Phi-3-mini-4k's config says sliding_window 2047: read like Mistral's, but Phi-3 has no
   window by default."""
   core = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
   config = {"model_type": "phi3", "num_attention_heads": 4, "max_position_embeddings": 4096}
   config |= core
-  assert config_from_hf(config).max_seq_len == 4096
-  assert config_from_hf(config | {"sliding_window": 2047}).max_seq_len == 2047
+  assert config_from_hf(config).sliding_layers == ()
+  windowed = config_from_hf(config | {"sliding_window": 2047})
+  assert (windowed.sliding_window, windowed.sliding_layers, windowed.max_seq_len) == (
+    2047,
+    (0, 1),
+    4096,
+  )
   assert model_type_of(config_from_hf(config)) == "llama"  # the same network
+  assert model_type_of(windowed) == "mistral"
+
+
+# Gemma 3 1B's config.json as the Hub publishes it (the older layout), abridged.
+GEMMA_3_1B = {
+  "architectures": ["Gemma3ForCausalLM"],
+  "attention_bias": False,
+  "attn_logit_softcapping": None,
+  "final_logit_softcapping": None,
+  "head_dim": 256,
+  "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 1152,
+  "intermediate_size": 6912,
+  "max_position_embeddings": 32768,
+  "model_type": "gemma3_text",
+  "num_attention_heads": 4,
+  "num_hidden_layers": 26,
+  "num_key_value_heads": 1,
+  "query_pre_attn_scalar": 256,
+  "rms_norm_eps": 1e-06,
+  "rope_local_base_freq": 10000,
+  "rope_scaling": None,
+  "rope_theta": 1000000,
+  "sliding_window": 512,
+  "sliding_window_pattern": 6,
+  "torch_dtype": "bfloat16",
+  "vocab_size": 262144,
+}
+
+
+def test_gemma3_1b_hub_config():
+  """Five sliding layers in six (the pattern), their own RoPE base, the logit scale left at
+  head_dim ** -0.5 where query_pre_attn_scalar is head_dim; the same as transformers 5's own
+  layout (rope_parameters per layer type, layer_types) and written back to it."""
+  cfg = config_from_hf(GEMMA_3_1B)
+  assert cfg.sliding_window == 512 and cfg.local_rope_theta == 10_000.0
+  assert cfg.sliding_layers == tuple(i for i in range(26) if (i + 1) % 6)
+  assert (cfg.rope_theta, cfg.rope_scaling, cfg.attention_logit_scale) == (1e6, "", 0.0)
+  assert (cfg.norm_position, cfg.mlp_activation, cfg.tie_embeddings) == (
+    "sandwich",
+    "gelu_tanh",
+    True,
+  )
+  assert cfg.norm_scale_plus_one and cfg.scale_embeddings and cfg.qk_norm
+  assert model_type_of(cfg) == "gemma3_text"
+  assert config_from_hf(config_to_hf(cfg, "bfloat16")) == cfg
+  bf16 = dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16")
+  assert bf16 == PRESETS["gemma3-1b"] and cfg.num_params() == 999_885_952  # transformers' count
+  v5 = transformers.Gemma3TextConfig(**GEMMA_3_1B).to_dict()
+  assert "rope_parameters" in v5 and "rope_theta" not in v5
+  assert config_from_hf(v5) == cfg
+  # Gemma 3 27B: query_pre_attn_scalar 168 with head_dim 128; 4B and up: linear scaling by 8.
+  big = config_from_hf(
+    GEMMA_3_1B
+    | {"query_pre_attn_scalar": 168, "head_dim": 128}
+    | {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+  )
+  assert big.attention_logit_scale == 168**-0.5 and big.rope_factor == 8.0
+  assert config_from_hf(config_to_hf(big, "bfloat16")) == big
+  capped = config_from_hf(GEMMA_3_1B | {"attn_logit_softcapping": 50.0})  # Gemma 3 may set it
+  assert capped.attention_logit_softcap == 50.0 and model_type_of(capped) == "gemma3_text"
+
+
+@pytest.mark.parametrize(
+  "change,key",
+  [
+    ({"final_logit_softcapping": 0.0}, "final_logit_softcapping"),
+    ({"hidden_activation": "gelu"}, "hidden_activation"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"layer_types": ["full_attention"] * 3}, "layer_types"),
+    ({"sliding_window_pattern": 0}, "sliding_window_pattern"),
+    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
+  ],
+)
+def test_gemma3_refusals_name_the_key(change, key):
+  with pytest.raises(CheckpointError, match=key):
+    config_from_hf(GEMMA_3_1B | change)
+
+
+def test_windows_only_where_an_architecture_has_them():
+  qwen3 = ModelConfig(qk_norm=True, num_layers=2, sliding_window=8, sliding_layers=(0, 1))
+  with pytest.raises(ValueError, match="qwen3 has no sliding window"):
+    model_type_of(qwen3)
+  some = ModelConfig(num_layers=2, sliding_window=8, sliding_layers=(1,))
+  with pytest.raises(ValueError, match="mistral has no sliding window"):
+    model_type_of(some)
+  with pytest.raises(ValueError, match="give a window >= 1 and the layers"):
+    ModelConfig(sliding_window=8)
+  with pytest.raises(ValueError, match="local_rope_theta"):
+    ModelConfig(local_rope_theta=10.0)
 
 
 def test_mixtral_always_renormalises_its_router_weights():
@@ -140,3 +243,49 @@ def test_mixtral_always_renormalises_its_router_weights():
   assert config_from_hf(config).norm_topk_prob
   assert config_from_hf(config | {"norm_topk_prob": False}).norm_topk_prob
   assert model_type_of(config_from_hf(config)) == "mixtral"
+
+
+# Gemma 2 2B's config.json as the Hub publishes it, abridged.
+GEMMA_2_2B = {
+  "architectures": ["Gemma2ForCausalLM"],
+  "attention_bias": False,
+  "attn_logit_softcapping": 50.0,
+  "final_logit_softcapping": 30.0,
+  "head_dim": 256,
+  "hidden_act": "gelu_pytorch_tanh",
+  "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 2304,
+  "intermediate_size": 9216,
+  "max_position_embeddings": 8192,
+  "model_type": "gemma2",
+  "num_attention_heads": 8,
+  "num_hidden_layers": 26,
+  "num_key_value_heads": 4,
+  "query_pre_attn_scalar": 256,
+  "rms_norm_eps": 1e-06,
+  "rope_theta": 10000.0,
+  "sliding_window": 4096,
+  "torch_dtype": "float32",
+  "vocab_size": 256000,
+}
+
+
+def test_gemma2_2b_hub_config():
+  """Every other layer sliding (the first), both softcaps, no q/k norm, one RoPE; written back
+  the same; softcaps default to Gemma 2's where the keys are missing and turn off with null."""
+  cfg = config_from_hf(GEMMA_2_2B)
+  assert cfg.sliding_layers == tuple(range(0, 26, 2)) and cfg.sliding_window == 4096
+  assert (cfg.attention_logit_softcap, cfg.final_logit_softcap) == (50.0, 30.0)
+  assert not cfg.qk_norm and cfg.local_rope_theta == 0 and cfg.norm_position == "sandwich"
+  assert model_type_of(cfg) == "gemma2"
+  assert config_from_hf(config_to_hf(cfg, "bfloat16")) == cfg
+  assert config_from_hf(transformers.Gemma2Config(**GEMMA_2_2B).to_dict()) == cfg
+  assert cfg.num_params() == 2_614_341_888  # transformers' count
+  missing = {k: v for k, v in GEMMA_2_2B.items() if not k.endswith("softcapping")}
+  assert config_from_hf(missing) == cfg
+  off = config_from_hf(GEMMA_2_2B | {"attn_logit_softcapping": None})
+  assert off.attention_logit_softcap == 0 and off.final_logit_softcap == 30.0
+  with pytest.raises(CheckpointError, match="final_logit_softcapping"):
+    config_from_hf(GEMMA_2_2B | {"final_logit_softcapping": -1.0})
+  with pytest.raises(ValueError, match="only gemma2 and gemma3_text set it"):
+    model_type_of(ModelConfig(final_logit_softcap=30.0))

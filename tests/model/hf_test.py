@@ -41,7 +41,7 @@ torch.set_num_threads(1)
 SEQ = 256
 # (arch, tied, transformers config overrides): every architecture tied and untied, Qwen3-MoE
 # with and without renormalised top-k weights.
-ARCHS_TIED_AND_UNTIED = ("llama", "qwen2", "qwen3", "smollm3", "olmo2")
+ARCHS_TIED_AND_UNTIED = ("llama", "qwen2", "qwen3", "smollm3", "olmo2", "gemma3_text", "gemma2")
 CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, True)] + [
   ("mistral", False, {}),
   ("qwen3_moe", False, {"norm_topk_prob": True}),
@@ -121,8 +121,8 @@ def test_logits_match_transformers(checkpoints, case):
   want = hc.logits(reference, tokens)
   model, params = load_pretrained(path, dtype="float32")
   assert model.config.tie_embeddings == tied and ("lm_head_dv" in params) == (not tied)
-  if arch == "mistral":  # the sliding window, shorter than max_position_embeddings
-    assert model.config.max_seq_len == 384
+  if arch in ("mistral", "gemma3_text", "gemma2"):  # a sliding window shorter than the rows
+    assert model.config.sliding_window == 48 and model.config.max_seq_len == 512
   assert _rel_err(_logits(model, params, tokens), want) < 1e-4
   if tied:
     return
@@ -140,6 +140,17 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, norm_topk_prob=True)
   elif arch == "mixtral":
     wrong = dataclasses.replace(cfg, norm_topk_prob=False)
+  elif arch in ("mistral", "gemma3_text"):
+    wrong = dataclasses.replace(cfg, sliding_window=0, sliding_layers=(), local_rope_theta=0.0)
+  elif arch == "gemma2":  # each softcap on its own, and the window
+    for change in (
+      dict(attention_logit_softcap=0.0),
+      dict(final_logit_softcap=0.0),
+      dict(sliding_window=0, sliding_layers=()),
+    ):
+      wrong = Model(dataclasses.replace(cfg, **change))
+      assert _rel_err(_logits(wrong, params, tokens), want) > 1e-2, change
+    return
   else:
     wrong = dataclasses.replace(cfg, rope_theta=cfg.rope_theta / 10)
   assert _rel_err(_logits(Model(wrong), params, tokens), want) > 1e-2
@@ -159,11 +170,15 @@ def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
 # -- greedy generation ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "smollm3", "olmo2"])
+@pytest.mark.parametrize(
+  "arch", ["qwen3", "llama", "smollm3", "olmo2", "gemma3_text", "mistral", "gemma2"]
+)
 def test_paged_greedy_matches_transformers_generate(checkpoints, arch):
+  """Gemma 3 and Mistral: prompts and continuations well past their 48-position window."""
   path = checkpoints(arch)
   rng = np.random.default_rng()
-  prompts = [rng.integers(3, hc.VOCAB_SIZE, n).tolist() for n in (5, 19)]
+  lengths = (5, 60) if arch in ("gemma3_text", "mistral", "gemma2") else (5, 19)
+  prompts = [rng.integers(3, hc.VOCAB_SIZE, n).tolist() for n in lengths]
   want = [hc.greedy(hc.load_model(path), p, 32) for p in prompts]
   assert hc.paged_greedy(path, prompts, 32) == want
 
@@ -184,10 +199,10 @@ def test_save_pretrained_loads_in_transformers(checkpoints, tmp_path, arch, tied
     "model.safetensors",
   ]
   reloaded = hc.load_model(tmp_path / "out")
-  # Without its source checkpoint, a Mistral or Phi-3 model is written as Llama: the same
-  # network (for Phi-3, q/k/v and gate/up unfused).
+  # Without its source checkpoint, a Phi-3 model is written as Llama: the same network, q/k/v
+  # and gate/up unfused.
   source_arch = _load_json(path / "config.json")["architectures"][0]
-  written = "LlamaForCausalLM" if arch in ("mistral", "phi3") else source_arch
+  written = "LlamaForCausalLM" if arch == "phi3" else source_arch
   assert type(reloaded).__name__ == written
   assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   # The generated config.json describes the same model to us too.
@@ -207,7 +222,7 @@ def test_saved_with_its_source_a_model_keeps_its_architecture(checkpoints, tmp_p
   assert type(reloaded).__name__ == _load_json(path / "config.json")["architectures"][0]
   assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   if arch == "mistral":
-    assert _load_json(tmp_path / "sourced" / "config.json")["sliding_window"] == 384
+    assert _load_json(tmp_path / "sourced" / "config.json")["sliding_window"] == 48
   else:
     index = _load_json(tmp_path / "sourced" / "model.safetensors.index.json")["weight_map"]
     assert "model.layers.1.self_attn.qkv_proj.weight" in index

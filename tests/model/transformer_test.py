@@ -23,6 +23,38 @@ VARIANTS = {
   "yarn": get_preset(
     "tiny", rope_scaling="yarn", rope_factor=4.0, rope_original_max_position_embeddings=8
   ),
+  # Gemma 3: sandwich norms stored minus one, GeGLU, scaled embeddings, a logit scale, and a
+  # window of 3 positions (shorter than the tests' rows) in layers 0, 1 and 3 of 4 with their
+  # own RoPE base (the scan's step is a period of three layers, then one more).
+  "gemma3-style": get_preset(
+    "tiny",
+    num_layers=4,
+    qk_norm=True,
+    norm_position="sandwich",
+    norm_scale_plus_one=True,
+    mlp_activation="gelu_tanh",
+    scale_embeddings=True,
+    attention_logit_scale=0.1,
+    sliding_window=3,
+    sliding_layers=(0, 1, 3),
+    local_rope_theta=100.0,
+    tie_embeddings=False,
+  ),  # fmt: skip
+  # Gemma 2: Gemma 3's norms without q/k norms, every other layer windowed, logits softcapped
+  # low enough (attention 1.5, final 3) that most are capped.
+  "gemma2-style": get_preset(
+    "tiny",
+    num_layers=3,
+    norm_position="sandwich",
+    norm_scale_plus_one=True,
+    mlp_activation="gelu_tanh",
+    scale_embeddings=True,
+    sliding_window=3,
+    sliding_layers=(0, 2),
+    attention_logit_softcap=1.5,
+    final_logit_softcap=3.0,
+    tie_embeddings=False,
+  ),  # fmt: skip
 }
 
 
@@ -136,6 +168,8 @@ def test_unknown_preset():
     "tiny-moe",
     "olmo2-style",
     "smollm3-style",
+    "gemma3-style",
+    "gemma2-style",
     pytest.param("remat", marks=pytest.mark.slow),
   ],
 )
@@ -171,11 +205,15 @@ def test_packed_row_logits_equal_each_sequence_run_alone(name):
     model.apply(params, rows(tokens), None, model.init_cache(2, 32), segment_ids_bt=rows(segments))
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_flash_attention_gives_the_dense_logits_and_gradients(packed):
+@pytest.mark.parametrize(
+  "name,packed",
+  [("tiny", False), ("tiny", True), ("gemma3-style", True), ("gemma2-style", True)],
+)
+def test_flash_attention_gives_the_dense_logits_and_gradients(name, packed):
   """`model.attention="flash"` runs the blockwise kernel where training has no cache: the same
-  logits and parameter gradients as dense attention, plain rows and packed rows alike."""
-  dense_model = Model(dataclasses.replace(VARIANTS["tiny"], max_seq_len=96))
+  logits and parameter gradients as dense attention, plain rows and packed rows alike, sliding
+  windows and softcapped logits too."""
+  dense_model = Model(dataclasses.replace(VARIANTS[name], max_seq_len=96))
   flash_model = Model(dataclasses.replace(dense_model.config, attention="flash"))
   params = _random_params(dense_model, np.random.randint(1 << 16))
   rng = np.random.default_rng()

@@ -12,7 +12,7 @@ import pytest
 from helpers import tolerance
 
 from jaxrl.model import LMHead
-from jaxrl.model.transformer import vocab_mask
+from jaxrl.model.transformer import softcap, vocab_mask
 from jaxrl.train import update_plan
 from jaxrl.train.losses import chunked_token_logprobs
 from jaxrl.train.vocab_blocks import vocab_block_logprobs, vocab_block_rows
@@ -33,9 +33,11 @@ def _head(head_dv, vocab_major):
   return LMHead(head_dv.T, vocab_major=True) if vocab_major else LMHead(head_dv, False)
 
 
-def _whole(hidden, head, targets, temperature, vocab_limit):
-  """The whole-vocabulary computation, as the model's logits: compute dtype, then float32."""
-  logits = vocab_mask(head.logits(hidden).astype(jnp.float32), vocab_limit) / temperature
+def _whole(hidden, head, targets, temperature, vocab_limit, cap=0.0):
+  """The whole-vocabulary computation, as the model's logits: compute dtype, then float32,
+  then the softcap."""
+  logits = softcap(head.logits(hidden).astype(jnp.float32), cap)
+  logits = vocab_mask(logits, vocab_limit) / temperature
   logz = jax.nn.logsumexp(logits, axis=-1)
   logp_all = logits - logz[..., None]
   logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
@@ -183,3 +185,33 @@ def test_a_head_sharded_over_its_vocabulary_is_never_gathered(vocab_major):
   want = grads(1)(head, hidden)
   for name, g, w in zip(("head", "hidden"), got, want, strict=True):
     tolerance.assert_close(g, w, n=d + v + 2 * t, err_msg=name)
+
+
+@pytest.mark.parametrize("vocab_major, vocab_limit", [(False, 0), (True, 390)])
+def test_softcapped_logits_match_the_whole_vocabulary(vocab_major, vocab_limit):
+  """Gemma 2's final softcap (`c * tanh(logits / c)`, c = 2 here, where the logits' spread is
+  about 2, so many saturate): log-probs, entropies and their gradients as autodiff of the
+  whole-vocabulary computation gives them; the cap changes them far beyond the tolerance."""
+  hidden, head_dv, targets = _inputs(11, vocab_limit)
+  stats = {
+    "blocks": lambda h, w, cap: vocab_block_logprobs(
+      h, _head(w, vocab_major), targets, 0.7, vocab_limit=vocab_limit, rows=128,
+      logit_softcap=cap,
+    ),
+    "whole": lambda h, w, cap: _whole(h, _head(w, vocab_major), targets, 0.7, vocab_limit, cap),
+  }  # fmt: skip
+  got, want = (stats[k](hidden, head_dv, 2.0) for k in ("blocks", "whole"))
+  uncapped, _ = stats["whole"](hidden, head_dv, 0.0)
+  for g, w in zip(got, want, strict=True):
+    tolerance.assert_close(g, w, n=D + V, scale=float(jnp.abs(w).max()))
+  assert float(jnp.abs(uncapped - want[0]).max()) > 0.5
+
+  def grads(kind):
+    def fn(h, w):
+      logp, entropy = stats[kind](h, w, 2.0)
+      return jnp.sum(logp * jnp.cos(logp)) + jnp.sum(entropy)
+
+    return jax.grad(fn, argnums=(0, 1))(hidden, head_dv)
+
+  for name, g, w in zip(("hidden", "head"), grads("blocks"), grads("whole"), strict=True):
+    tolerance.assert_close(g, w, n=D + V + B * T, err_msg=name)
