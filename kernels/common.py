@@ -6,8 +6,18 @@ import contextvars
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+  """`cap * tanh(logits / cap)`, Gemma 2's logit softcapping (attention logits, and the LM
+  head's); `cap` None or 0 returns them as they are. Its derivative is `1 - (softcap(x) /
+  cap) ** 2`."""
+  return logits if not cap else cap * jnp.tanh(logits / cap)
+
+
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
 
 

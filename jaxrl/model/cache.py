@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.kernels.common import softcap
 from jaxrl.kernels.flash_attention import flash_attention
 from jaxrl.kernels.paged_attention import paged_attention
 from jaxrl.kernels.qk_rope_write import qk_rope_write, write_rows
@@ -106,8 +107,7 @@ def dot_attention(
   q_btkge = q_bthe.reshape(b, t, k, h // k, e)
   scores = jnp.einsum("btkge,bske->bkgts", q_btkge, keys_bske.astype(dt)).astype(jnp.float32)
   scores = scores * (e**-0.5)
-  if logit_softcap is not None:
-    scores = logit_softcap * jnp.tanh(scores / logit_softcap)
+  scores = softcap(scores, logit_softcap)
   visible_bts = key_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
   if sliding_window is not None:
     visible_bts &= key_pos_bs[:, None, :] > q_pos_bt[:, :, None] - sliding_window

@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.kernels.common import softcap
 from jaxrl.kernels.flash_attention import save_attention_policy
 from jaxrl.kernels.qk_rope_write import apply_rope, rms_norm
 from jaxrl.model.cache import (
+  LogitRule,
   PackedPrefillCache,
   PackedPrefillKeys,
   PagedLayerCache,
@@ -40,16 +42,6 @@ def remat_policy(name: str):
   return None
 
 
-def norm(x, scale, eps: float, plus_one: bool):
-  """RMSNorm over the last axis: Llama's (rounded to x's dtype, then scaled) or, with
-  `plus_one`, Gemma's (times `1 + scale` in float32, then rounded)."""
-  if not plus_one:
-    return rms_norm(x, scale, eps)
-  x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
-
-
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, eps: float, param_dtype, plus_one: bool = False):
     self.eps, self.plus_one = eps, plus_one
@@ -58,7 +50,7 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(init((dim,), param_dtype), logical_axes=("norm",))
 
   def __call__(self, x):
-    return norm(x, self.scale.get_value(), self.eps, self.plus_one)
+    return rms_norm(x, self.scale.get_value(), self.eps, self.plus_one)
 
   def effective_scale(self):
     """What the normalised input is multiplied by (float32 for Gemma's `1 + scale`)."""
@@ -120,6 +112,7 @@ class Attention(nnx.Module):
     # A logit scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar) multiplies
     # the queries after their norm: the rotation is linear, so it commutes.
     q_mult = cfg.attention_logit_scale * cfg.head_dim**0.5 if cfg.attention_logit_scale else 1.0
+    rule = LogitRule(window, cfg.attention_logit_softcap or None)
     if cfg.qk_norm_across_heads:  # a norm over all heads: not the fused kernel's per-head one
       q, k = self.q_norm(q), self.k_norm(k)
     per_head_norm = cfg.qk_norm and not cfg.qk_norm_across_heads
@@ -133,7 +126,7 @@ class Attention(nnx.Module):
         q = q * jnp.asarray(q_mult, dt)
       out_bthe, cache = attend_paged_decode(
         q, k, v, positions_bt, cache, cos_btf, sin_btf, *scales, eps=cfg.norm_eps,
-        sliding_window=window, logit_softcap=cfg.attention_logit_softcap or None,
+        **rule._asdict(),
       )  # fmt: skip
     else:
       if per_head_norm:
@@ -142,9 +135,8 @@ class Attention(nnx.Module):
         q = q * jnp.asarray(q_mult, dt)
       q, k = apply_rope(q, cos_btf, sin_btf), apply_rope(k, cos_btf, sin_btf)
       out_bthe, cache = attend(
-        q, k, v, positions_bt, cache, segment_ids_bt, attention=cfg.attention,
-        sliding_window=window, logit_softcap=cfg.attention_logit_softcap or None,
-      )  # fmt: skip
+        q, k, v, positions_bt, cache, segment_ids_bt, attention=cfg.attention, **rule._asdict()
+      )
     return jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt)), cache
 
 
@@ -503,12 +495,6 @@ class LMHead(NamedTuple):
     """`x_btd @ head` in `x_btd`'s dtype (the weights cast to it), any leading axes."""
     spec = "...d,vd->...v" if self.vocab_major else "...d,dv->...v"
     return jnp.einsum(spec, x_btd, self.weights.astype(x_btd.dtype))
-
-
-def softcap(logits: jax.Array, cap: float) -> jax.Array:
-  """`cap * tanh(logits / cap)` (Gemma 2's logit softcapping); `cap` 0 returns them as they
-  are. Its derivative is `1 - (softcap(x) / cap) ** 2`."""
-  return logits if not cap else cap * jnp.tanh(logits / cap)
 
 
 MASKED_LOGIT = -1e30  # finite, so that 0 * logit stays 0 in entropies and sums

@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxrl.model.transformer import MASKED_LOGIT, LMHead, softcap
+from jaxrl.kernels.common import softcap
+from jaxrl.model.transformer import MASKED_LOGIT, LMHead
 
 _LANES = 128  # blocks are whole multiples of this many rows (TPU lanes, GPU tiles)
 

@@ -12,11 +12,12 @@ p pages in the pool, s tokens per page, m pages per sequence, t = m * s token po
 import jax
 import jax.numpy as jnp
 
+from jaxrl.kernels.common import softcap
 
-def scale_logits(logits: jax.Array, sm_scale: float, softcap: float | None) -> jax.Array:
+
+def scale_logits(logits: jax.Array, sm_scale: float, cap: float | None) -> jax.Array:
   """`logits * sm_scale`, then with a softcap c `c * tanh(. / c)`; float32 in and out."""
-  logits = logits * sm_scale
-  return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
+  return softcap(logits * sm_scale, cap)
 
 
 def paged_attention(

@@ -10,12 +10,15 @@ import jax
 import jax.numpy as jnp
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
   """RMS norm over the last axis in float32, rounded to `x`'s dtype before the scale (as
   transformers and vLLM do, so that bf16 logits match theirs; in float32 the order makes no
-  difference)."""
+  difference). `plus_one` (Gemma): times `1 + scale` in float32, then rounded, as Gemma's
+  transformers code does."""
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if plus_one:
+    return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
   return x32.astype(x.dtype) * scale.astype(x.dtype)
 
 
