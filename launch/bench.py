@@ -31,6 +31,7 @@
   python launch/bench.py collectives [--json]
   python launch/bench.py agent [--json] [--steps 6]
   python launch/bench.py turn_kv [--json] [--steps 2]
+  python launch/bench.py window_kv [--json] [--presets gemma3-1b] [--rows 8]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
 """
@@ -72,6 +73,7 @@ from bench_prefill import (  # noqa: E402
 from bench_profile import bench_decode_profile, decode_step_seconds  # noqa: E402
 from bench_sampler import bench_sampler  # noqa: E402
 from bench_scheduler import bench_calibrate, bench_plan  # noqa: E402
+from bench_window_kv import bench_window_kv  # noqa: E402
 
 from jaxrl.kernels.flash_attention import BlockSizes  # noqa: E402
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
@@ -79,6 +81,7 @@ from jaxrl.model import Model, get_preset  # noqa: E402
 from jaxrl.rl.experience import logprob_mismatch  # noqa: E402
 from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams, StaticEngine  # noqa: E402
 from jaxrl.rollout.engine import bucket  # noqa: E402
+from jaxrl.scheduler.cost import kv_bytes, kv_bytes_per_token  # noqa: E402
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh  # noqa: E402
 from jaxrl.train import Learner, LossConfig, OptimizerConfig  # noqa: E402
 
@@ -150,15 +153,11 @@ def _matmul_flops_per_s(m: int = 2048, n: int = 2048, k: int = 2048) -> float:
   return 2 * m * n * k / _best_seconds(lambda: mm(a, b))
 
 
-def _kv_bytes_per_token(cfg) -> int:
-  """Bytes of keys and values of one token, all layers."""
-  return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
-
-
 def _decode_hbm_s(cfg, rows: int, context: float, bandwidth: float) -> float:
-  """The decode step's memory floor: weights + KV bytes over the copy bandwidth."""
+  """The decode step's memory floor: weights + the KV it reads (a sliding-window layer's
+  window) over the copy bandwidth."""
   weight_bytes = cfg.num_params() * np.dtype(cfg.param_dtype).itemsize
-  return (weight_bytes + rows * context * _kv_bytes_per_token(cfg)) / bandwidth
+  return (weight_bytes + rows * kv_bytes(cfg, context)) / bandwidth
 
 
 def _decode_roofline_s(cfg, rows: int, context: float, bandwidth: float, flops_rate: float):
@@ -274,7 +273,7 @@ def bench_rollout(
     prompts = [p for p in prompts for _ in range(responses)]
     page_size = 16
     pages = max_running * -(-(prompt_len + cap) // page_size)
-    slot_bytes = _kv_bytes_per_token(cfg)
+    slot_bytes = kv_bytes_per_token(cfg)
     paged = PagedEngine(
       model,
       mesh,
@@ -339,9 +338,9 @@ def bench_rollout(
         "hbm_roofline_step_ms": hbm_roofline_s * 1e3,
         "hbm_roofline_fraction": hbm_roofline_s / step_s,
         "preemptions": paged.num_preemptions,
-        # KV memory each engine holds: the page pool, and the static engine's biggest cache
+        # KV memory each engine holds: its page pools, and the static engine's biggest cache
         # (max_running rows x the power-of-two buckets of prompt and response slots).
-        "paged_kv_cache_MB": pages * page_size * slot_bytes / 2**20,
+        "paged_kv_cache_MB": paged.kv_pool_bytes / 2**20,
         "static_kv_cache_MB": max_running * (bucket(prompt_len) + bucket(cap)) * slot_bytes / 2**20,
       }
     )
@@ -474,6 +473,7 @@ BENCHMARKS = {
   "tgmm": bench_tgmm,
   "turn_kv": bench_turn_kv,
   "weight_transfer": bench_weight_transfer,
+  "window_kv": bench_window_kv,
 }
 
 
@@ -505,7 +505,7 @@ def main() -> None:
   parser.add_argument("--faults", default=None, help=faults_help)
   steps_help = "chaos, agent: RL steps of each run; turn_kv: timed runs"
   parser.add_argument("--steps", type=int, default=None, help=steps_help)
-  rows_help = "rollout, decode_profile: sequences at once (rollout: also no 1-step engine)"
+  rows_help = "rollout, decode_profile, window_kv: sequences at once (rollout: no 1-step engine)"
   parser.add_argument("--rows", type=int, default=None, help=rows_help)
   parser.add_argument("--dtype", default=None, help="rollout, decode_profile, kernels: dtype")
   trace_help = "decode_profile: keep the Perfetto trace in this folder"
@@ -531,7 +531,7 @@ def main() -> None:
   parser.add_argument("--flash-blocks", default=None, help=flash_blocks_help)
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
-  if args.rows and args.name == "decode_profile":
+  if args.rows and args.name in ("decode_profile", "window_kv"):
     kwargs["rows"] = args.rows
   elif args.rows:
     kwargs.update(max_running=args.rows, roofline_seqs=args.rows, one_step_per_call=False)

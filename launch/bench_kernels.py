@@ -384,7 +384,7 @@ def _compile_window(spec: dict) -> dict:
   )
   calls = PagedCalls(model, mesh, ROLLOUT_RULES, param_shardings, config)
   calls.decoder(NO_FILTER)
-  (params_s, kv_s, state_s, sampling_s, table_s), _ = calls._decode_shardings
+  (params_s, kv_s, state_s, sampling_s, table_s, _), _ = calls._decode_shardings
 
   def arg(shape, dtype, sharding):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -403,7 +403,7 @@ def _compile_window(spec: dict) -> dict:
   )
   with target_platform("tpu" if tpu else "cuda"):
     lowered = calls.decoders[NO_FILTER].lower(
-      params, kv, state, sampling, arg((rows, table), i32, table_s)
+      params, kv, state, sampling, arg((rows, table), i32, table_s), None
     )
   compiled = lowered.compile()
   memory = compiled.memory_analysis()

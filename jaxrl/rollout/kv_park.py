@@ -9,7 +9,8 @@ under its id, with the tokens whose keys/values they hold, so that the next turn
 Parked pages are a cache, never a reservation: the engine evicts entries, least recently parked
 first, before it refuses an admission or preempts a running request. Keys/values depend only
 on the tokens and the weights, so an entry is reused only when the new request's tokens start
-with the parked ones, and every entry is dropped when the weights change.
+with the parked ones, and every entry is dropped when the weights change. An engine with a
+pool for its sliding-window layers (`window_kv`) parks the request's ring with its pages.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from jaxrl.rollout.requests import PageAllocator, RequestRecord, pages_for
 class Parked:
   """A finished request's cache: `pages` hold the keys/values of `tokens` (positions 0..len-1,
   `page_size` to a page); `routes` (MoE only, else empty) are the expert ids each layer chose
-  for each of those tokens, which a reusing request's prompt routing takes over."""
+  for each of those tokens, which a reusing request's prompt routing takes over; `ring`: its
+  pages of the window pool (empty without one), which hold its last positions."""
 
   tokens: tuple[int, ...]
   pages: list[int]
   routes: list[list[list[int]]]
+  ring: list[int] = dataclasses.field(default_factory=list)
 
   def prompt_routes(self, record: RequestRecord, reused: int) -> list[list[list[int]]]:
     """MoE: the routes of `record`'s prompt tokens among the first `reused` that its prompt
@@ -39,10 +42,12 @@ class Parked:
 class KVPark:
   """Parked entries by request id, in the order they were parked (the oldest evicted first).
   Each entry holds one reference to each of its pages (`PageAllocator.share` semantics): pages
-  still shared with a running request (a common prompt prefix) stay allocated when it goes."""
+  still shared with a running request (a common prompt prefix) stay allocated when it goes.
+  `ring_allocator`: the window pool's (`window_kv`), None without one."""
 
-  def __init__(self, allocator: PageAllocator):
+  def __init__(self, allocator: PageAllocator, ring_allocator: PageAllocator | None = None):
     self.allocator = allocator
+    self.ring_allocator = ring_allocator
     self._entries: collections.OrderedDict[str, Parked] = collections.OrderedDict()
     self.num_evicted_pages = 0  # pages given up under memory pressure (not by drop/clear)
 
@@ -54,7 +59,7 @@ class KVPark:
 
   @property
   def num_pages(self) -> int:
-    """Page references held (a page shared by two entries counts twice)."""
+    """Page references held in the main pool (a page shared by two entries counts twice)."""
     return sum(len(e.pages) for e in self._entries.values())
 
   def park(self, request_id: str, entry: Parked) -> None:
@@ -63,17 +68,18 @@ class KVPark:
     self.drop(request_id)
     self._entries[request_id] = entry
 
-  def keep(self, record: RequestRecord, pages: list[int], page_size: int) -> list[int]:
+  def keep(self, record: RequestRecord, pages: list[int], ring: list[int], page_size: int) -> None:
     """Parks the pages of a finished request's cached tokens (all but its last: the engine's
-    invariant) under its id; returns the rest of `pages`, for the caller to free."""
+    invariant) and its `ring` under its id; frees the rest of `pages`."""
     cached = record.num_tokens - 1
     kept = pages_for(cached, page_size)
-    if kept:
-      tokens = tuple(record.prompt_ids + record.token_ids)[:cached]
-      self.park(
-        record.request_id, Parked(tokens, pages[:kept], record.prompt_routing + record.routing)
-      )
-    return pages[kept:]
+    if not kept:
+      self.free(Parked((), pages, [], ring))
+      return
+    tokens = tuple(record.prompt_ids + record.token_ids)[:cached]
+    routes = record.prompt_routing + record.routing
+    self.park(record.request_id, Parked(tokens, pages[:kept], routes, ring))
+    self.allocator.free(pages[kept:])
 
   def allocate(self, n: int) -> list[int] | None:
     """`n` free pages from the allocator, evicting parked entries (the least recently parked
@@ -83,6 +89,19 @@ class KVPark:
       pages = self.allocator.allocate(n)
     return pages
 
+  def allocate_ring(self, n: int) -> list[int] | None:
+    """`allocate` in the window pool."""
+    pages = self.ring_allocator.allocate(n)
+    while pages is None and self.evict_oldest():
+      pages = self.ring_allocator.allocate(n)
+    return pages
+
+  def free(self, entry: Parked) -> None:
+    """Frees an entry's pages of both pools (one taken out, or never parked)."""
+    self.allocator.free(entry.pages)
+    if entry.ring:
+      self.ring_allocator.free(entry.ring)
+
   def take(self, request_id: str, tokens: tuple[int, ...]) -> Parked | None:
     """Removes and returns the entry of `request_id` if `tokens` start with its tokens (its
     page references pass to the caller); an entry that does not match is dropped."""
@@ -90,7 +109,7 @@ class KVPark:
     if entry is None:
       return None
     if tokens[: len(entry.tokens)] != entry.tokens:
-      self.allocator.free(entry.pages)
+      self.free(entry)
       return None
     return entry
 
@@ -99,7 +118,7 @@ class KVPark:
     if not self._entries:
       return False
     _, entry = self._entries.popitem(last=False)
-    self.allocator.free(entry.pages)
+    self.free(entry)
     self.num_evicted_pages += len(entry.pages)
     return True
 
@@ -107,10 +126,10 @@ class KVPark:
     """Frees the entry of `request_id` (its trajectory ended); False when there is none."""
     entry = self._entries.pop(request_id, None)
     if entry is not None:
-      self.allocator.free(entry.pages)
+      self.free(entry)
     return entry is not None
 
   def clear(self) -> None:
     """Frees every entry (new weights, released memory)."""
     while self._entries:
-      self.allocator.free(self._entries.popitem()[1].pages)
+      self.free(self._entries.popitem()[1])

@@ -42,20 +42,13 @@ from jaxrl.rollout.kv_park import KVPark
 from jaxrl.rollout.paged_calls import PagedCalls
 from jaxrl.rollout.paged_config import PagedConfig
 from jaxrl.rollout.precompile import compile_engine_ahead, precompile_engine
-from jaxrl.rollout.prefill import (
-  chunk_rows,
-  chunk_spans,
-  pack_rows,
-  packed_call,
-  record_packed_routing,
-)
+from jaxrl.rollout.prefill import prefill_admitted
 from jaxrl.rollout.requests import (
   PageAllocator,
   RequestRecord,
   check_request,
   pages_for,
   record_completion,
-  record_prompt_routing,
 )
 from jaxrl.rollout.sampling import (
   NO_FILTER,
@@ -64,6 +57,7 @@ from jaxrl.rollout.sampling import (
   SamplingParams,
   filter_width,
 )
+from jaxrl.rollout.window_kv import ring_table, window_pool
 from jaxrl.sharding import tree_shardings
 
 
@@ -75,6 +69,7 @@ class _Running:
   version: int  # the weights its prefill ran under: only pages of the current ones are parked
   row: int = -1  # its row in the device batch
   pending: int = 0  # steps of the window in flight: at most this many tokens not yet read back
+  ring: list[int] = dataclasses.field(default_factory=list)  # its window pool pages (window_kv)
 
 
 @dataclasses.dataclass
@@ -110,7 +105,9 @@ class PagedEngine:
     shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
     self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
     self._placer = ParamPlacer(self.param_shardings, model.abstract_params())
-    self._calls = PagedCalls(model, mesh, rules, self.param_shardings, config)
+    # The sliding-window layers' pool (`window_kv`): R pages a request; none: (0, 0).
+    self.ring_pages, window_pages = window_pool(config, model.config)
+    self._calls = PagedCalls(model, mesh, rules, self.param_shardings, config, window_pages)
     # The KV page pool: allocated with the first weights (`update_weights`), None while
     # released (`release_memory`).
     self._kv = None
@@ -121,6 +118,7 @@ class PagedEngine:
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
     self._row_multiple = int(np.prod([mesh.shape[a] for a in batch_axes]))
     self.allocator = PageAllocator(config.num_pages)
+    self.ring_allocator = PageAllocator(window_pages) if window_pages else None
     self.waiting: collections.deque[RequestRecord] = collections.deque()
     self.running: dict[str, _Running] = {}
     self._admissions = itertools.count()
@@ -131,7 +129,8 @@ class PagedEngine:
     self.num_windows = 0
     self.num_shared_prefill_tokens = 0  # prompt tokens not prefilled: shared with a leader
     self.num_kept_prefill_tokens = 0  # prompt tokens not prefilled: parked by the last turn
-    self.park = KVPark(self.allocator)  # `park.num_evicted_pages`: given up under pressure
+    # `park.num_evicted_pages`: given up under pressure.
+    self.park = KVPark(self.allocator, self.ring_allocator)
     # Read-backs that found no window queued behind them: the device waited for the host.
     self.num_host_waits = 0
     self._batch = DeviceBatch(self._calls.row_state_shardings, pad_id, put=self._calls.put)
@@ -189,6 +188,11 @@ class PagedEngine:
     shapes = precompile_engine(self, stop_widths, filter_widths, max_tokens)
     self._precompiled = True
     return shapes
+
+  @property
+  def kv_pool_bytes(self) -> int:
+    """Bytes of its KV pools, every layer's keys and values (0 while released)."""
+    return 0 if self._kv is None else sum(k.nbytes + v.nbytes for k, v in self._kv)
 
   def compiled_shapes(self) -> int:
     """Executables compiled so far: decode windows, prefill chunks and row updates."""
@@ -326,9 +330,11 @@ class PagedEngine:
     """Admits waiting requests while rows and pages last. A request reuses the pages of a
     leader (`share_prefix`: admitted here with the same tokens, prefilled once) or its own
     parked ones (`kv_park`: its last turn's; only the tokens after them are prefilled): full
-    pages shared, the page its first write falls in copied."""
+    pages shared, the page its first write falls in copied. A ring of the window pool
+    (`window_kv`) is a kept turn's own, and a leader's copied whole."""
     admitted, leaders, z = [], {}, self.cfg.page_size
     kept_copies, leader_copies = [], []  # partial pages: copied before / after the prefill
+    ring_copies = []  # leaders' rings into their followers', after the prefill
     while self.waiting and len(self.running) < self.cfg.max_running:
       record = self.waiting[0]
       tokens = tuple(record.prompt_ids + record.token_ids)
@@ -341,11 +347,17 @@ class PagedEngine:
         source, reused = kept.pages, min(len(kept.tokens), len(tokens) - 1)
       full = reused // z
       own = self.park.allocate(pages_for(len(tokens), z) - full)
+      ring = kept.ring if kept is not None else []
+      if own is not None and self.ring_pages and kept is None:
+        ring = self.park.allocate_ring(self.ring_pages)
+        if ring is None:  # every ring is a running request's
+          self.allocator.free(own)
+          own = None
       if own is None:
         if kept is not None and not self.running:
           # Only its own parked pages stand in the way (the page past the shared ones is held
           # until after the allocation): drop them and prefill it whole.
-          self.allocator.free(kept.pages)
+          self.park.free(kept)
           continue
         if kept is not None:
           self.park.park(record.request_id, kept)
@@ -354,11 +366,13 @@ class PagedEngine:
       pages = self.allocator.share(source[:full]) + own
       if reused % z:
         (leader_copies if leader is not None else kept_copies).append((source[full], own[0]))
+      if leader is not None and ring:
+        ring_copies.extend(zip(leader.ring, ring, strict=True))
       if kept is not None:
         self.allocator.free(kept.pages)  # after `share`: the pages it reuses stay allocated
         record.prompt_routing += kept.prompt_routes(record, reused)
         self.num_kept_prefill_tokens += reused if leader is None else 0  # else: shared
-      state = _Running(record, pages, next(self._admissions), self.version)
+      state = _Running(record, pages, next(self._admissions), self.version, ring=ring)
       self.running[record.request_id] = state
       admitted.append((state, leader, reused))
       leaders.setdefault(tokens, state)
@@ -367,7 +381,7 @@ class PagedEngine:
       self._kv = self._calls.copy(self._kv, kept_copies)
       fresh = [(s, reused) for s, leader, reused in admitted if leader is None]
       self._prefill_states([s for s, _ in fresh], [reused for _, reused in fresh])
-      self._kv = self._calls.copy(self._kv, leader_copies)
+      self._kv = self._calls.copy(self._kv, leader_copies, ring_copies)
       for state, leader, reused in admitted:
         if leader is not None:
           state.record.prompt_routing = [list(x) for x in leader.record.prompt_routing]
@@ -440,8 +454,14 @@ class PagedEngine:
     """Takes a running request out (its record complete: nothing of it in flight), frees its
     pages and marks its row dead on the device."""
     del self.running[state.record.request_id]
-    self.allocator.free(state.pages)
+    self._free(state)
     self._batch.kill(state.row)
+
+  def _free(self, state: _Running) -> None:
+    """Frees a request's pages of both pools."""
+    self.allocator.free(state.pages)
+    if state.ring:
+      self.ring_allocator.free(state.ring)
 
   # -- the device batch --------------------------------------------------------------------------
 
@@ -473,13 +493,18 @@ class PagedEngine:
   def _chunk_width(self, tokens: int) -> int:
     return max(bucket(tokens), self._min_chunk)
 
-  def _page_table(self, states: Sequence[_Running | None], rows: int) -> np.ndarray:
+  def _page_tables(
+    self, states: Sequence[_Running | None], rows: int
+  ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The rows' page tables of the main pool and of the window pool (None without one)."""
     width = self._table_width(max(len(s.pages) for s in states if s is not None))
     table = np.zeros((rows, width), np.int32)
     for i, s in enumerate(states):
       if s is not None:
         table[i, : len(s.pages)] = s.pages
-    return table
+    if not self.ring_pages:
+      return table, None
+    return table, ring_table([s and s.ring for s in states], rows, width)
 
   def _prefill_row_cap(self, width: int) -> int:
     """The most rows of one prefill call of `width` tokens a row (`prefill_tokens`)."""
@@ -489,61 +514,16 @@ class PagedEngine:
     return -(-bucket(n, 1) // self._row_multiple) * self._row_multiple
 
   def _prefill_states(self, states: Sequence[_Running], starts: Sequence[int]) -> None:
-    """Caches every token but the last of each admitted request from position `starts[i]`
-    on (those before are in kept pages): sequences from 0 that fit one `prefill_chunk` packed
-    into shared rows (`pack_prefill`), the others chunk by chunk over their page tables."""
-    chunk = self.cfg.prefill_chunk
-    seqs = [s.record.prompt_ids + s.record.token_ids for s in states]
-    fits = [
-      self.cfg.pack_prefill and not a and 1 < len(x) <= chunk + 1
-      for x, a in zip(seqs, starts, strict=True)
-    ]
-    packed = [i for i, f in enumerate(fits) if f]
-    if packed:
-      self._prefill_packed([states[i] for i in packed], [seqs[i] for i in packed])
-    rest = [(s, x, a) for s, x, a, f in zip(states, seqs, starts, fits, strict=True) if not f]
-    lengths = [len(x) - 1 - a for _, x, a in rest]
-    cap = lambda n: self._prefill_row_cap(self._chunk_width(n))  # noqa: E731
-    for start, stop, live in chunk_spans(lengths, chunk, cap):
-      shape = self._rows(len(live)), self._chunk_width(stop - start)
-      offsets = [rest[i][2] for i in live]
-      seqs_live = [rest[i][1] for i in live]
-      tokens, positions = chunk_rows(seqs_live, start, stop, shape, self.pad_id, offsets)
-      table = self._page_table([rest[i][0] for i in live], len(tokens))
-      self._kv, routing_btlk = self._calls.prefill(self.params, self._kv, tokens, positions, table)
-      if routing_btlk is not None:
-        routing_btlk = self._calls.host(routing_btlk)
-        for row, i in enumerate(live):
-          record_prompt_routing(
-            [rest[i][0].record], offsets[row] + start, routing_btlk[row : row + 1]
-          )
-
-  def _prefill_packed(self, states: Sequence[_Running], seqs: Sequence[list[int]]) -> None:
-    width = self._chunk_width(max(len(x) - 1 for x in seqs))
-    layout = pack_rows([len(x) - 1 for x in seqs], width)  # packed once, sized from it
-    cap = self._prefill_row_cap(width)
-    for first in range(0, len(layout), cap):  # calls of at most `prefill_tokens`
-      rows = layout[first : first + cap]
-      call = packed_call(
-        seqs, [s.pages for s in states], rows=self._rows(len(rows)), width=width,
-        page_size=self.cfg.page_size, num_pages=self.cfg.num_pages, pad_id=self.pad_id,
-        layout=rows,
-      )  # fmt: skip
-      self._kv, routing_btlk = self._calls.prefill_packed(
-        self.params, self._kv, call.tokens_bt, call.positions_bt, call.segment_ids_bt,
-        call.token_pages_bt,
-      )  # fmt: skip
-      if routing_btlk is not None:
-        record_packed_routing([s.record for s in states], call, self._calls.host(routing_btlk))
+    prefill_admitted(self, states, starts)
 
   def _dispatch(self, window: int) -> _InFlight | None:
     """Runs the next window from the state the last one left (nothing read from the device);
     returns the window that was in flight before, for the caller to read back."""
     batch = self._batch
-    table = self._page_table(batch.rows, len(batch.rows))
+    tables = self._page_tables(batch.rows, len(batch.rows))
     width = filter_width(s.record.sampling for s in self.running.values())
     output, batch.state, self._kv = self._calls.decoder(width)(
-      self.params, self._kv, batch.state, batch.sampling, table
+      self.params, self._kv, batch.state, batch.sampling, *tables
     )
     for state in self.running.values():
       state.pending += window
@@ -584,7 +564,10 @@ class PagedEngine:
         # Its row is dead on the device already (it stopped there too); free it for admission.
         del self.running[r.request_id]
         keep = r.keep_kv and self.cfg.keep_turn_kv and s.version == self.version
-        self.allocator.free(self.park.keep(r, s.pages, self.cfg.page_size) if keep else s.pages)
+        if keep:
+          self.park.keep(r, s.pages, s.ring, self.cfg.page_size)
+        else:
+          self._free(s)
         self._batch.free(s.row)
         self._finished.append(r)
 

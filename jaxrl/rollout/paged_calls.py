@@ -29,22 +29,34 @@ from jaxrl.sharding import batch_sharding, host_array, logical_to_pspec, readabl
 
 
 class PagedCalls:
-  """The jitted calls of one paged engine over `mesh` (`config`: its `PagedConfig`)."""
+  """The jitted calls of one paged engine over `mesh` (`config`: its `PagedConfig`).
+  `window_pool`: pages of the sliding-window layers' own pool (`window_kv`), whose calls then
+  take a second page table (or token pages) for those layers; 0: every layer in the main
+  pool, and the second table is None."""
 
-  def __init__(self, model: Model, mesh: jax.sharding.Mesh, rules, param_shardings, config):
+  def __init__(
+    self, model: Model, mesh: jax.sharding.Mesh, rules, param_shardings, config, window_pool=0
+  ):
     self.model = model
     mc = model.config
     # MoE on a mesh with an expert axis: the expert-parallel layer (else the reference).
     self._moe = MoEInputs(ExpertParallel.for_mesh(mc, mesh))
-    kv_shape = (mc.num_kv_heads, config.num_pages, config.page_size, mc.head_dim)
-    kv_sharding = jax.sharding.NamedSharding(
-      mesh, logical_to_pspec(("kv_heads", None, None, "head_dim"), rules, mesh, kv_shape)
-    )
-    zeros = jax.jit(lambda: jnp.zeros(kv_shape, jnp.dtype(mc.dtype)), out_shardings=kv_sharding)
-    self.new_kv = lambda: [(zeros(), zeros()) for _ in range(mc.num_layers)]
-    pool = jax.ShapeDtypeStruct(kv_shape, jnp.dtype(mc.dtype), sharding=kv_sharding)
-    self.abstract_kv = [(pool, pool)] * mc.num_layers  # the pool's shapes, for compiling
-    kv = [(kv_sharding, kv_sharding)] * mc.num_layers
+    self.ring_layers = frozenset(mc.sliding_layers if window_pool else ())
+    pools = [
+      window_pool if i in self.ring_layers else config.num_pages for i in range(mc.num_layers)
+    ]
+    dtype = jnp.dtype(mc.dtype)
+    kv, makers, self.abstract_kv = [], {}, []  # abstract_kv: the pools' shapes, for compiling
+    for pages in pools:
+      shape = (mc.num_kv_heads, pages, config.page_size, mc.head_dim)
+      spec = logical_to_pspec(("kv_heads", None, None, "head_dim"), rules, mesh, shape)
+      sharding = jax.sharding.NamedSharding(mesh, spec)
+      if pages not in makers:
+        makers[pages] = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+      kv.append((sharding, sharding))
+      pool = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+      self.abstract_kv.append((pool, pool))
+    self.new_kv = lambda: [(makers[p](), makers[p]()) for p in pools]
     row = self.row_sharding = batch_sharding(mesh, rules, 1)
     matrix = batch_sharding(mesh, rules, 2)
     state, sampling = DecodeState(*[row] * 5), RowSampling(row, row, row, row, matrix)
@@ -52,7 +64,10 @@ class PagedCalls:
     steps_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, row.spec[0]))
     steps_rows, read_row = readable(mesh, steps_rows), readable(mesh, row)
     window = WindowOutput(steps_rows, steps_rows, steps_rows if mc.is_moe else None, read_row)
-    self._decode_shardings = (param_shardings, kv, state, sampling, matrix), (window, state, kv)
+    self._decode_shardings = (
+      (param_shardings, kv, state, sampling, matrix, matrix),
+      (window, state, kv),
+    )
     self._steps = config.decode_steps
     # Host arrays onto the mesh, and device outputs back (`jaxrl.sharding.hosts`).
     multi = mesh.is_multi_process
@@ -65,30 +80,42 @@ class PagedCalls:
     self._prefill = jax.jit(
       self._prefill_impl,
       donate_argnums=(1,),
-      in_shardings=(param_shardings, kv, matrix, matrix, matrix),
+      in_shardings=(param_shardings, kv, *[matrix] * 4),
       out_shardings=(kv, read_row if mc.is_moe else None),
     )
-    self.prefill = self._counted(self._wrap(self._prefill, (None, None, matrix, matrix, matrix)))
-    # Packed rows (`prefill.PackedCall`): tokens, positions, segment ids, token pages.
+    self.prefill = self._counted(self._wrap(self._prefill, (None, None, *[matrix] * 4)))
+    # Packed rows (`prefill.PackedCall`): tokens, positions, segment ids, token pages (the
+    # main pool's, the window pool's).
     self._prefill_packed = jax.jit(
       self._prefill_packed_impl,
       donate_argnums=(1,),
-      in_shardings=(param_shardings, kv, matrix, matrix, matrix, matrix),
+      in_shardings=(param_shardings, kv, *[matrix] * 5),
       out_shardings=(kv, read_row if mc.is_moe else None),
     )
     self.prefill_packed = self._counted(
-      self._wrap(self._prefill_packed, (None, None, *[matrix] * 4))
+      self._wrap(self._prefill_packed, (None, None, *[matrix] * 5))
     )
     self.num_prefill_tokens = 0  # tokens (positions >= 0) the prefill calls were given
-    self._num_pages = config.num_pages
-    self.copy_pages = jax.jit(
-      _copy_pages, donate_argnums=(0,), in_shardings=(kv, None, None), out_shardings=kv
+    self._num_pages, self._window_pool = config.num_pages, window_pool
+    # Page copies of the main pool's layers, and of the window pool's.
+    main_layers = frozenset(range(mc.num_layers)) - self.ring_layers
+    self.copy_pages, self.copy_ring_pages = (
+      jax.jit(
+        functools.partial(_copy_pages, layers=layers),
+        donate_argnums=(0,),
+        in_shardings=(kv, None, None),
+        out_shardings=kv,
+      )
+      for layers in (main_layers, self.ring_layers)
     )
 
   @property
   def jitted(self) -> list:
     """Every jitted call made so far (for counting compiled shapes)."""
-    return [*self.decoders.values(), self._prefill, self._prefill_packed, self.copy_pages]
+    return [
+      *self.decoders.values(), self._prefill, self._prefill_packed, self.copy_pages,
+      self.copy_ring_pages,
+    ]  # fmt: skip
 
   def _counted(self, call):
     """`call` (a prefill: positions are its fourth argument, -1 on padding), counting the
@@ -100,16 +127,20 @@ class PagedCalls:
 
     return counted
 
-  def copy(self, kv, pairs: list[tuple[int, int]]):
-    """`kv` with the pages of each (source, target) pair copied (one call; `kv` as it is when
+  def copy(self, kv, pairs: list[tuple[int, int]], ring_pairs: list[tuple[int, int]] = ()):
+    """`kv` with the pages of each (source, target) pair of the main pool copied, and of each
+    of `ring_pairs` in the window pool (a call per pool that has any; `kv` as it is when
     there are none). Every source is read before any target is written."""
-    if not pairs:
-      return kv
-    return self.copy_pages(kv, *bucketed_page_pairs(pairs, self._num_pages))
+    if pairs:
+      kv = self.copy_pages(kv, *bucketed_page_pairs(pairs, self._num_pages))
+    if ring_pairs:
+      kv = self.copy_ring_pages(kv, *bucketed_page_pairs(list(ring_pairs), self._window_pool))
+    return kv
 
   def decoder(self, width: int):
     """The jitted window of `decode_steps` decode steps with the sampler's filter `width`:
-    (params, kv, DecodeState, RowSampling, page table) -> (WindowOutput, state, kv)."""
+    (params, kv, DecodeState, RowSampling, page table, the window pool's page table or None)
+    -> (WindowOutput, state, kv)."""
     if width not in self.decoders:
       in_shardings, out_shardings = self._decode_shardings
       self.decoders[width] = jax.jit(
@@ -121,39 +152,50 @@ class PagedCalls:
       self._decoder_calls[width] = self._wrap(self.decoders[width], in_shardings)
     return self._decoder_calls[width]
 
-  def _layers(self, kv, table):
-    return tuple(PagedLayerCache(k, v, table) for k, v in kv)
+  def _layers(self, kv, table_bn, ring_table_bn):
+    """Each layer's paged cache: the window pool's layers read `ring_table_bn`."""
+    return tuple(
+      PagedLayerCache(k, v, ring_table_bn if i in self.ring_layers else table_bn)
+      for i, (k, v) in enumerate(kv)
+    )
 
-  def _prefill_impl(self, params, kv, tokens_bt, positions_bt, table_bn):
+  def _prefill_impl(self, params, kv, tokens_bt, positions_bt, table_bn, ring_table_bn):
     _, cache, routing_btlk = self.model.apply(
       params,
       tokens_bt,
       positions_bt,
-      self._layers(kv, table_bn),
+      self._layers(kv, table_bn, ring_table_bn),
       return_routing=True,
       moe=self._moe,
     )
     return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
 
-  def _prefill_packed_impl(self, params, kv, tokens_bt, positions_bt, segment_ids_bt, pages_bt):
+  def _prefill_packed_impl(
+    self, params, kv, tokens_bt, positions_bt, segment_ids_bt, pages_bt, ring_pages_bt
+  ):
     _, cache, routing_btlk = self.model.apply(
       params,
       tokens_bt,
       positions_bt,
-      tuple(PackedPrefillCache(k, v, pages_bt) for k, v in kv),
+      tuple(
+        PackedPrefillCache(k, v, ring_pages_bt if i in self.ring_layers else pages_bt)
+        for i, (k, v) in enumerate(kv)
+      ),
       return_routing=True,
       moe=self._moe,
       segment_ids_bt=segment_ids_bt,
     )
     return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
 
-  def _decode_impl(self, params, kv, state, sampling, table_bn, *, steps: int, width: int):
+  def _decode_impl(
+    self, params, kv, state, sampling, table_bn, ring_table_bn, *, steps: int, width: int
+  ):
     def step_logits(kv, tokens_b, positions_b):
       logits_b1v, cache, routing_b1lk = self.model.apply(
         params,
         tokens_b[:, None],
         positions_b[:, None],
-        self._layers(kv, table_bn),
+        self._layers(kv, table_bn, ring_table_bn),
         return_routing=True,
         moe=self._moe,
       )
@@ -179,8 +221,9 @@ def _global_inputs(jitted, in_shardings):
   return call
 
 
-def _copy_pages(kv, source_c, target_c):
-  """Every layer's keys and values of pages `source_c` copied into pages `target_c` (targets
-  out of range, the padding of a bucketed call, write nothing)."""
+def _copy_pages(kv, source_c, target_c, *, layers: frozenset[int]):
+  """The keys and values of pages `source_c` copied into pages `target_c` in the pools of
+  `layers` (the others as they are); targets out of range, the padding of a bucketed call,
+  write nothing."""
   move = lambda pages: pages.at[:, target_c].set(pages[:, source_c], mode="drop")  # noqa: E731
-  return [(move(k), move(v)) for k, v in kv]
+  return [(move(k), move(v)) if i in layers else (k, v) for i, (k, v) in enumerate(kv)]

@@ -12,7 +12,10 @@ class PagedConfig:
 
   Attributes:
     page_size: token slots per KV page.
-    num_pages: the page budget (per layer); bounds the tokens cached at once.
+    num_pages: the page budget (per layer) of the main pool: every layer's, but those with a
+      sliding window where they have a pool of their own (`window_pages`); bounds the tokens
+      cached at once. A model windowed in every layer then allocates no main pool, and
+      `num_pages` only bounds its running requests' lengths together.
     max_running: most requests decoded together in one step.
     prefill_chunk: most prompt tokens of one request prefilled per call.
     decode_steps: most decode steps per device call (the window). Larger windows pay the
@@ -64,6 +67,16 @@ class PagedConfig:
       Parked pages never hold up work: they are evicted, oldest first, before a request waits
       for pages or is preempted, and dropped when the weights change. Off: every turn is
       prefilled from its first token.
+    window_pages: the pool of the layers with a sliding window (`ModelConfig.sliding_layers`:
+      Gemma 2 and 3, Mistral-7B-v0.1, Phi-3), in which each running request holds a ring of
+      pages that covers its window plus one call's tokens (`jaxrl.rollout.window_kv`) instead
+      of a page for every position: Gemma 3 1B's 22 local layers then hold about 650 positions
+      of a request (41 pages of 16 at the defaults) however long it grows, and `num_pages`
+      sizes the pool of its 4 global layers alone. -1 (auto): `max_running` rings, where a
+      ring is smaller than the longest sequence's pages (`max_tokens`, else the model's
+      `max_seq_len`); a model without windows has no such pool. N > 0: that many pages (at
+      least one ring; a request waits for a free ring, parked ones are evicted first). 0: the
+      windowed layers keep every position in the main pool.
   """
 
   page_size: int = 16
@@ -78,12 +91,18 @@ class PagedConfig:
   prefill_tokens: int = 4096
   compile_ahead: bool = True
   keep_turn_kv: bool = True
+  window_pages: int = -1
 
   def __post_init__(self):
     names = ("page_size", "num_pages", "max_running", "prefill_chunk", "decode_steps")
     for name in (*names, "prefill_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"rollout.paged.{name} must be >= 1, got {getattr(self, name)}.")
+    if self.window_pages < -1:
+      raise ValueError(
+        f"rollout.paged.window_pages must be -1 (auto), 0 (no ring pool) or the pages of the "
+        f"sliding-window layers' pool, got {self.window_pages}."
+      )
     if self.max_tokens < -1:
       raise ValueError(
         f"rollout.paged.max_tokens must be -1 (auto), 0 (bucketed shapes) or the longest "

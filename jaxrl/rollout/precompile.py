@@ -25,6 +25,7 @@ from jaxrl.compile_ahead import abstract, compile_in_background, with_shardings
 from jaxrl.rollout.decode_loop import dead_rows
 from jaxrl.rollout.engine import bucket
 from jaxrl.rollout.requests import pages_for
+from jaxrl.rollout.window_kv import ring_table
 
 if TYPE_CHECKING:
   from jaxrl.rollout.paged import PagedEngine
@@ -75,33 +76,47 @@ def engine_programs(
     most = min(cfg.max_running, engine._prefill_row_cap(chunk))
     return sorted({engine._rows(n) for n in range(1, most + 1)}, reverse=True)
 
+  rings = engine.ring_pages > 0  # the window pool's tables (`window_kv`), else None
+
+  def tables(rows: int, width: int) -> tuple:  # page tables of padding rows
+    table = np.zeros((rows, width), np.int32)
+    return table, ring_table([], rows, width) if rings else None
+
   programs = []  # in the order a generation first meets them: its admission, then the rows
   for chunk in chunks if cfg.pack_prefill else ():
     for rows in prefill_rows(chunk):
       tokens = np.full((rows, chunk), pad, np.int32)
       padding = np.full((rows, chunk), -1, np.int32)  # positions and segment ids
       pages = np.full((rows, chunk), cfg.num_pages, np.int32)
-      args = (tokens, padding, padding, pages)
+      ring_pages = (
+        np.full((rows, chunk), engine.ring_allocator.num_pages, np.int32) if rings else None
+      )
+      args = (tokens, padding, padding, pages, ring_pages)
       programs.append(EngineProgram(calls._prefill_packed, calls.prefill_packed, args))
   # Admission copies partly filled pages (a shared prompt's, a kept turn's): up to one per
-  # admitted request, bucketed; targets out of range write nothing.
+  # admitted request, bucketed, and a shared prompt's ring for each request that shares it;
+  # targets out of range write nothing.
   copies = cfg.share_prefix or cfg.keep_turn_kv
-  for count in sorted({bucket(n, 1) for n in range(1, cfg.max_running + 1)}) if copies else ():
-    nowhere = np.full((count,), cfg.num_pages, np.int32)
-    args = (np.zeros((count,), np.int32), nowhere)
-    programs.append(EngineProgram(calls.copy_pages, calls.copy_pages, args))
+  admitted = range(1, cfg.max_running + 1)
+  copy_programs = [(calls.copy_pages, cfg.num_pages, {bucket(n, 1) for n in admitted})]
+  if rings and cfg.share_prefix:
+    counts = {bucket(n * engine.ring_pages, 1) for n in admitted}
+    copy_programs.append((calls.copy_ring_pages, engine.ring_allocator.num_pages, counts))
+  for copy, pool, counts in copy_programs if copies else ():
+    for count in sorted(counts):
+      nowhere = np.full((count,), pool, np.int32)
+      programs.append(EngineProgram(copy, copy, (np.zeros((count,), np.int32), nowhere)))
   for rows, width in itertools.product(row_counts, widths):
-    table = np.zeros((rows, width), np.int32)
     for stops, filters in itertools.product(stop_widths, filter_widths):
       call = calls.decoder(filters)  # made on first use
-      args = (*dead_rows(rows, stops, pad), table)
+      args = (*dead_rows(rows, stops, pad), *tables(rows, width))
       programs.append(EngineProgram(calls.decoders[filters], call, args, True))
   for chunk in chunks if chunked else ():
     for rows, width in itertools.product(prefill_rows(chunk), widths):
-      table = np.zeros((rows, width), np.int32)
       tokens = np.full((rows, chunk), pad, np.int32)
       positions = np.full((rows, chunk), -1, np.int32)
-      programs.append(EngineProgram(calls._prefill, calls.prefill, (tokens, positions, table)))
+      args = (tokens, positions, *tables(rows, width))
+      programs.append(EngineProgram(calls._prefill, calls.prefill, args))
   return programs
 
 
@@ -119,9 +134,9 @@ def precompile_engine(
     for program in programs:
       args = program.args
       if program.on_device:
-        state, sampling, table = args
-        args = (*calls.put((state, sampling), calls.row_state_shardings), table)
-      if program.jitted is calls.copy_pages:
+        state, sampling, *tables = args
+        args = (*calls.put((state, sampling), calls.row_state_shardings), *tables)
+      if program.jitted in (calls.copy_pages, calls.copy_ring_pages):
         kv = program.call(kv, *args)
       elif program.on_device:  # a decode window: (output, state, kv)
         *_, kv = program.call(params, kv, *args)
@@ -168,9 +183,9 @@ def engine_lowerings(engine: PagedEngine, stop_width: int, filter_width: int, pa
   for program in engine_programs(engine, (stop_width,), (filter_width,), None, chunked):
     args = program.args
     if program.on_device:  # laid out as `DeviceBatch` keeps them
-      state, sampling, table = args
-      args = (*with_shardings((state, sampling), calls.row_state_shardings), table)
-    head = (kv,) if program.jitted is calls.copy_pages else (params, kv)
+      state, sampling, *tables = args
+      args = (*with_shardings((state, sampling), calls.row_state_shardings), *tables)
+    head = (kv,) if program.jitted in (calls.copy_pages, calls.copy_ring_pages) else (params, kv)
     out.append((program, lambda jitted=program.jitted, a=head + args: jitted.lower(*a)))
   return out
 

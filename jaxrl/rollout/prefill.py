@@ -10,6 +10,8 @@ A request's prefill caches every token but its last (`paged`'s invariant). Two k
   table: for sequences longer than one packed row, and for those whose first positions are
   cached already (a multi-turn turn reusing its last turn's pages), which attend to them.
 
+`prefill_admitted` runs them for the engine's admitted requests.
+
 Glossary: b rows, t tokens per row.
 """
 
@@ -17,10 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxrl.rollout.requests import record_prompt_routing
+from jaxrl.rollout.requests import pages_for, record_prompt_routing
+from jaxrl.rollout.window_kv import ring_pages
+
+if TYPE_CHECKING:
+  from jaxrl.rollout.paged import PagedEngine, _Running
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +44,15 @@ class Segment:
 class PackedCall:
   """One packed prefill call: tokens, positions (-1 padding), segment ids (-1 padding) and the
   page each token is written to (`num_pages` for padding), [b, t] each; `segments` says where
-  each sequence went."""
+  each sequence went; `ring_token_pages_bt`: the pages of the window pool (`window_kv`), None
+  without one."""
 
   tokens_bt: np.ndarray
   positions_bt: np.ndarray
   segment_ids_bt: np.ndarray
   token_pages_bt: np.ndarray
   segments: tuple[Segment, ...]
+  ring_token_pages_bt: np.ndarray | None = None
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -74,10 +83,13 @@ def packed_call(
   num_pages: int,
   pad_id: int,
   layout: list[list[int]] | None = None,
+  rings: Sequence[Sequence[int]] | None = None,
+  window_pages: int = 0,
 ) -> PackedCall:
   """The packed call that caches every token but the last of each of `seqs` (request i's
   pages: `pages[i]`), in `rows` rows of `width` tokens (at least what `pack_rows` needs);
-  `layout`: `pack_rows`'s answer for these sequences, if the caller has it already."""
+  `layout`: `pack_rows`'s answer for these sequences, if the caller has it already; `rings`:
+  each request's ring in the window pool of `window_pages` pages, if the engine has one."""
   lengths = [len(x) - 1 for x in seqs]
   layout = pack_rows(lengths, width) if layout is None else layout
   if len(layout) > rows:
@@ -86,6 +98,7 @@ def packed_call(
   positions = np.full((rows, width), -1, np.int32)
   segment_ids = np.full((rows, width), -1, np.int32)
   token_pages = np.full((rows, width), num_pages, np.int32)
+  ring_token_pages = None if rings is None else np.full((rows, width), window_pages, np.int32)
   segments = []
   for row, members in enumerate(layout):
     offset = 0
@@ -96,9 +109,12 @@ def packed_call(
       positions[row, span] = np.arange(n)
       segment_ids[row, span] = segment
       token_pages[row, span] = np.asarray(pages[i], np.int32)[np.arange(n) // page_size]
+      if rings is not None:
+        logical = ring_pages(rings[i], pages_for(n, page_size))
+        ring_token_pages[row, span] = np.asarray(logical, np.int32)[np.arange(n) // page_size]
       segments.append(Segment(i, row, offset, n))
       offset += n
-  return PackedCall(tokens, positions, segment_ids, token_pages, tuple(segments))
+  return PackedCall(tokens, positions, segment_ids, token_pages, tuple(segments), ring_token_pages)
 
 
 def chunk_spans(
@@ -143,3 +159,58 @@ def record_packed_routing(records, call: PackedCall, routing_btlk: np.ndarray) -
   for seg in call.segments:
     span = routing_btlk[seg.row : seg.row + 1, seg.offset : seg.offset + seg.length]
     record_prompt_routing([records[seg.index]], 0, span)
+
+
+def prefill_admitted(engine: PagedEngine, states: Sequence[_Running], starts: Sequence[int]):
+  """Caches every token but the last of each admitted request from position `starts[i]` on
+  (those before are in kept pages): sequences from 0 that fit one `prefill_chunk` packed into
+  shared rows (`pack_prefill`), the others chunk by chunk over their page tables. A part of
+  `PagedEngine`, apart for the module's length: it updates the engine's KV pool."""
+  cfg = engine.cfg
+  seqs = [s.record.prompt_ids + s.record.token_ids for s in states]
+  fits = [
+    cfg.pack_prefill and not a and 1 < len(x) <= cfg.prefill_chunk + 1
+    for x, a in zip(seqs, starts, strict=True)
+  ]
+  packed = [i for i, f in enumerate(fits) if f]
+  if packed:
+    _prefill_packed(engine, [states[i] for i in packed], [seqs[i] for i in packed])
+  rest = [(s, x, a) for s, x, a, f in zip(states, seqs, starts, fits, strict=True) if not f]
+  lengths = [len(x) - 1 - a for _, x, a in rest]
+  calls = engine._calls
+  cap = lambda n: engine._prefill_row_cap(engine._chunk_width(n))  # noqa: E731
+  for start, stop, live in chunk_spans(lengths, cfg.prefill_chunk, cap):
+    shape = engine._rows(len(live)), engine._chunk_width(stop - start)
+    offsets = [rest[i][2] for i in live]
+    seqs_live = [rest[i][1] for i in live]
+    tokens, positions = chunk_rows(seqs_live, start, stop, shape, engine.pad_id, offsets)
+    tables = engine._page_tables([rest[i][0] for i in live], len(tokens))
+    engine._kv, routing_btlk = calls.prefill(engine.params, engine._kv, tokens, positions, *tables)
+    if routing_btlk is not None:
+      routing_btlk = calls.host(routing_btlk)
+      for row, i in enumerate(live):
+        record_prompt_routing(
+          [rest[i][0].record], offsets[row] + start, routing_btlk[row : row + 1]
+        )
+
+
+def _prefill_packed(engine: PagedEngine, states: Sequence[_Running], seqs: Sequence[list[int]]):
+  cfg, calls = engine.cfg, engine._calls
+  width = engine._chunk_width(max(len(x) - 1 for x in seqs))
+  layout = pack_rows([len(x) - 1 for x in seqs], width)  # packed once, sized from it
+  cap = engine._prefill_row_cap(width)
+  rings = [s.ring for s in states] if engine.ring_pages else None
+  window_pages = engine.ring_allocator.num_pages if engine.ring_pages else 0
+  for first in range(0, len(layout), cap):  # calls of at most `prefill_tokens`
+    rows = layout[first : first + cap]
+    call = packed_call(
+      seqs, [s.pages for s in states], rows=engine._rows(len(rows)), width=width,
+      page_size=cfg.page_size, num_pages=cfg.num_pages, pad_id=engine.pad_id, layout=rows,
+      rings=rings, window_pages=window_pages,
+    )  # fmt: skip
+    engine._kv, routing_btlk = calls.prefill_packed(
+      engine.params, engine._kv, call.tokens_bt, call.positions_bt, call.segment_ids_bt,
+      call.token_pages_bt, call.ring_token_pages_bt,
+    )  # fmt: skip
+    if routing_btlk is not None:
+      record_packed_routing([s.record for s in states], call, calls.host(routing_btlk))

@@ -136,7 +136,22 @@ def weight_bytes(model: ModelConfig) -> float:
 
 
 def kv_bytes_per_token(model: ModelConfig) -> float:
+  """Keys and values of one position in every layer."""
   return model.num_layers * 2 * model.num_kv_heads * model.head_dim * _itemsize(model.dtype)
+
+
+def kv_bytes(model: ModelConfig, context: float) -> float:
+  """Keys and values a sequence of `context` positions holds, and a decode step of it reads:
+  a layer with a sliding window only its last `sliding_window` positions (the engine's rings,
+  `jaxrl.rollout.window_kv`, hold about one call's tokens more)."""
+  return kv_bytes_per_token(model) * _attended_positions(model, context) / model.num_layers
+
+
+def _attended_positions(model: ModelConfig, context: float) -> float:
+  """Positions a decode step at `context` attends to, summed over the layers."""
+  windowed = len(model.sliding_layers)
+  seen = min(context, model.sliding_window) if windowed else 0.0
+  return (model.num_layers - windowed) * context + windowed * seen
 
 
 def _allreduce_seconds(nbytes: float, group: int, bandwidth: float) -> float:
@@ -164,8 +179,8 @@ def decode_bytes_flops(
 ) -> tuple[float, float]:
   """Bytes read and FLOPs done per device by one decode step (weights + KV of the batch)."""
   kv_shards = min(tensor, model.num_kv_heads)
-  nbytes = weight_bytes(model) / tensor + batch * context * kv_bytes_per_token(model) / kv_shards
-  attn_flops = 4 * model.num_layers * model.num_heads * model.head_dim * context
+  nbytes = weight_bytes(model) / tensor + batch * kv_bytes(model, context) / kv_shards
+  attn_flops = 4 * model.num_heads * model.head_dim * _attended_positions(model, context)
   return nbytes, batch * (2 * active_params(model) + attn_flops) / tensor
 
 
@@ -203,12 +218,12 @@ def rollout_cost(
   lengths = workload.lengths()
   context = workload.prompt_len + lengths.mean_position
   kv_shards = min(tensor, model.num_kv_heads)
-  kv = kv_bytes_per_token(model) / kv_shards
+  longest = workload.prompt_len + workload.response_cap
   # Pages for the running batch at its mean context (+25% for the spread), plus one sequence
   # at full length so the longest response can always finish; logits of the batch in fp32.
   memory = (
     weight_bytes(model) / tensor
-    + (1.25 * batch * context + workload.prompt_len + workload.response_cap) * kv
+    + (1.25 * batch * kv_bytes(model, context) + kv_bytes(model, longest)) / kv_shards
     + batch * model.vocab_size * 4
   )
   if memory > USABLE_MEMORY * acc.memory_bytes:

@@ -92,7 +92,7 @@ def test_an_engine_compiles_each_program_once_and_gives_the_tokens_it_gave_befor
   programs = engine_programs(ahead, (1,), (NO_FILTER,), None, chunked=keep_turn_kv)
   calls = ahead._calls
   kinds = {calls._prefill: "_prefill_impl", calls._prefill_packed: "_prefill_packed_impl"}
-  kinds[calls.copy_pages] = "_copy_pages"
+  kinds[calls.copy_pages] = kinds[calls.copy_ring_pages] = "_copy_pages"
   want = collections.Counter(f"jit({kinds.get(p.jitted, '_decode_impl')})" for p in programs)
   assert counts == want and len(started[0]) == len(programs)
   assert ("jit(_prefill_impl)" in want) == keep_turn_kv

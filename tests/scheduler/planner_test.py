@@ -226,6 +226,21 @@ def test_cost_model_shapes():
   assert rollout_cost(model, acc, 1, 64, wide).tail_seconds > large.tail_seconds
 
 
+def test_sliding_window_layers_hold_and_read_their_window_only():
+  """Gemma 3 1B: 22 of 26 layers see 512 positions. At a context of 8,192 its sequences hold
+  (4 x 8,192 + 22 x 512) / (26 x 8,192) of the KV they would without windows."""
+  gemma = get_preset("gemma3-1b")
+  full = dataclasses.replace(gemma, sliding_window=0, sliding_layers=(), local_rope_theta=0.0)
+  assert len(gemma.sliding_layers) == 22
+  ratio = cost_model.kv_bytes(gemma, 8192) / cost_model.kv_bytes(full, 8192)
+  assert ratio == pytest.approx((4 * 8192 + 22 * 512) / (26 * 8192))
+  assert cost_model.kv_bytes(gemma, 300) == cost_model.kv_bytes(full, 300)  # inside the window
+  acc, w = CATALOG["H100"], Workload(prompt_len=1024, response_median=4096)
+  windowed, dense = rollout_cost(gemma, acc, 1, 256, w), rollout_cost(full, acc, 1, 256, w)
+  assert windowed.memory_bytes < 0.5 * dense.memory_bytes
+  assert windowed.step_seconds < dense.step_seconds
+
+
 def test_training_meshes_are_data_parallel_where_the_state_fits_each_replica():
   """A dense model whose training state fits one device trains data parallel (one gradient
   all-reduce an update, 2/3 of FSDP's bytes); one that does not, FSDP; MoE, never a data axis."""
