@@ -6,7 +6,13 @@ import dataclasses
 
 DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("dense", "flash", "cudnn")
-ROPE_SCALINGS = ("", "llama3", "linear", "yarn")  # jaxrl/model/rope.py says what each does
+ROPE_SCALINGS = (
+  "",
+  "llama3",
+  "linear",
+  "yarn",
+  "longrope",
+)  # jaxrl/model/rope.py says what each does
 # What a rematerialised block keeps for the backward pass (`ModelConfig.remat_policy`).
 REMAT_POLICIES = ("full", "save_attention", "save_dots")
 NORM_POSITIONS = ("pre", "post", "sandwich")
@@ -31,18 +37,31 @@ class ModelConfig:
       frequencies divided by rope_factor, high ones kept, a smooth blend in between);
       "linear" (every frequency divided by rope_factor); "yarn" (YaRN, Qwen2.5/Qwen3's long
       context: low frequencies interpolated, high ones kept, cos and sin scaled by an
-      attention factor). `jaxrl/model/rope.py` has the formulas.
-    rope_factor: llama3, linear and yarn: how much the low frequencies are stretched.
+      attention factor); "longrope" (Phi-3.5, Phi-4-mini: every frequency divided by its own
+      factor, short ones before `rope_original_max_position_embeddings` and long ones from
+      there on, cos and sin scaled by an attention factor). `jaxrl/model/rope.py` has the
+      formulas.
+    rope_factor: llama3, linear and yarn: how much the low frequencies are stretched;
+      longrope: the context's extension, from which its default attention factor follows.
     rope_low_freq_factor: llama3 scaling: wavelengths above original_max / this are scaled.
     rope_high_freq_factor: llama3 scaling: wavelengths below original_max / this are kept.
-    rope_original_max_position_embeddings: llama3 and yarn: the context length the model was
-      pretrained with before the scaling.
+    rope_original_max_position_embeddings: llama3, yarn and longrope: the context length the
+      model was pretrained with before the scaling.
     rope_beta_fast: yarn: dimensions turning more than this many times over the original
       context keep their frequency.
     rope_beta_slow: yarn: dimensions turning fewer than this many times are interpolated.
-    rope_attention_factor: yarn: what cos and sin are multiplied by; 0 takes YaRN's
-      `0.1 ln(rope_factor) + 1`.
+    rope_attention_factor: yarn and longrope: what cos and sin are multiplied by; 0 takes
+      YaRN's `0.1 ln(rope_factor) + 1`, or LongRoPE's
+      `sqrt(1 + ln(rope_factor) / ln(rope_original_max_position_embeddings))`.
     rope_truncate: yarn: round the ramp's ends to whole dimensions (transformers' default).
+    rope_short_factor, rope_long_factor: longrope: the divisor of each frequency (one per
+      rotated pair, `rotary_dim // 2`) at positions before and from the original context.
+    rotary_dim: dimensions of each query and key head that RoPE rotates (Phi-4-mini: 96 of
+      128); 0 rotates the whole head. A checkpoint rotates its heads' first `rotary_dim`
+      dimensions (pairs `i, i + rotary_dim / 2`); jaxrl stores q and k heads with those pairs
+      at `i, i + head_dim / 2` and the others, unrotated, between (`rope.partial_rotary_order`;
+      the checkpoint reader and writer reorder them), so every attention path and kernel
+      rotates whole heads, the unrotated pairs by angle 0.
     nope_layers: indices of the layers whose attention uses no positional rotation (NoPE:
       SmolLM3 leaves every fourth layer unrotated); () rotates in every layer.
     norm_eps: RMSNorm epsilon.
@@ -137,6 +156,9 @@ class ModelConfig:
   rope_beta_slow: float = 1.0
   rope_attention_factor: float = 0.0
   rope_truncate: bool = True
+  rope_short_factor: tuple[float, ...] = ()
+  rope_long_factor: tuple[float, ...] = ()
+  rotary_dim: int = 0
   nope_layers: tuple[int, ...] = ()
   norm_eps: float = 1e-6
   qk_norm: bool = False
@@ -191,6 +213,11 @@ class ModelConfig:
       raise ValueError(
         f"model.rope_scaling must be one of {ROPE_SCALINGS} ('' = plain RoPE), "
         f"got {self.rope_scaling!r}."
+      )
+    if self.rotary_dim and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+      raise ValueError(
+        f"model.rotary_dim must be 0 (the whole head) or even and at most head_dim="
+        f"{self.head_dim}, got {self.rotary_dim}."
       )
     if self.rope_scaling:
       self._check_rope_scaling()
@@ -309,17 +336,26 @@ class ModelConfig:
           f"model.rope_high_freq_factor ({self.rope_high_freq_factor}) must be greater than "
           f"model.rope_low_freq_factor ({self.rope_low_freq_factor}) for llama3 scaling."
         )
-    if kind == "yarn":
-      if not 0 < self.rope_beta_slow <= self.rope_beta_fast:
-        raise ValueError(
-          f"model.rope_beta_slow ({self.rope_beta_slow}) must be > 0 and at most "
-          f"model.rope_beta_fast ({self.rope_beta_fast}) for yarn scaling."
-        )
-      if self.rope_attention_factor < 0:
-        raise ValueError(
-          "model.rope_attention_factor must be >= 0 (0 = YaRN's default) for yarn scaling, "
-          f"got {self.rope_attention_factor}."
-        )
+    if kind == "longrope":
+      pairs = (self.rotary_dim or self.head_dim) // 2
+      for name in ("rope_short_factor", "rope_long_factor"):
+        factors = getattr(self, name)
+        if len(factors) != pairs or min(factors) <= 0:
+          raise ValueError(
+            f"model.{name} must hold {pairs} factors > 0 (one per rotated pair of "
+            f"{self.rotary_dim or self.head_dim} dimensions) for longrope, got {len(factors)}"
+            f"{f' (smallest {min(factors)})' if factors else ''}."
+          )
+    if kind in ("yarn", "longrope") and self.rope_attention_factor < 0:
+      raise ValueError(
+        f"model.rope_attention_factor must be >= 0 (0 = {kind}'s default) for {kind} scaling, "
+        f"got {self.rope_attention_factor}."
+      )
+    if kind == "yarn" and not 0 < self.rope_beta_slow <= self.rope_beta_fast:
+      raise ValueError(
+        f"model.rope_beta_slow ({self.rope_beta_slow}) must be > 0 and at most "
+        f"model.rope_beta_fast ({self.rope_beta_fast}) for yarn scaling."
+      )
 
   @property
   def is_moe(self) -> bool:

@@ -5,8 +5,8 @@ Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `r
 dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
 `rope_theta`, `dtype`). Keys a config.json leaves out take transformers' defaults for that model
 type. What jaxrl does not implement (biases Llama can switch on, Qwen's sliding windows, dense
-layers inside an MoE model, RoPE types other than plain, llama3, linear and yarn) is refused
-with the key that asks for it.
+layers inside an MoE model, RoPE types other than plain, llama3, linear, yarn and, for Phi-3,
+longrope) is refused with the key that asks for it.
 
 Under YaRN (`rope_scaling` of type "yarn", which Qwen2.5 and Qwen3 document for 128k contexts)
 `max_seq_len` is at least the original context times the factor, the length YaRN extends to.
@@ -22,7 +22,10 @@ sublayer's output rather than its input (`norm_position="post"`) and each token'
 projections across all heads (`qk_norm_across_heads`); OLMoE is a pre-norm MoE with those q/k
 norms (its `intermediate_size` is one expert's width). Phi-3 (Phi-3, Phi-4) is Llama's network
 with fused q/k/v and gate/up tensors (`hf_layout`) and, in some, a sliding window in every
-layer; saved without its source it is written as Llama (or Mistral, with a window). Mixtral is
+layer; saved without its source it is written as Llama (or Mistral, with a window), except
+that Phi-3.5 and Phi-4-mini's LongRoPE (`rope.py`) and Phi-4-mini's partial rotation
+(`partial_rotary_factor`: `ModelConfig.rotary_dim`), which only Phi-3's architecture has, are
+written as Phi-3. Mixtral is
 Mistral's network with MoE MLPs (top-k router weights always renormalised, no q/k norms).
 
 Gemma 3 (`gemma3_text`, Gemma3ForCausalLM: the 1B and 270M checkpoints) norms each sublayer's
@@ -169,6 +172,7 @@ ARCH_FIELDS = (
   "head_dim",
   "rope_theta",
   "rope_scaling",
+  "rotary_dim",
   "norm_eps",
   "qk_norm",
   "qkv_bias",
@@ -253,18 +257,26 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   max_positions = get_key(config, "max_position_embeddings", _MAX_POSITIONS[model_type])
   num_layers = get_key(config, "num_hidden_layers", shape.get("num_hidden_layers", MISSING))
   windows = _windows(config, model_type, num_layers)
+  head_dim = config.get("head_dim") or _HEAD_DIM.get(model_type, d // max(heads, 1))
+  head_dim = get_key({"head_dim": head_dim}, "head_dim")
   # A scaling's original context defaults to the full one.
   if model_type == "gemma3_text":
-    rope = gemma_rope(config, max_positions, local=bool(windows.get("sliding_layers")))
+    local = bool(windows.get("sliding_layers"))
+    rope = gemma_rope(config, max_positions, head_dim=head_dim, local=local)
   else:
     rope = rope_fields(
       config,
       max_positions,
       theta=_ROPE_THETA.get(model_type, 1e4),
+      head_dim=head_dim,
       original=_PHI3_ORIGINAL if model_type == "phi3" else None,
     )
+  if ("rotary_dim" in rope or rope.get("rope_scaling") == "longrope") and model_type != "phi3":
+    raise CheckpointError(
+      f"config.json: {model_type} with a partial rotation or longrope RoPE is not supported: "
+      "jaxrl reads those for phi3 (Phi-3.5, Phi-4-mini) only."
+    )
   max_positions = context_length(rope, max_positions)
-  head_dim = config.get("head_dim") or _HEAD_DIM.get(model_type, d // max(heads, 1))
   kv_heads = config.get("num_key_value_heads") or _KV_HEADS.get(model_type, heads)
   fields = dict(
     vocab_size=get_key(config, "vocab_size", shape.get("vocab_size", MISSING)),
@@ -272,7 +284,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     num_layers=num_layers,
     num_heads=heads,
     num_kv_heads=get_key({"num_key_value_heads": kv_heads}, "num_key_value_heads"),
-    head_dim=get_key({"head_dim": head_dim}, "head_dim"),
+    head_dim=head_dim,
     mlp_dim=get_key(
       config,
       "intermediate_size",
@@ -397,7 +409,8 @@ def model_type_of(cfg: ModelConfig) -> str:
   """The Hugging Face model type that holds `cfg`: MoE -> olmoe with q/k norms across heads,
   qwen3_moe with per-head ones, mixtral without; sandwich norms -> gemma3_text, post-norm ->
   olmo2, q/k norm -> qwen3, q/k/v bias -> qwen2, NoPE layers -> smollm3, a sliding window in
-  every layer -> mistral, else llama.
+  every layer -> mistral, else llama; a partial rotation or longrope RoPE -> phi3 (on what
+  would be llama or mistral).
 
   Raises:
     ValueError: a combination none of them has (an MoE without q/k norm, q/k norm with biases
@@ -419,6 +432,13 @@ def model_type_of(cfg: ModelConfig) -> str:
     model_type = "mistral"
   else:
     model_type = "llama"
+  if cfg.rotary_dim or cfg.rope_scaling == "longrope":
+    if model_type not in ("llama", "mistral"):
+      raise ValueError(
+        f"No Hugging Face architecture has this model: a partial rotation (model.rotary_dim) "
+        f"or longrope RoPE is Phi-3's, Llama's network, not {model_type}'s."
+      )
+    model_type = "phi3"
   for name, value in _layer_options(model_type).items():
     if getattr(cfg, name) != value:
       raise ValueError(
@@ -437,7 +457,7 @@ def model_type_of(cfg: ModelConfig) -> str:
     )
   everywhere = cfg.sliding_layers == tuple(range(cfg.num_layers))
   if cfg.sliding_layers and not (
-    model_type in GEMMA_TYPES or (model_type in ("mistral", "mixtral") and everywhere)
+    model_type in GEMMA_TYPES or (model_type in ("mistral", "mixtral", "phi3") and everywhere)
   ):
     raise ValueError(
       f"No Hugging Face architecture has this model: {model_type} has no sliding window in "
@@ -504,8 +524,18 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
       out["intermediate_size"] = cfg.moe_mlp_dim
     if model_type not in _ALWAYS_NORM_TOPK:
       out["norm_topk_prob"] = cfg.norm_topk_prob
-  if model_type in ("mistral", "mixtral"):
+  if model_type in ("mistral", "mixtral", "phi3"):
     out["sliding_window"] = cfg.sliding_window or None
+  if model_type == "phi3":  # Phi-3 reads these at the top level
+    if cfg.rotary_dim:
+      factor = cfg.rotary_dim / cfg.head_dim  # transformers' int(head_dim * factor) gives it
+      out["partial_rotary_factor"] = (
+        factor
+        if int(cfg.head_dim * factor) == cfg.rotary_dim
+        else ((cfg.rotary_dim + 0.5) / cfg.head_dim)
+      )
+    if cfg.rope_scaling:
+      out["original_max_position_embeddings"] = cfg.rope_original_max_position_embeddings
   if model_type == "mixtral":
     out["router_jitter_noise"] = 0.0
   if model_type in GEMMA_TYPES:

@@ -90,7 +90,9 @@ def gemma_softcaps(config: Mapping[str, Any], model_type: str) -> dict[str, floa
   return out
 
 
-def gemma_rope(config: Mapping[str, Any], max_positions: int, *, local: bool) -> dict[str, Any]:
+def gemma_rope(
+  config: Mapping[str, Any], max_positions: int, *, head_dim: int, local: bool
+) -> dict[str, Any]:
   """Gemma 3's RoPE: the full-attention layers' (with the scaling) as `rope_fields` reads it,
   and the sliding layers' plain base (`local`: the model has sliding layers). Hub files give
   `rope_theta`, `rope_scaling` and `rope_local_base_freq`; transformers 5 writes
@@ -108,7 +110,7 @@ def gemma_rope(config: Mapping[str, Any], max_positions: int, *, local: bool) ->
         f"{sliding['rope_type']!r} is not supported: jaxrl's sliding layers use plain RoPE."
       )
     local_theta = sliding.get("rope_theta", local_theta)
-  rope = rope_fields(full, max_positions, theta=GEMMA_THETA)
+  rope = rope_fields(full, max_positions, theta=GEMMA_THETA, head_dim=head_dim)
   if local:
     theta = get_key({"rope_local_base_freq": local_theta}, "rope_local_base_freq", kind=float)
     if theta <= 0:

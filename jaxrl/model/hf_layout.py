@@ -6,6 +6,8 @@ hidden]`), MoE experts are one tensor per expert, and Phi-3 fuses q, k and v int
 and the MLP's gate and up into `gate_up_proj`; jaxrl's are `[in, out]` with heads split
 (`wq_dhe` is `[d, h, e]`) and experts stacked (`[x, d, f]`). A parameter stored as rows of a
 fused tensor reads its rows on load; on save `hub_arrays` joins the parts of a tensor again.
+Under a partial rotation (`ModelConfig.rotary_dim`) the head dimensions of every query and key
+parameter are reordered on load and back on save (`rope.partial_rotary_order`).
 
 Glossary: v vocab, d model width, h query heads, k kv heads, e head dim, f mlp width, x experts.
 """
@@ -21,6 +23,7 @@ import numpy as np
 
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.functional import Params
+from jaxrl.model.rope import partial_rotary_order
 from jaxrl.model.safetensors_io import TensorInfo
 
 Path = tuple  # a parameter's keys in the params tree, e.g. ("blocks", 0, "attn", "wq_dhe")
@@ -107,6 +110,17 @@ def _fused_experts(path: Path, name: str, shape: tuple[int, int, int], part: sli
   return Leaf(path, (name,), (shape,), lambda read, dt: read(0)[:, part].transpose(0, 2, 1), save)
 
 
+def _reordered(leaf: Leaf, order: np.ndarray | None) -> Leaf:
+  """`leaf` with its last axis (a head's dimensions) in jaxrl's `order`, the Hub's on save."""
+  if order is None:
+    return leaf
+  back = np.argsort(order)
+  return leaf._replace(
+    load=lambda read, dt: np.ascontiguousarray(leaf.load(read, dt)[..., order]),
+    save=lambda v: leaf.save(np.ascontiguousarray(np.asarray(v)[..., back])),
+  )
+
+
 def _rows(leaf: Leaf, name: str, shape: tuple[int, ...], start: int) -> Leaf:
   """`leaf`'s one Hub tensor stored as rows `[start, start + its rows)` of tensor `name` of
   `shape`; it reads only those rows, and its save yields them, which `hub_arrays` joins with
@@ -133,6 +147,7 @@ def hub_leaves(
   experts a checkpoint holds fused; `fused_projections`: q, k, v and the MLP's gate and up as
   Phi-3 stores them (`qkv_proj`, `gate_up_proj`)."""
   v, d, h, k, e = cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  order = partial_rotary_order(e, cfg.rotary_dim)
   leaves = [_same(("embed_vd",), "model.embed_tokens.weight", (v, d))]
   # Pre-norm models: input_layernorm before attention, post_attention_layernorm before the
   # MLP; OLMo 2 (post-norm): post_attention_layernorm after attention, post_feedforward after;
@@ -146,8 +161,8 @@ def hub_leaves(
     hub, ours = f"model.layers.{i}.", ("blocks", i)
     attn, mlp = hub + "self_attn.", hub + "mlp."
     qkv = [
-      _heads_in((*ours, "attn", "wq_dhe"), attn + "q_proj.weight", d, h, e),
-      _heads_in((*ours, "attn", "wk_dke"), attn + "k_proj.weight", d, k, e),
+      _reordered(_heads_in((*ours, "attn", "wq_dhe"), attn + "q_proj.weight", d, h, e), order),
+      _reordered(_heads_in((*ours, "attn", "wk_dke"), attn + "k_proj.weight", d, k, e), order),
       _heads_in((*ours, "attn", "wv_dke"), attn + "v_proj.weight", d, k, e),
     ]
     if fused_projections:
@@ -165,19 +180,20 @@ def hub_leaves(
       ]
     if cfg.qkv_bias:
       leaves += [
-        _per_head((*ours, "attn", "bq_he"), attn + "q_proj.bias", h, e),
-        _per_head((*ours, "attn", "bk_ke"), attn + "k_proj.bias", k, e),
+        _reordered(_per_head((*ours, "attn", "bq_he"), attn + "q_proj.bias", h, e), order),
+        _reordered(_per_head((*ours, "attn", "bk_ke"), attn + "k_proj.bias", k, e), order),
         _per_head((*ours, "attn", "bv_ke"), attn + "v_proj.bias", k, e),
       ]
+    q_norm, k_norm = (*ours, "attn", "q_norm", "scale"), (*ours, "attn", "k_norm", "scale")
     if cfg.qk_norm_across_heads:
       leaves += [
-        _per_head((*ours, "attn", "q_norm", "scale"), attn + "q_norm.weight", h, e),
-        _per_head((*ours, "attn", "k_norm", "scale"), attn + "k_norm.weight", k, e),
+        _reordered(_per_head(q_norm, attn + "q_norm.weight", h, e), order),
+        _reordered(_per_head(k_norm, attn + "k_norm.weight", k, e), order),
       ]
     elif cfg.qk_norm:
       leaves += [
-        _same((*ours, "attn", "q_norm", "scale"), attn + "q_norm.weight", (e,)),
-        _same((*ours, "attn", "k_norm", "scale"), attn + "k_norm.weight", (e,)),
+        _reordered(_same(q_norm, attn + "q_norm.weight", (e,)), order),
+        _reordered(_same(k_norm, attn + "k_norm.weight", (e,)), order),
       ]
     if not cfg.is_moe:
       f = cfg.mlp_dim

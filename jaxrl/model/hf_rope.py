@@ -34,11 +34,17 @@ def refuse(config: Mapping[str, Any], key: str, ok, why: str) -> None:
 
 
 def rope_fields(
-  config: Mapping[str, Any], max_positions: int, *, theta: float, original: int | None = None
+  config: Mapping[str, Any],
+  max_positions: int,
+  *,
+  theta: float,
+  head_dim: int,
+  original: int | None = None,
 ) -> dict[str, Any]:
   """The RoPE fields of ModelConfig, from either config.json layout; `theta` is the model
-  type's default base, `original` its default `original_max_position_embeddings` (Phi-3's
-  outranks the scaling's own)."""
+  type's default base, `head_dim` its heads' width (a partial rotation's share of it becomes
+  `rotary_dim`), `original` its default `original_max_position_embeddings` (Phi-3's outranks
+  the scaling's own)."""
   # transformers gives a legacy rope_scaling priority over rope_parameters; so do we.
   key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
   params = config.get(key) or {}
@@ -52,12 +58,15 @@ def rope_fields(
   theta = params.get("rope_theta", config.get("rope_theta", theta))
   theta = get_key({"rope_theta": theta}, "rope_theta", kind=float)
   partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-  if partial != 1.0:
+  partial = get_key({"partial_rotary_factor": partial}, "partial_rotary_factor", kind=float)
+  rotary_dim = int(head_dim * partial)  # transformers' rounding
+  if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
     raise CheckpointError(
-      "config.json: partial_rotary_factor != 1 is not supported: jaxrl rotates whole heads."
+      f"config.json: partial_rotary_factor={partial} rotates {rotary_dim} of {head_dim} "
+      "dimensions a head; jaxrl needs an even number from 2 to the whole head."
     )
   rope_type = params.get("rope_type", params.get("type", "default"))
-  fields = {"rope_theta": theta}
+  fields = {"rope_theta": theta} | ({"rotary_dim": rotary_dim} if rotary_dim < head_dim else {})
   if rope_type == "default":
     return fields
   if rope_type not in _ROPE_READERS:
@@ -74,8 +83,15 @@ def rope_fields(
     original = max_positions
   elif not (isinstance(original, (int, float)) and original == int(original) > 0):
     raise CheckpointError(f"config.json: {where}={original!r}; expected a positive integer.")
-  readers = _ROPE_READERS[rope_type]
-  return fields | {"rope_scaling": rope_type} | readers(params, key, int(original), max_positions)
+  read = _ROPE_READERS[rope_type](params, key, int(original), max_positions)
+  if rope_type == "longrope":
+    for name in ("rope_short_factor", "rope_long_factor"):
+      if len(read[name]) != rotary_dim // 2:
+        raise CheckpointError(
+          f"config.json: {key}.{name.removeprefix('rope_')} has {len(read[name])} factors; "
+          f"longrope needs one per rotated pair, {rotary_dim // 2}."
+        )
+  return fields | {"rope_scaling": rope_type} | read
 
 
 def _number(params: Mapping[str, Any], key: str, name: str, default: Any = MISSING) -> float:
@@ -129,7 +145,30 @@ def _yarn(params, key: str, original: int, max_positions: int) -> dict[str, Any]
   }
 
 
-_ROPE_READERS = {"linear": _linear, "llama3": _llama3, "yarn": _yarn}
+def _longrope(params, key: str, original: int, max_positions: int) -> dict[str, Any]:
+  """transformers' reading: a missing factor is max_position_embeddings / original, from
+  which a missing attention factor follows."""
+  factors = {}
+  for name in ("short_factor", "long_factor"):
+    value = params.get(name)
+    if not isinstance(value, (list, tuple)) or not all(
+      isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value
+    ):
+      raise CheckpointError(
+        f"config.json: {key}.{name}={value!r}; longrope needs a list of numbers > 0."
+      )
+    factors[f"rope_{name}"] = tuple(float(x) for x in value)
+  attention = _number(params, key, "attention_factor", None)
+  if attention is not None and attention <= 0:
+    raise CheckpointError(f"config.json: {key}.attention_factor={attention}; expected > 0.")
+  return factors | {
+    "rope_factor": _number(params, key, "factor", max_positions / original),
+    "rope_original_max_position_embeddings": original,
+    "rope_attention_factor": attention or 0.0,
+  }
+
+
+_ROPE_READERS = {"linear": _linear, "llama3": _llama3, "yarn": _yarn, "longrope": _longrope}
 """The RoPE scalings jaxrl implements: rope_type -> reader of its parameters."""
 
 SCALING_FIELDS = {
@@ -148,6 +187,13 @@ SCALING_FIELDS = {
     "rope_beta_slow",
     "rope_attention_factor",
     "rope_truncate",
+  ),
+  "longrope": (
+    "rope_factor",
+    "rope_original_max_position_embeddings",
+    "rope_attention_factor",
+    "rope_short_factor",
+    "rope_long_factor",
   ),
 }
 """The ModelConfig fields each scaling reads."""
@@ -172,6 +218,13 @@ def rope_scaling_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       "low_freq_factor": cfg.rope_low_freq_factor,
       "high_freq_factor": cfg.rope_high_freq_factor,
     }
+  if cfg.rope_scaling == "longrope":
+    out |= {
+      "short_factor": list(cfg.rope_short_factor),
+      "long_factor": list(cfg.rope_long_factor),
+    }
+    if cfg.rope_attention_factor:
+      out["attention_factor"] = cfg.rope_attention_factor
   if cfg.rope_scaling == "yarn":  # transformers' defaults are left out, as the Hub's files do
     optional = {
       "beta_fast": (cfg.rope_beta_fast, 32.0),

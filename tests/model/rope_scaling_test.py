@@ -1,6 +1,7 @@
-"""RoPE scalings of Hugging Face checkpoints (llama3, linear, YaRN): frequencies and attention
-factors equal transformers', logits and greedy tokens of scaled checkpoints equal its, saved
-configs load back the same, and bad parameters are clear errors."""
+"""RoPE scalings of Hugging Face checkpoints (llama3, linear, YaRN; LongRoPE has
+longrope_test.py): frequencies and attention factors equal transformers', logits and greedy
+tokens of scaled checkpoints equal its, saved configs load back the same, and bad parameters
+are clear errors."""
 
 import dataclasses
 import functools
@@ -140,7 +141,7 @@ def test_a_source_with_another_scaling_is_another_model():
   "rope,key",
   [
     ({"rope_type": "dynamic", "factor": 2.0}, "rope_type"),
-    ({"rope_type": "longrope", "factor": 2.0}, "rope_type"),
+    ({"rope_type": "longrope", "factor": 2.0}, r"rope_scaling\.short_factor=None"),
     ({"rope_type": "linear"}, r"rope_scaling\.factor"),
     (_QWEN3_YARN | {"truncate": "yes"}, r"rope_scaling\.truncate"),
     (_QWEN3_YARN | {"factor": "4"}, r"rope_scaling\.factor='4'; expected a number"),
