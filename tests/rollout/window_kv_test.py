@@ -10,7 +10,7 @@ import pytest
 from helpers import tolerance
 
 from jaxrl.model import Model, get_preset
-from jaxrl.rollout import SamplingParams, StaticEngine
+from jaxrl.rollout import SamplingParams
 from jaxrl.rollout.paged import PagedConfig, PagedEngine
 from jaxrl.rollout.requests import RequestRecord
 from jaxrl.rollout.window_kv import ring_size, ring_table, window_pool
@@ -45,6 +45,19 @@ def params():
   return MODEL.init(np.random.randint(1 << 16))
 
 
+@pytest.fixture(scope="module")
+def one_pool(mesh, params):
+  """Every layer in one pool: the reference the tests share (one compilation per row count;
+  sampling keys depend only on each request's seed, so its tokens do not depend on which
+  requests run beside them)."""
+  return engine(mesh, params, window_pages=0)
+
+
+@pytest.fixture(scope="module")
+def rings(mesh, params):
+  return engine(mesh, params)
+
+
 def engine(mesh, params, **cfg):
   config = PagedConfig(**{**SMALL, **cfg})
   e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=config)
@@ -69,8 +82,8 @@ def assert_all_free(e):
   assert e.ring_allocator.num_free == e.ring_allocator.num_pages
 
 
-def test_the_window_layers_pool_holds_a_ring_per_running_request(mesh, params):
-  e = engine(mesh, params)
+def test_the_window_layers_pool_holds_a_ring_per_running_request(rings):
+  e = rings
   assert e.ring_pages == 4 == ring_size(5, 4, e.cfg)
   pools = [k.shape[1] for k, _ in e._kv]
   assert pools == [4 * 6, 4 * 6, 96, 4 * 6]  # layer 2 attends to every position
@@ -93,38 +106,33 @@ def test_bad_window_pool_sizes_are_refused(mesh, params):
 
 
 @pytest.mark.parametrize("pack_prefill", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_rings_give_the_tokens_of_one_pool_and_of_the_static_engine(mesh, params, pack_prefill):
+def test_rings_give_the_tokens_of_one_pool(mesh, params, one_pool, pack_prefill):
   """Greedy, prompts from 1 to 30 tokens (packed rows and chunks of 8 that read back across
-  the ring), responses that go round it several times."""
+  the ring), responses that go round it several times. (One pool against transformers, and
+  rings in the default engine of `hf_checkpoints.paged_greedy`: tests/model/hf_test.py.)"""
   rng = np.random.default_rng()
   ps = prompts(rng, [1, 4, 9, 13, 22, 30, 6, 17])
   sp = SamplingParams(temperature=0.0, max_new_tokens=28, ignore_eos=True)
-  static = StaticEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD)
-  static.update_weights(params, 0)
-  expected = static.generate(ps, sp, seed=0)
-  one_pool = engine(mesh, params, window_pages=0, pack_prefill=pack_prefill)
   assert one_pool.ring_pages == 0
   rings = engine(mesh, params, pack_prefill=pack_prefill)
-  assert_same(one_pool.generate(ps, sp, seed=0), expected)
-  assert_same(rings.generate(ps, sp, seed=0), expected)
+  assert_same(rings.generate(ps, sp, seed=0), one_pool.generate(ps, sp, seed=0))
   assert_all_free(rings)
 
 
-def test_shared_prompts_copy_the_leaders_ring(mesh, params):
+def test_shared_prompts_copy_the_leaders_ring(mesh, params, one_pool):
   """Four samples of each prompt: the followers copy the leader's ring after its prefill and
-  draw what unshared requests draw (same seeds)."""
+  draw what one pool's engine draws (same seeds)."""
   rng = np.random.default_rng()
   ps = [p for p in prompts(rng, [7, 19]) for _ in range(4)]
   sp = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True)
-  shared = engine(mesh, params, max_running=8, max_tokens=0)
+  shared = engine(mesh, params, max_running=8)
   got = shared.generate(ps, sp, seed=3)
   assert shared.num_shared_prefill_tokens == 3 * (6 + 18)
-  unshared = engine(mesh, params, max_running=8, share_prefix=False, window_pages=0)
-  assert_same(got, unshared.generate(ps, sp, seed=3))
+  assert_same(got, one_pool.generate(ps, sp, seed=3))
   assert_all_free(shared)
 
 
-def test_preempted_requests_resume_on_a_new_ring(mesh, params):
+def test_preempted_requests_resume_on_a_new_ring(mesh, params, one_pool):
   rng = np.random.default_rng()
   ps = prompts(rng, [3, 11, 5, 14, 8, 2])
   sp = SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True)
@@ -132,18 +140,18 @@ def test_preempted_requests_resume_on_a_new_ring(mesh, params):
   small = engine(mesh, params, num_pages=24)
   got = small.generate(ps, sp, seed=5)
   assert small.num_preemptions > 0
-  assert_same(got, engine(mesh, params, window_pages=0).generate(ps, sp, seed=5))
+  assert_same(got, one_pool.generate(ps, sp, seed=5))
   assert_all_free(small)
 
 
-def test_one_ring_runs_one_request_at_a_time(mesh, params):
+def test_one_ring_runs_one_request_at_a_time(mesh, params, one_pool):
   rng = np.random.default_rng()
   ps = prompts(rng, [3, 10, 6])
   sp = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
   e = engine(mesh, params, window_pages=4)
   got = e.generate(ps, sp, seed=0)
   assert e.num_windows >= 3 * 4  # one request at a time: 4 windows of 3 steps each
-  assert_same(got, engine(mesh, params, window_pages=0).generate(ps, sp, seed=0))
+  assert_same(got, one_pool.generate(ps, sp, seed=0))
   assert_all_free(e)
 
 
@@ -175,12 +183,12 @@ def test_a_next_turn_reads_its_parked_ring(mesh, params):
     tolerance.assert_close(np.asarray(a.logprobs), np.asarray(b.logprobs), n=TERMS)
 
 
-def test_a_snapshot_continues_on_another_engine_exactly(mesh, params):
+def test_a_snapshot_continues_on_another_engine_exactly(mesh, params, rings):
   rng = np.random.default_rng()
   ps = prompts(rng, [5, 12])
   sp = SamplingParams(temperature=1.0, max_new_tokens=26, ignore_eos=True)
-  expected = engine(mesh, params).generate(ps, sp, seed=2)
-  first = engine(mesh, params)
+  expected = rings.generate(ps, sp, seed=2)
+  first = rings
   ids = [first.submit(p, sp, seed=(2 * 1_000_003 + i) % (2**31 - 1)) for i, p in enumerate(ps)]
   for _ in range(4):
     first.step()
@@ -195,7 +203,7 @@ def test_a_snapshot_continues_on_another_engine_exactly(mesh, params):
     np.testing.assert_array_equal(done[i].token_ids, want.token_ids)
 
 
-def test_precompiled_ring_engine_compiles_nothing_while_it_generates(mesh, params):
+def test_precompiled_ring_engine_compiles_nothing_while_it_generates(mesh, params, one_pool):
   """Its decode windows, prefills and copies of both pools' pages are all precompiled."""
   rng = np.random.default_rng()
   e = engine(mesh, params, precompile=True, max_tokens=40, max_running=2)
@@ -205,7 +213,7 @@ def test_precompiled_ring_engine_compiles_nothing_while_it_generates(mesh, param
   sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
   got = e.generate(ps, sp, seed=0)
   assert compiled() == before and e.num_shared_prefill_tokens > 0
-  assert_same(got, engine(mesh, params, max_running=2, window_pages=0).generate(ps, sp, seed=0))
+  assert_same(got, one_pool.generate(ps, sp, seed=0))
 
 
 @pytest.mark.parametrize(
