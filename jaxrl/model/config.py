@@ -79,7 +79,14 @@ class ModelConfig:
     scale_embeddings: token embeddings are multiplied by `sqrt(d_model)`, rounded to the
       compute dtype (Gemma).
     attention_logit_scale: what attention logits are multiplied by; 0 takes `head_dim ** -0.5`
-      (Gemma: `query_pre_attn_scalar ** -0.5`).
+      (Gemma: `query_pre_attn_scalar ** -0.5`; Granite: `attention_multiplier`).
+    embedding_multiplier: token embeddings are multiplied by this (Granite: 12), in the
+      compute dtype; 1 leaves them.
+    residual_multiplier: each sublayer's output is multiplied by this before it joins the
+      residual stream (Granite: 0.22); 1 adds it as it is.
+    logits_scaling: the LM head's logits are divided by this (Granite: 8 or 16): the final
+      norm's output is, in the compute dtype, so that the learner's blockwise LM head
+      (`return_hidden`) divides them too; 1 leaves them.
     sliding_window: in the layers of `sliding_layers`, a query attends to this many positions,
       its own included (keys at positions `> q - sliding_window`: Mistral, Phi-3, Gemma 3's
       local layers); 0 with no sliding layers.
@@ -168,6 +175,9 @@ class ModelConfig:
   mlp_activation: str = "silu"
   scale_embeddings: bool = False
   attention_logit_scale: float = 0.0
+  embedding_multiplier: float = 1.0
+  residual_multiplier: float = 1.0
+  logits_scaling: float = 1.0
   sliding_window: int = 0
   sliding_layers: tuple[int, ...] = ()
   local_rope_theta: float = 0.0
@@ -214,6 +224,9 @@ class ModelConfig:
         f"model.rope_scaling must be one of {ROPE_SCALINGS} ('' = plain RoPE), "
         f"got {self.rope_scaling!r}."
       )
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.{name} must be > 0 (1 = none), got {getattr(self, name)}.")
     if self.rotary_dim and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
       raise ValueError(
         f"model.rotary_dim must be 0 (the whole head) or even and at most head_dim="

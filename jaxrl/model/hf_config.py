@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> `ModelConfig` for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-SmolLM3, OLMo 2, OLMoE, Phi-3, Mixtral, Gemma 2 and Gemma 3 (text).
+SmolLM3, OLMo 2, OLMoE, Phi-3, Mixtral, Gemma 2, Gemma 3 (text) and Granite (`hf_granite`).
 
 Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `rope_scaling`
 dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
@@ -57,6 +57,7 @@ from jaxrl.model.hf_gemma import (
   gemma_to_hf,
   language_model_config,
 )
+from jaxrl.model.hf_granite import GRANITE_FIELDS, granite_fields, granite_to_hf, is_granite
 from jaxrl.model.hf_rope import (
   MISSING,
   SCALING_FIELDS,
@@ -81,6 +82,7 @@ ARCHITECTURES = {
   "mixtral": "MixtralForCausalLM",
   "gemma2": "Gemma2ForCausalLM",
   "gemma3_text": "Gemma3ForCausalLM",
+  "granite": "GraniteForCausalLM",
 }
 """The model types jaxrl reads and writes, with their transformers architecture."""
 
@@ -98,6 +100,7 @@ _MAX_POSITIONS = {
   "mixtral": 131072,
   "gemma2": 8192,
   "gemma3_text": 131072,
+  "granite": 2048,
 }
 _NORM_EPS = {"olmo2": 1e-5, "olmoe": 1e-5, "phi3": 1e-5, "mixtral": 1e-5}  # others: 1e-6
 _QK_NORM = {
@@ -190,6 +193,7 @@ ARCH_FIELDS = (
   "sliding_window",
   "sliding_layers",
   "local_rope_theta",
+  *GRANITE_FIELDS,
 )
 """The ModelConfig fields a checkpoint fixes (the rest are runtime choices: dtypes, lengths)."""
 
@@ -202,7 +206,7 @@ def _refusals(config: Mapping[str, Any], model_type: str) -> None:
     gemma_refusals(config)
     return
   refuse(config, "hidden_act", lambda v: v == "silu", "jaxrl's MLPs use SiLU (SwiGLU)")
-  if model_type in ("llama", "smollm3"):
+  if model_type in ("llama", "smollm3", "granite"):
     refuse(config, "mlp_bias", lambda v: not v, "jaxrl's MLPs have no biases")
   if model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others can turn them on
     refuse(config, "attention_bias", lambda v: not v, "jaxrl has no attention biases here")
@@ -304,6 +308,8 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       raise CheckpointError(f"config.json: query_pre_attn_scalar={scalar}; expected > 0.")
     if scalar != fields["head_dim"]:  # else the default, head_dim ** -0.5
       fields["attention_logit_scale"] = scalar**-0.5
+  if model_type == "granite":
+    fields |= granite_fields(config, head_dim)
   if model_type == "smollm3":
     fields["nope_layers"] = _nope_layers(config, fields["num_layers"])
   if model_type in _MOE_DEFAULTS:
@@ -409,8 +415,8 @@ def model_type_of(cfg: ModelConfig) -> str:
   """The Hugging Face model type that holds `cfg`: MoE -> olmoe with q/k norms across heads,
   qwen3_moe with per-head ones, mixtral without; sandwich norms -> gemma3_text, post-norm ->
   olmo2, q/k norm -> qwen3, q/k/v bias -> qwen2, NoPE layers -> smollm3, a sliding window in
-  every layer -> mistral, else llama; a partial rotation or longrope RoPE -> phi3 (on what
-  would be llama or mistral).
+  every layer -> mistral, Granite's multipliers -> granite, else llama; a partial rotation or
+  longrope RoPE -> phi3 (on what would be llama or mistral).
 
   Raises:
     ValueError: a combination none of them has (an MoE without q/k norm, q/k norm with biases
@@ -430,6 +436,8 @@ def model_type_of(cfg: ModelConfig) -> str:
     model_type = "smollm3"
   elif cfg.sliding_layers:
     model_type = "mistral"
+  elif is_granite(cfg):
+    model_type = "granite"
   else:
     model_type = "llama"
   if cfg.rotary_dim or cfg.rope_scaling == "longrope":
@@ -466,11 +474,14 @@ def model_type_of(cfg: ModelConfig) -> str:
     )
   gemma_only = ("attention_logit_scale", "attention_logit_softcap", "final_logit_softcap")
   only = {"local_rope_theta": ("gemma3_text",)} | dict.fromkeys(gemma_only, GEMMA_TYPES)
+  only |= dict.fromkeys(GRANITE_FIELDS, ("granite",))
+  only["attention_logit_scale"] = (*GEMMA_TYPES, "granite")
   for name, types in only.items():
-    if getattr(cfg, name) and model_type not in types:
+    default = 1.0 if name in GRANITE_FIELDS else 0
+    if getattr(cfg, name) != default and model_type not in types:
       raise ValueError(
-        f"No Hugging Face architecture has this model: {model_type} needs model.{name}=0 "
-        f"(only {' and '.join(types)} set it)."
+        f"No Hugging Face architecture has this model: {model_type} needs "
+        f"model.{name}={default} (only {', '.join(types)} set it)."
       )
   return model_type
 
@@ -509,9 +520,9 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     out["rope_scaling"] = rope_scaling_to_hf(cfg)
   if model_type != "qwen2":
     out["attention_bias"] = False
-  if model_type in ("llama", "smollm3"):
+  if model_type in ("llama", "smollm3", "granite"):
     out["mlp_bias"] = False
-  if model_type not in ("llama", "olmo2", "olmoe", "mixtral", *GEMMA_TYPES):
+  if model_type not in ("llama", "olmo2", "olmoe", "mixtral", "granite", *GEMMA_TYPES):
     out["use_sliding_window"] = False
   if model_type == "smollm3":
     out["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
@@ -540,6 +551,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     out["router_jitter_noise"] = 0.0
   if model_type in GEMMA_TYPES:
     gemma_to_hf(cfg, out)
+  if model_type == "granite":
+    granite_to_hf(cfg, out)
   if model_type == "olmoe":
     out["clip_qkv"] = None
   if model_type == "qwen3_moe":

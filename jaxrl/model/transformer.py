@@ -187,21 +187,27 @@ class Block(nnx.Module):
   ):  # fmt: skip
     """Returns (output, cache, an MoE MLP's `MoERouting` or None). `window`: the layer's
     sliding window (static), None for full attention."""
-    position = self.attn.cfg.norm_position
+    position, multiplier = self.attn.cfg.norm_position, self.attn.cfg.residual_multiplier
     attn_args = (positions_bt, cache, segment_ids_bt, layer, window)
+
+    def add(x_btd, out_btd):  # Granite scales what joins the residual stream
+      return x_btd + (
+        out_btd * jnp.asarray(multiplier, out_btd.dtype) if multiplier != 1 else out_btd
+      )
+
     if position == "post":  # OLMo 2: sublayer outputs normed, inputs not
       attn_out, cache = self.attn(x_btd, *attn_args)
-      x_btd = x_btd + self.attn_norm(attn_out)
+      x_btd = add(x_btd, self.attn_norm(attn_out))
       mlp_out, routing = self.mlp(x_btd, moe, layer)
-      return x_btd + self.mlp_norm(mlp_out), cache, routing
+      return add(x_btd, self.mlp_norm(mlp_out)), cache, routing
     attn_out, cache = self.attn(self.attn_norm(x_btd), *attn_args)
     if position == "sandwich":
       attn_out = self.attn_post_norm(attn_out)
-    x_btd = x_btd + attn_out
+    x_btd = add(x_btd, attn_out)
     mlp_out, routing = self.mlp(self.mlp_norm(x_btd), moe, layer)
     if position == "sandwich":
       mlp_out = self.mlp_post_norm(mlp_out)
-    return x_btd + mlp_out, cache, routing
+    return add(x_btd, mlp_out), cache, routing
 
 
 class Transformer(nnx.Module):
@@ -245,9 +251,10 @@ class Transformer(nnx.Module):
       return_routing: also return the MoE routing trace.
       moe: MoE models: the expert-parallel path, routes to replay and an expert placement
         (`MoEInputs`); None routes with the router through the reference dispatch.
-      return_hidden: return the final hidden states `[b, t, d]` (after the final norm, in the
-        compute dtype) instead of the logits, for callers that apply the LM head in chunks
-        (`lm_head`, `vocab_mask`) so that `[b, t, vocab]` fp32 logits never exist whole.
+      return_hidden: return the final hidden states `[b, t, d]` (after the final norm and
+        `logits_scaling`, in the compute dtype) instead of the logits, for callers that apply
+        the LM head in chunks (`lm_head`, `vocab_mask`) so that `[b, t, vocab]` fp32 logits
+        never exist whole.
       segment_ids_bt: packed rows (training without a cache, or a packed prefill): int id of
         the sequence each token belongs to (0, 1, ... in a row; -1 for padding, which attends
         to nothing); a token attends only to earlier-or-equal positions of its own segment,
@@ -277,6 +284,8 @@ class Transformer(nnx.Module):
     x_btd = embed_vd[tokens_bt].astype(dt)
     if cfg.scale_embeddings:  # Gemma: by sqrt(d_model), itself rounded to the compute dtype
       x_btd = x_btd * jnp.asarray(cfg.d_model**0.5, dt)
+    if cfg.embedding_multiplier != 1:  # Granite
+      x_btd = x_btd * jnp.asarray(cfg.embedding_multiplier, dt)
     x_btd = _pin(x_btd, activation_sharding)
     args = (x_btd, positions_bt, moe, segment_ids_bt, activation_sharding)
     packed_prefill = cache is not None and isinstance(cache[0], PackedPrefillCache)
@@ -287,6 +296,8 @@ class Transformer(nnx.Module):
     else:
       x_btd, new_cache, ids_btlk, routed, dropped = self._unrolled_blocks(cache, *args)
     x_btd = self.final_norm(x_btd)
+    if cfg.logits_scaling != 1:  # Granite: logits / scaling, the head being linear
+      x_btd = x_btd / jnp.asarray(cfg.logits_scaling, x_btd.dtype)
     if return_hidden:
       out = x_btd, new_cache
     else:

@@ -30,6 +30,8 @@ Architectures (`ARCHS`) and what each exercises:
     alternation); Gemma 3's norms, GeGLU and embedding scale without q/k norms; attention
     logits softcapped at 2 and final logits at 5 (Gemma 2's 50 and 30 would leave a tiny
     model's logits uncapped), query_pre_attn_scalar 24 (head_dim 16).
+  "granite": Llama's network with embeddings times 4, sublayer outputs times 0.5, attention
+    logits times 0.1 (head_dim 16: not 16 ** -0.5) and logits divided by 3.
 
 Also the config.json of Qwen3-0.6B, Qwen3-30B-A3B and Llama-3.2-1B as the Hub publishes them
 (`QWEN3_0_6B`, `QWEN3_30B_A3B`, `LLAMA_3_2_1B`), for tests of configs without weights.
@@ -56,6 +58,7 @@ ARCHS = (
   "mixtral",
   "gemma3_text",
   "gemma2",
+  "granite",
 )
 VOCAB_SIZE = 512
 
@@ -102,6 +105,16 @@ _ARCH = {
     dict(rms_norm_eps=1e-5, rope_parameters=dict(rope_theta=5e5)),
   ),
   "phi3": (transformers.Phi3Config, dict(rms_norm_eps=1e-5, rope_parameters=dict(rope_theta=1e4))),
+  "granite": (
+    transformers.GraniteConfig,
+    dict(
+      embedding_multiplier=4.0,
+      residual_multiplier=0.5,
+      attention_multiplier=0.1,
+      logits_scaling=3.0,
+      rope_parameters=dict(rope_theta=1e4),
+    ),
+  ),
   "mixtral": (
     transformers.MixtralConfig,
     dict(

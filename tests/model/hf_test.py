@@ -50,6 +50,7 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("olmoe", False, {}),
   ("phi3", False, {}),
   ("mixtral", False, {}),
+  ("granite", False, {}),
 ]
 
 
@@ -142,12 +143,19 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, norm_topk_prob=False)
   elif arch in ("mistral", "gemma3_text"):
     wrong = dataclasses.replace(cfg, sliding_window=0, sliding_layers=(), local_rope_theta=0.0)
-  elif arch == "gemma2":  # each softcap on its own, and the window
-    for change in (
+  elif arch in ("gemma2", "granite"):  # each option on its own
+    gemma2 = (
       dict(attention_logit_softcap=0.0),
       dict(final_logit_softcap=0.0),
       dict(sliding_window=0, sliding_layers=()),
-    ):
+    )
+    granite = (
+      dict(embedding_multiplier=1.0),
+      dict(residual_multiplier=1.0),
+      dict(attention_logit_scale=0.0),
+      dict(logits_scaling=1.0),
+    )
+    for change in gemma2 if arch == "gemma2" else granite:
       wrong = Model(dataclasses.replace(cfg, **change))
       assert _rel_err(_logits(wrong, params, tokens), want) > 1e-2, change
     return
