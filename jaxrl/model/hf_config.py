@@ -479,9 +479,10 @@ def model_type_of(cfg: ModelConfig) -> str:
   for name, types in only.items():
     default = 1.0 if name in GRANITE_FIELDS else 0
     if getattr(cfg, name) != default and model_type not in types:
+      who = types[0] if len(types) == 1 else f"{', '.join(types[:-1])} and {types[-1]}"
       raise ValueError(
         f"No Hugging Face architecture has this model: {model_type} needs "
-        f"model.{name}={default} (only {', '.join(types)} set it)."
+        f"model.{name}={default} (only {who} set it)."
       )
   return model_type
 

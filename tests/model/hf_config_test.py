@@ -289,3 +289,42 @@ def test_gemma2_2b_hub_config():
     config_from_hf(GEMMA_2_2B | {"final_logit_softcapping": -1.0})
   with pytest.raises(ValueError, match="only gemma2 and gemma3_text set it"):
     model_type_of(ModelConfig(final_logit_softcap=30.0))
+
+
+# Granite 3.3 2B Instruct's config.json (ibm-granite/granite-3.3-2b-instruct), its shapes and
+# scalars; the keys transformers' defaults give are left out.
+GRANITE_3_3_2B = {
+  "architectures": ["GraniteForCausalLM"],
+  "model_type": "granite",
+  "vocab_size": 49159,
+  "hidden_size": 2048,
+  "intermediate_size": 8192,
+  "num_hidden_layers": 40,
+  "num_attention_heads": 32,
+  "num_key_value_heads": 8,
+  "max_position_embeddings": 131072,
+  "rope_theta": 10000000.0,
+  "rms_norm_eps": 1e-05,
+  "tie_word_embeddings": True,
+  "attention_multiplier": 0.015625,
+  "embedding_multiplier": 12.0,
+  "logits_scaling": 8.0,
+  "residual_multiplier": 0.22,
+}
+
+
+def test_granite_config_reads_its_scalars_and_writes_them_back():
+  cfg = config_from_hf(GRANITE_3_3_2B)
+  assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == (12, 0.22, 8)
+  assert cfg.attention_logit_scale == 0.015625 and cfg.head_dim == 64
+  assert model_type_of(cfg) == "granite"
+  assert config_from_hf(config_to_hf(cfg, "bfloat16")) == cfg
+  # An attention multiplier of head_dim ** -0.5 is the default scale.
+  plain = config_from_hf(GRANITE_3_3_2B | {"attention_multiplier": 0.125})
+  assert plain.attention_logit_scale == 0
+  with pytest.raises(CheckpointError, match=r"config\.json: logits_scaling=0\.0; expected > 0"):
+    config_from_hf(GRANITE_3_3_2B | {"logits_scaling": 0.0})
+  with pytest.raises(
+    ValueError, match=r"qwen3 needs model\.embedding_multiplier=1\.0 \(only granite"
+  ):
+    model_type_of(dataclasses.replace(plain, qk_norm=True))
