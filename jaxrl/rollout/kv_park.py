@@ -74,7 +74,7 @@ class KVPark:
     cached = record.num_tokens - 1
     kept = pages_for(cached, page_size)
     if not kept:
-      self.free(Parked((), pages, [], ring))
+      self.free_pages(pages, ring)
       return
     tokens = tuple(record.prompt_ids + record.token_ids)[:cached]
     routes = record.prompt_routing + record.routing
@@ -98,9 +98,14 @@ class KVPark:
 
   def free(self, entry: Parked) -> None:
     """Frees an entry's pages of both pools (one taken out, or never parked)."""
-    self.allocator.free(entry.pages)
-    if entry.ring:
-      self.ring_allocator.free(entry.ring)
+    self.free_pages(entry.pages, entry.ring)
+
+  def free_pages(self, pages: list[int], ring: list[int]) -> None:
+    """Frees pages of the main pool and a ring of the window pool (the engine's requests',
+    the entries')."""
+    self.allocator.free(pages)
+    if ring:
+      self.ring_allocator.free(ring)
 
   def take(self, request_id: str, tokens: tuple[int, ...]) -> Parked | None:
     """Removes and returns the entry of `request_id` if `tokens` start with its tokens (its

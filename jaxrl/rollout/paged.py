@@ -454,14 +454,8 @@ class PagedEngine:
     """Takes a running request out (its record complete: nothing of it in flight), frees its
     pages and marks its row dead on the device."""
     del self.running[state.record.request_id]
-    self._free(state)
+    self.park.free_pages(state.pages, state.ring)
     self._batch.kill(state.row)
-
-  def _free(self, state: _Running) -> None:
-    """Frees a request's pages of both pools."""
-    self.allocator.free(state.pages)
-    if state.ring:
-      self.ring_allocator.free(state.ring)
 
   # -- the device batch --------------------------------------------------------------------------
 
@@ -567,7 +561,7 @@ class PagedEngine:
         if keep:
           self.park.keep(r, s.pages, s.ring, self.cfg.page_size)
         else:
-          self._free(s)
+          self.park.free_pages(s.pages, s.ring)
         self._batch.free(s.row)
         self._finished.append(r)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxrl.rollout.requests import pages_for, record_prompt_routing
+from jaxrl.rollout.requests import record_prompt_routing
 from jaxrl.rollout.window_kv import ring_pages
 
 if TYPE_CHECKING:
@@ -110,8 +110,7 @@ def packed_call(
       segment_ids[row, span] = segment
       token_pages[row, span] = np.asarray(pages[i], np.int32)[np.arange(n) // page_size]
       if rings is not None:
-        logical = ring_pages(rings[i], pages_for(n, page_size))
-        ring_token_pages[row, span] = np.asarray(logical, np.int32)[np.arange(n) // page_size]
+        ring_token_pages[row, span] = ring_pages(rings[i], np.arange(n) // page_size)
       segments.append(Segment(i, row, offset, n))
       offset += n
   return PackedCall(tokens, positions, segment_ids, token_pages, tuple(segments), ring_token_pages)

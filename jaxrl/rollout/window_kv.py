@@ -69,13 +69,13 @@ def ring_table(rings: Sequence[Sequence[int] | None], rows: int, width: int) -> 
   `rings[i][j % R]`; rows without a ring (None, or past `rings`) read page 0 and write nothing
   (their positions are -1)."""
   table = np.zeros((rows, width), np.int32)
-  columns = np.arange(width)
+  logical = np.arange(width)
   for i, ring in enumerate(rings):
     if ring:
-      table[i] = np.asarray(ring, np.int32)[columns % len(ring)]
+      table[i] = ring_pages(ring, logical)
   return table
 
 
-def ring_pages(ring: Sequence[int], count: int) -> list[int]:
-  """The ring page of each of a sequence's first `count` logical pages."""
-  return [ring[i % len(ring)] for i in range(count)]
+def ring_pages(ring: Sequence[int], logical: np.ndarray) -> np.ndarray:
+  """The ring page (int32) that holds each of a sequence's `logical` pages."""
+  return np.asarray(ring, np.int32)[logical % len(ring)]

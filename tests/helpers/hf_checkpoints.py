@@ -332,6 +332,24 @@ def logits(model, tokens_bt: np.ndarray) -> np.ndarray:
   return out.float().numpy()
 
 
+def jaxrl_logits(model, params, tokens_bt: np.ndarray, **kwargs) -> np.ndarray:
+  """jaxrl's float32 logits of a batch (`kwargs` to `model.apply`), matmuls at full precision,
+  jitted: one compilation costs less than compiling each eager op of a new model's shapes."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+
+  with jax.default_matmul_precision("highest"):
+    apply = jax.jit(functools.partial(model.apply, **kwargs))
+    return np.asarray(apply(params, jnp.asarray(tokens_bt))[0])
+
+
+def rel_err(got, want) -> float:
+  """The largest absolute difference over the largest magnitude of `want`."""
+  return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
 def router_margin(model, tokens_bt: np.ndarray) -> float:
   """The smallest gap, over tokens and MoE layers, between the router probability of the last
   expert chosen and the best one left out (inf for a dense model). Near 0, two float32

@@ -19,10 +19,6 @@ from safetensors.numpy import load_file, save_file
 from jaxrl.model import CheckpointError, load_pretrained, save_pretrained
 
 
-def _rel_err(got, want) -> float:
-  return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
-
-
 @pytest.fixture(scope="module")
 def multimodal(tmp_path_factory):
   """(checkpoint directory, transformers' logits of a text batch, the batch)."""
@@ -47,7 +43,7 @@ def test_reads_the_language_model(multimodal, caplog):
     assert json.load(f)["architectures"] == ["Gemma3ForConditionalGeneration"]
   with caplog.at_level(logging.INFO, logger="jaxrl.model.hf"):
     model, _, got = _logits(path, tokens)
-  assert _rel_err(got, want) < 1e-4
+  assert hc.rel_err(got, want) < 1e-4
   assert model.config.sliding_layers == (0, 1, 3, 4) and model.config.tie_embeddings
   [line] = [
     r.getMessage() for r in caplog.records if "reading the language model" in r.getMessage()
@@ -68,7 +64,7 @@ def test_reads_transformers_5_names(multimodal, tmp_path):
   save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
   with open(os.path.join(path, "config.json")) as f:
     (tmp_path / "config.json").write_text(f.read())
-  assert _rel_err(_logits(tmp_path, tokens)[2], want) < 1e-4
+  assert hc.rel_err(_logits(tmp_path, tokens)[2], want) < 1e-4
 
 
 @pytest.mark.parametrize("with_source", [True, False])
@@ -82,7 +78,7 @@ def test_saves_the_language_model(multimodal, tmp_path, with_source):
   # The source's stop ids come along (its generation_config.json is copied too).
   assert config["eos_token_id"] == ([2, 5] if with_source else None)
   reloaded = hc.load_model(tmp_path / "out")
-  assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-4
+  assert hc.rel_err(hc.logits(reloaded, tokens), want) < 1e-4
 
 
 def test_a_checkpoint_without_its_language_model(multimodal, tmp_path):

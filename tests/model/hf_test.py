@@ -5,7 +5,6 @@ transformers loads back; sharded files, meshes, bf16, and every error names its 
 tensor or key (config.json alone: hf_config_test.py)."""
 
 import dataclasses
-import functools
 import json
 import os
 import pathlib
@@ -60,19 +59,8 @@ def _case_id(case):
   return f"{arch}{norm}-{'tied' if tied else 'untied'}"
 
 
-def _rel_err(got, want) -> float:
-  return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
-
-
 def _tokens(rng, batch=2, length=SEQ):
   return rng.integers(0, hc.VOCAB_SIZE, (batch, length)).astype(np.int32)
-
-
-def _logits(model, params, tokens, **kwargs):
-  # Jitted: one compilation costs less than compiling each eager op of a new model's shapes.
-  with jax.default_matmul_precision("highest"):
-    apply = jax.jit(functools.partial(model.apply, **kwargs))
-    return np.asarray(apply(params, jnp.asarray(tokens))[0])
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +112,7 @@ def test_logits_match_transformers(checkpoints, case):
   assert model.config.tie_embeddings == tied and ("lm_head_dv" in params) == (not tied)
   if arch in ("mistral", "gemma3_text", "gemma2"):  # a sliding window shorter than the rows
     assert model.config.sliding_window == 48 and model.config.max_seq_len == 512
-  assert _rel_err(_logits(model, params, tokens), want) < 1e-4
+  assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want) < 1e-4
   if tied:
     return
   # The options under test change the logits far beyond the tolerance: dropping them fails.
@@ -157,11 +145,11 @@ def test_logits_match_transformers(checkpoints, case):
     )
     for change in gemma2 if arch == "gemma2" else granite:
       wrong = Model(dataclasses.replace(cfg, **change))
-      assert _rel_err(_logits(wrong, params, tokens), want) > 1e-2, change
+      assert hc.rel_err(hc.jaxrl_logits(wrong, params, tokens), want) > 1e-2, change
     return
   else:
     wrong = dataclasses.replace(cfg, rope_theta=cfg.rope_theta / 10)
-  assert _rel_err(_logits(Model(wrong), params, tokens), want) > 1e-2
+  assert hc.rel_err(hc.jaxrl_logits(Model(wrong), params, tokens), want) > 1e-2
 
 
 def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
@@ -172,7 +160,7 @@ def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
   model, params = load_pretrained(path, dtype="float32")
   mesh = make_mesh(jax.devices()[:2], {"expert": 2})
   moe = MoEInputs(expert_parallel=ExpertParallel(mesh))
-  assert _rel_err(_logits(model, params, tokens, moe=moe), want) < 1e-4
+  assert hc.rel_err(hc.jaxrl_logits(model, params, tokens, moe=moe), want) < 1e-4
 
 
 # -- greedy generation ---------------------------------------------------------------------------
@@ -212,7 +200,7 @@ def test_save_pretrained_loads_in_transformers(checkpoints, tmp_path, arch, tied
   source_arch = _load_json(path / "config.json")["architectures"][0]
   written = "LlamaForCausalLM" if arch == "phi3" else source_arch
   assert type(reloaded).__name__ == written
-  assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-6
+  assert hc.rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   # The generated config.json describes the same model to us too.
   assert config_from_hf(_load_json(tmp_path / "out" / "config.json")) == model.config
 
@@ -228,7 +216,7 @@ def test_saved_with_its_source_a_model_keeps_its_architecture(checkpoints, tmp_p
   save_pretrained(model, params, tmp_path / "sourced", source=path, max_shard_size="40KB")
   reloaded = hc.load_model(tmp_path / "sourced")
   assert type(reloaded).__name__ == _load_json(path / "config.json")["architectures"][0]
-  assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-6
+  assert hc.rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   if arch == "mistral":
     assert _load_json(tmp_path / "sourced" / "config.json")["sliding_window"] == 48
   else:
@@ -276,7 +264,7 @@ def test_reads_transformers_shards(tmp_path):
   tokens = _tokens(np.random.default_rng())
   want = hc.logits(hc.load_model(path), tokens)
   model, params = load_pretrained(path, dtype="float32")
-  assert _rel_err(_logits(model, params, tokens), want) < 1e-4
+  assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want) < 1e-4
 
 
 def test_writes_shards_with_an_index(checkpoints, tmp_path):
@@ -296,7 +284,7 @@ def test_writes_shards_with_an_index(checkpoints, tmp_path):
   assert index["metadata"]["total_size"] == total
   tokens = _tokens(np.random.default_rng(), length=64)
   want = hc.logits(hc.load_model(path), tokens)
-  assert _rel_err(hc.logits(hc.load_model(out), tokens), want) < 1e-6
+  assert hc.rel_err(hc.logits(hc.load_model(out), tokens), want) < 1e-6
   _, again = load_pretrained(out, dtype="float32")
   jax.tree.map(np.testing.assert_array_equal, again, params)
   # Saving again as one file removes the shards and the index of the first save.
@@ -324,7 +312,7 @@ def test_loads_onto_a_mesh_in_its_sharding(checkpoints, arch):
   assert shard.shape == (hc.VOCAB_SIZE // 2, 64 // 4)
   tokens = _tokens(np.random.default_rng())
   want_logits = hc.logits(hc.load_model(path), tokens)
-  assert _rel_err(_logits(model, params, tokens), want_logits) < 1e-4
+  assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want_logits) < 1e-4
 
 
 _PEAK_SCRIPT = textwrap.dedent(
@@ -404,7 +392,7 @@ def test_bfloat16_load(checkpoints):
   np.testing.assert_array_equal(np.asarray(params["embed_vd"]), embed)
   tokens = _tokens(np.random.default_rng(), length=64)
   want = hc.logits(hc.load_model(path), tokens)
-  assert _rel_err(_logits(model, params, tokens), want) < 0.05
+  assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want) < 0.05
 
 
 def test_reads_a_bfloat16_checkpoint_without_torch(tmp_path):
@@ -532,7 +520,7 @@ def test_stale_index_beside_one_file(tmp_path):
   tokens = _tokens(np.random.default_rng())
   want = hc.logits(hc.load_model(path), tokens)
   model, params = load_pretrained(path, dtype="float32")
-  assert _rel_err(_logits(model, params, tokens), want) < 1e-4
+  assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want) < 1e-4
 
 
 def test_complete_shards_win_over_an_old_single_file(tmp_path):
@@ -545,7 +533,7 @@ def test_complete_shards_win_over_an_old_single_file(tmp_path):
   tokens = _tokens(np.random.default_rng())
   want = hc.logits(newer, tokens)
   model, params = load_pretrained(path, dtype="float32")
-  assert _rel_err(_logits(model, params, tokens), want) < 1e-4
+  assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want) < 1e-4
 
 
 def test_pytorch_pickles_are_refused_unread(checkpoints, tmp_path):

@@ -6,12 +6,9 @@ saves and loads back."""
 
 import copy
 import dataclasses
-import functools
 import json
 import pathlib
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -123,15 +120,6 @@ def checkpoint(tmp_path_factory):
   )  # fmt: skip
 
 
-def _logits(model, params, tokens):
-  with jax.default_matmul_precision("highest"):
-    return np.asarray(jax.jit(functools.partial(model.apply))(params, jnp.asarray(tokens))[0])
-
-
-def _rel_err(got, want) -> float:
-  return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
-
-
 def test_logits_within_the_original_context_match_transformers(checkpoint, tmp_path):
   config = json.loads((checkpoint / "config.json").read_text())
   assert config["rope_parameters"]["partial_rotary_factor"] == 0.5
@@ -139,17 +127,17 @@ def test_logits_within_the_original_context_match_transformers(checkpoint, tmp_p
   want = hc.logits(hc.load_model(checkpoint), tokens)
   model, params = load_pretrained(checkpoint, dtype="float32")
   assert (model.config.rotary_dim, model.config.rope_scaling) == (8, "longrope")
-  assert _rel_err(_logits(model, params, tokens), want) < 1e-4
+  assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want) < 1e-4
   # Without the attention factor, or with other short factors, the logits are far off.
   for wrong in ({"rope_attention_factor": 1.0}, {"rope_short_factor": tuple(ROPE["long_factor"])}):
     cfg = dataclasses.replace(model.config, **wrong)
-    assert _rel_err(_logits(Model(cfg), params, tokens), want) > 1e-2
+    assert hc.rel_err(hc.jaxrl_logits(Model(cfg), params, tokens), want) > 1e-2
   # Saved without a source: a Phi-3 config transformers reads with the same logits.
   save_pretrained(model, params, tmp_path / "out")
   written = json.loads((tmp_path / "out" / "config.json").read_text())
   assert written["architectures"] == ["Phi3ForCausalLM"]
   assert config_from_hf(written) == model.config
-  assert _rel_err(hc.logits(hc.load_model(tmp_path / "out"), tokens), want) < 1e-6
+  assert hc.rel_err(hc.logits(hc.load_model(tmp_path / "out"), tokens), want) < 1e-6
 
 
 def _stepped_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

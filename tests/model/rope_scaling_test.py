@@ -4,12 +4,9 @@ tokens of scaled checkpoints equal its, saved configs load back the same, and ba
 are clear errors."""
 
 import dataclasses
-import functools
 import json
 import pathlib
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -193,15 +190,6 @@ def checkpoint(tmp_path_factory):
   return get
 
 
-def _logits(model, params, tokens):
-  with jax.default_matmul_precision("highest"):
-    return np.asarray(jax.jit(functools.partial(model.apply))(params, jnp.asarray(tokens))[0])
-
-
-def _rel_err(got, want) -> float:
-  return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
-
-
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_scaled_checkpoints_logits_match_transformers(checkpoint, tmp_path, name):
   path = checkpoint(name)
@@ -209,17 +197,17 @@ def test_scaled_checkpoints_logits_match_transformers(checkpoint, tmp_path, name
   want = hc.logits(hc.load_model(path), tokens)
   model, params = load_pretrained(path, dtype="float32")
   assert model.config.rope_scaling == CHECKPOINTS[name][1]["rope_type"]
-  assert _rel_err(_logits(model, params, tokens), want) < 1e-4
+  assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want) < 1e-4
   # Without the scaling, or under YaRN without its attention factor, the logits are far off.
   wrong = [dataclasses.replace(model.config, rope_scaling="")]
   if name == "qwen3-yarn":
     wrong.append(dataclasses.replace(model.config, rope_attention_factor=1.0))
   for cfg in wrong:
-    assert _rel_err(_logits(Model(cfg), params, tokens), want) > 1e-2
+    assert hc.rel_err(hc.jaxrl_logits(Model(cfg), params, tokens), want) > 1e-2
   # Saved without a source, the model loads in transformers with the same logits.
   save_pretrained(model, params, tmp_path / "out")
   reloaded = hc.load_model(tmp_path / "out")
-  assert _rel_err(hc.logits(reloaded, tokens), want) < 1e-6
+  assert hc.rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   written = json.loads((tmp_path / "out" / "config.json").read_text())
   assert config_from_hf(written) == model.config
 
