@@ -34,7 +34,9 @@ class BlockSizes:
       >= 16`.
     num_splits: GPU only: the page axis of every sequence is cut into this many parts, each
       its own program, merged afterwards (split-K / flash-decoding), to fill the GPU when
-      `num_seqs * num_kv_heads` is small. The TPU kernel accepts only None or 1.
+      `num_seqs * num_kv_heads` is small; with a sliding window, the compute blocks that a
+      window can span, counted from the one holding its first position. The TPU kernel
+      accepts only None or 1.
     num_warps: GPU only: Triton warps per program, a power of two.
     num_stages: GPU only: Triton software-pipelining stages.
     dot_min_group: GPU only: the smallest GQA group size g = num_q_heads // num_kv_heads that

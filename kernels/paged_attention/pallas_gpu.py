@@ -4,9 +4,13 @@ Grid `(n, k * r, x)`: one program per (sequence, block of `b` query heads sharin
 part of the page axis). Triton has no scalar prefetch, so the program loads its length and,
 per compute block, `pages_per_compute_block` page ids as ordinary inputs, gathers those pages
 of its kv head and runs an online softmax in float32 over the blocks of its part, stopping at
-the sequence's last token. With a sliding window of w tokens it starts at the block holding
-position `length - w`, the window's first: parts wholly before the window exit at once, like
-parts past the length, and positions before the window are masked like those past the length.
+the sequence's last token. With a sliding window of w tokens the parts cut the blocks from
+the one holding position `length - w`, the window's first, instead of from block 0: a
+sequence's window spans at most `cdiv(w - 1, t) + 1` blocks wherever it lies, so the tiling
+and the number of parts are chosen for those blocks, not for the page table's capacity, and no
+program is spent on the blocks before the window (rings of pages, `jaxrl.rollout.window_kv`,
+keep the page table as long as the sequence). Positions before the window are masked like
+those past the length.
 Each part writes its normalised output, running max and denominator; a few jnp ops merge the
 parts (split-K, "flash decoding") so that short batches still fill the GPU.
 
@@ -194,7 +198,7 @@ def _first_rows(x_bd, r: int):
 
 def _kernel(
   length_ref,  # int32[1]
-  page_indices_ref,  # int32[x * blocks_per_split * c]: this sequence's page ids, padded
+  page_indices_ref,  # int32[m_padded]: this sequence's page ids, padded to whole blocks
   q_ref,  # [r, d]: this program's query heads, the pool's dtype ("dot") or float32 ("sum")
   k_pages_ref,  # [p, s, d] of this program's kv head
   v_pages_ref,  # [p, s, d]
@@ -217,15 +221,16 @@ def _kernel(
   length = length_ref[0]
   num_pages = jax.lax.div(length + s - 1, s)
   first = pl.program_id(2) * blocks_per_split
-  end = jnp.minimum(first + blocks_per_split, jax.lax.div(length + t - 1, t))
   if sliding_window is not None:
-    # Positions from `window_start` on are seen. The part starts no earlier than the block
-    # holding the window's first token, so every block it visits has a valid token; a part
-    # wholly before the window gets first >= end and runs no block.
+    # Positions from `window_start` on are seen. Parts count blocks from the one holding the
+    # window's first token, so every block a part visits has a valid token (a block before
+    # the length's last one is wholly at or past the window's start); a part past the length
+    # gets first >= end and runs no block.
     window_start = length - sliding_window
     first_token = jnp.maximum(window_start, 0)
     first_page = jax.lax.div(first_token, s)
-    first = jnp.maximum(first, jax.lax.div(first_token, t))
+    first = first + jax.lax.div(first_token, t)
+  end = jnp.minimum(first + blocks_per_split, jax.lax.div(length + t - 1, t))
   b = compute_rows
   q_bd = _repeat_rows(q_ref[...], b)
   q_parts = tf32_parts(q_bd, parts)  # split once, used by every block
@@ -334,15 +339,19 @@ def paged_attention(
     b = min(_next_pow2(g), _MAX_HEADS_PER_PROGRAM)
     target = max(1, _SUM_BLOCK_ELEMENTS // (b * d))
   r = pl.cdiv(g, b)
-  # A 16-bit cache of a short or medium page table: small blocks at 2 warps and 1 stage.
-  small = dot and not wide and m * s <= _MEDIUM_CONTEXT_TOKENS
+  # The pages a sequence's keys are read from: all m of the table, or with a window of w
+  # tokens at most the cdiv(w - 1, s) + 1 pages that w tokens can span.
+  read_pages = m if sliding_window is None else min(m, pl.cdiv(sliding_window - 1, s) + 1)
+  # A 16-bit cache read over a short or medium span: small blocks at 2 warps and 1 stage.
+  small = dot and not wide and read_pages * s <= _MEDIUM_CONTEXT_TOKENS
   if small:
-    target = _SHORT_BLOCK_TOKENS if m * s <= _SHORT_CONTEXT_TOKENS else _MEDIUM_BLOCK_TOKENS
+    short = read_pages * s <= _SHORT_CONTEXT_TOKENS
+    target = _SHORT_BLOCK_TOKENS if short else _MEDIUM_BLOCK_TOKENS
   bs = resolve_block_sizes(
     block_sizes,
     num_programs=n * k * r,
     page_size=s,
-    pages_per_seq=m,
+    pages_per_seq=read_pages,
     target_tokens=target,
     min_tokens=_MIN_DOT if dot else 1,
     num_warps=2 if small else 4,
@@ -350,8 +359,14 @@ def paged_attention(
   )
   c, x = bs.pages_per_compute_block, bs.num_splits
   _check_shapes(page_size=s, head_dim=d, pages_per_block=c, dot=dot)
-  blocks_per_split = pl.cdiv(pl.cdiv(m, c), x)
-  m_padded = x * blocks_per_split * c
+  table_blocks = pl.cdiv(m, c)
+  read_blocks = table_blocks
+  if sliding_window is not None:  # w tokens span at most this many blocks of t tokens
+    read_blocks = min(table_blocks, pl.cdiv(sliding_window - 1, c * s) + 1)
+  blocks_per_split = pl.cdiv(read_blocks, x)
+  # No part reads past the length's last block, so whole blocks of the table suffice (and,
+  # without a window, whole parts: the last part's blocks past the table exit at once).
+  m_padded = max(x * blocks_per_split, table_blocks) * c
   # Padded entries name page 0, which exists; they lie past every length, so are never read.
   page_indices_nm = jnp.pad(page_indices_nm, ((0, 0), (0, m_padded - m)))
   q_nhd_in = q_nhd.astype(pool_dtype if dot else jnp.float32)

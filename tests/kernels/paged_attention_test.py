@@ -404,6 +404,37 @@ def test_sliding_window_block_sizes(impl, block_sizes, window):
   _assert_close(out, oracle, jnp.float32, args, products_error=error, sliding_window=window)
 
 
+# (impl, block sizes): the default tiling, and GPU tilings whose derived splits cut a window
+# into parts of one block (4 to 6 parts), by sums and by dots.
+LONG_TABLE_CASES = [
+  ("pallas_tpu", None),
+  ("pallas_gpu", None),
+  ("pallas_gpu", BlockSizes(pages_per_compute_block=1)),
+  ("pallas_gpu", BlockSizes(pages_per_compute_block=2, dot_min_group=1)),
+]
+
+
+@pytest.mark.parametrize("impl,block_sizes", LONG_TABLE_CASES)
+@pytest.mark.parametrize("window", (1, 19, 40))
+def test_long_table_short_window(impl, block_sizes, window):
+  """A page table much longer than the window: the GPU kernel's parts cut the window's blocks
+  (from the one holding its first position), not the table's, so parts start at different
+  blocks per sequence; lengths up to the full table, slots before each window NaN."""
+  n, k, g, d, s, m = 6, 2, 4, 32, 8, 24
+  args = _make_inputs(_rng("long table", impl, window), n=n, h=g * k, k=k, d=d, s=s, m=m,
+                      dtype=jnp.float32)  # fmt: skip
+  out = paged_attention(
+    *_poison_before_window(args, window),
+    sliding_window=window,
+    impl=impl,
+    block_sizes=block_sizes,
+    interpret=True,
+  )
+  oracle = _numpy_oracle(*args, sm_scale=d**-0.5, sliding_window=window)
+  error = TF32X3_ERROR if impl == "pallas_gpu" else 0.0
+  _assert_close(out, oracle, jnp.float32, args, products_error=error, sliding_window=window)
+
+
 @pytest.mark.parametrize("impl", ("reference", *KERNELS))
 def test_window_past_every_length_changes_nothing(impl):
   """A window longer than every length gives what no window gives, bit for bit, through the

@@ -57,6 +57,32 @@ def test_gpu_short_and_medium_contexts_take_small_blocks_of_few_warps(
   assert re.findall(r"\[(\d+),16,128\] <-", jaxpr) == [str(block_pages)] * 2
 
 
+def test_gpu_window_tiling_follows_the_window_not_the_table():
+  """A windowed call is tiled and split for the pages its window spans, not for the page
+  table: Gemma 3 1B's local layers (1 kv head of 4 query heads, head_dim 256, a window of
+  512) at 64 rows of an 8k-token table read 33 pages a sequence, so they take the medium
+  tiling (blocks of 4 pages, 2 warps, 1 stage) in 3 parts of 3 blocks, where the same table
+  without a window takes blocks of 8 pages in 8 parts. Results at such tilings:
+  `paged_attention_test.py::test_long_table_short_window`."""
+  from jaxrl.kernels.common import target_platform
+
+  n, pages = 64, 512
+  q = jnp.zeros((n, 4, 256), jnp.bfloat16)
+  pool = jnp.zeros((1, n * pages, 16, 256), jnp.bfloat16)
+  table = jnp.arange(n * pages, dtype=jnp.int32).reshape(n, pages)
+  args = (q, pool, pool, jnp.full((n,), 8000, jnp.int32), table)
+
+  def tiling(window):
+    f = functools.partial(paged_attention, sliding_window=window)
+    jaxpr = str(jax.make_jaxpr(f)(*args))
+    found = re.findall(r"num_warps=\d+|num_stages=\d+|grid=\([^)]*\)", jaxpr)
+    return found, re.findall(r"\[(\d+),16,256\] <-", jaxpr)
+
+  with target_platform("cuda"):
+    assert tiling(512) == (["num_warps=2", "num_stages=1", "grid=(64, 1, 3)"], ["4", "4"])
+    assert tiling(None) == (["num_warps=4", "num_stages=2", "grid=(64, 1, 8)"], ["8", "8"])
+
+
 def test_default_block_sizes_apply_where_a_call_passes_none_and_only_inside():
   from jaxrl.kernels.common import target_platform
   from jaxrl.kernels.paged_attention import default_block_sizes
