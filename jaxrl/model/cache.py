@@ -256,17 +256,20 @@ def _read_paged_decode(q_bthe, k_pages, v_pages, positions_bt, page_table_bn, ru
 
 def attend_paged_decode(
   q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache, cos_btf, sin_btf, q_scale=None,
-  k_scale=None, *, eps, sliding_window: int | None = None, logit_softcap: float | None = None,
+  k_scale=None, *, eps, norm_plus_one: bool = False, sliding_window: int | None = None,
+  logit_softcap: float | None = None,
 ):  # fmt: skip
   """A decode step (t = 1) against a paged cache, from the projections: q and k RMS-normed
-  (with `q_scale`/`k_scale`, when given) and rotated, k and v written into the pages
-  (`qk_rope_write`: one kernel on a GPU, where XLA makes five), then paged attention.
+  (with `q_scale`/`k_scale`, when given; `norm_plus_one` as `rms_norm`'s `plus_one`) and
+  rotated, k and v written into the pages (`qk_rope_write`: one kernel on a GPU, where XLA
+  makes five), then paged attention.
   The same as norms, `apply_rope` and `attend`. Returns (out, cache)."""
   num_pages, page_size = cache.k_pages_kpze.shape[1:3]
   rows_b = _rows(*_token_pages(positions_bt, cache), num_pages, page_size)
   q_bhe, k_pages, v_pages = qk_rope_write(
     q_bthe[:, 0], k_btke[:, 0], v_btke[:, 0], cos_btf[:, 0], sin_btf[:, 0], rows_b,
     cache.k_pages_kpze, cache.v_pages_kpze, q_scale=q_scale, k_scale=k_scale, eps=eps,
+    norm_plus_one=norm_plus_one,
   )  # fmt: skip
   out = _read_paged_decode(
     q_bhe[:, None], k_pages, v_pages, positions_bt, cache.page_table_bn,

@@ -52,10 +52,15 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     return rms_norm(x, self.scale.get_value(), self.eps, self.plus_one)
 
-  def effective_scale(self):
-    """What the normalised input is multiplied by (float32 for Gemma's `1 + scale`)."""
+  def scale_times(self, mult: float):
+    """The stored scale of a norm whose output is this one's times `mult` (folded into the
+    scale, so rounded once with it): float32 for Gemma's `1 + scale`."""
     scale = self.scale.get_value()
-    return 1.0 + scale.astype(jnp.float32) if self.plus_one else scale
+    if mult == 1.0:
+      return scale
+    if self.plus_one:
+      return (1.0 + scale.astype(jnp.float32)) * mult - 1.0
+    return scale * mult
 
 
 class HeadsRMSNorm(nnx.Module):
@@ -120,13 +125,12 @@ class Attention(nnx.Module):
       # A decode step: the norms, the rotation and the cache write are one kernel on a GPU.
       scales = ()
       if per_head_norm:
-        q_scale = self.q_norm.effective_scale()
-        scales = (q_scale * q_mult if q_mult != 1.0 else q_scale, self.k_norm.effective_scale())
+        scales = (self.q_norm.scale_times(q_mult), self.k_norm.scale_times(1.0))
       elif q_mult != 1.0:
         q = q * jnp.asarray(q_mult, dt)
       out_bthe, cache = attend_paged_decode(
         q, k, v, positions_bt, cache, cos_btf, sin_btf, *scales, eps=cfg.norm_eps,
-        **rule._asdict(),
+        norm_plus_one=cfg.norm_scale_plus_one, **rule._asdict(),
       )  # fmt: skip
     else:
       if per_head_norm:

@@ -56,19 +56,22 @@ def _gpu_shapes_supported(e: int) -> bool:
   return f >= 1 and f & (f - 1) == 0
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "eps", "interpret"))
-def _run(q, k, v, cos, sin, rows, k_pages, v_pages, q_scale, k_scale, *, impl, eps, interpret):
+@functools.partial(jax.jit, static_argnames=("impl", "eps", "plus_one", "interpret"))
+def _run(
+  q, k, v, cos, sin, rows, k_pages, v_pages, q_scale, k_scale, *, impl, eps, plus_one, interpret
+):
   cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
   rows = rows.astype(jnp.int32)
   if impl == "reference":
     return reference.qk_rope_write(
-      q, k, v, cos, sin, rows, k_pages, v_pages, q_scale_e=q_scale, k_scale_e=k_scale, eps=eps
-    )
+      q, k, v, cos, sin, rows, k_pages, v_pages, q_scale_e=q_scale, k_scale_e=k_scale, eps=eps,
+      plus_one=plus_one,
+    )  # fmt: skip
   from jaxrl.kernels.qk_rope_write import pallas_gpu
 
   return pallas_gpu.qk_rope_write(
     q, k, v, cos, sin, rows, k_pages, v_pages, q_scale_e=q_scale, k_scale_e=k_scale, eps=eps,
-    interpret=interpret,
+    plus_one=plus_one, interpret=interpret,
   )  # fmt: skip
 
 
@@ -85,17 +88,18 @@ def qk_rope_write(
   q_scale: jax.Array | None = None,
   k_scale: jax.Array | None = None,
   eps: float = 1e-6,
+  norm_plus_one: bool = False,
   impl: str = "auto",
   interpret: Any = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One decode step's q and k normed and rotated, and its k and v written into the pages.
 
   Token i's query and key heads are RMS-normed over the head dim with `q_scale` / `k_scale`
-  (when given: Qwen3's q/k norms; `reference.rms_norm`), then rotated by the angles whose
-  cosines and sines are `cos[i]` / `sin[i]` (`reference.apply_rope`); its key and value, all
-  heads, go to row `rows[i]` = page * page_size + slot of the pools, or nowhere when the row
-  is outside `[0, pages * page_size)` (padding). The same numbers as the reference up to float32
-  rounding order (the GPU kernel sums a head's squares in two halves).
+  (when given: Qwen3's and Gemma 3's q/k norms; `reference.rms_norm`), then rotated by the
+  angles whose cosines and sines are `cos[i]` / `sin[i]` (`reference.apply_rope`); its key and
+  value, all heads, go to row `rows[i]` = page * page_size + slot of the pools, or nowhere when
+  the row is outside `[0, pages * page_size)` (padding). The same numbers as the reference up
+  to float32 rounding order (the GPU kernel sums a head's squares in two halves).
 
   Args:
     q: `[tokens, q_heads, head_dim]`; k, v: `[tokens, kv_heads, head_dim]`, as projected.
@@ -104,6 +108,9 @@ def qk_rope_write(
     k_pages, v_pages: `[kv_heads, pages, page_size, head_dim]` pools.
     q_scale, k_scale: `[head_dim]` norm scales, both or neither.
     eps: the norms' epsilon.
+    norm_plus_one: the norms multiply by `1 + scale` in float32 and then round (Gemma, whose
+      scales are stored minus one), where by default they round and then multiply by `scale`
+      (Llama and Qwen); `reference.rms_norm`'s `plus_one`.
     impl: `"auto"` (`pallas_gpu` on GPU, `reference` elsewhere: on a TPU or CPU XLA's own
       fusions serve), `"reference"` or `"pallas_gpu"`. The GPU kernel needs head_dim // 2 to
       be a power of two; "auto" runs the reference for other head dims.
@@ -133,5 +140,5 @@ def qk_rope_write(
     return q, k_pages, v_pages
   return _run(
     q, k, v, cos, sin, rows, k_pages, v_pages, q_scale, k_scale, impl=impl, eps=float(eps),
-    interpret=interpret,
+    plus_one=bool(norm_plus_one), interpret=interpret,
   )  # fmt: skip

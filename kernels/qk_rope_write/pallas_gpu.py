@@ -30,9 +30,10 @@ from jax.experimental.pallas import triton as plgpu
 _TritonParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
 
 
-def _normed_halves(x_ref, scale_ref, f: int, eps: float):
+def _normed_halves(x_ref, scale_ref, f: int, eps: float, plus_one: bool):
   """Head `x_ref` ([e]) as two float32 halves, RMS-normed with `scale_ref` when there is one,
-  rounded to x's dtype before the scale as `reference.rms_norm` does."""
+  in `reference.rms_norm`'s order: rounded to x's dtype before the scale, or with `plus_one`
+  (Gemma) multiplied by `1 + scale` in float32."""
   dtype = x_ref.dtype
   x1 = x_ref[pl.ds(0, f)].astype(jnp.float32)
   x2 = x_ref[pl.ds(f, f)].astype(jnp.float32)
@@ -41,16 +42,20 @@ def _normed_halves(x_ref, scale_ref, f: int, eps: float):
   inv = jax.lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / (2 * f) + eps)
 
   def scaled(x, lo):
-    # The scaled head is not rounded to x's dtype before the rotation: XLA does not round it
-    # either when it fuses `rms_norm` into `apply_rope` (excess precision, its default), and
-    # this kernel stands in for that fusion.
+    if plus_one:  # rounded once, after the float32 product, as `rms_norm` writes it
+      normed = x * inv * (1.0 + scale_ref[pl.ds(lo, f)].astype(jnp.float32))
+      return normed.astype(dtype).astype(jnp.float32)
+    # Llama's order: the product with the scale is not rounded to x's dtype before the
+    # rotation. `rms_norm` writes it as a product in x's dtype, which XLA computes in float32
+    # without rounding when it fuses `rms_norm` into `apply_rope` (excess precision, its
+    # default), and this kernel stands in for that fusion.
     s = scale_ref[pl.ds(lo, f)].astype(dtype).astype(jnp.float32)
     return (x * inv).astype(dtype).astype(jnp.float32) * s
 
   return scaled(x1, 0), scaled(x2, f)
 
 
-def _kernel(*refs, h: int, f: int, eps: float, normed: bool):
+def _kernel(*refs, h: int, f: int, eps: float, normed: bool, plus_one: bool):
   rows_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *rest = refs
   if normed:
     q_scale_ref, k_scale_ref, _, _, q_out_ref, k_pages_ref, v_pages_ref = rest
@@ -61,7 +66,7 @@ def _kernel(*refs, h: int, f: int, eps: float, normed: bool):
   j = pl.program_id(1)
 
   def rotated(x_ref, scale_ref):
-    x1, x2 = _normed_halves(x_ref, scale_ref, f, eps)
+    x1, x2 = _normed_halves(x_ref, scale_ref, f, eps, plus_one)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
   @pl.when(j < h)
@@ -83,7 +88,7 @@ def _kernel(*refs, h: int, f: int, eps: float, normed: bool):
 
 def qk_rope_write(
   q_nhe, k_nke, v_nke, cos_nf, sin_nf, rows_n, k_pages_kpze, v_pages_kpze, *, q_scale_e,
-  k_scale_e, eps, interpret: Any = False,
+  k_scale_e, eps, plus_one: bool = False, interpret: Any = False,
 ):  # fmt: skip
   """`reference.qk_rope_write` in one kernel; `rows_n` int32. `interpret` goes to
   `pl.pallas_call` as is."""
@@ -112,7 +117,7 @@ def qk_rope_write(
   pools = [k_pages_kpze.reshape(k, p * z, e), v_pages_kpze.reshape(k, p * z, e)]
   first_pool = 6 + len(scales)
   q_out, k_flat, v_flat = pl.pallas_call(
-    lambda *refs: _kernel(*refs, h=h, f=f, eps=eps, normed=normed),
+    lambda *refs: _kernel(*refs, h=h, f=f, eps=eps, normed=normed, plus_one=plus_one),
     grid=(n, h + k),
     in_specs=[
       pl.BlockSpec((1,), lambda i, j: (i,)),

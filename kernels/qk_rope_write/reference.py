@@ -55,11 +55,12 @@ def write_rows(pages_kpze: jax.Array, new_nke: jax.Array, rows_n: jax.Array) -> 
 
 def qk_rope_write(
   q_nhe, k_nke, v_nke, cos_nf, sin_nf, rows_n, k_pages_kpze, v_pages_kpze, *, q_scale_e,
-  k_scale_e, eps,
+  k_scale_e, eps, plus_one=False,
 ):  # fmt: skip
-  """q and k normed (when scales are given) and rotated; k and v written at `rows_n`.
-  Returns (q, k pages, v pages)."""
+  """q and k normed (when scales are given; `plus_one` as in `rms_norm`) and rotated; k and v
+  written at `rows_n`. Returns (q, k pages, v pages)."""
   if q_scale_e is not None:
-    q_nhe, k_nke = rms_norm(q_nhe, q_scale_e, eps), rms_norm(k_nke, k_scale_e, eps)
+    q_nhe = rms_norm(q_nhe, q_scale_e, eps, plus_one)
+    k_nke = rms_norm(k_nke, k_scale_e, eps, plus_one)
   q_nhe, k_nke = apply_rope(q_nhe, cos_nf, sin_nf), apply_rope(k_nke, cos_nf, sin_nf)
   return q_nhe, write_rows(k_pages_kpze, k_nke, rows_n), write_rows(v_pages_kpze, v_nke, rows_n)

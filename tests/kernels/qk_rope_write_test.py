@@ -24,8 +24,13 @@ def _rng(*key) -> np.random.Generator:
   return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-def _inputs(rng, *, n, h, k, e, p, z, dtype, normed=True):
-  """Tokens whose rows are distinct, in and out of the pool (-1 and p * z: padding)."""
+# (normed, plus_one): no norms, Qwen3's q/k norms, Gemma 3's (times `1 + scale`).
+NORMS = [(False, False), (True, False), (True, True)]
+
+
+def _inputs(rng, *, n, h, k, e, p, z, dtype, normed=True, plus_one=False):
+  """Tokens whose rows are distinct, in and out of the pool (-1 and p * z: padding); with
+  `plus_one` the scales are stored minus one, as Gemma's."""
   cast = functools.partial(jnp.asarray, dtype=dtype)
   rows = rng.permutation(p * z)[:n].astype(np.int32)
   rows[: min(n, 2)] = [-1, p * z][: min(n, 2)]
@@ -42,18 +47,23 @@ def _inputs(rng, *, n, h, k, e, p, z, dtype, normed=True):
   )
   scales = {}
   if normed:
-    scales = {"q_scale": cast(rng.uniform(0.5, 2, e)), "k_scale": cast(rng.uniform(0.5, 2, e))}
+    low = -0.5 if plus_one else 0.5
+    scales = {"q_scale": cast(rng.uniform(low, 2, e)), "k_scale": cast(rng.uniform(low, 2, e))}
+    if plus_one:
+      scales["norm_plus_one"] = True
   return args, scales
 
 
-def _oracle(q, k, v, cos, sin, rows, k_pages, v_pages, q_scale=None, k_scale=None):
+def _oracle(
+  q, k, v, cos, sin, rows, k_pages, v_pages, q_scale=None, k_scale=None, norm_plus_one=False
+):
   """float64 numpy: RMS norm (no rounding between its steps), rotation, and the writes."""
   f64 = functools.partial(np.asarray, dtype=np.float64)
   q, k, v, cos, sin = map(f64, (q, k, v, cos, sin))
   if q_scale is not None:
 
     def norm(x, scale):
-      return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS) * f64(scale)
+      return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS) * (f64(scale) + norm_plus_one)
 
     q, k = norm(q, q_scale), norm(k, k_scale)
 
@@ -71,12 +81,11 @@ def _oracle(q, k, v, cos, sin, rows, k_pages, v_pages, q_scale=None, k_scale=Non
   return rotate(q), k_pages, v_pages
 
 
-@pytest.mark.parametrize("normed", [True, False])
+@pytest.mark.parametrize("normed,plus_one", NORMS)
 @pytest.mark.parametrize("h,k,e", [(4, 2, 16), (3, 1, 64), (8, 8, 128)])
-def test_reference_matches_float64_oracle(h, k, e, normed):
-  args, scales = _inputs(
-    _rng("oracle", h, k, e, normed), n=6, h=h, k=k, e=e, p=5, z=4, dtype=jnp.float32, normed=normed
-  )
+def test_reference_matches_float64_oracle(h, k, e, normed, plus_one):
+  args, scales = _inputs(_rng("oracle", h, k, e, normed, plus_one), n=6, h=h, k=k, e=e, p=5, z=4,
+                         dtype=jnp.float32, normed=normed, plus_one=plus_one)  # fmt: skip
   got = qk_rope_write(*args, **scales, eps=EPS, impl="reference")
   for name, a, b in zip(("q", "k_pages", "v_pages"), got, _oracle(*args, **scales), strict=True):
     tolerance.assert_close(a, b, n=e + 4, exact=True, err_msg=name)
@@ -93,13 +102,13 @@ def _assert_kernel_matches(got, want, dtype, e):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("normed", [True, False])
+@pytest.mark.parametrize("normed,plus_one", NORMS)
 @pytest.mark.parametrize(
   "n,h,k,e,p,z", [(5, 4, 2, 16, 6, 4), (3, 6, 2, 64, 3, 8), (4, 2, 2, 8, 2, 2)]
 )
-def test_gpu_kernel_matches_reference(n, h, k, e, p, z, dtype, normed):
-  args, scales = _inputs(_rng("kernel", n, h, k, e, dtype, normed), n=n, h=h, k=k, e=e, p=p, z=z,
-                         dtype=dtype, normed=normed)  # fmt: skip
+def test_gpu_kernel_matches_reference(n, h, k, e, p, z, dtype, normed, plus_one):
+  args, scales = _inputs(_rng("kernel", n, h, k, e, dtype, normed, plus_one), n=n, h=h, k=k, e=e,
+                         p=p, z=z, dtype=dtype, normed=normed, plus_one=plus_one)  # fmt: skip
   want = qk_rope_write(*args, **scales, eps=EPS, impl="reference")
   got = qk_rope_write(*args, **scales, eps=EPS, impl="pallas_gpu", interpret=True)
   _assert_kernel_matches(got, want, dtype, e)
@@ -256,14 +265,16 @@ def _assert_bf16_roundings_from_exact(got, exact, e):
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("plus_one", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_kernel_compiled_matches_oracle(dtype):
+def test_gpu_kernel_compiled_matches_oracle(dtype, plus_one):
   """Compiled by Triton, the kernel against the float64 oracle: float32 within rounding of its
   sums, bf16 within the roundings the reference defines. Not bit for bit against the compiled
   reference in bf16 (as in interpret mode on a CPU): on an H100 they differed by a bf16 unit
   in the last place in some elements, since XLA:GPU and Triton round the float32 steps
   between the norm and the rotation differently."""
-  args, scales = _inputs(_rng("gpu", dtype), n=64, h=16, k=8, e=128, p=64, z=16, dtype=dtype)
+  args, scales = _inputs(_rng("gpu", dtype, plus_one), n=64, h=16, k=8, e=128, p=64, z=16,
+                         dtype=dtype, plus_one=plus_one)  # fmt: skip
   got = qk_rope_write(*args, **scales, eps=EPS, impl="pallas_gpu")
   assert "pallas_call" in str(jax.make_jaxpr(functools.partial(qk_rope_write, **scales))(*args))
   exact = _oracle(*args, **scales)
@@ -272,3 +283,50 @@ def test_gpu_kernel_compiled_matches_oracle(dtype):
       tolerance.assert_close(a, b, n=128 + 4, exact=True, err_msg=name)
   else:
     _assert_bf16_roundings_from_exact(got, exact, 128)
+
+
+@pytest.mark.parametrize("logit_scale", [0.0, 0.1])
+@pytest.mark.parametrize("plus_one", [False, True])
+def test_bf16_decode_step_norms_q_and_k_as_the_unfused_path_does(plus_one, logit_scale):
+  """A bf16 attention layer's decode step (the fused path) against the same layer on the same
+  token through the unfused norms and rotation (a two-token call whose second token is
+  padding): in Gemma's norm order (`1 + scale` in float32, then rounded) the keys written to
+  the pages are the same bits, in Llama's (rounded, then times the scale in bf16) within a
+  bf16 unit (XLA computes that product unrounded where it fuses it into the rotation); the
+  outputs agree to bf16 rounding, with and without a query scale folded into the q norm's
+  scale."""
+  from flax import nnx
+
+  from jaxrl.model import cache as cache_lib
+  from jaxrl.model.config import ModelConfig
+  from jaxrl.model.transformer import Attention
+
+  cfg = ModelConfig(
+    dtype="bfloat16", param_dtype="bfloat16", qk_norm=True, norm_scale_plus_one=plus_one,
+    attention_logit_scale=logit_scale,
+  )  # fmt: skip
+  layer = Attention(cfg, rngs=nnx.Rngs(0))
+  rng = _rng("bf16 decode", plus_one, logit_scale)
+  e = cfg.head_dim
+  for norm in (layer.q_norm, layer.k_norm):  # scales far from their identity
+    norm.scale.set_value(jnp.asarray(rng.uniform(-0.6, 0.9, e) + (not plus_one), jnp.bfloat16))
+  b, m, z = 2, 3, 4
+  pools = [
+    jnp.asarray(rng.standard_normal((cfg.num_kv_heads, b * m, z, e)), jnp.bfloat16)
+    for _ in range(2)
+  ]
+  cache = cache_lib.PagedLayerCache(*pools, jnp.arange(b * m, dtype=jnp.int32).reshape(b, m))
+  x = jnp.asarray(rng.standard_normal((b, 2, cfg.d_model)), jnp.bfloat16)
+  positions = jnp.asarray([[5, -1], [9, -1]], jnp.int32)
+  fused_out, fused_cache = layer(x[:, :1], positions[:, :1], cache)
+  plain_out, plain_cache = layer(x, positions, cache)
+  for fused, plain in zip(fused_cache[:2], plain_cache[:2], strict=True):
+    fused, plain = np.asarray(fused, np.float32), np.asarray(plain, np.float32)
+    if plus_one:  # rounded where `rms_norm` rounds, in both paths
+      np.testing.assert_array_equal(fused, plain)
+    else:  # XLA may leave the bf16 product with the scale unrounded where it fuses it
+      head_max = np.max(np.abs(plain), axis=-1, keepdims=True)
+      assert np.all(np.abs(fused - plain) <= 2**-7 * np.abs(plain) + 2**-8 * head_max)
+  fused_out, plain_out = (np.asarray(o[:, 0], np.float64) for o in (fused_out, plain_out))
+  scale = np.max(np.abs(plain_out))
+  np.testing.assert_allclose(fused_out, plain_out, rtol=2**-6, atol=2**-7 * scale)
