@@ -26,6 +26,19 @@ _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
+def check_sinks(sinks, num_heads: int) -> None:
+  """Attention sinks (one logit per query head, `flash_attention` and `paged_attention`):
+  None, or a float `[num_heads]` array."""
+  if sinks is None:
+    return
+  shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
+  if shape != (num_heads,) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+      f"sinks must be None or a float [num_q_heads={num_heads}] array (one logit per query "
+      f"head), got {dtype or type(sinks).__name__}{shape or ''}."
+    )
+
+
 @contextlib.contextmanager
 def traced_setting(var: contextvars.ContextVar, value):
   """`var` set to `value` for the traces inside. jax's trace caches do not know such a

@@ -93,12 +93,14 @@ def dot_attention(
   key_segment_ids_bs=None,
   sliding_window: int | None = None,
   logit_softcap: float | None = None,
+  sinks: jax.Array | None = None,
 ):
   """Grouped-query softmax attention (fp32 softmax); a key is visible iff its position <= the
   query's, with a `sliding_window` also > the query's minus the window, and, when segment ids
   are given (packed rows), it has the query's segment id and that id is not negative
   (padding). A query that sees no key outputs zeros. `logit_softcap` c: logits `s` become
-  `c * tanh(s / c)` before the mask (Gemma 2).
+  `c * tanh(s / c)` before the mask (Gemma 2). `sinks` (`[h]`, gpt-oss): each query head's
+  softmax has one more logit, its sink, whose value is zero.
 
   The rule of `jaxrl.kernels.flash_attention`, so the kernel computes the same attention."""
   b, t, h, e = q_bthe.shape
@@ -115,7 +117,14 @@ def dot_attention(
     key_segment_b1s = key_segment_ids_bs[:, None, :]
     visible_bts &= (key_segment_b1s == q_segment_ids_bt[:, :, None]) & (key_segment_b1s >= 0)
   scores = jnp.where(visible_bts[:, None, None], scores, -1e30)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  if sinks is None:
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  else:  # the sink as one more logit of the softmax, dropped from the weights
+    sink_kg11 = sinks.astype(jnp.float32).reshape(k, h // k, 1, 1)
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink_kg11)
+    weights = jnp.exp(scores - top)
+    denom = jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink_kg11 - top)
+    probs = (weights / denom).astype(dt)
   out_btkge = jnp.einsum("bkgts,bske->btkge", probs, values_bske.astype(dt))
   if q_segment_ids_bt is not None:  # padding queries see nothing: zeros, not a uniform mean
     out_btkge = jnp.where(visible_bts.any(-1)[:, :, None, None, None], out_btkge, 0)
@@ -123,12 +132,14 @@ def dot_attention(
 
 
 class LogitRule(NamedTuple):
-  """A layer's static options of its attention logits: the sliding window (None: every
-  earlier position) and the softcap (None: none). Their names are the keyword arguments of
-  `dot_attention`, `flash_attention` and `paged_attention`."""
+  """A layer's options of its attention logits: the sliding window (None: every earlier
+  position) and the softcap (None: none), static, and its attention sinks (an `[h]` array;
+  None: none). Their names are the keyword arguments of `dot_attention`, `flash_attention`
+  and `paged_attention`."""
 
   sliding_window: int | None = None
   logit_softcap: float | None = None
+  sinks: jax.Array | None = None
 
 
 # `ModelConfig.attention` -> `flash_attention`'s impl ("dense" is `dot_attention`).
@@ -137,18 +148,19 @@ FLASH_IMPL = {"flash": "auto", "cudnn": "cudnn"}
 
 def attend(
   q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None, attention: str = "dense",
-  sliding_window: int | None = None, logit_softcap: float | None = None,
+  sliding_window: int | None = None, logit_softcap: float | None = None, sinks=None,
 ):  # fmt: skip
   """Writes this call's keys/values into `cache` (if any) and attends; returns (out, cache).
   `sliding_window`: the layer's window (static), None for full causal attention;
-  `logit_softcap`: the attention logits' cap (static, `dot_attention`), None for none.
+  `logit_softcap`: the attention logits' cap (static, `dot_attention`), None for none;
+  `sinks`: the layer's attention sinks (`[h]`, `dot_attention`), None for none.
   With a paged cache, `paged_attention` reads the pages.
 
   `segment_ids_bt` (no cache only): packed rows, where a token attends to the earlier (or
   equal) positions of its own segment; `positions_bt` then restart at 0 in every segment.
   `attention` (`ModelConfig.attention`; no cache only): "dense" (`dot_attention`), or "flash"
   or "cudnn", `flash_attention` through the kernel of the platform or cuDNN: the same rule."""
-  rule = LogitRule(sliding_window, logit_softcap)
+  rule = LogitRule(sliding_window, logit_softcap, sinks)
   if cache is None:
     if attention in FLASH_IMPL:
       out = flash_attention(
@@ -257,7 +269,7 @@ def _read_paged_decode(q_bthe, k_pages, v_pages, positions_bt, page_table_bn, ru
 def attend_paged_decode(
   q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache, cos_btf, sin_btf, q_scale=None,
   k_scale=None, *, eps, norm_plus_one: bool = False, sliding_window: int | None = None,
-  logit_softcap: float | None = None,
+  logit_softcap: float | None = None, sinks=None,
 ):  # fmt: skip
   """A decode step (t = 1) against a paged cache, from the projections: q and k RMS-normed
   (with `q_scale`/`k_scale`, when given; `norm_plus_one` as `rms_norm`'s `plus_one`) and
@@ -273,7 +285,7 @@ def attend_paged_decode(
   )  # fmt: skip
   out = _read_paged_decode(
     q_bhe[:, None], k_pages, v_pages, positions_bt, cache.page_table_bn,
-    LogitRule(sliding_window, logit_softcap),
+    LogitRule(sliding_window, logit_softcap, sinks),
   )  # fmt: skip
   return out, PagedLayerCache(k_pages, v_pages, cache.page_table_bn)
 

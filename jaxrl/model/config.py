@@ -100,6 +100,8 @@ class ModelConfig:
       (Gemma 3: 10,000 there, 1,000,000 and the scaling in the others); 0 rotates every layer
       alike.
     qkv_bias: bias on the q/k/v projections (Qwen2).
+    attention_sinks: a learned sink logit per query head in every layer (gpt-oss): it joins
+      each query's softmax with a zero value, so attention can put weight on nothing.
     tie_embeddings: the LM head reuses the token embedding.
     num_experts: 0 for a dense MLP, otherwise the experts of every MoE layer.
     experts_per_token: top-k experts each token is routed to.
@@ -184,6 +186,7 @@ class ModelConfig:
   attention_logit_softcap: float = 0.0
   final_logit_softcap: float = 0.0
   qkv_bias: bool = False
+  attention_sinks: bool = False
   tie_embeddings: bool = True
   num_experts: int = 0
   experts_per_token: int = 2
@@ -380,6 +383,7 @@ class ModelConfig:
     attn = d * e * (self.num_heads * 2 + self.num_kv_heads * 2)
     if self.qkv_bias:
       attn += e * (self.num_heads + 2 * self.num_kv_heads)
+    attn += self.num_heads if self.attention_sinks else 0
     if self.qk_norm:  # across heads (OLMo): a scale per head and dimension
       attn += (self.num_heads + self.num_kv_heads) * e if self.qk_norm_across_heads else 2 * e
     if self.is_moe:

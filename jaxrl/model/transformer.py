@@ -94,6 +94,8 @@ class Attention(nnx.Module):
       self.bq_he = nnx.Param(jnp.zeros((h, e), pd), logical_axes=("heads", "head_dim"))
       self.bk_ke = nnx.Param(jnp.zeros((k, e), pd), logical_axes=("kv_heads", "head_dim"))
       self.bv_ke = nnx.Param(jnp.zeros((k, e), pd), logical_axes=("kv_heads", "head_dim"))
+    if cfg.attention_sinks:  # zero: each sink starts as one more key of logit 0
+      self.sinks_h = nnx.Param(jnp.zeros((h,), pd), logical_axes=("heads",))
     if cfg.qk_norm and cfg.qk_norm_across_heads:
       self.q_norm = HeadsRMSNorm(h, e, cfg.norm_eps, pd, "heads")
       self.k_norm = HeadsRMSNorm(k, e, cfg.norm_eps, pd, "kv_heads")
@@ -117,7 +119,8 @@ class Attention(nnx.Module):
     # A logit scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar) multiplies
     # the queries after their norm: the rotation is linear, so it commutes.
     q_mult = cfg.attention_logit_scale * cfg.head_dim**0.5 if cfg.attention_logit_scale else 1.0
-    rule = LogitRule(window, cfg.attention_logit_softcap or None)
+    sinks = self.sinks_h.get_value() if cfg.attention_sinks else None
+    rule = LogitRule(window, cfg.attention_logit_softcap or None, sinks)
     if cfg.qk_norm_across_heads:  # a norm over all heads: not the fused kernel's per-head one
       q, k = self.q_norm(q), self.k_norm(k)
     per_head_norm = cfg.qk_norm and not cfg.qk_norm_across_heads

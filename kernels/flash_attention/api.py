@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxrl.kernels.common import IMPLS, check_block_fields, resolve_impl
+from jaxrl.kernels.common import IMPLS, check_block_fields, check_sinks, resolve_impl
 from jaxrl.kernels.flash_attention import cudnn, reference
 
 # The `checkpoint_name`s of what the backward pass needs from the forward: the output and the
@@ -267,10 +267,69 @@ def _flash_bwd(cfg, residuals, do_bthe):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+# Attention sinks (gpt-oss): a logit per query head that joins every query's softmax with a
+# zero value. With the kernel's log-sum-exp l of a query's keys, the sink's share is
+# sigmoid(sink - l), so the output is the kernel's times w = sigmoid(l - sink): no kernel
+# change in the forward pass. Backward: the kernel's output gets the cotangent do * w, and l
+# gets dl = w (1 - w) (do . o), which the kernels subtract from their delta = do . o
+# (FlashAttention-2's softmax backward), since d l / d logit = the probability; the sink's
+# gradient is -sum dl over the batch and the queries.
+
+
+def _sink_weights(lse_bht, sinks_h, t: int):
+  """f32 `[b, h, t]`: the share of each query's softmax that its keys keep beside its head's
+  sink (1 for a query that sees no key: its log-sum-exp is +inf and its output 0). A kernel's
+  log-sum-exp may run past the t queries (the GPU kernel's padding)."""
+  return jax.nn.sigmoid(lse_bht[..., :t] - sinks_h.astype(jnp.float32)[None, :, None])
+
+
+def _sink_scaled(o_bthe, w_bht):
+  scaled = o_bthe.astype(jnp.float32) * jnp.swapaxes(w_bht, 1, 2)[..., None]
+  return scaled.astype(o_bthe.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_sinks(q_bthe, k_bske, v_bske, sinks_h, meta, cfg):
+  o_bthe, lse_bht = _forward(cfg, q_bthe, k_bske, v_bske, meta)
+  return _sink_scaled(o_bthe, _sink_weights(lse_bht, sinks_h, q_bthe.shape[1]))
+
+
+def _flash_sinks_fwd(q_bthe, k_bske, v_bske, sinks_h, meta, cfg):
+  o_bthe, residuals = _flash_fwd(q_bthe, k_bske, v_bske, meta, cfg)
+  lse_bht = residuals[-1]
+  w_bht = _sink_weights(lse_bht, sinks_h, q_bthe.shape[1])
+  return _sink_scaled(o_bthe, w_bht), (sinks_h, residuals)
+
+
+def _flash_sinks_bwd(cfg, residuals, dout_bthe):
+  sinks_h, (q_bthe, k_bske, v_bske, meta, o_bthe, lse_bht) = residuals
+  impl, causal, window, softcap, sm_scale, block_sizes, interpret = cfg
+  w_bht = _sink_weights(lse_bht, sinks_h, q_bthe.shape[1])
+  dout_bthe = dout_bthe.astype(jnp.float32)
+  do_bthe = dout_bthe * jnp.swapaxes(w_bht, 1, 2)[..., None]
+  dot_bht = jnp.einsum(
+    "bthe,bthe->bht", dout_bthe, o_bthe.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+  )
+  dlse_bht = w_bht * (1.0 - w_bht) * dot_bht
+  kwargs = {} if impl == "reference" else {"interpret": interpret}
+  dq, dk, dv = _LOADERS[impl]().backward(
+    q_bthe, k_bske, v_bske, meta, o_bthe, lse_bht, do_bthe.astype(q_bthe.dtype), causal=causal,
+    window=window, softcap=softcap, sm_scale=sm_scale, block_sizes=block_sizes,
+    dlse_bht=dlse_bht, **kwargs,
+  )  # fmt: skip
+  dsinks_h = -jnp.sum(dlse_bht, axis=(0, 2)).astype(sinks_h.dtype)
+  return dq, dk, dv, dsinks_h, None
+
+
+_flash_sinks.defvjp(_flash_sinks_fwd, _flash_sinks_bwd)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _run(q, k, v, ids, *, cfg):
+def _run(q, k, v, ids, sinks=None, *, cfg):
   b, t = q.shape[:2]
   meta = _metadata(b, t, k.shape[1], *ids)  # under jit: the defaults live where q does
+  if sinks is not None:
+    return _flash_sinks(q, k, v, sinks, meta, cfg)
   return _flash(q, k, v, meta, cfg)
 
 
@@ -302,6 +361,7 @@ def flash_attention(
   causal: bool = True,
   sliding_window: int | None = None,
   logit_softcap: float | None = None,
+  sinks: jax.Array | None = None,
   sm_scale: float | None = None,
   impl: str = "auto",
   block_sizes: BlockSizes | None = None,
@@ -346,6 +406,11 @@ def flash_attention(
       each value compiles its own kernels): logits `s` become `c * tanh(s / c)`, inside (-c, c)
       (transformers' Gemma 2 `attn_logit_softcapping`, 50.0 there). None traces no tanh: the
       uncapped kernels.
+    sinks: None, or float `[num_q_heads]` attention sinks (gpt-oss): query head n's softmax
+      has one more logit, `sinks[n]` (in the units of the scaled and capped logits), whose
+      value is zero, so it takes a share of the probability and adds nothing; a query that
+      sees no key still outputs zeros. Differentiable in `sinks`. The kernels run unchanged
+      and the output is scaled by the keys' share, from their log-sum-exp.
     sm_scale: logit multiplier (> 0), default `head_dim ** -0.5`, applied before the cap.
     impl: `"auto"` (`pallas_tpu` on TPU, `pallas_gpu` on GPU, `reference` elsewhere, from the
       platform of q's devices, or of the default backend while tracing), `"reference"` (jnp,
@@ -353,9 +418,9 @@ def flash_attention(
       through jax (bf16/fp16, q_len == kv_len, an NVIDIA GPU; packed rows on Hopper or later
       in cuDNN's packed layout), with the `pallas_gpu` kernel for a batch whose rows are not
       laid out as that layout needs (`jaxrl.kernels.flash_attention.cudnn`). With a
-      `sliding_window` or a `logit_softcap` it always runs that `pallas_gpu` fallback, not
-      cuDNN (whose own window has not been tested against this rule, and which has no cap);
-      the inputs must still be what cuDNN takes.
+      `sliding_window`, a `logit_softcap` or `sinks` it always runs that `pallas_gpu`
+      fallback, not cuDNN (whose own window has not been tested against this rule, and which
+      has no cap and no sinks); the inputs must still be what cuDNN takes.
     block_sizes: tiling, None for defaults derived from the shapes.
     interpret: run the Pallas kernel in interpret mode (on CPU). True, or for `pallas_tpu` a
       `pltpu.InterpretParams`; it needs a kernel `impl`, since the reference has no kernel
@@ -368,7 +433,8 @@ def flash_attention(
     ValueError: unknown `impl`, inconsistent shapes or dtypes, missing positions for a causal
       q_len != kv_len, `interpret` without a kernel, block sizes the chosen implementation
       cannot use, `sm_scale` <= 0, a `sliding_window` that is not an int >= 1 or comes
-      without `causal`, or a `logit_softcap` that is not a finite float (or int) > 0.
+      without `causal`, a `logit_softcap` that is not a finite float (or int) > 0, or
+      `sinks` that are not a float `[num_q_heads]` array.
   """
   if impl not in FLASH_IMPLS:
     raise ValueError(f"Unknown flash_attention impl {impl!r}; expected one of {FLASH_IMPLS}.")
@@ -379,6 +445,7 @@ def flash_attention(
   _check_window(sliding_window, causal)
   softcap = _check_softcap(logit_softcap)
   _check_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal)
+  check_sinks(sinks, q.shape[2])
   max_segments = block_sizes.max_segments if block_sizes is not None else None
   if impl == "cudnn":
     max_segments = max_segments or cudnn.DEFAULT_MAX_SEGMENTS
@@ -404,8 +471,8 @@ def flash_attention(
   ids = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
   if impl == "cudnn":
     cfg = ("pallas_gpu", causal, sliding_window, softcap, float(sm_scale), block_sizes, interpret)
-    if sliding_window is not None or softcap is not None:  # cuDNN's fallback for every batch
-      return _run(q, k, v, ids, cfg=cfg)
+    if sliding_window is not None or softcap is not None or sinks is not None:
+      return _run(q, k, v, ids, sinks, cfg=cfg)  # cuDNN's fallback for every batch
     return _run_cudnn(q, k, v, ids, cfg=cfg, max_segments=max_segments)
   cfg = (impl, causal, sliding_window, softcap, float(sm_scale), block_sizes, interpret)
-  return _run(q, k, v, ids, cfg=cfg)
+  return _run(q, k, v, ids, sinks, cfg=cfg)

@@ -477,8 +477,11 @@ def backward(
   interpret: Any = False,
   window: int | None = None,
   softcap: float | None = None,
+  dlse_bht=None,
 ):
-  """(dq, dk, dv) in the inputs' dtypes from the forward pass's output and log-sum-exp."""
+  """(dq, dk, dv) in the inputs' dtypes from the forward pass's output and log-sum-exp;
+  `dlse_bht`, f32 `[b, h, t]` or None, is a cotangent of the log-sum-exp too (the api's
+  attention sinks)."""
   b, t, h, e = q_bthe.shape
   s, kh = k_bske.shape[1:3]
   g = h // kh
@@ -496,6 +499,8 @@ def backward(
     o_bthe.astype(jnp.float32),
     precision=jax.lax.Precision.HIGHEST,
   )
+  if dlse_bht is not None:  # the log-sum-exp's own cotangent (attention sinks)
+    delta_bht = delta_bht - dlse_bht
   delta_bht = jnp.pad(delta_bht, ((0, 0), (0, 0), (0, t_pad - t)))
   lse2_bht = lse_bht * _LOG2E  # +inf (a query that sees no key) stays +inf: exp2 gives 0
   rule = {"causal": causal, "window": window}

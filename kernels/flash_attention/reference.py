@@ -375,11 +375,13 @@ def backward(
   block_sizes,
   window: int | None = None,
   softcap: float | None = None,
+  dlse_bht=None,
 ):
   """(dq, dk, dv) in the inputs' dtypes, FlashAttention-2 style: the probabilities of each
   block pair (and the cap's tanh) are recomputed from the log-sum-exp; one pass over the query
   blocks adds each pair's share to dq (carried per query block) and to dk and dv (float32,
-  whole length)."""
+  whole length). `dlse_bht`: a cotangent of the log-sum-exp too (f32 `[b, h, t]`; the api's
+  attention sinks), or None."""
   b, t, h, e = q_bthe.shape
   s, kh = k_bske.shape[1:3]
   g = h // kh
@@ -389,6 +391,8 @@ def backward(
   delta_bth = jnp.einsum(
     "bthe,bthe->bth", do_bthe.astype(f32), o_bthe.astype(f32), precision=_HIGHEST
   )
+  if dlse_bht is not None:  # the log-sum-exp's own cotangent (attention sinks)
+    delta_bth = delta_bth - jnp.moveaxis(dlse_bht, 1, 2)
   lse_bth = jnp.moveaxis(lse_bht, 1, 2)
   (q_p, k_p, v_p), meta, lo_n, hi_n = _prepare(q_bthe, k_bske, v_bske, meta, bq, bk, causal, window)
   t_pad, s_pad = q_p.shape[1], k_p.shape[1]

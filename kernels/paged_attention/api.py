@@ -18,7 +18,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl.kernels.common import IMPLS, check_block_fields, resolve_impl, traced_setting
+from jaxrl.kernels.common import (
+  IMPLS,
+  check_block_fields,
+  check_sinks,
+  resolve_impl,
+  traced_setting,
+)
 from jaxrl.kernels.paged_attention import reference
 
 
@@ -201,6 +207,7 @@ def _run(
   v_pages,
   lengths,
   page_indices,
+  sinks=None,
   *,
   impl,
   sm_scale,
@@ -219,6 +226,8 @@ def _run(
   # Passed only when set, so that calls without them trace exactly as they always have.
   extra = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
   extra = {key: value for key, value in extra.items() if value is not None}
+  if sinks is not None:
+    extra["sinks_h"] = sinks.astype(jnp.float32)
   if impl == "reference":
     return fn(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, **extra)
   # The TPU kernel multiplies in float32 at HIGHEST, at least as accurate as any precision.
@@ -247,6 +256,7 @@ def paged_attention(
   sm_scale: float | None = None,
   sliding_window: int | None = None,
   logit_softcap: float | None = None,
+  sinks: jax.Array | None = None,
   precision: str | jax.lax.Precision | None = None,
   impl: str = "auto",
   block_sizes: BlockSizes | None = None,
@@ -261,7 +271,9 @@ def paged_attention(
   `[max(0, lengths[b] - w), lengths[b])`: the query sits at position `lengths[b] - 1`, and
   key position `j` is seen when `j > lengths[b] - 1 - w` (transformers' sliding-window rule,
   Mistral and Gemma 3's local layers). With `logit_softcap=c` the scaled logits `s` become
-  `c * tanh(s / c)` before the mask (Gemma 2). The softmax runs in float32.
+  `c * tanh(s / c)` before the mask (Gemma 2). With `sinks` (gpt-oss) query head i's softmax
+  has one more logit, `sinks[i]`, whose value is zero: it takes a share of the probability and
+  adds nothing (a padding row still outputs zeros). The softmax runs in float32.
 
   Precision. The softmax and every sum are float32. Products: the reference and the TPU kernel
   multiply in float32 (`Precision.HIGHEST`) whatever `precision` says. The GPU kernel
@@ -295,6 +307,8 @@ def paged_attention(
       compute blocks and pages wholly before it; a window of at least `pages_per_seq *
       page_size` tokens excludes nothing and runs as None.
     logit_softcap: None, or a static Python float c > 0 (above).
+    sinks: None, or a float `[num_q_heads]` array of sink logits (above), in the units of the
+      scaled (and capped) logits; taken in float32.
     precision: None, a `jax.lax.Precision` or its name ("default", "high", "highest"): the
       least accuracy of the GPU kernel's float32 products (above).
     impl: `"auto"` (`pallas_tpu` on TPU, `pallas_gpu` on GPU, `reference` elsewhere, from the
@@ -311,7 +325,8 @@ def paged_attention(
   Raises:
     ValueError: unknown `impl` or `precision`, inconsistent shapes or dtypes, a
       `sliding_window` that is not None or an int >= 1, a `logit_softcap` that is not None or
-      a float > 0, `interpret` without a kernel, or
+      a float > 0, `sinks` that are not a float `[num_q_heads]` array, `interpret` without a
+      kernel, or
       block sizes the chosen kernel cannot use.
   """
   if impl not in IMPLS:
@@ -323,6 +338,7 @@ def paged_attention(
   precision = _check_precision(precision)
   sliding_window = _check_sliding_window(sliding_window, page_indices.shape[1] * k_pages.shape[2])
   logit_softcap = _check_logit_softcap(logit_softcap)
+  check_sinks(sinks, q.shape[1])
   auto = impl == "auto"
   impl = resolve_impl("paged_attention", impl, interpret, q)
   threshold = block_sizes and block_sizes.reference_below_tokens
@@ -339,6 +355,7 @@ def paged_attention(
     v_pages,
     lengths,
     page_indices,
+    sinks,
     impl=impl,
     sm_scale=float(sm_scale),
     sliding_window=sliding_window,

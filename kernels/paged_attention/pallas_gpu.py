@@ -12,7 +12,9 @@ program is spent on the blocks before the window (rings of pages, `jaxrl.rollout
 keep the page table as long as the sequence). Positions before the window are masked like
 those past the length.
 Each part writes its normalised output, running max and denominator; a few jnp ops merge the
-parts (split-K, "flash decoding") so that short batches still fill the GPU.
+parts (split-K, "flash decoding") so that short batches still fill the GPU. With attention
+sinks the first part starts from each head's sink (a logit whose value is zero) as if that were
+a visited key, so the merge counts it once.
 
 A decode step reads every cached key and value once and does one multiply-add with each for
 each of the g query heads, so it is bound by memory unless the products are slow. Two ways
@@ -202,10 +204,11 @@ def _kernel(
   q_ref,  # [r, d]: this program's query heads, the pool's dtype ("dot") or float32 ("sum")
   k_pages_ref,  # [p, s, d] of this program's kv head
   v_pages_ref,  # [p, s, d]
-  o_ref,  # [r, d]: this part's normalised output (float32, or q's dtype when x = 1)
-  max_ref,  # f32[r]: this part's max logit (-inf when it saw no token)
-  denom_ref,  # f32[r]: this part's softmax denominator at that max
-  *,
+  *refs,  # sinks_ref (f32[r]: this program's heads' sinks, with sinks), then the outputs:
+  # o_ref [r, d]: this part's normalised output (float32, or q's dtype when x = 1);
+  # max_ref f32[r]: this part's max logit (-inf when it saw no token and no sink);
+  # denom_ref f32[r]: this part's softmax denominator at that max.
+  sinks: bool = False,
   sm_scale: float,
   pages_per_block: int,
   blocks_per_split: int,
@@ -215,6 +218,7 @@ def _kernel(
   sliding_window: int | None,
   logit_softcap: float | None,
 ):
+  sinks_ref, (o_ref, max_ref, denom_ref) = (refs[0], refs[1:]) if sinks else (None, refs)
   c = pages_per_block
   _, s, d = k_pages_ref.shape
   t = c * s
@@ -282,6 +286,14 @@ def _kernel(
     jnp.full((b,), -jnp.inf, jnp.float32),
     jnp.zeros((b,), jnp.float32),
   )
+  if sinks_ref is not None:  # the first part starts from the sink: logit, weight 1, value 0
+    first_part = pl.program_id(2) == 0
+    sink_b = _repeat_rows(sinks_ref[...], b)
+    init = (
+      init[0],
+      jnp.where(first_part, sink_b, init[1]),
+      jnp.where(first_part, jnp.ones_like(init[2]), init[2]),
+    )
   o_bd, max_b, denom_b = jax.lax.fori_loop(first, end, body, init)
   inv_b = jnp.where(denom_b > 0, 1.0 / jnp.where(denom_b > 0, denom_b, 1.0), 0.0)
   r = q_ref.shape[0]
@@ -310,6 +322,7 @@ def paged_attention(
   sm_scale: float,
   sliding_window: int | None = None,
   logit_softcap: float | None = None,
+  sinks_h: jax.Array | None = None,
   block_sizes: BlockSizes | None = None,
   precision: jax.lax.Precision = jax.lax.Precision.HIGH,
   interpret: Any = False,
@@ -317,7 +330,8 @@ def paged_attention(
   """Paged decode attention on GPU; arguments as in `jaxrl.kernels.paged_attention`.
 
   `lengths_n` must already be clipped to `[0, m * s]` (the public function does it);
-  `sliding_window` is None or an int >= 1, `logit_softcap` None or a float > 0. `precision`
+  `sliding_window` is None or an int >= 1, `logit_softcap` None or a float > 0, `sinks_h`
+  None or float32 `[h]`. `precision`
   applies to float32 pools multiplied by dots (module docstring). `interpret` goes to
   `pl.pallas_call` as is.
   """
@@ -375,11 +389,14 @@ def paged_attention(
     # Triton block) and repeats them to b rows in registers; it writes q_rows rows back, so
     # that no padded copy of q or of the output passes through memory.
     q_rows, q_in = min(g, b), q_nhd_in
+    sinks_in = sinks_h
   else:
     # [n, k * r * b, d]: query heads of one kv head, padded with zero heads up to r * b.
     q_nkgd = q_nhd_in.reshape(n, k, g, d)
     q_rows = b
     q_in = jnp.pad(q_nkgd, ((0, 0), (0, 0), (0, r * b - g), (0, 0))).reshape(n, k * r * b, d)
+    if sinks_h is not None:  # the padded heads' sinks are 0: their outputs are dropped
+      sinks_in = jnp.pad(sinks_h.reshape(k, g), ((0, 0), (0, r * b - g))).reshape(-1)
   heads = k * r * q_rows
 
   def kv_head(j):
@@ -395,7 +412,12 @@ def paged_attention(
     parts=parts,
     sliding_window=sliding_window,
     logit_softcap=logit_softcap,
+    sinks=sinks_h is not None,
   )
+  sink_inputs, sink_specs = [], []
+  if sinks_h is not None:
+    sink_inputs = [sinks_in.astype(jnp.float32)]
+    sink_specs = [pl.BlockSpec((q_rows,), lambda i, j, y: (j,))]
   pages_spec = pl.BlockSpec((None, *k_pages_kpsd.shape[1:]), lambda i, j, y: (kv_head(j), 0, 0, 0))
   f32 = jnp.float32
   # One part (x = 1) needs no merge: the kernel writes the output in q's dtype.
@@ -409,6 +431,7 @@ def paged_attention(
       pl.BlockSpec((None, q_rows, d), lambda i, j, y: (i, j, 0)),
       pages_spec,
       pages_spec,
+      *sink_specs,
     ],
     out_specs=[
       pl.BlockSpec((None, None, q_rows, d), lambda i, j, y: (i, y, j, 0)),
@@ -423,7 +446,7 @@ def paged_attention(
     compiler_params=_TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
     interpret=interpret,
     name="paged_attention_gpu",
-  )(lengths_n, page_indices_nm, q_in, k_pages_kpsd, v_pages_kpsd)
+  )(lengths_n, page_indices_nm, q_in, k_pages_kpsd, v_pages_kpsd, *sink_inputs)
 
   o_nhd = o_nxhd[:, 0] if x == 1 else _merge_splits(o_nxhd, max_nxh, denom_nxh)
   if heads != h:  # padded heads (g not a power of two) dropped

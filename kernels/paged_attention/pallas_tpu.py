@@ -8,7 +8,8 @@ holding tokens of its sequence (pages past the length inside that block are not 
 With a sliding window of w tokens the loop starts at the block holding position `length - w`,
 the window's first, and pages of that block before the window are not copied; positions before
 the window are masked like those past the length. An online softmax in float32 runs over the
-blocks.
+blocks; with attention sinks it starts from each head's sink (a logit whose value is zero) as
+if that were a visited key.
 
 Shapes: n sequences, h query heads, k kv heads, g = h // k, d head dim, p pages in the pool,
 s tokens per page, m pages per sequence, c pages per compute block, t = c * s tokens per block.
@@ -54,6 +55,27 @@ def _kernel(
   q_ref,  # VMEM f32[g, d]
   k_hbm_ref,  # HBM [k, p, s, d]
   v_hbm_ref,  # HBM [k, p, s, d]
+  *refs,  # sinks_ref (VMEM f32[g, 1], with sinks), then the output and the scratch below
+  sm_scale: float,
+  pages_per_block: int,
+  pages_per_seq: int,
+  sliding_window: int | None,
+  logit_softcap: float | None,
+  sinks: bool = False,
+):
+  sinks_ref, refs = (refs[0], refs[1:]) if sinks else (None, refs)
+  _body(lengths_ref, page_indices_ref, q_ref, k_hbm_ref, v_hbm_ref, sinks_ref, *refs,
+        sm_scale=sm_scale, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
+        sliding_window=sliding_window, logit_softcap=logit_softcap)  # fmt: skip
+
+
+def _body(
+  lengths_ref,
+  page_indices_ref,
+  q_ref,
+  k_hbm_ref,
+  v_hbm_ref,
+  sinks_ref,  # VMEM f32[g, 1], or None
   o_ref,  # VMEM f32[g, d], also the unnormalised accumulator
   k_buf_ref,  # VMEM [2, c, s, d]
   v_buf_ref,  # VMEM [2, c, s, d]
@@ -111,8 +133,12 @@ def _kernel(
       pl.when(needed)(copy.wait)
 
   o_ref[...] = jnp.zeros_like(o_ref)
-  max_ref[...] = jnp.full_like(max_ref, -jnp.inf)
-  denom_ref[...] = jnp.zeros_like(denom_ref)
+  if sinks_ref is None:
+    max_ref[...] = jnp.full_like(max_ref, -jnp.inf)
+    denom_ref[...] = jnp.zeros_like(denom_ref)
+  else:  # the sink as a first key: logit the sink, weight exp(0) = 1, value zero
+    max_ref[...] = sinks_ref[...]
+    denom_ref[...] = jnp.ones_like(denom_ref)
 
   @pl.when(num_blocks > first_block)
   def _():
@@ -175,13 +201,15 @@ def paged_attention(
   sm_scale: float,
   sliding_window: int | None = None,
   logit_softcap: float | None = None,
+  sinks_h: jax.Array | None = None,
   block_sizes: BlockSizes | None = None,
   interpret: Any = False,
 ) -> jax.Array:
   """Paged decode attention on TPU; arguments as in `jaxrl.kernels.paged_attention`.
 
   `lengths_n` must already be clipped to `[0, m * s]` (the public function does it);
-  `sliding_window` is None or an int >= 1, `logit_softcap` None or a float > 0.
+  `sliding_window` is None or an int >= 1, `logit_softcap` None or a float > 0, `sinks_h`
+  None or float32 `[h]`.
   `interpret=True` runs the kernel in the Mosaic TPU
   interpreter (`pltpu.InterpretParams()`, which fills uninitialised buffers with NaN and raises
   on out-of-bounds reads); an `InterpretParams` is passed through as is.
@@ -213,14 +241,19 @@ def paged_attention(
     pages_per_seq=m_padded,
     sliding_window=sliding_window,
     logit_softcap=logit_softcap,
+    sinks=sinks_h is not None,
   )
+  sink_inputs, sink_specs = [], []
+  if sinks_h is not None:
+    sink_inputs = [sinks_h.astype(jnp.float32).reshape(k, g, 1)]
+    sink_specs = [pl.BlockSpec((None, g, 1), lambda b, j, *_: (j, 0, 0))]
   out_nkgd = pl.pallas_call(
     kernel,
     out_shape=jax.ShapeDtypeStruct((n, k, g, d), jnp.float32),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(n, k),
-      in_specs=[qo_spec, hbm_spec, hbm_spec],
+      in_specs=[qo_spec, hbm_spec, hbm_spec, *sink_specs],
       out_specs=qo_spec,
       scratch_shapes=[
         pltpu.VMEM((2, c, s, d), k_pages_kpsd.dtype),
@@ -235,5 +268,5 @@ def paged_attention(
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
     interpret=interpret,
     name="paged_attention_tpu",
-  )(lengths_n, page_indices_flat, q_nkgd, k_pages_kpsd, v_pages_kpsd)
+  )(lengths_n, page_indices_flat, q_nkgd, k_pages_kpsd, v_pages_kpsd, *sink_inputs)
   return out_nkgd.reshape(n, h, d).astype(q_nhd.dtype)

@@ -3,7 +3,8 @@
 A sequence of length L attends to positions `[0, L)`, or with a sliding window w to
 `[max(0, L - w), L)` (its query is at L - 1, and transformers keep `kv_idx > q_idx - w`).
 With a logit softcap c (Gemma 2) the scaled logits `s` become `c * tanh(s / c)`
-(`scale_logits`, which the kernels share).
+(`scale_logits`, which the kernels share). With attention sinks (gpt-oss) each query head's
+softmax has one more logit, its sink, whose value is zero.
 
 Shapes: n sequences, h query heads, k kv heads, g = h // k query heads per kv head, d head dim,
 p pages in the pool, s tokens per page, m pages per sequence, t = m * s token positions.
@@ -30,6 +31,7 @@ def paged_attention(
   sm_scale: float,
   sliding_window: int | None = None,
   logit_softcap: float | None = None,
+  sinks_h: jax.Array | None = None,
 ) -> jax.Array:
   """One decode step of attention over a paged KV cache, written as plainly as possible.
 
@@ -46,6 +48,7 @@ def paged_attention(
     sm_scale: multiplier of the logits.
     sliding_window: None, or w >= 1: only the last w positions of each sequence are seen.
     logit_softcap: None, or c > 0: the scaled logits are capped at c (`scale_logits`).
+    sinks_h: None, or float32 `[h]`: each query head's sink logit (value zero).
 
   Returns:
     The attention output `[n, h, d]` in q's dtype.
@@ -69,9 +72,14 @@ def paged_attention(
   logits_nkgt = scale_logits(logits_nkgt, sm_scale, logit_softcap)
   logits_nkgt = jnp.where(valid_nt[:, None, None, :], logits_nkgt, -jnp.inf)
   max_nkg1 = jnp.max(logits_nkgt, axis=-1, keepdims=True)
+  if sinks_h is not None:
+    sink_1kg1 = sinks_h.astype(f32).reshape(1, k, g, 1)
+    max_nkg1 = jnp.maximum(max_nkg1, sink_1kg1)
   max_nkg1 = jnp.where(jnp.isfinite(max_nkg1), max_nkg1, 0.0)  # all-masked row: length 0
   probs_nkgt = jnp.exp(logits_nkgt - max_nkg1)
   denom_nkg1 = jnp.sum(probs_nkgt, axis=-1, keepdims=True)
+  if sinks_h is not None:
+    denom_nkg1 = denom_nkg1 + jnp.exp(sink_1kg1 - max_nkg1)
   v_kntd = jnp.where(valid_nt[None, :, :, None], v_kntd, 0.0)
   out_nkgd = jnp.einsum("nkgt,kntd->nkgd", probs_nkgt, v_kntd, precision=hi)
   out_nkgd = out_nkgd / jnp.where(denom_nkg1 > 0, denom_nkg1, 1.0)

@@ -139,3 +139,33 @@ def test_windowed_kernels_lower(platform, n, h, k, d, p, s, m, dtype, block_size
     ((verified, _),) = triton_modules(text)
     assert verified
   assert text != export().mlir_module(), "the window should change the kernel"
+
+
+# (n, h, k, d, p, s, m, dtype, sliding_window): gpt-oss-20b's attention (64 query heads of 8 kv
+# heads, head_dim 64, sinks) in bf16 with and without its 128-token window; GQA 3 in float32
+# (the GPU kernel pads the heads and their sinks).
+SINK_LOWERING_CASES = [
+  (16, 64, 8, 64, 1024, 16, 64, jnp.bfloat16, None),
+  (16, 64, 8, 64, 1024, 16, 64, jnp.bfloat16, 128),
+  (3, 6, 2, 64, 100, 8, 5, jnp.float32, None),
+]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("n,h,k,d,p,s,m,dtype,window", SINK_LOWERING_CASES)
+def test_kernels_with_sinks_lower(platform, n, h, k, d, p, s, m, dtype, window):
+  impl = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]
+  shapes = (*_shapes(n, h, k, d, p, s, m, dtype), jax.ShapeDtypeStruct((h,), jnp.float32))
+
+  def f(*args):
+    return paged_attention(*args[:5], sinks=args[5], sliding_window=window, impl=impl)
+
+  if platform == "cuda":
+    exported = export_cuda(f, *shapes)
+    assert TRITON_CALL in exported.mlir_module()
+    ((verified, _),) = triton_modules(exported.mlir_module())
+    assert verified
+  else:
+    exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*shapes)
+    assert "tpu_custom_call" in exported.mlir_module()
+  assert exported.out_avals[0].shape == (n, h, d) and exported.out_avals[0].dtype == dtype

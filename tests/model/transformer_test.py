@@ -55,6 +55,16 @@ VARIANTS = {
     final_logit_softcap=3.0,
     tie_embeddings=False,
   ),  # fmt: skip
+  # gpt-oss: attention sinks, q/k/v biases, every other layer windowed.
+  "sinks": get_preset(
+    "tiny",
+    num_layers=3,
+    attention_sinks=True,
+    qkv_bias=True,
+    sliding_window=3,
+    sliding_layers=(0, 2),
+    tie_embeddings=False,
+  ),  # fmt: skip
 }
 
 
@@ -170,6 +180,7 @@ def test_unknown_preset():
     "smollm3-style",
     "gemma3-style",
     "gemma2-style",
+    "sinks",
     pytest.param("remat", marks=pytest.mark.slow),
   ],
 )
@@ -207,7 +218,13 @@ def test_packed_row_logits_equal_each_sequence_run_alone(name):
 
 @pytest.mark.parametrize(
   "name,packed",
-  [("tiny", False), ("tiny", True), ("gemma3-style", True), ("gemma2-style", True)],
+  [
+    ("tiny", False),
+    ("tiny", True),
+    ("gemma3-style", True),
+    ("gemma2-style", True),
+    ("sinks", True),
+  ],
 )
 def test_flash_attention_gives_the_dense_logits_and_gradients(name, packed):
   """`model.attention="flash"` runs the blockwise kernel where training has no cache: the same
@@ -285,3 +302,32 @@ def test_cudnn_attention_runs_in_every_layer_without_a_cache(monkeypatch):
   scanned = Model(dataclasses.replace(cfg, scan_layers=True))
   assert cudnn_calls(lambda p: scanned.apply(p, tokens)[0], params) == 1
   api._run_cudnn.clear_cache()
+
+
+def test_attention_sinks_join_the_softmax_in_every_path():
+  """Sinks at -1e9 take no weight: the logits are those of the model without sinks (the same
+  other parameters). At other values they change the logits, and they get gradients. (Their
+  paths agree: cached decoding, packed rows and flash attention in the tests above.)"""
+  cfg = VARIANTS["sinks"]
+  model, plain_model = Model(cfg), Model(dataclasses.replace(cfg, attention_sinks=False))
+  params = _random_params(model, 3)
+  key = jax.tree_util.keystr
+  flat = {key(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  sinks = {k for k in flat if "sinks_h" in k}
+  assert len(sinks) == cfg.num_layers
+  plain_leaves, treedef = jax.tree_util.tree_flatten_with_path(plain_model.init(0))
+  assert {key(path) for path, _ in plain_leaves} == set(flat) - sinks
+  plain_params = jax.tree_util.tree_unflatten(treedef, [flat[key(p)] for p, _ in plain_leaves])
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+  want, _ = jax.jit(plain_model.apply)(plain_params, tokens)
+  off = jax.tree_util.tree_map_with_path(
+    lambda p, x: jnp.full_like(x, -1e9) if key(p) in sinks else x, params
+  )
+  terms, scale = tolerance.model_terms(cfg), float(np.abs(np.asarray(want)).max())
+  tolerance.assert_close(jax.jit(model.apply)(off, tokens)[0], want, n=terms, scale=scale)
+  with_sinks, _ = jax.jit(model.apply)(params, tokens)
+  assert np.max(np.abs(np.asarray(with_sinks) - np.asarray(want))) > 1e-2 * scale
+  grads = jax.grad(lambda p: jnp.sum(jnp.tanh(model.apply(p, tokens)[0][..., :8])))(params)
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    if key(path) in sinks:
+      assert np.all(np.abs(np.asarray(g)) > 0), key(path)

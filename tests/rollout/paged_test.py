@@ -62,6 +62,41 @@ def test_greedy_matches_static_engine_under_preemption(mesh, params):
   assert paged.allocator.num_free == 14 and not paged.has_work
 
 
+def test_attention_sinks_decode_like_the_static_engine(mesh):
+  """A model with attention sinks (gpt-oss), windowed every other layer: the paged engine's
+  decode (paged attention with sinks, rings of pages) and its chunked and packed prefills
+  give the static engine's greedy tokens."""
+  cfg = get_preset(
+    "tiny", num_layers=3, attention_sinks=True, qkv_bias=True, sliding_window=4,
+    sliding_layers=(0, 2),
+  )  # fmt: skip
+  model = Model(cfg)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(model.init(5))
+  rng = np.random.default_rng(5)
+  # Sinks around the logits' size (they take a sizeable share of every softmax), biases on.
+  scale = [1.0 if "sinks" in jax.tree_util.keystr(path) else 0.1 for path, _ in leaves]
+  params = jax.tree_util.tree_unflatten(
+    treedef,
+    [
+      x + c * rng.standard_normal(x.shape, np.float32)
+      for (_, x), c in zip(leaves, scale, strict=True)
+    ],
+  )
+  ps = prompts(6, np.random.default_rng(0))
+  sp = SamplingParams(temperature=0.0, max_new_tokens=16)
+  static = StaticEngine(model, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD)
+  static.update_weights(params, 0)
+  expected = static.generate(ps, sp, seed=0)
+  for pack in (False, True):
+    config = PagedConfig(page_size=4, num_pages=64, max_running=4, prefill_chunk=8,
+                         pack_prefill=pack)  # fmt: skip
+    paged = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=config)
+    paged.update_weights(params, 0)
+    for a, b in zip(expected, paged.generate(ps, sp, seed=0), strict=True):
+      np.testing.assert_array_equal(a.token_ids, b.token_ids)
+      tolerance.assert_close(b.logprobs, a.logprobs, n=TERMS)
+
+
 # Greedy is `slow`: a sampled continuation must also carry the request's random stream, and
 # greedy decoding is held to the static engine's by test_greedy_matches_static_engine.
 @pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
