@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -34,6 +34,8 @@ from jaxrl.kernels.gmm import IMPLS as GMM_IMPLS
 from jaxrl.kernels.gmm import gmm
 from jaxrl.sharding.expert_checks import (
   EXPERT_AXIS,
+  ExpertBiases,
+  check_biases,
   check_mesh,
   check_routes,
   check_shapes,
@@ -156,6 +158,10 @@ def placement_arrays(
   )
 
 
+def _swiglu(gate, up):
+  return jax.nn.silu(gate) * up
+
+
 class _Static(NamedTuple):
   """Sizes and options fixed at trace time."""
 
@@ -170,6 +176,7 @@ class _Static(NamedTuple):
   token_axes: tuple[str, ...]  # the axes that split the tokens, expert included
   gmm_impl: str
   exchange: str
+  gated: Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden
 
 
 def moe_expert_parallel(
@@ -187,6 +194,8 @@ def moe_expert_parallel(
   routes_tk: jax.Array | None = None,
   token_axes: Sequence[str] | None = None,
   valid_t: jax.Array | None = None,
+  biases: ExpertBiases | None = None,
+  gated: Callable[[jax.Array, jax.Array], jax.Array] = _swiglu,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """Top-k softmax-routed SwiGLU experts, expert-parallel over the mesh's `expert` axis.
 
@@ -231,6 +240,10 @@ def moe_expert_parallel(
     valid_t: bool [t], False for padding rows (a batch's padding, rows added to split the
       tokens evenly): they are sent nowhere, so they take no capacity from real tokens, their
       output is zero, and the stats leave them out. None: every row is a token.
+    biases: gpt-oss's router and expert biases (placed and exchanged like the weights), or
+      None for none.
+    gated: `(gate, up) -> hidden` of an expert (`jaxrl.model.moe.gated_unit`; default SwiGLU,
+      `silu(gate) * up`); it must map zeros to zeros (empty rows stay zero).
 
   Returns:
     `(out_td, ids_tk, stats)`: the layer output [t, d] in x's dtype, the expert ids used
@@ -273,14 +286,22 @@ def moe_expert_parallel(
     token_axes=token_axes,
     gmm_impl=config.gmm_impl,
     exchange=config.exchange,
+    gated=gated,
   )
 
   weights = (w_gate_xdf, w_up_xdf, w_down_xfd)
+  expert_biases = None if biases is None else (biases.gate_xf, biases.up_xf, biases.down_xd)
+  if biases is not None:
+    check_biases(biases, num_experts, w_gate_xdf.shape[2], x_td.shape[1])
   extras = {}
   if placement_layer is not None:
     slot_expert_m = placement_layer.slot_expert_ds.reshape(-1).astype(jnp.int32)
     weights = tuple(_slot_weights(w, slot_expert_m) for w in weights)
+    if expert_biases is not None:
+      expert_biases = tuple(_slot_weights(b, slot_expert_m) for b in expert_biases)
     extras["placement"] = placement_layer
+  if biases is not None:
+    extras["router_x"], extras["expert_biases"] = biases.router_x, expert_biases
   if routes_tk is not None:
     extras["routes_tk"] = routes_tk
   if valid_t is not None:
@@ -290,6 +311,8 @@ def moe_expert_parallel(
     "placement": PlacementLayer(P(), P(), P()),
     "routes_tk": token_spec,
     "valid_t": P(token_axes),
+    "router_x": P(),
+    "expert_biases": (P(EXPERT_AXIS, None),) * 3,
   }
   shard = jax.shard_map(
     functools.partial(_device_layer, static),
@@ -308,10 +331,12 @@ def moe_expert_parallel(
 
 
 def _slot_weights(w_x__: jax.Array, slot_expert_m: jax.Array) -> jax.Array:
-  """The weights of each slot (all devices' slots, flat), zeros for an empty slot."""
+  """The weights (or biases) of each slot (all devices' slots, flat), zeros for an empty
+  slot."""
   held_m = slot_expert_m >= 0
   w_m__ = jnp.take(w_x__, jnp.where(held_m, slot_expert_m, 0), axis=0)
-  return jnp.where(held_m[:, None, None], w_m__, jnp.zeros((), w_x__.dtype))
+  held = held_m.reshape(-1, *(1,) * (w_x__.ndim - 1))
+  return jnp.where(held, w_m__, jnp.zeros((), w_x__.dtype))
 
 
 def _capacity(tokens, top_k: int, num_devices: int, slots: int, capacity_factor: float | None):
@@ -334,7 +359,10 @@ def _device_layer(static: _Static, x_nd, router_dx, w_gate_sdf, w_up_sdf, w_down
   me = lax.axis_index(EXPERT_AXIS)
   routes_nk = extras.get("routes_tk")
   dtype = x_nd.dtype
-  weights_nk, ids_nk = _route(x_nd @ router_dx.astype(dtype), k, routes_nk, static.norm_topk_prob)
+  logits_nx = x_nd @ router_dx.astype(dtype)
+  if "router_x" in extras:
+    logits_nx = logits_nx + extras["router_x"].astype(dtype)
+  weights_nk, ids_nk = _route(logits_nx, k, routes_nk, static.norm_topk_prob)
 
   # Assignments in order (k, token), so that a capacity drops first choices last.
   expert_a = ids_nk.T.reshape(-1)
@@ -365,7 +393,8 @@ def _device_layer(static: _Static, x_nd, router_dx, w_gate_sdf, w_up_sdf, w_down
 
   exchange = _EXCHANGES[static.exchange]
   x_md, slot_m, back = exchange(x_md, slot_m, send_e, me, static)
-  y_md = _local_experts(x_md, slot_m, w_gate_sdf, w_up_sdf, w_down_sfd, static)
+  expert_biases = extras.get("expert_biases")
+  y_md = _local_experts(x_md, slot_m, w_gate_sdf, w_up_sdf, w_down_sfd, static, expert_biases)
   y_md = back(y_md)
 
   y_knd = _with_zero_row(y_md)[row_a].reshape(k, n, -1)
@@ -440,8 +469,9 @@ def _with_zero_row(x_m_):
   return jnp.concatenate([x_m_, jnp.zeros((1, x_m_.shape[1]), x_m_.dtype)])
 
 
-def _local_experts(x_md, slot_m, w_gate_sdf, w_up_sdf, w_down_sfd, static: _Static):
-  """SwiGLU of each received row with the weights of its slot; zeros for empty rows."""
+def _local_experts(x_md, slot_m, w_gate_sdf, w_up_sdf, w_down_sfd, static: _Static, biases=None):
+  """The gated expert (`static.gated`) of each received row with the weights (and `biases`:
+  gate, up, down) of its slot; zeros for empty rows."""
   s, dtype = static.slots, x_md.dtype
   # The rows vary over every token axis, the weights (P("expert")) only over the expert axis;
   # gmm's custom_vjp wants its weight gradient typed like its weights, and the transpose of
@@ -451,13 +481,25 @@ def _local_experts(x_md, slot_m, w_gate_sdf, w_up_sdf, w_down_sfd, static: _Stat
     w_gate_sdf, w_up_sdf, w_down_sfd = lax.pcast(
       (w_gate_sdf, w_up_sdf, w_down_sfd), other_axes, to="varying"
     )
+    if biases is not None:
+      biases = lax.pcast(biases, other_axes, to="varying")
   order_m = jnp.argsort(slot_m, stable=True)  # empty rows (slot s) last: gmm gives them zeros
   sizes_s = _counts(slot_m, s)
   x_md = x_md[order_m]
   mm = functools.partial(gmm, group_sizes=sizes_s, impl=static.gmm_impl)
   gate_mf = mm(x_md, w_gate_sdf.astype(dtype))
   up_mf = mm(x_md, w_up_sdf.astype(dtype))
-  y_md = mm(jax.nn.silu(gate_mf) * up_mf, w_down_sfd.astype(dtype))
+  if biases is not None:  # each row's slot's bias; none on empty rows, which stay zero
+    slot_sorted_m = slot_m[order_m]
+    held_m1 = (slot_sorted_m < s)[:, None]
+
+    def row_bias(b_s_):
+      return jnp.where(held_m1, b_s_.astype(dtype)[jnp.minimum(slot_sorted_m, s - 1)], 0)
+
+    gate_mf, up_mf = gate_mf + row_bias(biases[0]), up_mf + row_bias(biases[1])
+  y_md = mm(static.gated(gate_mf, up_mf), w_down_sfd.astype(dtype))
+  if biases is not None:
+    y_md = y_md + row_bias(biases[2])
   index_m = jnp.arange(slot_m.shape[0], dtype=jnp.int32)
   unsort_m = jnp.zeros_like(index_m).at[order_m].set(index_m)
   return y_md[unsort_m]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +108,20 @@ def check_routes(routes_tk, num_tokens: int, top_k: int, num_experts: int):
     if (sorted_tk[:, 1:] == sorted_tk[:, :-1]).any():
       raise ValueError("routes_tk names an expert twice for one token; a token's k must differ.")
   return jnp.asarray(routes_tk, jnp.int32)
+
+
+class ExpertBiases(NamedTuple):
+  """gpt-oss's MoE biases (`moe_expert_parallel(biases=...)`): on the router's logits ([x])
+  and on each expert's gate and up ([x, f]) and down ([x, d]) projections."""
+
+  router_x: jax.Array
+  gate_xf: jax.Array
+  up_xf: jax.Array
+  down_xd: jax.Array
+
+
+def check_biases(biases: ExpertBiases, x: int, f: int, d: int) -> None:
+  want = ExpertBiases((x,), (x, f), (x, f), (x, d))
+  for name, b, shape in zip(ExpertBiases._fields, biases, want, strict=True):
+    if b.shape != shape:
+      raise ValueError(f"biases.{name} must be {list(shape)}, got {list(b.shape)}.")

@@ -16,7 +16,7 @@ ROPE_SCALINGS = (
 # What a rematerialised block keeps for the backward pass (`ModelConfig.remat_policy`).
 REMAT_POLICIES = ("full", "save_attention", "save_dots")
 NORM_POSITIONS = ("pre", "post", "sandwich")
-MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +74,11 @@ class ModelConfig:
     norm_scale_plus_one: RMSNorm multiplies by `1 + scale` in float32 and then rounds (Gemma's
       checkpoints store the scales minus one); False multiplies by `scale` after rounding
       (Llama's order). The q/k norms too.
-    mlp_activation: the gate's activation in the gated MLP: "silu" (SwiGLU) or "gelu_tanh"
-      (GeGLU with GELU's tanh approximation: Gemma).
+    mlp_activation: the gate's activation in the gated MLP: "silu" (SwiGLU), "gelu_tanh"
+      (GeGLU with GELU's tanh approximation: Gemma) or "clamped_swiglu" (gpt-oss:
+      `(clip(up, -l, l) + 1) * g * sigmoid(a * g)` with `g = min(gate, l)`, a =
+      `swiglu_alpha`, l = `swiglu_limit`). MoE experts take "silu" or "clamped_swiglu".
+    swiglu_alpha, swiglu_limit: "clamped_swiglu"'s a and l (gpt-oss: 1.702 and 7).
     scale_embeddings: token embeddings are multiplied by `sqrt(d_model)`, rounded to the
       compute dtype (Gemma).
     attention_logit_scale: what attention logits are multiplied by; 0 takes `head_dim ** -0.5`
@@ -100,6 +103,7 @@ class ModelConfig:
       (Gemma 3: 10,000 there, 1,000,000 and the scaling in the others); 0 rotates every layer
       alike.
     qkv_bias: bias on the q/k/v projections (Qwen2).
+    attention_out_bias: bias on the attention's output projection (gpt-oss).
     attention_sinks: a learned sink logit per query head in every layer (gpt-oss): it joins
       each query's softmax with a zero value, so attention can put weight on nothing.
     tie_embeddings: the LM head reuses the token embedding.
@@ -108,6 +112,8 @@ class ModelConfig:
     moe_mlp_dim: hidden width of one expert.
     norm_topk_prob: renormalise the top-k router probabilities to sum to one (Qwen3-MoE's
       checkpoints say which); False keeps the raw softmax probabilities as combine weights.
+    moe_biases: a bias on the router's logits and on each expert's gate, up and down
+      projections (gpt-oss).
     dtype: compute dtype; parameters stay in param_dtype and are cast at use. (An experiment
       config may say "auto": bf16 on accelerators, fp32 on CPU; `jaxrl.auto_config.auto_settings`.)
     param_dtype: storage dtype of parameters.
@@ -175,6 +181,8 @@ class ModelConfig:
   norm_position: str = "pre"
   norm_scale_plus_one: bool = False
   mlp_activation: str = "silu"
+  swiglu_alpha: float = 1.702
+  swiglu_limit: float = 7.0
   scale_embeddings: bool = False
   attention_logit_scale: float = 0.0
   embedding_multiplier: float = 1.0
@@ -186,12 +194,14 @@ class ModelConfig:
   attention_logit_softcap: float = 0.0
   final_logit_softcap: float = 0.0
   qkv_bias: bool = False
+  attention_out_bias: bool = False
   attention_sinks: bool = False
   tie_embeddings: bool = True
   num_experts: int = 0
   experts_per_token: int = 2
   moe_mlp_dim: int = 0
   norm_topk_prob: bool = True
+  moe_biases: bool = False
   dtype: str = "float32"
   param_dtype: str = "float32"
   vocab_limit: int = 0
@@ -267,10 +277,17 @@ class ModelConfig:
       raise ValueError(
         f"model.mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}."
       )
-    if self.mlp_activation != "silu" and self.num_experts:
+    if self.mlp_activation == "gelu_tanh" and self.num_experts:
       raise ValueError(
         f"model.mlp_activation={self.mlp_activation!r}: jaxrl's MoE experts are SwiGLU; use "
-        "'silu' with model.num_experts > 0."
+        "'silu' or 'clamped_swiglu' with model.num_experts > 0."
+      )
+    if self.moe_biases and not self.num_experts:
+      raise ValueError("model.moe_biases=True needs an MoE (model.num_experts > 0).")
+    if not (self.swiglu_alpha > 0 and self.swiglu_limit > 0):
+      raise ValueError(
+        f"model.swiglu_alpha and model.swiglu_limit must be > 0, got {self.swiglu_alpha} and "
+        f"{self.swiglu_limit}."
       )
     if self.attention_logit_scale < 0:
       raise ValueError(
@@ -384,10 +401,13 @@ class ModelConfig:
     if self.qkv_bias:
       attn += e * (self.num_heads + 2 * self.num_kv_heads)
     attn += self.num_heads if self.attention_sinks else 0
+    attn += d if self.attention_out_bias else 0
     if self.qk_norm:  # across heads (OLMo): a scale per head and dimension
       attn += (self.num_heads + self.num_kv_heads) * e if self.qk_norm_across_heads else 2 * e
     if self.is_moe:
       mlp = d * self.num_experts + self.num_experts * 3 * d * self.moe_mlp_dim
+      if self.moe_biases:
+        mlp += self.num_experts * (1 + 2 * self.moe_mlp_dim + d)
     else:
       mlp = 3 * d * self.mlp_dim
     per_layer = attn + mlp + (4 if self.norm_position == "sandwich" else 2) * d
@@ -514,6 +534,37 @@ PRESETS: dict[str, ModelConfig] = {
     max_seq_len=40960,
     rope_theta=1_000_000.0,
     qk_norm=True,
+    tie_embeddings=False,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+  ),
+  # openai/gpt-oss-20b (21B parameters, 3.6B active): attention sinks, every other layer
+  # windowed, MoE with biases and the clamped SwiGLU, YaRN to 128k.
+  "gpt-oss-20b": ModelConfig(
+    vocab_size=201088,
+    d_model=2880,
+    num_layers=24,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    mlp_dim=2880,
+    num_experts=32,
+    experts_per_token=4,
+    moe_mlp_dim=2880,
+    moe_biases=True,
+    mlp_activation="clamped_swiglu",
+    max_seq_len=131072,
+    rope_theta=150_000.0,
+    rope_scaling="yarn",
+    rope_factor=32.0,
+    rope_original_max_position_embeddings=4096,
+    rope_truncate=False,
+    norm_eps=1e-5,
+    qkv_bias=True,
+    attention_out_bias=True,
+    attention_sinks=True,
+    sliding_window=128,
+    sliding_layers=tuple(range(0, 24, 2)),
     tie_embeddings=False,
     dtype="bfloat16",
     param_dtype="bfloat16",

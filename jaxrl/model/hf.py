@@ -45,6 +45,7 @@ from jaxrl.model.hf_layout import (
   check_coverage,
   fused_expert_layers,
   has_fused_projections,
+  has_mxfp4_experts,
   hub_arrays,
   hub_leaves,
   param_paths,
@@ -276,7 +277,12 @@ def load_pretrained(
   tensors, where = _tensor_index(root)
   if is_multimodal(hub_config):
     tensors = language_model_tensors(tensors, where)
-  leaves = hub_leaves(cfg, fused_expert_layers(cfg, tensors), has_fused_projections(tensors))
+  leaves = hub_leaves(
+    cfg,
+    fused_expert_layers(cfg, tensors),
+    has_fused_projections(tensors),
+    mxfp4_experts=cfg.moe_biases and has_mxfp4_experts(tensors),
+  )
   _check_names(cfg, leaves, tensors, where)
   model = Model(cfg)
   abstract = model.abstract_params()

@@ -44,11 +44,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from jaxrl.model import hf_defaults as known
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.hf_gemma import (
   GEMMA_PATTERN,
   GEMMA_QUERY_SCALAR,
-  GEMMA_THETA,
   GEMMA_TYPES,
   GEMMA_WINDOW,
   gemma_refusals,
@@ -56,6 +56,15 @@ from jaxrl.model.hf_gemma import (
   gemma_softcaps,
   gemma_to_hf,
   language_model_config,
+)
+from jaxrl.model.hf_gpt_oss import (
+  GPT_OSS_FIELDS,
+  GPT_OSS_OPTIONS,
+  GPT_OSS_WINDOW,
+  gpt_oss_fields,
+  gpt_oss_refusals,
+  gpt_oss_to_hf,
+  with_default_rope,
 )
 from jaxrl.model.hf_granite import GRANITE_FIELDS, granite_fields, granite_to_hf, is_granite
 from jaxrl.model.hf_rope import (
@@ -83,88 +92,9 @@ ARCHITECTURES = {
   "gemma2": "Gemma2ForCausalLM",
   "gemma3_text": "Gemma3ForCausalLM",
   "granite": "GraniteForCausalLM",
+  "gpt_oss": "GptOssForCausalLM",
 }
 """The model types jaxrl reads and writes, with their transformers architecture."""
-
-# transformers 5's defaults for keys a config.json may leave out (the model classes' fields).
-_MAX_POSITIONS = {
-  "llama": 2048,
-  "mistral": 131072,
-  "qwen2": 32768,
-  "qwen3": 32768,
-  "qwen3_moe": 32768,
-  "smollm3": 32768,
-  "olmo2": 2048,
-  "olmoe": 4096,
-  "phi3": 4096,
-  "mixtral": 131072,
-  "gemma2": 8192,
-  "gemma3_text": 131072,
-  "granite": 2048,
-}
-_NORM_EPS = {"olmo2": 1e-5, "olmoe": 1e-5, "phi3": 1e-5, "mixtral": 1e-5}  # others: 1e-6
-_QK_NORM = {
-  "qwen3": "head",
-  "qwen3_moe": "head",
-  "olmo2": "across",
-  "olmoe": "across",
-  "gemma3_text": "head",
-}
-"""Model types with q/k norms: per head, or across all heads of a token (OLMo's)."""
-# transformers' num_key_value_heads where config.json has none (others: num_attention_heads).
-_KV_HEADS = {
-  "mistral": 8,
-  "mixtral": 8,
-  "qwen2": 32,
-  "qwen3": 32,
-  "qwen3_moe": 4,
-  "smollm3": 4,
-  "gemma2": 4,
-  "gemma3_text": 4,
-}
-# Model types with a sliding window in every layer, and transformers' default for it.
-_WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
-# Head widths where config.json has none (others: hidden_size // num_attention_heads).
-_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
-# Default RoPE bases (others: 10,000); Gemma 3's is its full-attention layers'.
-_ROPE_THETA = {"smollm3": 2_000_000.0, "mixtral": 1_000_000.0, "gemma3_text": GEMMA_THETA}
-# Shape keys a config.json may leave out (the others are required): Gemma 3's multimodal
-# checkpoints give only what differs from Gemma3TextConfig's defaults in their text_config.
-_SHAPE_DEFAULTS = {
-  "gemma2": {
-    "vocab_size": 256_000,
-    "hidden_size": 2304,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "intermediate_size": 9216,
-  },
-  "gemma3_text": {
-    "vocab_size": 262_208,
-    "hidden_size": 2304,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "intermediate_size": 9216,
-  },
-}
-_PHI3_ORIGINAL = 4096  # Phi3Config's original_max_position_embeddings, which outranks the scaling's
-# Model types whose tie_word_embeddings defaults to true.
-_TIED = {"smollm3", "gemma2", "gemma3_text"}
-_NOPE_INTERVAL = 4  # SmolLM3: without no_rope_layers, every fourth layer is NoPE
-# MoE model types: transformers' defaults. One expert's width is `moe_intermediate_size` where
-# the type has that key, else `intermediate_size` itself.
-_MOE_DEFAULTS = {
-  "qwen3_moe": {
-    "num_experts_per_tok": 8,
-    "num_experts": 128,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-  },
-  "olmoe": {"num_experts_per_tok": 8, "num_experts": 64, "intermediate_size": 2048},
-  "mixtral": {"num_experts_per_tok": 2, "num_experts": 8, "intermediate_size": 14336},
-}
-# Model types whose router always renormalises its top-k weights (transformers' Mixtral reads
-# no norm_topk_prob key); the others read it, default false.
-_ALWAYS_NORM_TOPK = {"mixtral"}
 
 ARCH_FIELDS = (
   "vocab_size",
@@ -194,6 +124,7 @@ ARCH_FIELDS = (
   "sliding_layers",
   "local_rope_theta",
   *GRANITE_FIELDS,
+  *GPT_OSS_FIELDS,
 )
 """The ModelConfig fields a checkpoint fixes (the rest are runtime choices: dtypes, lengths)."""
 
@@ -204,6 +135,9 @@ def _refusals(config: Mapping[str, Any], model_type: str) -> None:
   """Raises for the options of these architectures that jaxrl does not implement."""
   if model_type in GEMMA_TYPES:
     gemma_refusals(config)
+    return
+  if model_type == "gpt_oss":
+    gpt_oss_refusals(config)
     return
   refuse(config, "hidden_act", lambda v: v == "silu", "jaxrl's MLPs use SiLU (SwiGLU)")
   if model_type in ("llama", "smollm3", "granite"):
@@ -255,13 +189,15 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       f"jaxrl reads {ARCHITECTURES[model_type]} for it."
     )
   _refusals(config, model_type)
-  shape = _SHAPE_DEFAULTS.get(model_type, {})
+  if model_type == "gpt_oss":
+    config = with_default_rope(config)
+  shape = known.SHAPE_DEFAULTS.get(model_type, {})
   d = get_key(config, "hidden_size", shape.get("hidden_size", MISSING))
   heads = get_key(config, "num_attention_heads", shape.get("num_attention_heads", MISSING))
-  max_positions = get_key(config, "max_position_embeddings", _MAX_POSITIONS[model_type])
+  max_positions = get_key(config, "max_position_embeddings", known.MAX_POSITIONS[model_type])
   num_layers = get_key(config, "num_hidden_layers", shape.get("num_hidden_layers", MISSING))
   windows = _windows(config, model_type, num_layers)
-  head_dim = config.get("head_dim") or _HEAD_DIM.get(model_type, d // max(heads, 1))
+  head_dim = config.get("head_dim") or known.HEAD_DIM.get(model_type, d // max(heads, 1))
   head_dim = get_key({"head_dim": head_dim}, "head_dim")
   # A scaling's original context defaults to the full one.
   if model_type == "gemma3_text":
@@ -271,9 +207,9 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     rope = rope_fields(
       config,
       max_positions,
-      theta=_ROPE_THETA.get(model_type, 1e4),
+      theta=known.ROPE_THETA.get(model_type, 1e4),
       head_dim=head_dim,
-      original=_PHI3_ORIGINAL if model_type == "phi3" else None,
+      original=known.PHI3_ORIGINAL if model_type == "phi3" else None,
     )
   if ("rotary_dim" in rope or rope.get("rope_scaling") == "longrope") and model_type != "phi3":
     raise CheckpointError(
@@ -281,7 +217,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       "jaxrl reads those for phi3 (Phi-3.5, Phi-4-mini) only."
     )
   max_positions = context_length(rope, max_positions)
-  kv_heads = config.get("num_key_value_heads") or _KV_HEADS.get(model_type, heads)
+  kv_heads = config.get("num_key_value_heads") or known.KV_HEADS.get(model_type, heads)
   fields = dict(
     vocab_size=get_key(config, "vocab_size", shape.get("vocab_size", MISSING)),
     d_model=d,
@@ -292,12 +228,12 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     mlp_dim=get_key(
       config,
       "intermediate_size",
-      _MOE_DEFAULTS.get(model_type, shape).get("intermediate_size", MISSING),
+      known.MOE_DEFAULTS.get(model_type, shape).get("intermediate_size", MISSING),
     ),
     max_seq_len=max_positions,
-    norm_eps=get_key(config, "rms_norm_eps", _NORM_EPS.get(model_type, 1e-6), float),
+    norm_eps=get_key(config, "rms_norm_eps", known.NORM_EPS.get(model_type, 1e-6), float),
     **_layer_options(model_type),
-    tie_embeddings=get_key(config, "tie_word_embeddings", model_type in _TIED, bool),
+    tie_embeddings=get_key(config, "tie_word_embeddings", model_type in known.TIED, bool),
     **rope,
     **windows,
   )
@@ -310,27 +246,29 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       fields["attention_logit_scale"] = scalar**-0.5
   if model_type == "granite":
     fields |= granite_fields(config, head_dim)
+  if model_type == "gpt_oss":
+    fields |= gpt_oss_fields(config)
   if model_type == "smollm3":
     fields["nope_layers"] = _nope_layers(config, fields["num_layers"])
-  if model_type in _MOE_DEFAULTS:
-    defaults = _MOE_DEFAULTS[model_type]
+  if model_type in known.MOE_DEFAULTS:
+    moe = known.MOE_DEFAULTS[model_type]
     experts = {config.get(k) for k in ("num_experts", "num_local_experts")} - {None}
     if len(experts) > 1:
       raise CheckpointError(
         f"config.json: num_experts and num_local_experts disagree ({sorted(experts)})."
       )
-    num_experts = experts.pop() if experts else defaults["num_experts"]
+    num_experts = experts.pop() if experts else moe["num_experts"]
     get_key({"num_experts": num_experts}, "num_experts")
     if num_experts < 1:
       raise CheckpointError(f"config.json: num_experts={num_experts}: an MoE needs experts.")
     fields |= dict(
       num_experts=num_experts,
-      experts_per_token=get_key(config, "num_experts_per_tok", defaults["num_experts_per_tok"]),
+      experts_per_token=get_key(config, "num_experts_per_tok", moe["num_experts_per_tok"]),
       moe_mlp_dim=fields["mlp_dim"]
-      if "moe_intermediate_size" not in defaults
-      else get_key(config, "moe_intermediate_size", defaults["moe_intermediate_size"]),
+      if "moe_intermediate_size" not in moe
+      else get_key(config, "moe_intermediate_size", moe["moe_intermediate_size"]),
       norm_topk_prob=(
-        model_type in _ALWAYS_NORM_TOPK or get_key(config, "norm_topk_prob", False, bool)
+        model_type in known.ALWAYS_NORM_TOPK or get_key(config, "norm_topk_prob", False, bool)
       ),
     )
   try:
@@ -343,31 +281,36 @@ def _layer_options(model_type: str) -> dict[str, Any]:
   """The ModelConfig options a model type fixes in every layer: q/k norms, norm position and
   style, q/k/v biases, MLP activation, embedding scale."""
   gemma = model_type in GEMMA_TYPES
-  return dict(
-    qk_norm=model_type in _QK_NORM,
-    qk_norm_across_heads=_QK_NORM.get(model_type) == "across",
+  options = dict(
+    qk_norm=model_type in known.QK_NORM,
+    qk_norm_across_heads=known.QK_NORM.get(model_type) == "across",
     norm_position="post" if model_type == "olmo2" else "sandwich" if gemma else "pre",
     qkv_bias=model_type == "qwen2",
     norm_scale_plus_one=gemma,
     mlp_activation="gelu_tanh" if gemma else "silu",
     scale_embeddings=gemma,
+    attention_out_bias=False,
+    attention_sinks=False,
   )
+  return options | GPT_OSS_OPTIONS if model_type == "gpt_oss" else options
 
 
 def _windows(config: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
   """`sliding_window` and `sliding_layers`: every layer for Mistral, Mixtral and Phi-3 when
   config.json has a window; Gemma 3's "sliding_attention" layers (`layer_types`, or by default
   all but every `sliding_window_pattern`-th)."""
-  if model_type not in _WINDOW and model_type not in GEMMA_TYPES:
+  layered = model_type in GEMMA_TYPES or model_type == "gpt_oss"  # windows by `layer_types`
+  if model_type not in known.WINDOW and not layered:
     return {}
-  default = GEMMA_WINDOW if model_type in GEMMA_TYPES else _WINDOW[model_type]
+  default = GEMMA_WINDOW if model_type in GEMMA_TYPES else known.WINDOW.get(model_type)
+  default = GPT_OSS_WINDOW if model_type == "gpt_oss" else default
   window = config.get("sliding_window", default)
   if window is None:
     return {}
   window = get_key({"sliding_window": window}, "sliding_window")
   if window < 1:
     raise CheckpointError(f"config.json: sliding_window={window}; expected null or >= 1.")
-  if model_type not in GEMMA_TYPES:
+  if not layered:
     return {"sliding_window": window, "sliding_layers": tuple(range(num_layers))}
   types = config.get("layer_types")
   if types is None:
@@ -395,7 +338,7 @@ def _nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
   without it every `no_rope_layer_interval`-th layer."""
   flags = config.get("no_rope_layers")
   if flags is None:
-    interval = get_key(config, "no_rope_layer_interval", _NOPE_INTERVAL)
+    interval = get_key(config, "no_rope_layer_interval", known.NOPE_INTERVAL)
     if interval < 1:
       raise CheckpointError(f"config.json: no_rope_layer_interval={interval}; expected >= 1.")
     flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
@@ -422,7 +365,9 @@ def model_type_of(cfg: ModelConfig) -> str:
     ValueError: a combination none of them has (an MoE without q/k norm, q/k norm with biases
       or NoPE layers, ...), naming the field to change.
   """
-  if cfg.is_moe:
+  if cfg.is_moe and cfg.moe_biases:
+    model_type = "gpt_oss"
+  elif cfg.is_moe:
     model_type = "olmoe" if cfg.qk_norm_across_heads else "qwen3_moe" if cfg.qk_norm else "mixtral"
   elif cfg.norm_position == "sandwich":
     model_type = "gemma3_text" if cfg.qk_norm else "gemma2"
@@ -452,10 +397,10 @@ def model_type_of(cfg: ModelConfig) -> str:
       raise ValueError(
         f"No Hugging Face architecture has this model: {model_type} needs model.{name}={value!r}."
       )
-  if model_type == "mixtral" and not cfg.norm_topk_prob:
+  if model_type in known.ALWAYS_NORM_TOPK and not cfg.norm_topk_prob:
     raise ValueError(
-      "No Hugging Face architecture has this model: an MoE without q/k norms is Mixtral, which "
-      "renormalises its top-k router weights: mixtral needs model.norm_topk_prob=True."
+      f"No Hugging Face architecture has this model: {model_type}'s router weights are its "
+      f"top-k probabilities renormalised: {model_type} needs model.norm_topk_prob=True."
     )
   if cfg.nope_layers and model_type != "smollm3":
     raise ValueError(
@@ -465,19 +410,23 @@ def model_type_of(cfg: ModelConfig) -> str:
     )
   everywhere = cfg.sliding_layers == tuple(range(cfg.num_layers))
   if cfg.sliding_layers and not (
-    model_type in GEMMA_TYPES or (model_type in ("mistral", "mixtral", "phi3") and everywhere)
+    model_type in (*GEMMA_TYPES, "gpt_oss")
+    or (model_type in ("mistral", "mixtral", "phi3") and everywhere)
   ):
     raise ValueError(
       f"No Hugging Face architecture has this model: {model_type} has no sliding window in "
       f"model.sliding_layers={cfg.sliding_layers} (Mistral and Mixtral window every layer, "
-      "Gemma 3 any)."
+      "Gemma 3 and gpt-oss any)."
     )
   gemma_only = ("attention_logit_scale", "attention_logit_softcap", "final_logit_softcap")
   only = {"local_rope_theta": ("gemma3_text",)} | dict.fromkeys(gemma_only, GEMMA_TYPES)
   only |= dict.fromkeys(GRANITE_FIELDS, ("granite",))
+  only |= {"swiglu_alpha": ("gpt_oss",), "swiglu_limit": ("gpt_oss",)}
   only["attention_logit_scale"] = (*GEMMA_TYPES, "granite")
   for name, types in only.items():
-    default = 1.0 if name in GRANITE_FIELDS else 0
+    default = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}.get(
+      name, 1.0 if name in GRANITE_FIELDS else 0
+    )
     if getattr(cfg, name) != default and model_type not in types:
       who = types[0] if len(types) == 1 else f"{', '.join(types[:-1])} and {types[-1]}"
       raise ValueError(
@@ -519,22 +468,22 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
   }
   if cfg.rope_scaling:
     out["rope_scaling"] = rope_scaling_to_hf(cfg)
-  if model_type != "qwen2":
+  if model_type not in ("qwen2", "gpt_oss"):
     out["attention_bias"] = False
   if model_type in ("llama", "smollm3", "granite"):
     out["mlp_bias"] = False
-  if model_type not in ("llama", "olmo2", "olmoe", "mixtral", "granite", *GEMMA_TYPES):
+  if model_type not in ("llama", "olmo2", "olmoe", "mixtral", "granite", "gpt_oss", *GEMMA_TYPES):
     out["use_sliding_window"] = False
   if model_type == "smollm3":
     out["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
   if cfg.is_moe:
-    experts = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    experts = "num_local_experts" if model_type in ("mixtral", "gpt_oss") else "num_experts"
     out |= {experts: cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token}
-    if "moe_intermediate_size" in _MOE_DEFAULTS[model_type]:
+    if "moe_intermediate_size" in known.MOE_DEFAULTS[model_type]:
       out["moe_intermediate_size"] = cfg.moe_mlp_dim
     else:  # intermediate_size is one expert's width
       out["intermediate_size"] = cfg.moe_mlp_dim
-    if model_type not in _ALWAYS_NORM_TOPK:
+    if model_type not in known.ALWAYS_NORM_TOPK:
       out["norm_topk_prob"] = cfg.norm_topk_prob
   if model_type in ("mistral", "mixtral", "phi3"):
     out["sliding_window"] = cfg.sliding_window or None
@@ -554,6 +503,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     gemma_to_hf(cfg, out)
   if model_type == "granite":
     granite_to_hf(cfg, out)
+  if model_type == "gpt_oss":
+    gpt_oss_to_hf(cfg, out)
   if model_type == "olmoe":
     out["clip_qkv"] = None
   if model_type == "qwen3_moe":
@@ -580,8 +531,11 @@ def check_same_architecture(cfg: ModelConfig, source: ModelConfig, where: str) -
 
 
 def with_dtype(config: Mapping[str, Any], dtype: str) -> dict[str, Any]:
-  """A copy of a config.json dict that says its tensors are `dtype`, in the layout it uses."""
+  """A copy of a config.json dict that says its tensors are `dtype`, in the layout it uses,
+  and unquantised (jaxrl writes no quantized tensors: gpt-oss's MXFP4 experts are saved in
+  `dtype`)."""
   out = dict(config)
+  out.pop("quantization_config", None)
   keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]
   for key in keys:
     out[key] = dtype

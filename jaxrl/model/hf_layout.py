@@ -7,7 +7,10 @@ and the MLP's gate and up into `gate_up_proj`; jaxrl's are `[in, out]` with head
 (`wq_dhe` is `[d, h, e]`) and experts stacked (`[x, d, f]`). A parameter stored as rows of a
 fused tensor reads its rows on load; on save `hub_arrays` joins the parts of a tensor again.
 Under a partial rotation (`ModelConfig.rotary_dim`) the head dimensions of every query and key
-parameter are reordered on load and back on save (`rope.partial_rotary_order`).
+parameter are reordered on load and back on save (`rope.partial_rotary_order`). gpt-oss stores
+its experts stacked and `[x, in, out]` already, gate and up interleaved in one `gate_up_proj`
+(gate in the even columns), and its released checkpoints hold them in MXFP4 (`mxfp4.py`),
+which is read only: a save writes the unquantised layout.
 
 Glossary: v vocab, d model width, h query heads, k kv heads, e head dim, f mlp width, x experts.
 """
@@ -21,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxrl.model import mxfp4
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.functional import Params
 from jaxrl.model.rope import partial_rotary_order
@@ -40,6 +44,8 @@ class Leaf(NamedTuple):
       read(i, (a, b)) only its rows [a, b)); a view of
       what read returned where the layouts allow, else a new array in `dtype`.
     save: the parameter on the host -> its Hub tensors, in `names` order.
+    join: the parts of a Hub tensor that several leaves store (in `leaves` order) -> the
+      tensor; None stacks them as row blocks (`_fused`).
   """
 
   path: Path
@@ -47,6 +53,7 @@ class Leaf(NamedTuple):
   shapes: tuple[tuple[int, ...], ...]
   load: Callable[[Callable[..., np.ndarray], np.dtype], np.ndarray]
   save: Callable[[np.ndarray], Iterator[np.ndarray]]
+  join: Callable[[list[np.ndarray]], np.ndarray] | None = None
 
 
 def _same(path: Path, name: str, shape: tuple[int, ...]) -> Leaf:
@@ -110,6 +117,39 @@ def _fused_experts(path: Path, name: str, shape: tuple[int, int, int], part: sli
   return Leaf(path, (name,), (shape,), lambda read, dt: read(0)[:, part].transpose(0, 2, 1), save)
 
 
+def _interleave(parts: list[np.ndarray]) -> np.ndarray:
+  """gpt-oss's `gate_up_proj` from its gate and up parts: their last axes interleaved."""
+  return np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
+
+
+def _interleaved(path: Path, name: str, shape: tuple[int, ...], part: int) -> Leaf:
+  """gpt-oss's gate (`part` 0) or up (1): the even or odd last-axis entries of `name`."""
+  return Leaf(
+    path,
+    (name,),
+    (shape,),
+    lambda read, dt: np.ascontiguousarray(read(0)[..., part::2]),
+    lambda v: iter([v]),
+    _interleave,
+  )
+
+
+def _mxfp4_experts(path: Path, name: str, shape: tuple[int, int, int], part: slice) -> Leaf:
+  """gpt-oss's released experts, `name` `[x, in, out]` stored as MXFP4 `_blocks` and
+  `_scales` of `[x, out, in]` (`mxfp4.dequantize`); `part` of the out columns. Read only."""
+  x, i, o = shape
+  groups = i // mxfp4.GROUP
+  shapes = ((x, o, groups, mxfp4.GROUP // mxfp4.VALUES_PER_BYTE), (x, o, groups))
+
+  def save(v):
+    raise AssertionError("save_pretrained writes gpt-oss's experts unquantised, never MXFP4.")
+
+  def load(read, dt):
+    return np.ascontiguousarray(mxfp4.dequantize(read(0), read(1), dt)[..., part])
+
+  return Leaf(path, (name + "_blocks", name + "_scales"), shapes, load, save)
+
+
 def _reordered(leaf: Leaf, order: np.ndarray | None) -> Leaf:
   """`leaf` with its last axis (a head's dimensions) in jaxrl's `order`, the Hub's on save."""
   if order is None:
@@ -140,12 +180,44 @@ def _fused(parts: list[Leaf], name: str) -> list[Leaf]:
   return [_rows(leaf, name, shape, int(start)) for leaf, start in zip(parts, starts, strict=True)]
 
 
+def _gpt_oss_layer(cfg: ModelConfig, hub: str, ours: Path, mx: bool) -> list[Leaf]:
+  """gpt-oss's attention extras (the output bias, the sinks) and MoE (router and experts with
+  biases; `mx`: the experts in MXFP4) of one layer."""
+  x, f, d, h = cfg.num_experts, cfg.moe_mlp_dim, cfg.d_model, cfg.num_heads
+  attn, moe, experts = (*ours, "attn"), (*ours, "mlp"), hub + "mlp.experts."
+  leaves = [
+    _same((*attn, "bo_d"), hub + "self_attn.o_proj.bias", (d,)),
+    _same((*attn, "sinks_h"), hub + "self_attn.sinks", (h,)),
+    _transposed((*moe, "router_dx"), hub + "mlp.router.weight", (x, d)),
+    _same((*moe, "router_b_x"), hub + "mlp.router.bias", (x,)),
+    _interleaved((*moe, "b_gate_xf"), experts + "gate_up_proj_bias", (x, 2 * f), 0),
+    _interleaved((*moe, "b_up_xf"), experts + "gate_up_proj_bias", (x, 2 * f), 1),
+    _same((*moe, "b_down_xd"), experts + "down_proj_bias", (x, d)),
+  ]
+  gate_up, down, gate_up_shape = experts + "gate_up_proj", experts + "down_proj", (x, d, 2 * f)
+  if mx:
+    return leaves + [
+      _mxfp4_experts((*moe, "w_gate_xdf"), gate_up, gate_up_shape, slice(0, None, 2)),
+      _mxfp4_experts((*moe, "w_up_xdf"), gate_up, gate_up_shape, slice(1, None, 2)),
+      _mxfp4_experts((*moe, "w_down_xfd"), down, (x, f, d), slice(None)),
+    ]
+  return leaves + [
+    _interleaved((*moe, "w_gate_xdf"), gate_up, gate_up_shape, 0),
+    _interleaved((*moe, "w_up_xdf"), gate_up, gate_up_shape, 1),
+    _same((*moe, "w_down_xfd"), down, (x, f, d)),
+  ]
+
+
 def hub_leaves(
-  cfg: ModelConfig, fused_layers: frozenset[int] = frozenset(), fused_projections: bool = False
+  cfg: ModelConfig,
+  fused_layers: frozenset[int] = frozenset(),
+  fused_projections: bool = False,
+  mxfp4_experts: bool = False,
 ) -> list[Leaf]:
   """Every parameter of `cfg`'s model with its Hub tensors; `fused_layers`: MoE layers whose
   experts a checkpoint holds fused; `fused_projections`: q, k, v and the MLP's gate and up as
-  Phi-3 stores them (`qkv_proj`, `gate_up_proj`)."""
+  Phi-3 stores them (`qkv_proj`, `gate_up_proj`); `mxfp4_experts`: gpt-oss's experts in MXFP4
+  (read only)."""
   v, d, h, k, e = cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   order = partial_rotary_order(e, cfg.rotary_dim)
   leaves = [_same(("embed_vd",), "model.embed_tokens.weight", (v, d))]
@@ -195,6 +267,9 @@ def hub_leaves(
         _reordered(_same(q_norm, attn + "q_norm.weight", (e,)), order),
         _reordered(_same(k_norm, attn + "k_norm.weight", (e,)), order),
       ]
+    if cfg.moe_biases:  # gpt-oss
+      leaves += _gpt_oss_layer(cfg, hub, ours, mxfp4_experts)
+      continue
     if not cfg.is_moe:
       f = cfg.mlp_dim
       gate_up = [
@@ -257,6 +332,11 @@ def fused_expert_layers(cfg: ModelConfig, tensors: Mapping[str, TensorInfo]) -> 
   )
 
 
+def has_mxfp4_experts(tensors: Mapping[str, TensorInfo]) -> bool:
+  """Whether a checkpoint holds gpt-oss's experts in MXFP4 (as OpenAI released them)."""
+  return "model.layers.0.mlp.experts.gate_up_proj_blocks" in tensors
+
+
 def has_fused_projections(tensors: Mapping[str, TensorInfo]) -> bool:
   """Whether a checkpoint stores q, k, v fused (Phi-3's `qkv_proj`)."""
   return "model.layers.0.self_attn.qkv_proj.weight" in tensors
@@ -273,6 +353,7 @@ def hub_arrays(leaves: list[Leaf], params: Params) -> Iterator[tuple[str, np.nda
     for name, array in zip(leaf.names, leaf.save(value), strict=True):
       parts.append(array)
       if len(parts) == blocks[name]:
-        yield name, parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        join = leaf.join or (lambda p: np.concatenate(p, axis=0))
+        yield name, parts[0] if len(parts) == 1 else join(parts)
         parts = []
     del value

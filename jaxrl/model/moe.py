@@ -12,7 +12,9 @@ Glossary: b batch, t positions, d model width, x experts, f expert mlp width, k 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -21,7 +23,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.model.config import ModelConfig
-from jaxrl.sharding.expert import ExpertParallelConfig, PlacementLayer, moe_expert_parallel
+from jaxrl.sharding.expert import (
+  ExpertBiases,
+  ExpertParallelConfig,
+  PlacementLayer,
+  moe_expert_parallel,
+)
 from jaxrl.sharding.expert_checks import TOKEN_AXES
 
 
@@ -29,6 +36,30 @@ def param(rngs: nnx.Rngs, shape, logical_axes, fan_in: int, dtype) -> nnx.Param:
   """A parameter drawn from N(0, 1/fan_in), annotated with its logical axes."""
   value = jax.random.normal(rngs.params(), shape, dtype) * (fan_in**-0.5)
   return nnx.Param(value.astype(dtype), logical_axes=tuple(logical_axes))
+
+
+def _silu_glu(gate, up):
+  return jax.nn.silu(gate) * up
+
+
+def _gelu_tanh_glu(gate, up):
+  return jax.nn.gelu(gate, approximate=True) * up
+
+
+def _clamped_swiglu(gate, up, *, alpha: float, limit: float):
+  """gpt-oss's gated unit: the gate clipped above and the up projection both ways at `limit`,
+  the gate's SiLU-like `g * sigmoid(alpha * g)` times `up + 1`."""
+  gate = jnp.minimum(gate, limit)
+  up = jnp.clip(up, -limit, limit)
+  return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def gated_unit(cfg: ModelConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """`(gate, up) -> hidden` of a gated MLP or expert with `cfg.mlp_activation` (SwiGLU,
+  Gemma's GeGLU, gpt-oss's clamped SwiGLU)."""
+  if cfg.mlp_activation == "clamped_swiglu":
+    return functools.partial(_clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+  return {"silu": _silu_glu, "gelu_tanh": _gelu_tanh_glu}[cfg.mlp_activation]
 
 
 def route(
@@ -113,9 +144,12 @@ class MoERouting(NamedTuple):
 
 
 class MoEMLP(nnx.Module):
-  """Top-k softmax router over SwiGLU experts; returns (output, `MoERouting`)."""
+  """Top-k softmax router over gated experts (`gated_unit`: SwiGLU, or gpt-oss's clamped
+  SwiGLU), with `ModelConfig.moe_biases` a bias on the router's logits and on each expert's
+  projections; returns (output, `MoERouting`)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
     self.top_k = cfg.experts_per_token
     self.norm_topk_prob = cfg.norm_topk_prob
     d, x, f, pd = cfg.d_model, cfg.num_experts, cfg.moe_mlp_dim, jnp.dtype(cfg.param_dtype)
@@ -123,6 +157,17 @@ class MoEMLP(nnx.Module):
     self.w_gate_xdf = param(rngs, (x, d, f), ("expert", "embed", "mlp"), d, pd)
     self.w_up_xdf = param(rngs, (x, d, f), ("expert", "embed", "mlp"), d, pd)
     self.w_down_xfd = param(rngs, (x, f, d), ("expert", "mlp", "embed"), f, pd)
+    if cfg.moe_biases:
+      self.router_b_x = nnx.Param(jnp.zeros((x,), pd), logical_axes=(None,))
+      self.b_gate_xf = nnx.Param(jnp.zeros((x, f), pd), logical_axes=("expert", "mlp"))
+      self.b_up_xf = nnx.Param(jnp.zeros((x, f), pd), logical_axes=("expert", "mlp"))
+      self.b_down_xd = nnx.Param(jnp.zeros((x, d), pd), logical_axes=("expert", "embed"))
+
+  def _biases(self, dt) -> ExpertBiases | None:
+    if not self.cfg.moe_biases:
+      return None
+    values = (self.router_b_x, self.b_gate_xf, self.b_up_xf, self.b_down_xd)
+    return ExpertBiases(*(v.get_value().astype(dt) for v in values))
 
   def __call__(self, x_btd, moe: MoEInputs | None = None, layer: int = 0):
     moe = moe or MoEInputs()
@@ -135,7 +180,10 @@ class MoEMLP(nnx.Module):
         "expert axis > 1); the reference dispatch has no devices to place on."
       )
     dt = x_btd.dtype
+    biases = self._biases(dt)
     logits_btx = jnp.einsum("btd,dx->btx", x_btd, self.router_dx.get_value().astype(dt))
+    if biases is not None:
+      logits_btx = logits_btx + biases.router_x
     if routes_btk is None:
       weights_btk, ids_btk = route(logits_btx, self.top_k, self.norm_topk_prob)
     else:
@@ -146,9 +194,13 @@ class MoEMLP(nnx.Module):
     combine_btx = jnp.sum(jax.nn.one_hot(ids_btk, num_experts) * weights_btk[..., None], axis=-2)
     gate = jnp.einsum("btd,xdf->btxf", x_btd, self.w_gate_xdf.get_value().astype(dt))
     up = jnp.einsum("btd,xdf->btxf", x_btd, self.w_up_xdf.get_value().astype(dt))
+    if biases is not None:
+      gate, up = gate + biases.gate_xf, up + biases.up_xf
     out_btxd = jnp.einsum(
-      "btxf,xfd->btxd", jax.nn.silu(gate) * up, self.w_down_xfd.get_value().astype(dt)
+      "btxf,xfd->btxd", gated_unit(self.cfg)(gate, up), self.w_down_xfd.get_value().astype(dt)
     )
+    if biases is not None:
+      out_btxd = out_btxd + biases.down_xd
     out_btd = jnp.einsum("btxd,btx->btd", out_btxd, combine_btx.astype(dt))
     routed = ids_btk.size if moe.valid_bt is None else jnp.sum(moe.valid_bt) * self.top_k
     return out_btd, MoERouting(ids_btk, jnp.asarray(routed, jnp.int32), jnp.zeros((), jnp.int32))
@@ -182,6 +234,8 @@ class MoEMLP(nnx.Module):
       placement_layer=placement,
       routes_tk=routes_tk,
       valid_t=valid_t,
+      biases=self._biases(dt),
+      gated=gated_unit(self.cfg),
     )
     routing = MoERouting(ids_tk[: b * t].reshape(b, t, -1), stats["routed"], stats["dropped"])
     return out_td[: b * t].reshape(b, t, d), routing

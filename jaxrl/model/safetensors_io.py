@@ -19,12 +19,14 @@ from collections.abc import Iterable, Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
-# safetensors dtype names <-> numpy dtypes (the floating types checkpoints use).
+# safetensors dtype names <-> numpy dtypes (the floating types checkpoints use, and the bytes
+# of gpt-oss's MXFP4 experts, `jaxrl.model.mxfp4`).
 NUMPY_DTYPES = {
   "F64": np.dtype("<f8"),
   "F32": np.dtype("<f4"),
   "F16": np.dtype("<f2"),
   "BF16": np.dtype(ml_dtypes.bfloat16),
+  "U8": np.dtype("u1"),
 }
 SAFETENSORS_DTYPES = {v: k for k, v in NUMPY_DTYPES.items()}
 

@@ -25,7 +25,7 @@ from jaxrl.model.cache import (
   write_packed_prefill,
 )
 from jaxrl.model.config import ModelConfig
-from jaxrl.model.moe import MoEInputs, MoEMLP, param
+from jaxrl.model.moe import MoEInputs, MoEMLP, gated_unit, param
 from jaxrl.model.rope import rope_cos_sin
 
 
@@ -94,6 +94,8 @@ class Attention(nnx.Module):
       self.bq_he = nnx.Param(jnp.zeros((h, e), pd), logical_axes=("heads", "head_dim"))
       self.bk_ke = nnx.Param(jnp.zeros((k, e), pd), logical_axes=("kv_heads", "head_dim"))
       self.bv_ke = nnx.Param(jnp.zeros((k, e), pd), logical_axes=("kv_heads", "head_dim"))
+    if cfg.attention_out_bias:
+      self.bo_d = nnx.Param(jnp.zeros((d,), pd), logical_axes=("embed",))
     if cfg.attention_sinks:  # zero: each sink starts as one more key of logit 0
       self.sinks_h = nnx.Param(jnp.zeros((h,), pd), logical_axes=("heads",))
     if cfg.qk_norm and cfg.qk_norm_across_heads:
@@ -144,20 +146,19 @@ class Attention(nnx.Module):
       out_bthe, cache = attend(
         q, k, v, positions_bt, cache, segment_ids_bt, attention=cfg.attention, **rule._asdict()
       )
-    return jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt)), cache
-
-
-# `ModelConfig.mlp_activation` -> the gate's activation.
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+    out_btd = jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt))
+    if cfg.attention_out_bias:
+      out_btd = out_btd + self.bo_d.get_value().astype(dt)
+    return out_btd, cache
 
 
 class MLP(nnx.Module):
-  """Gated feed-forward (SwiGLU, or GeGLU for Gemma); returns (output, None) to match
-  `MoEMLP`'s (output, routing)."""
+  """Gated feed-forward (`moe.gated_unit`: SwiGLU, or GeGLU for Gemma); returns (output,
+  None) to match `MoEMLP`'s (output, routing)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f, pd = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
-    self.activation = cfg.mlp_activation
+    self.cfg = cfg
     self.w_gate_df = param(rngs, (d, f), ("embed", "mlp"), d, pd)
     self.w_up_df = param(rngs, (d, f), ("embed", "mlp"), d, pd)
     self.w_down_fd = param(rngs, (f, d), ("mlp", "embed"), f, pd)
@@ -168,7 +169,7 @@ class MLP(nnx.Module):
     gate = jnp.einsum("btd,df->btf", x_btd, self.w_gate_df.get_value().astype(dt))
     up = jnp.einsum("btd,df->btf", x_btd, self.w_up_df.get_value().astype(dt))
     down_fd = self.w_down_fd.get_value().astype(dt)
-    hidden = ACTIVATIONS[self.activation](gate) * up
+    hidden = gated_unit(self.cfg)(gate, up)
     return jnp.einsum("btf,fd->btd", hidden, down_fd), None
 
 

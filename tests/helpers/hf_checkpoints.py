@@ -32,6 +32,9 @@ Architectures (`ARCHS`) and what each exercises:
     model's logits uncapped), query_pre_attn_scalar 24 (head_dim 16).
   "granite": Llama's network with embeddings times 4, sublayer outputs times 0.5, attention
     logits times 0.1 (head_dim 16: not 16 ** -0.5) and logits divided by 3.
+  "gpt_oss": 8 experts of width 32, top-2, router and expert biases, the clamped SwiGLU at a
+    limit of 1.5 (gpt-oss's 7 would rarely bind in a tiny model), attention biases and sinks,
+    the first layer sliding (window 48), YaRN (factor 4, original context 64, untruncated).
 
 Also the config.json of Qwen3-0.6B, Qwen3-30B-A3B and Llama-3.2-1B as the Hub publishes them
 (`QWEN3_0_6B`, `QWEN3_30B_A3B`, `LLAMA_3_2_1B`), for tests of configs without weights.
@@ -59,6 +62,7 @@ ARCHS = (
   "gemma3_text",
   "gemma2",
   "granite",
+  "gpt_oss",
 )
 VOCAB_SIZE = 512
 
@@ -113,6 +117,26 @@ _ARCH = {
       attention_multiplier=0.1,
       logits_scaling=3.0,
       rope_parameters=dict(rope_theta=1e4),
+    ),
+  ),
+  "gpt_oss": (
+    transformers.GptOssConfig,
+    dict(
+      head_dim=16,
+      intermediate_size=32,
+      num_local_experts=8,
+      num_experts_per_tok=2,
+      sliding_window=48,
+      swiglu_limit=1.5,
+      rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=1e4,
+        factor=4.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=64,
+      ),
     ),
   ),
   "mixtral": (
@@ -264,7 +288,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         value = noise / p.shape[-1] ** 0.5
       else:
         value = noise / p.shape[-1] ** 0.5
-        if name.endswith("mlp.gate.weight"):
+        if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
           value = 4.0 * value
       p.copy_(value.to(p.dtype))
 

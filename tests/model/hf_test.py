@@ -50,6 +50,7 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("phi3", False, {}),
   ("mixtral", False, {}),
   ("granite", False, {}),
+  ("gpt_oss", False, {}),
 ]
 
 
@@ -110,7 +111,7 @@ def test_logits_match_transformers(checkpoints, case):
   want = hc.logits(reference, tokens)
   model, params = load_pretrained(path, dtype="float32")
   assert model.config.tie_embeddings == tied and ("lm_head_dv" in params) == (not tied)
-  if arch in ("mistral", "gemma3_text", "gemma2"):  # a sliding window shorter than the rows
+  if arch in ("mistral", "gemma3_text", "gemma2", "gpt_oss"):  # windows shorter than the rows
     assert model.config.sliding_window == 48 and model.config.max_seq_len == 512
   assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want) < 1e-4
   if tied:
@@ -147,6 +148,17 @@ def test_logits_match_transformers(checkpoints, case):
       wrong = Model(dataclasses.replace(cfg, **change))
       assert hc.rel_err(hc.jaxrl_logits(wrong, params, tokens), want) > 1e-2, change
     return
+  elif arch == "gpt_oss":  # the clamp, the windows, the sinks and the router's bias, each
+    for change in (dict(swiglu_limit=7.0), dict(sliding_window=0, sliding_layers=())):
+      wrong = Model(dataclasses.replace(cfg, **change))
+      assert hc.rel_err(hc.jaxrl_logits(wrong, params, tokens), want) > 1e-2, change
+    for leaf, value in (("sinks_h", -1e9), ("router_b_x", 0.0)):
+      changed = jax.tree_util.tree_map_with_path(
+        lambda p, x, leaf=leaf, value=value: jnp.full_like(x, value) if p[-1].key == leaf else x,
+        params,
+      )
+      assert hc.rel_err(hc.jaxrl_logits(model, changed, tokens), want) > 1e-2, leaf
+    return
   else:
     wrong = dataclasses.replace(cfg, rope_theta=cfg.rope_theta / 10)
   assert hc.rel_err(hc.jaxrl_logits(Model(wrong), params, tokens), want) > 1e-2
@@ -167,13 +179,15 @@ def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
 
 
 @pytest.mark.parametrize(
-  "arch", ["qwen3", "llama", "smollm3", "olmo2", "gemma3_text", "mistral", "gemma2"]
+  "arch", ["qwen3", "llama", "smollm3", "olmo2", "gemma3_text", "mistral", "gemma2", "gpt_oss"]
 )
 def test_paged_greedy_matches_transformers_generate(checkpoints, arch):
-  """Gemma 3 and Mistral: prompts and continuations well past their 48-position window."""
+  """Gemma, Mistral and gpt-oss: prompts and continuations well past their 48-position
+  window (gpt-oss: with sinks in paged decode attention, rings of pages for its window)."""
   path = checkpoints(arch)
   rng = np.random.default_rng()
-  lengths = (5, 60) if arch in ("gemma3_text", "mistral", "gemma2") else (5, 19)
+  windowed = ("gemma3_text", "mistral", "gemma2", "gpt_oss")
+  lengths = (5, 60) if arch in windowed else (5, 19)
   prompts = [rng.integers(3, hc.VOCAB_SIZE, n).tolist() for n in lengths]
   want = [hc.greedy(hc.load_model(path), p, 32) for p in prompts]
   assert hc.paged_greedy(path, prompts, 32) == want

@@ -12,6 +12,12 @@ from jaxrl.sharding import make_mesh, plan_placement
 from jaxrl.sharding.expert import ExpertParallelConfig, placement_arrays
 
 CFG = get_preset("tiny-moe", num_layers=2)  # 8 experts, top-2
+# gpt-oss's MoE: router and expert biases, the clamped SwiGLU (clamped at 0.5, so that the
+# clamps bind), attention sinks and biases.
+OSS = get_preset(
+  "tiny-moe", num_layers=2, moe_biases=True, mlp_activation="clamped_swiglu", swiglu_limit=0.5,
+  attention_sinks=True, qkv_bias=True, attention_out_bias=True,
+)  # fmt: skip
 # The sums behind the loss and its gradients, float32 at HIGHEST precision, which the
 # expert-parallel path adds in other orders (per device, then over devices).
 LOSS_TERMS = tolerance.model_terms(CFG, tokens=3 * 7)
@@ -54,10 +60,14 @@ def _random_routes(rng, b, t, layers, k, experts):
 
 
 # Every axis size and placement is covered layer by layer in tests/sharding/expert_test.py.
-@pytest.mark.parametrize("experts_axis,placed", [(8, False), (4, True)], ids=["home8", "placed4"])
-def test_expert_parallel_model_matches_the_reference(experts_axis, placed):
+@pytest.mark.parametrize(
+  "experts_axis,placed,cfg",
+  [(8, False, CFG), (4, True, CFG), (4, True, OSS)],
+  ids=["home8", "placed4", "gpt-oss-placed4"],
+)
+def test_expert_parallel_model_matches_the_reference(experts_axis, placed, cfg):
   rng = np.random.default_rng()
-  model = Model(CFG)
+  model = Model(cfg)
   params = _params(model, rng)
   # 3 x 7 tokens do not divide the devices: the layer pads them.
   tokens_bt = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 7)), jnp.int32)
