@@ -45,6 +45,7 @@ from jaxrl.model.hf_layout import (
   check_coverage,
   fused_expert_layers,
   has_fused_projections,
+  has_granite_moe_experts,
   has_mxfp4_experts,
   hub_arrays,
   hub_leaves,
@@ -282,6 +283,7 @@ def load_pretrained(
     fused_expert_layers(cfg, tensors),
     has_fused_projections(tensors),
     mxfp4_experts=cfg.moe_biases and has_mxfp4_experts(tensors),
+    granite_moe=has_granite_moe_experts(tensors),
   )
   _check_names(cfg, leaves, tensors, where)
   model = Model(cfg)
@@ -406,7 +408,11 @@ def save_pretrained(
   elif tokenizer_source is not False:
     tokenizer_source = resolve_pretrained(tokenizer_source)
   # Phi-3 checkpoints fuse q/k/v and gate/up; a model saved as Phi-3 (with a Phi-3 source) too.
-  leaves = hub_leaves(cfg, fused_projections=hub_config.get("model_type") == "phi3")
+  # Granite MoE stacks its experts.
+  model_type = hub_config.get("model_type")
+  leaves = hub_leaves(
+    cfg, fused_projections=model_type == "phi3", granite_moe=model_type == "granitemoe"
+  )
   check_coverage(leaves, params)
   target = np.dtype(jnp.dtype(dtype))
   shapes = {n: s for leaf in leaves for n, s in zip(leaf.names, leaf.shapes, strict=True)}

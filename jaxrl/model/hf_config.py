@@ -66,7 +66,13 @@ from jaxrl.model.hf_gpt_oss import (
   gpt_oss_to_hf,
   with_default_rope,
 )
-from jaxrl.model.hf_granite import GRANITE_FIELDS, granite_fields, granite_to_hf, is_granite
+from jaxrl.model.hf_granite import (
+  GRANITE_FIELDS,
+  GRANITE_TYPES,
+  granite_fields,
+  granite_to_hf,
+  is_granite,
+)
 from jaxrl.model.hf_rope import (
   MISSING,
   SCALING_FIELDS,
@@ -92,6 +98,7 @@ ARCHITECTURES = {
   "gemma2": "Gemma2ForCausalLM",
   "gemma3_text": "Gemma3ForCausalLM",
   "granite": "GraniteForCausalLM",
+  "granitemoe": "GraniteMoeForCausalLM",
   "gpt_oss": "GptOssForCausalLM",
 }
 """The model types jaxrl reads and writes, with their transformers architecture."""
@@ -244,7 +251,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       raise CheckpointError(f"config.json: query_pre_attn_scalar={scalar}; expected > 0.")
     if scalar != fields["head_dim"]:  # else the default, head_dim ** -0.5
       fields["attention_logit_scale"] = scalar**-0.5
-  if model_type == "granite":
+  if model_type in GRANITE_TYPES:
     fields |= granite_fields(config, head_dim)
   if model_type == "gpt_oss":
     fields |= gpt_oss_fields(config)
@@ -367,8 +374,10 @@ def model_type_of(cfg: ModelConfig) -> str:
   """
   if cfg.is_moe and cfg.moe_biases:
     model_type = "gpt_oss"
+  elif cfg.is_moe and not cfg.qk_norm:  # Granite's multipliers or none: Mixtral's network
+    model_type = "granitemoe" if is_granite(cfg) else "mixtral"
   elif cfg.is_moe:
-    model_type = "olmoe" if cfg.qk_norm_across_heads else "qwen3_moe" if cfg.qk_norm else "mixtral"
+    model_type = "olmoe" if cfg.qk_norm_across_heads else "qwen3_moe"
   elif cfg.norm_position == "sandwich":
     model_type = "gemma3_text" if cfg.qk_norm else "gemma2"
   elif cfg.norm_position == "post":
@@ -420,9 +429,9 @@ def model_type_of(cfg: ModelConfig) -> str:
     )
   gemma_only = ("attention_logit_scale", "attention_logit_softcap", "final_logit_softcap")
   only = {"local_rope_theta": ("gemma3_text",)} | dict.fromkeys(gemma_only, GEMMA_TYPES)
-  only |= dict.fromkeys(GRANITE_FIELDS, ("granite",))
+  only |= dict.fromkeys(GRANITE_FIELDS, GRANITE_TYPES)
   only |= {"swiglu_alpha": ("gpt_oss",), "swiglu_limit": ("gpt_oss",)}
-  only["attention_logit_scale"] = (*GEMMA_TYPES, "granite")
+  only["attention_logit_scale"] = (*GEMMA_TYPES, *GRANITE_TYPES)
   for name, types in only.items():
     default = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}.get(
       name, 1.0 if name in GRANITE_FIELDS else 0
@@ -472,12 +481,21 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     out["attention_bias"] = False
   if model_type in ("llama", "smollm3", "granite"):
     out["mlp_bias"] = False
-  if model_type not in ("llama", "olmo2", "olmoe", "mixtral", "granite", "gpt_oss", *GEMMA_TYPES):
+  if model_type not in (
+    "llama",
+    "olmo2",
+    "olmoe",
+    "mixtral",
+    "gpt_oss",
+    *GEMMA_TYPES,
+    *GRANITE_TYPES,
+  ):
     out["use_sliding_window"] = False
   if model_type == "smollm3":
     out["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
   if cfg.is_moe:
-    experts = "num_local_experts" if model_type in ("mixtral", "gpt_oss") else "num_experts"
+    local = ("mixtral", "gpt_oss", "granitemoe")
+    experts = "num_local_experts" if model_type in local else "num_experts"
     out |= {experts: cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token}
     if "moe_intermediate_size" in known.MOE_DEFAULTS[model_type]:
       out["moe_intermediate_size"] = cfg.moe_mlp_dim
@@ -501,7 +519,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     out["router_jitter_noise"] = 0.0
   if model_type in GEMMA_TYPES:
     gemma_to_hf(cfg, out)
-  if model_type == "granite":
+  if model_type in GRANITE_TYPES:
     granite_to_hf(cfg, out)
   if model_type == "gpt_oss":
     gpt_oss_to_hf(cfg, out)

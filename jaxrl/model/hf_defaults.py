@@ -22,6 +22,7 @@ MAX_POSITIONS = {
   "gemma2": 8192,
   "gemma3_text": 131072,
   "granite": 2048,
+  "granitemoe": 2048,
 }
 NORM_EPS = {
   "olmo2": 1e-5,
@@ -101,8 +102,10 @@ MOE_DEFAULTS = {
   "olmoe": {"num_experts_per_tok": 8, "num_experts": 64, "intermediate_size": 2048},
   "mixtral": {"num_experts_per_tok": 2, "num_experts": 8, "intermediate_size": 14336},
   "gpt_oss": {"num_experts_per_tok": 4, "num_experts": 128, "intermediate_size": 2880},
+  "granitemoe": {"num_experts_per_tok": 2, "num_experts": 8, "intermediate_size": 11008},
 }
 # Model types whose router always renormalises its top-k weights (transformers' Mixtral reads
-# no norm_topk_prob key; gpt-oss takes the softmax of the top-k logits, the same weights); the
+# no norm_topk_prob key; gpt-oss and Granite MoE take the softmax of the top-k logits, the
+# same weights); the
 # others read it, default false.
-ALWAYS_NORM_TOPK = {"mixtral", "gpt_oss"}
+ALWAYS_NORM_TOPK = {"mixtral", "gpt_oss", "granitemoe"}

@@ -1,9 +1,13 @@
 """Granite's keys of a Hugging Face config.json <-> `ModelConfig` (`hf_config` uses these).
 
-IBM's Granite 3 (`GraniteForCausalLM`) is Llama's network with four scalars: the embeddings
-times `embedding_multiplier`, each sublayer's output times `residual_multiplier` before it
-joins the residual stream, attention logits times `attention_multiplier` (in place of
-`head_dim ** -0.5`), and the logits divided by `logits_scaling`.
+IBM's Granite 3 (`GraniteForCausalLM`) is Llama's network with four scalars, and Granite 3 MoE
+(`GraniteMoeForCausalLM`: granite-3.x-1b-a400m and -3b-a800m) Mixtral's with the same: the
+embeddings times `embedding_multiplier`, each sublayer's output times `residual_multiplier`
+before it joins the residual stream, attention logits times `attention_multiplier` (in place
+of `head_dim ** -0.5`), and the logits divided by `logits_scaling`. Granite MoE stacks its
+experts in `block_sparse_moe.input_linear` (gate rows first) and `output_linear`
+(`hf_layout`), and weighs each token's experts by the softmax of their k logits (the top-k
+probabilities renormalised).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from jaxrl.model.safetensors_io import CheckpointError
 
 GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 """ModelConfig fields only Granite sets (besides `attention_logit_scale`)."""
+GRANITE_TYPES = ("granite", "granitemoe")
+"""Granite 3 and Granite 3 MoE (Mixtral's network with the same scalars)."""
 
 
 def granite_fields(config: Mapping[str, Any], head_dim: int) -> dict[str, Any]:

@@ -107,14 +107,19 @@ def _experts(path: Path, names: list[str], shape: tuple[int, int]) -> Leaf:
   return Leaf(path, tuple(names), (shape,) * x, load, lambda v: (v[i].T for i in range(x)))
 
 
-def _fused_experts(path: Path, name: str, shape: tuple[int, int, int], part: slice) -> Leaf:
-  """transformers 5's in-memory expert layout, should a checkpoint hold it: gate_up_proj
-  [x, 2f, d] (gate rows first) and down_proj [x, d, f]. Read only; we save per expert."""
-
-  def save(v):
-    raise AssertionError("save_pretrained writes experts one by one, never fused.")
-
-  return Leaf(path, (name,), (shape,), lambda read, dt: read(0)[:, part].transpose(0, 2, 1), save)
+def _stacked_experts(path: Path, name: str, shape: tuple[int, int, int], part: slice) -> Leaf:
+  """Experts stacked in one Hub tensor `[x, out, in]`, ours the rows `part` of out as `[x, in,
+  out]`: Granite MoE's input_linear (gate rows first) and output_linear, and transformers 5's
+  in-memory layout should a checkpoint hold it (gate_up_proj, down_proj). The parts of one
+  tensor join along its rows."""
+  return Leaf(
+    path,
+    (name,),
+    (shape,),
+    lambda read, dt: read(0)[:, part].transpose(0, 2, 1),
+    lambda v: iter([np.asarray(v).transpose(0, 2, 1)]),
+    lambda parts: np.concatenate(parts, axis=1),
+  )
 
 
 def _interleave(parts: list[np.ndarray]) -> np.ndarray:
@@ -213,11 +218,13 @@ def hub_leaves(
   fused_layers: frozenset[int] = frozenset(),
   fused_projections: bool = False,
   mxfp4_experts: bool = False,
+  granite_moe: bool = False,
 ) -> list[Leaf]:
   """Every parameter of `cfg`'s model with its Hub tensors; `fused_layers`: MoE layers whose
   experts a checkpoint holds fused; `fused_projections`: q, k, v and the MLP's gate and up as
   Phi-3 stores them (`qkv_proj`, `gate_up_proj`); `mxfp4_experts`: gpt-oss's experts in MXFP4
-  (read only)."""
+  (read only); `granite_moe`: Granite MoE's expert tensors (`block_sparse_moe.input_linear`,
+  `output_linear`, `router.layer`)."""
   v, d, h, k, e = cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   order = partial_rotary_order(e, cfg.rotary_dim)
   leaves = [_same(("embed_vd",), "model.embed_tokens.weight", (v, d))]
@@ -284,6 +291,16 @@ def hub_leaves(
       ]
       continue
     x, f = cfg.num_experts, cfg.moe_mlp_dim
+    if granite_moe:
+      moe = hub + "block_sparse_moe."
+      inputs, outputs = moe + "input_linear.weight", moe + "output_linear.weight"
+      leaves += [
+        _transposed((*ours, "mlp", "router_dx"), moe + "router.layer.weight", (x, d)),
+        _stacked_experts((*ours, "mlp", "w_gate_xdf"), inputs, (x, 2 * f, d), slice(0, f)),
+        _stacked_experts((*ours, "mlp", "w_up_xdf"), inputs, (x, 2 * f, d), slice(f, 2 * f)),
+        _stacked_experts((*ours, "mlp", "w_down_xfd"), outputs, (x, d, f), slice(None)),
+      ]
+      continue
     # Mixtral (the MoE without q/k norms) keeps its own names: block_sparse_moe, w1/w3/w2.
     mixtral = not cfg.qk_norm and i not in fused_layers
     moe = hub + "block_sparse_moe." if mixtral else mlp
@@ -291,9 +308,9 @@ def hub_leaves(
     if i in fused_layers:
       gate_up, down = mlp + "experts.gate_up_proj", mlp + "experts.down_proj"
       leaves += [
-        _fused_experts((*ours, "mlp", "w_gate_xdf"), gate_up, (x, 2 * f, d), slice(0, f)),
-        _fused_experts((*ours, "mlp", "w_up_xdf"), gate_up, (x, 2 * f, d), slice(f, 2 * f)),
-        _fused_experts((*ours, "mlp", "w_down_xfd"), down, (x, d, f), slice(None)),
+        _stacked_experts((*ours, "mlp", "w_gate_xdf"), gate_up, (x, 2 * f, d), slice(0, f)),
+        _stacked_experts((*ours, "mlp", "w_up_xdf"), gate_up, (x, 2 * f, d), slice(f, 2 * f)),
+        _stacked_experts((*ours, "mlp", "w_down_xfd"), down, (x, d, f), slice(None)),
       ]
       continue
     experts = [f"{moe}experts.{j}." for j in range(x)]
@@ -330,6 +347,11 @@ def fused_expert_layers(cfg: ModelConfig, tensors: Mapping[str, TensorInfo]) -> 
   return frozenset(
     i for i in range(cfg.num_layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in tensors
   )
+
+
+def has_granite_moe_experts(tensors: Mapping[str, TensorInfo]) -> bool:
+  """Whether a checkpoint holds Granite MoE's expert tensors."""
+  return "model.layers.0.block_sparse_moe.input_linear.weight" in tensors
 
 
 def has_mxfp4_experts(tensors: Mapping[str, TensorInfo]) -> bool:

@@ -32,6 +32,8 @@ Architectures (`ARCHS`) and what each exercises:
     model's logits uncapped), query_pre_attn_scalar 24 (head_dim 16).
   "granite": Llama's network with embeddings times 4, sublayer outputs times 0.5, attention
     logits times 0.1 (head_dim 16: not 16 ** -0.5) and logits divided by 3.
+  "granitemoe": Granite's multipliers on Mixtral's network: 8 experts of width 32 stacked in
+    input_linear / output_linear, top-2 renormalised.
   "gpt_oss": 8 experts of width 32, top-2, router and expert biases, the clamped SwiGLU at a
     limit of 1.5 (gpt-oss's 7 would rarely bind in a tiny model), attention biases and sinks,
     the first layer sliding (window 48), YaRN (factor 4, original context 64, untruncated).
@@ -62,6 +64,7 @@ ARCHS = (
   "gemma3_text",
   "gemma2",
   "granite",
+  "granitemoe",
   "gpt_oss",
 )
 VOCAB_SIZE = 512
@@ -112,6 +115,19 @@ _ARCH = {
   "granite": (
     transformers.GraniteConfig,
     dict(
+      embedding_multiplier=4.0,
+      residual_multiplier=0.5,
+      attention_multiplier=0.1,
+      logits_scaling=3.0,
+      rope_parameters=dict(rope_theta=1e4),
+    ),
+  ),
+  "granitemoe": (
+    transformers.GraniteMoeConfig,
+    dict(
+      intermediate_size=32,
+      num_local_experts=8,
+      num_experts_per_tok=2,
       embedding_multiplier=4.0,
       residual_multiplier=0.5,
       attention_multiplier=0.1,
@@ -288,7 +304,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         value = noise / p.shape[-1] ** 0.5
       else:
         value = noise / p.shape[-1] ** 0.5
-        if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+        if name.endswith(("mlp.gate.weight", "mlp.router.weight", "router.layer.weight")):
           value = 4.0 * value
       p.copy_(value.to(p.dtype))
 

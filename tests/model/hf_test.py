@@ -50,6 +50,7 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("phi3", False, {}),
   ("mixtral", False, {}),
   ("granite", False, {}),
+  ("granitemoe", False, {}),
   ("gpt_oss", False, {}),
 ]
 
@@ -132,7 +133,7 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, norm_topk_prob=False)
   elif arch in ("mistral", "gemma3_text"):
     wrong = dataclasses.replace(cfg, sliding_window=0, sliding_layers=(), local_rope_theta=0.0)
-  elif arch in ("gemma2", "granite"):  # each option on its own
+  elif arch in ("gemma2", "granite", "granitemoe"):  # each option on its own
     gemma2 = (
       dict(attention_logit_softcap=0.0),
       dict(final_logit_softcap=0.0),
@@ -309,8 +310,9 @@ def test_writes_shards_with_an_index(checkpoints, tmp_path):
 # -- meshes --------------------------------------------------------------------------------------
 
 
-# OLMo 2: its q/k norms reduce across heads, which the tensor axis splits.
-@pytest.mark.parametrize("arch", ["qwen2", "olmo2"])
+# OLMo 2: its q/k norms reduce across heads, which the tensor axis splits; gpt-oss: its sinks
+# (per head) and expert biases are split with the heads and the experts' width.
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "gpt_oss"])
 def test_loads_onto_a_mesh_in_its_sharding(checkpoints, arch):
   path = checkpoints(arch)
   mesh = make_mesh(jax.devices()[:8], {"fsdp": 4, "tensor": 2})
