@@ -23,7 +23,8 @@ import ml_collections
 from jaxrl.auto_config import resolve_auto
 from jaxrl.data.tasks import TaskConfig
 from jaxrl.envs.registry import EnvConfig
-from jaxrl.model.config import DTYPES, ModelConfig, get_preset
+from jaxrl.model.config import DTYPES, ModelConfig
+from jaxrl.model.presets import get_preset
 from jaxrl.rollout.paged_config import PagedConfig
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.train.advantages import ADVANTAGE_MODES

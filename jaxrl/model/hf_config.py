@@ -90,6 +90,7 @@ ARCHITECTURES = {
   "qwen2": "Qwen2ForCausalLM",
   "qwen3": "Qwen3ForCausalLM",
   "qwen3_moe": "Qwen3MoeForCausalLM",
+  "qwen2_moe": "Qwen2MoeForCausalLM",
   "smollm3": "SmolLM3ForCausalLM",
   "olmo2": "Olmo2ForCausalLM",
   "olmoe": "OlmoeForCausalLM",
@@ -135,7 +136,13 @@ ARCH_FIELDS = (
 )
 """The ModelConfig fields a checkpoint fixes (the rest are runtime choices: dtypes, lengths)."""
 
-_MOE_FIELDS = ("experts_per_token", "moe_mlp_dim", "norm_topk_prob")
+_MOE_FIELDS = (
+  "experts_per_token",
+  "moe_mlp_dim",
+  "norm_topk_prob",
+  "shared_expert_dim",
+  "shared_expert_gate",
+)
 
 
 def _refusals(config: Mapping[str, Any], model_type: str) -> None:
@@ -165,9 +172,11 @@ def _refusals(config: Mapping[str, Any], model_type: str) -> None:
     )
   if model_type == "olmoe":
     refuse(config, "clip_qkv", lambda v: False, "jaxrl does not clip q, k and v")
-  if model_type == "qwen3_moe":
+  if model_type in ("qwen3_moe", "qwen2_moe"):
     refuse(config, "mlp_only_layers", lambda v: not v, "every layer of jaxrl's MoE is sparse")
     refuse(config, "decoder_sparse_step", lambda v: v == 1, "every layer of jaxrl's MoE is sparse")
+  if model_type == "qwen2_moe":
+    refuse(config, "qkv_bias", lambda v: v, "jaxrl reads Qwen2-MoE with its q/k/v biases")
 
 
 def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
@@ -278,6 +287,15 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
         model_type in known.ALWAYS_NORM_TOPK or get_key(config, "norm_topk_prob", False, bool)
       ),
     )
+    if model_type == "qwen2_moe":  # a gated shared expert in every layer
+      shared = get_key(
+        config, "shared_expert_intermediate_size", moe["shared_expert_intermediate_size"]
+      )
+      if shared < 1:
+        raise CheckpointError(
+          f"config.json: shared_expert_intermediate_size={shared}; expected >= 1."
+        )
+      fields |= dict(shared_expert_dim=shared, shared_expert_gate=True)
   try:
     return ModelConfig(**fields)
   except ValueError as e:
@@ -292,7 +310,7 @@ def _layer_options(model_type: str) -> dict[str, Any]:
     qk_norm=model_type in known.QK_NORM,
     qk_norm_across_heads=known.QK_NORM.get(model_type) == "across",
     norm_position="post" if model_type == "olmo2" else "sandwich" if gemma else "pre",
-    qkv_bias=model_type == "qwen2",
+    qkv_bias=model_type in ("qwen2", "qwen2_moe"),
     norm_scale_plus_one=gemma,
     mlp_activation="gelu_tanh" if gemma else "silu",
     scale_embeddings=gemma,
@@ -374,6 +392,8 @@ def model_type_of(cfg: ModelConfig) -> str:
   """
   if cfg.is_moe and cfg.moe_biases:
     model_type = "gpt_oss"
+  elif cfg.is_moe and cfg.qkv_bias:
+    model_type = "qwen2_moe"
   elif cfg.is_moe and not cfg.qk_norm:  # Granite's multipliers or none: Mixtral's network
     model_type = "granitemoe" if is_granite(cfg) else "mixtral"
   elif cfg.is_moe:
@@ -431,6 +451,7 @@ def model_type_of(cfg: ModelConfig) -> str:
   only = {"local_rope_theta": ("gemma3_text",)} | dict.fromkeys(gemma_only, GEMMA_TYPES)
   only |= dict.fromkeys(GRANITE_FIELDS, GRANITE_TYPES)
   only |= {"swiglu_alpha": ("gpt_oss",), "swiglu_limit": ("gpt_oss",)}
+  only |= {"shared_expert_dim": ("qwen2_moe",), "shared_expert_gate": ("qwen2_moe",)}
   only["attention_logit_scale"] = (*GEMMA_TYPES, *GRANITE_TYPES)
   for name, types in only.items():
     default = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}.get(
@@ -442,6 +463,11 @@ def model_type_of(cfg: ModelConfig) -> str:
         f"No Hugging Face architecture has this model: {model_type} needs "
         f"model.{name}={default} (only {who} set it)."
       )
+  if model_type == "qwen2_moe" and not (cfg.shared_expert_dim and cfg.shared_expert_gate):
+    raise ValueError(
+      "No Hugging Face architecture has this model: an MoE with q/k/v biases is Qwen2-MoE, "
+      "which has a gated shared expert: model.shared_expert_dim > 0, shared_expert_gate=True."
+    )
   return model_type
 
 
@@ -477,7 +503,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
   }
   if cfg.rope_scaling:
     out["rope_scaling"] = rope_scaling_to_hf(cfg)
-  if model_type not in ("qwen2", "gpt_oss"):
+  if model_type not in ("qwen2", "qwen2_moe", "gpt_oss"):
     out["attention_bias"] = False
   if model_type in ("llama", "smollm3", "granite"):
     out["mlp_bias"] = False
@@ -525,8 +551,10 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     gpt_oss_to_hf(cfg, out)
   if model_type == "olmoe":
     out["clip_qkv"] = None
-  if model_type == "qwen3_moe":
+  if model_type in ("qwen3_moe", "qwen2_moe"):
     out |= {"decoder_sparse_step": 1, "mlp_only_layers": []}
+  if model_type == "qwen2_moe":
+    out |= {"qkv_bias": True, "shared_expert_intermediate_size": cfg.shared_expert_dim}
   return out
 
 

@@ -13,6 +13,7 @@ MAX_POSITIONS = {
   "qwen2": 32768,
   "qwen3": 32768,
   "qwen3_moe": 32768,
+  "qwen2_moe": 32768,
   "smollm3": 32768,
   "olmo2": 2048,
   "olmoe": 4096,
@@ -102,6 +103,13 @@ MOE_DEFAULTS = {
   "olmoe": {"num_experts_per_tok": 8, "num_experts": 64, "intermediate_size": 2048},
   "mixtral": {"num_experts_per_tok": 2, "num_experts": 8, "intermediate_size": 14336},
   "gpt_oss": {"num_experts_per_tok": 4, "num_experts": 128, "intermediate_size": 2880},
+  "qwen2_moe": {
+    "num_experts_per_tok": 4,
+    "num_experts": 60,
+    "intermediate_size": 5632,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+  },
   "granitemoe": {"num_experts_per_tok": 2, "num_experts": 8, "intermediate_size": 11008},
 }
 # Model types whose router always renormalises its top-k weights (transformers' Mixtral reads

@@ -301,10 +301,28 @@ def hub_leaves(
         _stacked_experts((*ours, "mlp", "w_down_xfd"), outputs, (x, d, f), slice(None)),
       ]
       continue
-    # Mixtral (the MoE without q/k norms) keeps its own names: block_sparse_moe, w1/w3/w2.
-    mixtral = not cfg.qk_norm and i not in fused_layers
+    # Mixtral (the MoE without q/k norms or biases) keeps its own names: block_sparse_moe,
+    # w1/w3/w2.
+    mixtral = not cfg.qk_norm and not cfg.qkv_bias and i not in fused_layers
     moe = hub + "block_sparse_moe." if mixtral else mlp
     leaves.append(_transposed((*ours, "mlp", "router_dx"), moe + "gate.weight", (x, d)))
+    if cfg.shared_expert_dim:  # Qwen2-MoE's
+      s, shared = cfg.shared_expert_dim, mlp + "shared_expert."
+      leaves += [
+        _transposed((*ours, "mlp", "w_shared_gate_ds"), shared + "gate_proj.weight", (s, d)),
+        _transposed((*ours, "mlp", "w_shared_up_ds"), shared + "up_proj.weight", (s, d)),
+        _transposed((*ours, "mlp", "w_shared_down_sd"), shared + "down_proj.weight", (d, s)),
+      ]
+      if cfg.shared_expert_gate:
+        leaves.append(
+          Leaf(
+            (*ours, "mlp", "shared_gate_d"),
+            (mlp + "shared_expert_gate.weight",),
+            ((1, d),),
+            lambda read, dt: read(0)[0],
+            lambda v: iter([np.asarray(v)[None]]),
+          )
+        )
     if i in fused_layers:
       gate_up, down = mlp + "experts.gate_up_proj", mlp + "experts.down_proj"
       leaves += [

@@ -146,7 +146,8 @@ class MoERouting(NamedTuple):
 class MoEMLP(nnx.Module):
   """Top-k softmax router over gated experts (`gated_unit`: SwiGLU, or gpt-oss's clamped
   SwiGLU), with `ModelConfig.moe_biases` a bias on the router's logits and on each expert's
-  projections; returns (output, `MoERouting`)."""
+  projections, and with `shared_expert_dim` a dense SwiGLU every token takes beside its routed
+  experts (Qwen2-MoE: scaled by a sigmoid gate per token); returns (output, `MoERouting`)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -162,6 +163,28 @@ class MoEMLP(nnx.Module):
       self.b_gate_xf = nnx.Param(jnp.zeros((x, f), pd), logical_axes=("expert", "mlp"))
       self.b_up_xf = nnx.Param(jnp.zeros((x, f), pd), logical_axes=("expert", "mlp"))
       self.b_down_xd = nnx.Param(jnp.zeros((x, d), pd), logical_axes=("expert", "embed"))
+    if cfg.shared_expert_dim:
+      s = cfg.shared_expert_dim
+      self.w_shared_gate_ds = param(rngs, (d, s), ("embed", "mlp"), d, pd)
+      self.w_shared_up_ds = param(rngs, (d, s), ("embed", "mlp"), d, pd)
+      self.w_shared_down_sd = param(rngs, (s, d), ("mlp", "embed"), s, pd)
+      if cfg.shared_expert_gate:
+        self.shared_gate_d = param(rngs, (d,), ("embed",), d, pd)
+
+  def _shared_expert(self, x_btd):
+    """The shared expert's output (gated per token where `shared_expert_gate`)."""
+    dt = x_btd.dtype
+    gate = jnp.einsum("btd,ds->bts", x_btd, self.w_shared_gate_ds.get_value().astype(dt))
+    up = jnp.einsum("btd,ds->bts", x_btd, self.w_shared_up_ds.get_value().astype(dt))
+    out_btd = jnp.einsum(
+      "bts,sd->btd", gated_unit(self.cfg)(gate, up), self.w_shared_down_sd.get_value().astype(dt)
+    )
+    if self.cfg.shared_expert_gate:
+      logit_bt1 = jnp.einsum("btd,d->bt", x_btd, self.shared_gate_d.get_value().astype(dt))[
+        ..., None
+      ]
+      out_btd = jax.nn.sigmoid(logit_bt1) * out_btd
+    return out_btd
 
   def _biases(self, dt) -> ExpertBiases | None:
     if not self.cfg.moe_biases:
@@ -170,7 +193,12 @@ class MoEMLP(nnx.Module):
     return ExpertBiases(*(v.get_value().astype(dt) for v in values))
 
   def __call__(self, x_btd, moe: MoEInputs | None = None, layer: int = 0):
-    moe = moe or MoEInputs()
+    out_btd, routing = self._routed(x_btd, moe or MoEInputs(), layer)
+    if self.cfg.shared_expert_dim:
+      out_btd = out_btd + self._shared_expert(x_btd)
+    return out_btd, routing
+
+  def _routed(self, x_btd, moe: MoEInputs, layer: int):
     routes_btk, placement = moe.layer(layer)
     if moe.expert_parallel is not None:
       return self._expert_parallel(x_btd, moe.expert_parallel, routes_btk, placement, moe.valid_bt)

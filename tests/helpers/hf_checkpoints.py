@@ -15,6 +15,8 @@ Architectures (`ARCHS`) and what each exercises:
   "qwen2": q/k/v biases, rope_theta 1e6.
   "qwen3": q/k RMSNorm, head_dim 24, rope_theta 1e6.
   "qwen3_moe": 8 experts, top-2, q/k norm; `norm_topk_prob` as given (default True).
+  "qwen2_moe": 8 experts of width 32, top-2 without renormalisation (its default), a shared
+    expert of width 48 behind a sigmoid gate, q/k/v biases.
   "smollm3": the second layer without RoPE (NoPE), rope_theta 1e4 (its default, 2e6, would
     barely turn within the tests' sequences).
   "olmo2": norms after each sublayer, q/k norms across heads, rope_theta 5e5, eps 1e-5.
@@ -56,6 +58,7 @@ ARCHS = (
   "qwen2",
   "qwen3",
   "qwen3_moe",
+  "qwen2_moe",
   "smollm3",
   "olmo2",
   "olmoe",
@@ -119,6 +122,16 @@ _ARCH = {
       residual_multiplier=0.5,
       attention_multiplier=0.1,
       logits_scaling=3.0,
+      rope_parameters=dict(rope_theta=1e4),
+    ),
+  ),
+  "qwen2_moe": (
+    transformers.Qwen2MoeConfig,
+    dict(
+      moe_intermediate_size=32,
+      shared_expert_intermediate_size=48,
+      num_experts=8,
+      num_experts_per_tok=2,
       rope_parameters=dict(rope_theta=1e4),
     ),
   ),

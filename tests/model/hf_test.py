@@ -51,6 +51,7 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("mixtral", False, {}),
   ("granite", False, {}),
   ("granitemoe", False, {}),
+  ("qwen2_moe", False, {}),
   ("gpt_oss", False, {}),
 ]
 
@@ -148,6 +149,14 @@ def test_logits_match_transformers(checkpoints, case):
     for change in gemma2 if arch == "gemma2" else granite:
       wrong = Model(dataclasses.replace(cfg, **change))
       assert hc.rel_err(hc.jaxrl_logits(wrong, params, tokens), want) > 1e-2, change
+    return
+  elif arch == "qwen2_moe":  # without renormalisation; the shared expert's gate counts
+    wrong = Model(dataclasses.replace(cfg, norm_topk_prob=True))
+    assert hc.rel_err(hc.jaxrl_logits(wrong, params, tokens), want) > 1e-2
+    ungated = jax.tree_util.tree_map_with_path(
+      lambda p, x: jnp.full_like(x, 0.0) if p[-1].key == "shared_gate_d" else x, params
+    )
+    assert hc.rel_err(hc.jaxrl_logits(model, ungated, tokens), want) > 1e-2
     return
   elif arch == "gpt_oss":  # the clamp, the windows, the sinks and the router's bias, each
     for change in (dict(swiglu_limit=7.0), dict(sliding_window=0, sliding_layers=())):

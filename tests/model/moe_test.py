@@ -18,6 +18,10 @@ OSS = get_preset(
   "tiny-moe", num_layers=2, moe_biases=True, mlp_activation="clamped_swiglu", swiglu_limit=0.5,
   attention_sinks=True, qkv_bias=True, attention_out_bias=True,
 )  # fmt: skip
+# Qwen2-MoE's: a shared expert behind a sigmoid gate beside the routed ones.
+SHARED = get_preset(
+  "tiny-moe", num_layers=2, shared_expert_dim=48, shared_expert_gate=True, qkv_bias=True
+)
 # The sums behind the loss and its gradients, float32 at HIGHEST precision, which the
 # expert-parallel path adds in other orders (per device, then over devices).
 LOSS_TERMS = tolerance.model_terms(CFG, tokens=3 * 7)
@@ -62,8 +66,8 @@ def _random_routes(rng, b, t, layers, k, experts):
 # Every axis size and placement is covered layer by layer in tests/sharding/expert_test.py.
 @pytest.mark.parametrize(
   "experts_axis,placed,cfg",
-  [(8, False, CFG), (4, True, CFG), (4, True, OSS)],
-  ids=["home8", "placed4", "gpt-oss-placed4"],
+  [(8, False, CFG), (4, True, CFG), (4, True, OSS), (8, False, SHARED)],
+  ids=["home8", "placed4", "gpt-oss-placed4", "shared-expert-home8"],
 )
 def test_expert_parallel_model_matches_the_reference(experts_axis, placed, cfg):
   rng = np.random.default_rng()
