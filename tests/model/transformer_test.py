@@ -65,6 +65,24 @@ VARIANTS = {
     sliding_layers=(0, 2),
     tie_embeddings=False,
   ),  # fmt: skip
+  # The rest of gpt-oss: the output bias, MoE with biases and the clamped SwiGLU (clamped at
+  # 0.5, so that it binds); and Qwen2-MoE's gated shared expert.
+  "gpt-oss-style": get_preset(
+    "tiny-moe",
+    num_layers=2,
+    attention_sinks=True,
+    qkv_bias=True,
+    attention_out_bias=True,
+    moe_biases=True,
+    mlp_activation="clamped_swiglu",
+    swiglu_limit=0.5,
+    sliding_window=3,
+    sliding_layers=(0,),
+    tie_embeddings=False,
+  ),  # fmt: skip
+  "shared-expert": get_preset(
+    "tiny-moe", num_layers=2, shared_expert_dim=48, shared_expert_gate=True, qkv_bias=True
+  ),
 }
 
 
@@ -108,8 +126,20 @@ def test_kv_cache_decode_matches_full_forward(name):
     lens = lens + 1
 
 
-def test_logical_axes_cover_every_param():
-  model = Model(get_preset("tiny-moe", qk_norm=True, qkv_bias=True, tie_embeddings=False))
+# MoE options: q/k norm and biases; gpt-oss's (router and expert biases, the clamped SwiGLU,
+# sinks, the output bias); Qwen2-MoE's gated shared expert.
+_OPTION_MOES = [
+  dict(qk_norm=True, qkv_bias=True, tie_embeddings=False),
+  dict(moe_biases=True, mlp_activation="clamped_swiglu", attention_sinks=True,
+       attention_out_bias=True, qkv_bias=True),
+  dict(shared_expert_dim=48, shared_expert_gate=True, qkv_bias=True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("options", _OPTION_MOES)
+def test_logical_axes_cover_every_param_and_num_params_counts_them(options):
+  cfg = get_preset("tiny-moe", **options)
+  model = Model(cfg)
   shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
   axes = model.logical_axes
   flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
@@ -117,6 +147,7 @@ def test_logical_axes_cover_every_param():
   assert len(flat_axes) == len(flat_shapes)
   for a, s in zip(flat_axes, flat_shapes, strict=True):
     assert len(a) == len(s)
+  assert sum(int(np.prod(s)) for s in flat_shapes) == cfg.num_params()
 
 
 # The two largest presets take 5-13 s each to build abstractly (64 and 48 layers) and are
@@ -181,6 +212,8 @@ def test_unknown_preset():
     "gemma3-style",
     "gemma2-style",
     "sinks",
+    "gpt-oss-style",
+    "shared-expert",
     pytest.param("remat", marks=pytest.mark.slow),
   ],
 )
@@ -224,6 +257,7 @@ def test_packed_row_logits_equal_each_sequence_run_alone(name):
     ("gemma3-style", True),
     ("gemma2-style", True),
     ("sinks", True),
+    ("gpt-oss-style", True),
   ],
 )
 def test_flash_attention_gives_the_dense_logits_and_gradients(name, packed):
