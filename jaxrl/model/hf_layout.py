@@ -149,8 +149,8 @@ def _mxfp4_experts(path: Path, name: str, shape: tuple[int, int, int], part: sli
   def save(v):
     raise AssertionError("save_pretrained writes gpt-oss's experts unquantised, never MXFP4.")
 
-  def load(read, dt):
-    return np.ascontiguousarray(mxfp4.dequantize(read(0), read(1), dt)[..., part])
+  def load(read, dt):  # only the rows (outputs) of `part` are dequantised
+    return mxfp4.dequantize(read(0)[:, part], read(1)[:, part], dt)
 
   return Leaf(path, (name + "_blocks", name + "_scales"), shapes, load, save)
 
