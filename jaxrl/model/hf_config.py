@@ -47,10 +47,8 @@ from typing import Any
 from jaxrl.model import hf_defaults as known
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.hf_gemma import (
-  GEMMA_PATTERN,
   GEMMA_QUERY_SCALAR,
   GEMMA_TYPES,
-  GEMMA_WINDOW,
   gemma_refusals,
   gemma_rope,
   gemma_softcaps,
@@ -60,7 +58,6 @@ from jaxrl.model.hf_gemma import (
 from jaxrl.model.hf_gpt_oss import (
   GPT_OSS_FIELDS,
   GPT_OSS_OPTIONS,
-  GPT_OSS_WINDOW,
   gpt_oss_fields,
   gpt_oss_refusals,
   gpt_oss_to_hf,
@@ -73,11 +70,13 @@ from jaxrl.model.hf_granite import (
   granite_to_hf,
   is_granite,
 )
+from jaxrl.model.hf_layers import layer_windows, nope_layers
 from jaxrl.model.hf_rope import (
   MISSING,
   SCALING_FIELDS,
   context_length,
   get_key,
+  layered_rope,
   refuse,
   rope_fields,
   rope_scaling_to_hf,
@@ -93,6 +92,7 @@ ARCHITECTURES = {
   "qwen2_moe": "Qwen2MoeForCausalLM",
   "smollm3": "SmolLM3ForCausalLM",
   "olmo2": "Olmo2ForCausalLM",
+  "olmo3": "Olmo3ForCausalLM",
   "olmoe": "OlmoeForCausalLM",
   "phi3": "Phi3ForCausalLM",
   "mixtral": "MixtralForCausalLM",
@@ -160,6 +160,7 @@ def _refusals(config: Mapping[str, Any], model_type: str) -> None:
     refuse(config, "attention_bias", lambda v: not v, "jaxrl has no attention biases here")
   if model_type != "llama":
     refuse(config, "use_sliding_window", lambda v: not v, "jaxrl has no Qwen-style windows")
+  if model_type not in ("llama", "olmo3"):  # OLMo 3's layer types are its windows
     refuse(
       config,
       "layer_types",
@@ -212,13 +213,20 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   heads = get_key(config, "num_attention_heads", shape.get("num_attention_heads", MISSING))
   max_positions = get_key(config, "max_position_embeddings", known.MAX_POSITIONS[model_type])
   num_layers = get_key(config, "num_hidden_layers", shape.get("num_hidden_layers", MISSING))
-  windows = _windows(config, model_type, num_layers)
+  windows = layer_windows(config, model_type, num_layers)
   head_dim = config.get("head_dim") or known.HEAD_DIM.get(model_type, d // max(heads, 1))
   head_dim = get_key({"head_dim": head_dim}, "head_dim")
   # A scaling's original context defaults to the full one.
+  local = bool(windows.get("sliding_layers"))
   if model_type == "gemma3_text":
-    local = bool(windows.get("sliding_layers"))
     rope = gemma_rope(config, max_positions, head_dim=head_dim, local=local)
+  elif model_type == "olmo3":  # the scaling in full layers only
+    # Olmo3Config gives the sliding layers its default base unless `rope_parameters` name
+    # theirs: a top-level `rope_theta` goes to the full layers alone.
+    theta = known.ROPE_THETA["olmo3"]
+    rope = layered_rope(
+      config, max_positions, head_dim=head_dim, local=local, theta=theta, local_theta=theta
+    )
   else:
     rope = rope_fields(
       config,
@@ -265,7 +273,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   if model_type == "gpt_oss":
     fields |= gpt_oss_fields(config)
   if model_type == "smollm3":
-    fields["nope_layers"] = _nope_layers(config, fields["num_layers"])
+    fields["nope_layers"] = nope_layers(config, fields["num_layers"])
   if model_type in known.MOE_DEFAULTS:
     moe = known.MOE_DEFAULTS[model_type]
     experts = {config.get(k) for k in ("num_experts", "num_local_experts")} - {None}
@@ -309,7 +317,7 @@ def _layer_options(model_type: str) -> dict[str, Any]:
   options = dict(
     qk_norm=model_type in known.QK_NORM,
     qk_norm_across_heads=known.QK_NORM.get(model_type) == "across",
-    norm_position="post" if model_type == "olmo2" else "sandwich" if gemma else "pre",
+    norm_position="post" if model_type in ("olmo2", "olmo3") else "sandwich" if gemma else "pre",
     qkv_bias=model_type in ("qwen2", "qwen2_moe"),
     norm_scale_plus_one=gemma,
     mlp_activation="gelu_tanh" if gemma else "silu",
@@ -318,65 +326,6 @@ def _layer_options(model_type: str) -> dict[str, Any]:
     attention_sinks=False,
   )
   return options | GPT_OSS_OPTIONS if model_type == "gpt_oss" else options
-
-
-def _windows(config: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-  """`sliding_window` and `sliding_layers`: every layer for Mistral, Mixtral and Phi-3 when
-  config.json has a window; Gemma 3's "sliding_attention" layers (`layer_types`, or by default
-  all but every `sliding_window_pattern`-th)."""
-  layered = model_type in GEMMA_TYPES or model_type == "gpt_oss"  # windows by `layer_types`
-  if model_type not in known.WINDOW and not layered:
-    return {}
-  default = GEMMA_WINDOW if model_type in GEMMA_TYPES else known.WINDOW.get(model_type)
-  default = GPT_OSS_WINDOW if model_type == "gpt_oss" else default
-  window = config.get("sliding_window", default)
-  if window is None:
-    return {}
-  window = get_key({"sliding_window": window}, "sliding_window")
-  if window < 1:
-    raise CheckpointError(f"config.json: sliding_window={window}; expected null or >= 1.")
-  if not layered:
-    return {"sliding_window": window, "sliding_layers": tuple(range(num_layers))}
-  types = config.get("layer_types")
-  if types is None:
-    # Gemma 2 alternates (sliding first); Gemma 3 has one full layer in `sliding_window_pattern`.
-    pattern = 2
-    if model_type == "gemma3_text":
-      pattern = get_key(config, "sliding_window_pattern", GEMMA_PATTERN)
-    if pattern < 1:
-      raise CheckpointError(f"config.json: sliding_window_pattern={pattern}; expected >= 1.")
-    types = [
-      "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
-    ]
-  kinds = ("sliding_attention", "full_attention")
-  if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
-    raise CheckpointError(
-      f"config.json: layer_types={types!r}; expected one of {kinds} for each of the "
-      f"num_hidden_layers={num_layers} layers."
-    )
-  layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-  return {"sliding_window": window, "sliding_layers": layers} if layers else {}
-
-
-def _nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
-  """SmolLM3's layers without RoPE: where `no_rope_layers` (a 1 or 0 per layer) says 0, or
-  without it every `no_rope_layer_interval`-th layer."""
-  flags = config.get("no_rope_layers")
-  if flags is None:
-    interval = get_key(config, "no_rope_layer_interval", known.NOPE_INTERVAL)
-    if interval < 1:
-      raise CheckpointError(f"config.json: no_rope_layer_interval={interval}; expected >= 1.")
-    flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
-  if (
-    not isinstance(flags, list)
-    or len(flags) < num_layers
-    or any(isinstance(f, bool) or f not in (0, 1) for f in flags)
-  ):
-    raise CheckpointError(
-      f"config.json: no_rope_layers={flags!r}; expected a list of 1 (RoPE) or 0 (none) for "
-      f"each of the num_hidden_layers={num_layers} layers."
-    )
-  return tuple(i for i in range(num_layers) if not flags[i])
 
 
 def model_type_of(cfg: ModelConfig) -> str:
@@ -401,7 +350,7 @@ def model_type_of(cfg: ModelConfig) -> str:
   elif cfg.norm_position == "sandwich":
     model_type = "gemma3_text" if cfg.qk_norm else "gemma2"
   elif cfg.norm_position == "post":
-    model_type = "olmo2"
+    model_type = "olmo3" if cfg.sliding_layers else "olmo2"
   elif cfg.qk_norm:
     model_type = "qwen3"
   elif cfg.qkv_bias:
@@ -439,16 +388,16 @@ def model_type_of(cfg: ModelConfig) -> str:
     )
   everywhere = cfg.sliding_layers == tuple(range(cfg.num_layers))
   if cfg.sliding_layers and not (
-    model_type in (*GEMMA_TYPES, "gpt_oss")
+    model_type in (*GEMMA_TYPES, "gpt_oss", "olmo3")
     or (model_type in ("mistral", "mixtral", "phi3") and everywhere)
   ):
     raise ValueError(
       f"No Hugging Face architecture has this model: {model_type} has no sliding window in "
       f"model.sliding_layers={cfg.sliding_layers} (Mistral and Mixtral window every layer, "
-      "Gemma 3 and gpt-oss any)."
+      "Gemma 3, gpt-oss and OLMo 3 any)."
     )
   gemma_only = ("attention_logit_scale", "attention_logit_softcap", "final_logit_softcap")
-  only = {"local_rope_theta": ("gemma3_text",)} | dict.fromkeys(gemma_only, GEMMA_TYPES)
+  only = {"local_rope_theta": ("gemma3_text", "olmo3")} | dict.fromkeys(gemma_only, GEMMA_TYPES)
   only |= dict.fromkeys(GRANITE_FIELDS, GRANITE_TYPES)
   only |= {"swiglu_alpha": ("gpt_oss",), "swiglu_limit": ("gpt_oss",)}
   only |= {"shared_expert_dim": ("qwen2_moe",), "shared_expert_gate": ("qwen2_moe",)}
@@ -510,6 +459,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
   if model_type not in (
     "llama",
     "olmo2",
+    "olmo3",
     "olmoe",
     "mixtral",
     "gpt_oss",
@@ -545,6 +495,17 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     out["router_jitter_noise"] = 0.0
   if model_type in GEMMA_TYPES:
     gemma_to_hf(cfg, out)
+  if model_type == "olmo3":  # RoPE per layer type: transformers 5's layout
+    out["sliding_window"] = cfg.sliding_window
+    out["layer_types"] = [
+      "sliding_attention" if i in cfg.sliding_layers else "full_attention"
+      for i in range(cfg.num_layers)
+    ]
+    theta, scaling = out.pop("rope_theta"), out.pop("rope_scaling", {})
+    out["rope_parameters"] = {
+      "full_attention": {"rope_type": "default", "rope_theta": theta} | scaling,
+      "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta or theta},
+    }
   if model_type in GRANITE_TYPES:
     granite_to_hf(cfg, out)
   if model_type == "gpt_oss":

@@ -16,6 +16,7 @@ MAX_POSITIONS = {
   "qwen2_moe": 32768,
   "smollm3": 32768,
   "olmo2": 2048,
+  "olmo3": 2048,
   "olmoe": 4096,
   "phi3": 4096,
   "mixtral": 131072,
@@ -27,6 +28,7 @@ MAX_POSITIONS = {
 }
 NORM_EPS = {
   "olmo2": 1e-5,
+  "olmo3": 1e-5,
   "olmoe": 1e-5,
   "phi3": 1e-5,
   "mixtral": 1e-5,
@@ -36,6 +38,7 @@ QK_NORM = {
   "qwen3": "head",
   "qwen3_moe": "head",
   "olmo2": "across",
+  "olmo3": "across",
   "olmoe": "across",
   "gemma3_text": "head",
 }
@@ -62,7 +65,9 @@ ROPE_THETA = {
   "mixtral": 1_000_000.0,
   "gemma3_text": GEMMA_THETA,
   "gpt_oss": 150_000.0,
+  "olmo3": 500_000.0,
 }
+OLMO3_WINDOW, OLMO3_PATTERN = 4096, 4  # Olmo3Config: three sliding layers, then a full one
 # Shape keys a config.json may leave out (the others are required): Gemma 3's multimodal
 # checkpoints give only what differs from Gemma3TextConfig's defaults in their text_config.
 SHAPE_DEFAULTS = {

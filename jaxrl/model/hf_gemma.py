@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrl.model.config import ModelConfig
-from jaxrl.model.hf_rope import get_key, refuse, rope_fields
+from jaxrl.model.hf_rope import get_key, layered_rope, refuse
 from jaxrl.model.safetensors_io import CheckpointError
 
 # Gemma3TextConfig's defaults: the full-attention layers' RoPE base, the sliding layers', the
@@ -93,30 +93,13 @@ def gemma_softcaps(config: Mapping[str, Any], model_type: str) -> dict[str, floa
 def gemma_rope(
   config: Mapping[str, Any], max_positions: int, *, head_dim: int, local: bool
 ) -> dict[str, Any]:
-  """Gemma 3's RoPE: the full-attention layers' (with the scaling) as `rope_fields` reads it,
-  and the sliding layers' plain base (`local`: the model has sliding layers). Hub files give
-  `rope_theta`, `rope_scaling` and `rope_local_base_freq`; transformers 5 writes
-  `rope_parameters` per layer type."""
-  params = config.get("rope_parameters")
-  nested = isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values())
+  """Gemma 3's RoPE (`layered_rope`): Hub files give `rope_theta`, `rope_scaling` and the
+  sliding layers' `rope_local_base_freq`."""
   local_theta = config.get("rope_local_base_freq", GEMMA_LOCAL_THETA)
-  full = config
-  if nested and not config.get("rope_scaling"):
-    full = {"rope_parameters": params.get("full_attention") or {}}
-    sliding = params.get("sliding_attention") or {}
-    if sliding.get("rope_type", "default") != "default":
-      raise CheckpointError(
-        "config.json: rope_parameters.sliding_attention.rope_type="
-        f"{sliding['rope_type']!r} is not supported: jaxrl's sliding layers use plain RoPE."
-      )
-    local_theta = sliding.get("rope_theta", local_theta)
-  rope = rope_fields(full, max_positions, theta=GEMMA_THETA, head_dim=head_dim)
-  if local:
-    theta = get_key({"rope_local_base_freq": local_theta}, "rope_local_base_freq", kind=float)
-    if theta <= 0:
-      raise CheckpointError(f"config.json: rope_local_base_freq={theta}; expected > 0.")
-    rope["local_rope_theta"] = theta
-  return rope
+  return layered_rope(
+    config, max_positions, head_dim=head_dim, local=local, theta=GEMMA_THETA,
+    local_theta=local_theta,
+  )  # fmt: skip
 
 
 def gemma_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:

@@ -94,6 +94,41 @@ def rope_fields(
   return fields | {"rope_scaling": rope_type} | read
 
 
+def layered_rope(
+  config: Mapping[str, Any],
+  max_positions: int,
+  *,
+  head_dim: int,
+  local: bool,
+  theta: float,
+  local_theta: float | None = None,
+) -> dict[str, Any]:
+  """RoPE that differs by layer type (Gemma 3, OLMo 3): the full-attention layers' (with the
+  scaling) as `rope_fields` reads it, and with `local` (the model has sliding layers) the
+  sliding layers' plain base, `local_theta` (None: the full layers' base). `theta` is the model
+  type's default base. transformers 5 writes `rope_parameters` per layer type."""
+  params = config.get("rope_parameters")
+  nested = isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values())
+  full = config
+  if nested and not config.get("rope_scaling"):
+    full = {"rope_parameters": params.get("full_attention") or {}}
+    sliding = params.get("sliding_attention") or {}
+    if sliding.get("rope_type", "default") != "default":
+      raise CheckpointError(
+        "config.json: rope_parameters.sliding_attention.rope_type="
+        f"{sliding['rope_type']!r} is not supported: jaxrl's sliding layers use plain RoPE."
+      )
+    local_theta = sliding.get("rope_theta", local_theta)
+  rope = rope_fields(full, max_positions, theta=theta, head_dim=head_dim)
+  if local:
+    local_theta = rope["rope_theta"] if local_theta is None else local_theta
+    local_theta = get_key({"rope_local_base_freq": local_theta}, "rope_local_base_freq", kind=float)
+    if local_theta <= 0:
+      raise CheckpointError(f"config.json: rope_local_base_freq={local_theta}; expected > 0.")
+    rope["local_rope_theta"] = local_theta
+  return rope
+
+
 def _number(params: Mapping[str, Any], key: str, name: str, default: Any = MISSING) -> float:
   """`params[name]` as a float; `default` where it is missing or null (required without)."""
   value = params.get(name)

@@ -20,6 +20,9 @@ Architectures (`ARCHS`) and what each exercises:
   "smollm3": the second layer without RoPE (NoPE), rope_theta 1e4 (its default, 2e6, would
     barely turn within the tests' sequences).
   "olmo2": norms after each sublayer, q/k norms across heads, rope_theta 5e5, eps 1e-5.
+  "olmo3": OLMo 2's network with the first layer sliding (window 48), YaRN (factor 4,
+    original context 64) in the full layer only, plain RoPE at the same base (1e4) in the
+    sliding one (transformers 5's `rope_parameters` per layer type).
   "phi3": q/k/v fused in qkv_proj, gate/up in gate_up_proj, eps 1e-5.
   "mixtral": 8 experts of width 32 (its intermediate_size), top-2 renormalised, no q/k norms,
     its own tensor names (block_sparse_moe, w1/w2/w3), rope_theta 1e4.
@@ -61,6 +64,7 @@ ARCHS = (
   "qwen2_moe",
   "smollm3",
   "olmo2",
+  "olmo3",
   "olmoe",
   "phi3",
   "mixtral",
@@ -123,6 +127,20 @@ _ARCH = {
       attention_multiplier=0.1,
       logits_scaling=3.0,
       rope_parameters=dict(rope_theta=1e4),
+    ),
+  ),
+  "olmo3": (
+    transformers.Olmo3Config,
+    dict(
+      rms_norm_eps=1e-5,
+      sliding_window=48,
+      layer_types=["sliding_attention", "full_attention"],
+      rope_parameters={
+        "full_attention": dict(
+          rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64
+        ),
+        "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+      },
     ),
   ),
   "qwen2_moe": (

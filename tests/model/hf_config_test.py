@@ -328,3 +328,29 @@ def test_granite_config_reads_its_scalars_and_writes_them_back():
     ValueError, match=r"qwen3 needs model\.embedding_multiplier=1\.0 \(only granite"
   ):
     model_type_of(dataclasses.replace(plain, qk_norm=True))
+
+
+def test_olmo3_sliding_layers_take_transformers_bases_in_either_layout():
+  """OLMo 3's scaling applies to its full layers only. In the older layout a top-level
+  rope_theta is the full layers' alone: transformers gives the sliding layers Olmo3Config's
+  default base (500,000), and so does jaxrl; `rope_parameters` per layer type name both."""
+  old = {
+    "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "vocab_size": 512,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "max_position_embeddings": 4096, "rope_theta": 1e4,
+    "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512},
+  }  # fmt: skip
+  cfg = config_from_hf(old)
+  assert cfg.sliding_layers == (0, 1, 2) and cfg.sliding_window == 4096  # one full in four
+  theirs = transformers.Olmo3Config(**{k: v for k, v in old.items() if k != "architectures"})
+  assert cfg.local_rope_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"] == 5e5
+  assert (cfg.rope_theta, cfg.rope_scaling) == (1e4, "yarn")
+  written = config_to_hf(cfg, "float32")
+  assert written["rope_parameters"]["sliding_attention"] == {
+    "rope_type": "default",
+    "rope_theta": 5e5,
+  }
+  assert config_from_hf(written) == cfg
+  assert model_type_of(cfg) == "olmo3"
+  assert model_type_of(dataclasses.replace(cfg, sliding_window=0, sliding_layers=(),
+                                           local_rope_theta=0.0)) == "olmo2"  # fmt: skip

@@ -52,6 +52,7 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("granite", False, {}),
   ("granitemoe", False, {}),
   ("qwen2_moe", False, {}),
+  ("olmo3", False, {}),
   ("gpt_oss", False, {}),
 ]
 
@@ -113,7 +114,7 @@ def test_logits_match_transformers(checkpoints, case):
   want = hc.logits(reference, tokens)
   model, params = load_pretrained(path, dtype="float32")
   assert model.config.tie_embeddings == tied and ("lm_head_dv" in params) == (not tied)
-  if arch in ("mistral", "gemma3_text", "gemma2", "gpt_oss"):  # windows shorter than the rows
+  if arch in ("mistral", "gemma3_text", "gemma2", "gpt_oss", "olmo3"):  # windows shorter than rows
     assert model.config.sliding_window == 48 and model.config.max_seq_len == 512
   assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want) < 1e-4
   if tied:
@@ -134,6 +135,12 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, norm_topk_prob=False)
   elif arch in ("mistral", "gemma3_text"):
     wrong = dataclasses.replace(cfg, sliding_window=0, sliding_layers=(), local_rope_theta=0.0)
+  elif arch == "olmo3":  # the window, and YaRN kept out of the sliding layer, each
+    no_window = dict(sliding_window=0, sliding_layers=(), local_rope_theta=0.0)
+    for change in (no_window, dict(local_rope_theta=0.0)):
+      wrong = Model(dataclasses.replace(cfg, **change))
+      assert hc.rel_err(hc.jaxrl_logits(wrong, params, tokens), want) > 1e-2, change
+    return
   elif arch in ("gemma2", "granite", "granitemoe"):  # each option on its own
     gemma2 = (
       dict(attention_logit_softcap=0.0),
@@ -189,14 +196,15 @@ def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
 
 
 @pytest.mark.parametrize(
-  "arch", ["qwen3", "llama", "smollm3", "olmo2", "gemma3_text", "mistral", "gemma2", "gpt_oss"]
+  "arch",
+  ["qwen3", "llama", "smollm3", "olmo2", "gemma3_text", "mistral", "gemma2", "gpt_oss", "olmo3"],
 )
 def test_paged_greedy_matches_transformers_generate(checkpoints, arch):
   """Gemma, Mistral and gpt-oss: prompts and continuations well past their 48-position
   window (gpt-oss: with sinks in paged decode attention, rings of pages for its window)."""
   path = checkpoints(arch)
   rng = np.random.default_rng()
-  windowed = ("gemma3_text", "mistral", "gemma2", "gpt_oss")
+  windowed = ("gemma3_text", "mistral", "gemma2", "gpt_oss", "olmo3")
   lengths = (5, 60) if arch in windowed else (5, 19)
   prompts = [rng.integers(3, hc.VOCAB_SIZE, n).tolist() for n in lengths]
   want = [hc.greedy(hc.load_model(path), p, 32) for p in prompts]
