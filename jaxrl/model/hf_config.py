@@ -27,6 +27,9 @@ that Phi-3.5 and Phi-4-mini's LongRoPE (`rope.py`) and Phi-4-mini's partial rota
 (`partial_rotary_factor`: `ModelConfig.rotary_dim`), which only Phi-3's architecture has, are
 written as Phi-3. Mixtral is
 Mistral's network with MoE MLPs (top-k router weights always renormalised, no q/k norms).
+Seed-OSS (`seed_oss`) is Qwen2's network (q/k/v biases, none on the output projection or the
+MLP); its attention and residual dropout (0.1, applied only in training by transformers) are
+not: jaxrl has no dropout. Saved without its source it is written as Qwen2.
 
 Gemma 3 (`gemma3_text`, Gemma3ForCausalLM: the 1B and 270M checkpoints) norms each sublayer's
 input and output ("sandwich"), with scales stored minus one, per-head q/k norms, GeGLU MLPs,
@@ -101,6 +104,7 @@ ARCHITECTURES = {
   "granite": "GraniteForCausalLM",
   "granitemoe": "GraniteMoeForCausalLM",
   "gpt_oss": "GptOssForCausalLM",
+  "seed_oss": "SeedOssForCausalLM",
 }
 """The model types jaxrl reads and writes, with their transformers architecture."""
 
@@ -154,9 +158,12 @@ def _refusals(config: Mapping[str, Any], model_type: str) -> None:
     gpt_oss_refusals(config)
     return
   refuse(config, "hidden_act", lambda v: v == "silu", "jaxrl's MLPs use SiLU (SwiGLU)")
-  if model_type in ("llama", "smollm3", "granite"):
+  if model_type in ("llama", "smollm3", "granite", "seed_oss"):
     refuse(config, "mlp_bias", lambda v: not v, "jaxrl's MLPs have no biases")
-  if model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others can turn them on
+  if model_type == "seed_oss":  # Qwen2's network: q/k/v biases, none on the output
+    refuse(config, "attention_bias", lambda v: v, "jaxrl reads Seed-OSS with q/k/v biases")
+    refuse(config, "attention_out_bias", lambda v: not v, "jaxrl reads Seed-OSS without one")
+  elif model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others can turn them on
     refuse(config, "attention_bias", lambda v: not v, "jaxrl has no attention biases here")
   if model_type != "llama":
     refuse(config, "use_sliding_window", lambda v: not v, "jaxrl has no Qwen-style windows")
@@ -318,7 +325,7 @@ def _layer_options(model_type: str) -> dict[str, Any]:
     qk_norm=model_type in known.QK_NORM,
     qk_norm_across_heads=known.QK_NORM.get(model_type) == "across",
     norm_position="post" if model_type in ("olmo2", "olmo3") else "sandwich" if gemma else "pre",
-    qkv_bias=model_type in ("qwen2", "qwen2_moe"),
+    qkv_bias=model_type in ("qwen2", "qwen2_moe", "seed_oss"),
     norm_scale_plus_one=gemma,
     mlp_activation="gelu_tanh" if gemma else "silu",
     scale_embeddings=gemma,

@@ -25,6 +25,7 @@ MAX_POSITIONS = {
   "gemma3_text": 131072,
   "granite": 2048,
   "granitemoe": 2048,
+  "seed_oss": 524_288,
 }
 NORM_EPS = {
   "olmo2": 1e-5,
@@ -48,6 +49,7 @@ KV_HEADS = {
   "mistral": 8,
   "mixtral": 8,
   "gpt_oss": 8,
+  "seed_oss": 8,
   "qwen2": 32,
   "qwen3": 32,
   "qwen3_moe": 4,
@@ -58,7 +60,7 @@ KV_HEADS = {
 # Model types with a sliding window in every layer, and transformers' default for it.
 WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
 # Head widths where config.json has none (others: hidden_size // num_attention_heads).
-HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 64}
+HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 64, "seed_oss": 128}
 # Default RoPE bases (others: 10,000); Gemma 3's is its full-attention layers'.
 ROPE_THETA = {
   "smollm3": 2_000_000.0,

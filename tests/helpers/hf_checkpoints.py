@@ -35,6 +35,9 @@ Architectures (`ARCHS`) and what each exercises:
     alternation); Gemma 3's norms, GeGLU and embedding scale without q/k norms; attention
     logits softcapped at 2 and final logits at 5 (Gemma 2's 50 and 30 would leave a tiny
     model's logits uncapped), query_pre_attn_scalar 24 (head_dim 16).
+  "seed_oss": Qwen2's network (q/k/v biases) with head_dim 32 != hidden / heads, and the
+    attention and residual dropout of 0.1 its checkpoints declare (transformers applies it in
+    training only).
   "granite": Llama's network with embeddings times 4, sublayer outputs times 0.5, attention
     logits times 0.1 (head_dim 16: not 16 ** -0.5) and logits divided by 3.
   "granitemoe": Granite's multipliers on Mixtral's network: 8 experts of width 32 stacked in
@@ -71,6 +74,7 @@ ARCHS = (
   "gemma3_text",
   "gemma2",
   "granite",
+  "seed_oss",
   "granitemoe",
   "gpt_oss",
 )
@@ -127,6 +131,15 @@ _ARCH = {
       attention_multiplier=0.1,
       logits_scaling=3.0,
       rope_parameters=dict(rope_theta=1e4),
+    ),
+  ),
+  "seed_oss": (
+    transformers.SeedOssConfig,
+    dict(
+      head_dim=32,
+      attention_dropout=0.1,
+      residual_dropout=0.1,
+      rope_parameters=dict(rope_theta=1e6),
     ),
   ),
   "olmo3": (

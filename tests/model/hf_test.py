@@ -53,6 +53,7 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("granitemoe", False, {}),
   ("qwen2_moe", False, {}),
   ("olmo3", False, {}),
+  ("seed_oss", False, {}),
   ("gpt_oss", False, {}),
 ]
 
@@ -228,19 +229,19 @@ def test_save_pretrained_loads_in_transformers(checkpoints, tmp_path, arch, tied
   ]
   reloaded = hc.load_model(tmp_path / "out")
   # Without its source checkpoint, a Phi-3 model is written as Llama: the same network, q/k/v
-  # and gate/up unfused.
+  # and gate/up unfused; Seed-OSS as Qwen2, the same network.
   source_arch = _load_json(path / "config.json")["architectures"][0]
-  written = "LlamaForCausalLM" if arch == "phi3" else source_arch
+  written = {"phi3": "LlamaForCausalLM", "seed_oss": "Qwen2ForCausalLM"}.get(arch, source_arch)
   assert type(reloaded).__name__ == written
   assert hc.rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   # The generated config.json describes the same model to us too.
   assert config_from_hf(_load_json(tmp_path / "out" / "config.json")) == model.config
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "seed_oss"])
 def test_saved_with_its_source_a_model_keeps_its_architecture(checkpoints, tmp_path, arch):
   """Mistral keeps its window; Phi-3's q/k/v and gate/up are fused again, in Phi-3's order,
-  sharded too (a fused tensor is one tensor of one shard)."""
+  sharded too (a fused tensor is one tensor of one shard); Seed-OSS stays Seed-OSS."""
   path = checkpoints(arch)
   tokens = _tokens(np.random.default_rng(), length=64)
   want = hc.logits(hc.load_model(path), tokens)
@@ -251,7 +252,7 @@ def test_saved_with_its_source_a_model_keeps_its_architecture(checkpoints, tmp_p
   assert hc.rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   if arch == "mistral":
     assert _load_json(tmp_path / "sourced" / "config.json")["sliding_window"] == 48
-  else:
+  elif arch == "phi3":
     index = _load_json(tmp_path / "sourced" / "model.safetensors.index.json")["weight_map"]
     assert "model.layers.1.self_attn.qkv_proj.weight" in index
     assert "model.layers.1.mlp.gate_up_proj.weight" in index
