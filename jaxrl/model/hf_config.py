@@ -73,7 +73,7 @@ from jaxrl.model.hf_granite import (
   granite_to_hf,
   is_granite,
 )
-from jaxrl.model.hf_layers import layer_windows, nope_layers
+from jaxrl.model.hf_layers import exaone4_nope_layers, layer_windows, nope_layers
 from jaxrl.model.hf_rope import (
   MISSING,
   SCALING_FIELDS,
@@ -96,6 +96,7 @@ ARCHITECTURES = {
   "smollm3": "SmolLM3ForCausalLM",
   "olmo2": "Olmo2ForCausalLM",
   "olmo3": "Olmo3ForCausalLM",
+  "exaone4": "Exaone4ForCausalLM",
   "olmoe": "OlmoeForCausalLM",
   "phi3": "Phi3ForCausalLM",
   "mixtral": "MixtralForCausalLM",
@@ -167,7 +168,7 @@ def _refusals(config: Mapping[str, Any], model_type: str) -> None:
     refuse(config, "attention_bias", lambda v: not v, "jaxrl has no attention biases here")
   if model_type != "llama":
     refuse(config, "use_sliding_window", lambda v: not v, "jaxrl has no Qwen-style windows")
-  if model_type not in ("llama", "olmo3"):  # OLMo 3's layer types are its windows
+  if model_type not in ("llama", "olmo3", "exaone4"):  # their layer types are their windows
     refuse(
       config,
       "layer_types",
@@ -281,6 +282,13 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     fields |= gpt_oss_fields(config)
   if model_type == "smollm3":
     fields["nope_layers"] = nope_layers(config, fields["num_layers"])
+  if model_type == "exaone4" and windows:  # a hybrid model's global layers have no RoPE
+    fields["nope_layers"] = exaone4_nope_layers(fields["num_layers"], windows["sliding_layers"])
+  elif model_type == "exaone4" and config.get("sliding_window", known.EXAONE4_WINDOW):
+    raise CheckpointError(
+      "config.json: a sliding_window without a sliding layer (layer_types) leaves every EXAONE "
+      "4 layer without RoPE, which jaxrl does not implement; set sliding_window to null."
+    )
   if model_type in known.MOE_DEFAULTS:
     moe = known.MOE_DEFAULTS[model_type]
     experts = {config.get(k) for k in ("num_experts", "num_local_experts")} - {None}
@@ -324,7 +332,11 @@ def _layer_options(model_type: str) -> dict[str, Any]:
   options = dict(
     qk_norm=model_type in known.QK_NORM,
     qk_norm_across_heads=known.QK_NORM.get(model_type) == "across",
-    norm_position="post" if model_type in ("olmo2", "olmo3") else "sandwich" if gemma else "pre",
+    norm_position="post"
+    if model_type in ("olmo2", "olmo3", "exaone4")
+    else "sandwich"
+    if gemma
+    else "pre",
     qkv_bias=model_type in ("qwen2", "qwen2_moe", "seed_oss"),
     norm_scale_plus_one=gemma,
     mlp_activation="gelu_tanh" if gemma else "silu",
@@ -356,6 +368,8 @@ def model_type_of(cfg: ModelConfig) -> str:
     model_type = "olmoe" if cfg.qk_norm_across_heads else "qwen3_moe"
   elif cfg.norm_position == "sandwich":
     model_type = "gemma3_text" if cfg.qk_norm else "gemma2"
+  elif cfg.norm_position == "post" and cfg.qk_norm and not cfg.qk_norm_across_heads:
+    model_type = "exaone4"
   elif cfg.norm_position == "post":
     model_type = "olmo3" if cfg.sliding_layers else "olmo2"
   elif cfg.qk_norm:
@@ -387,7 +401,15 @@ def model_type_of(cfg: ModelConfig) -> str:
       f"No Hugging Face architecture has this model: {model_type}'s router weights are its "
       f"top-k probabilities renormalised: {model_type} needs model.norm_topk_prob=True."
     )
-  if cfg.nope_layers and model_type != "smollm3":
+  if model_type == "exaone4" and cfg.nope_layers != exaone4_nope_layers(
+    cfg.num_layers, cfg.sliding_layers
+  ):
+    raise ValueError(
+      "No Hugging Face architecture has this model: EXAONE 4 rotates every layer of a model "
+      "without windows and, with windows, only the sliding ones: exaone4 needs "
+      f"model.nope_layers={exaone4_nope_layers(cfg.num_layers, cfg.sliding_layers)}."
+    )
+  if cfg.nope_layers and model_type not in ("smollm3", "exaone4"):
     raise ValueError(
       f"No Hugging Face architecture has this model: {model_type} rotates every layer, "
       f"model.nope_layers={cfg.nope_layers} (only SmolLM3 has NoPE layers, with neither q/k "
@@ -395,13 +417,13 @@ def model_type_of(cfg: ModelConfig) -> str:
     )
   everywhere = cfg.sliding_layers == tuple(range(cfg.num_layers))
   if cfg.sliding_layers and not (
-    model_type in (*GEMMA_TYPES, "gpt_oss", "olmo3")
+    model_type in (*GEMMA_TYPES, "gpt_oss", "olmo3", "exaone4")
     or (model_type in ("mistral", "mixtral", "phi3") and everywhere)
   ):
     raise ValueError(
       f"No Hugging Face architecture has this model: {model_type} has no sliding window in "
       f"model.sliding_layers={cfg.sliding_layers} (Mistral and Mixtral window every layer, "
-      "Gemma 3, gpt-oss and OLMo 3 any)."
+      "Gemma 3, gpt-oss, OLMo 3 and EXAONE 4 any)."
     )
   gemma_only = ("attention_logit_scale", "attention_logit_softcap", "final_logit_softcap")
   only = {"local_rope_theta": ("gemma3_text", "olmo3")} | dict.fromkeys(gemma_only, GEMMA_TYPES)
@@ -467,6 +489,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     "llama",
     "olmo2",
     "olmo3",
+    "exaone4",
     "olmoe",
     "mixtral",
     "gpt_oss",
@@ -502,6 +525,12 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     out["router_jitter_noise"] = 0.0
   if model_type in GEMMA_TYPES:
     gemma_to_hf(cfg, out)
+  if model_type == "exaone4":
+    out["sliding_window"] = cfg.sliding_window or None
+    out["layer_types"] = [
+      "sliding_attention" if i in cfg.sliding_layers else "full_attention"
+      for i in range(cfg.num_layers)
+    ]
   if model_type == "olmo3":  # RoPE per layer type: transformers 5's layout
     out["sliding_window"] = cfg.sliding_window
     out["layer_types"] = [

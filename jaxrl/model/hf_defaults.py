@@ -17,6 +17,7 @@ MAX_POSITIONS = {
   "smollm3": 32768,
   "olmo2": 2048,
   "olmo3": 2048,
+  "exaone4": 2048,
   "olmoe": 4096,
   "phi3": 4096,
   "mixtral": 131072,
@@ -30,6 +31,7 @@ MAX_POSITIONS = {
 NORM_EPS = {
   "olmo2": 1e-5,
   "olmo3": 1e-5,
+  "exaone4": 1e-5,
   "olmoe": 1e-5,
   "phi3": 1e-5,
   "mixtral": 1e-5,
@@ -40,6 +42,7 @@ QK_NORM = {
   "qwen3_moe": "head",
   "olmo2": "across",
   "olmo3": "across",
+  "exaone4": "head",
   "olmoe": "across",
   "gemma3_text": "head",
 }
@@ -70,6 +73,7 @@ ROPE_THETA = {
   "olmo3": 500_000.0,
 }
 OLMO3_WINDOW, OLMO3_PATTERN = 4096, 4  # Olmo3Config: three sliding layers, then a full one
+EXAONE4_WINDOW, EXAONE4_PATTERN = 4096, 4  # Exaone4Config's defaults, the same
 # Shape keys a config.json may leave out (the others are required): Gemma 3's multimodal
 # checkpoints give only what differs from Gemma3TextConfig's defaults in their text_config.
 SHAPE_DEFAULTS = {

@@ -18,14 +18,16 @@ from jaxrl.model.safetensors_io import CheckpointError
 def layer_windows(config: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
   """`sliding_window` and `sliding_layers`: every layer for Mistral, Mixtral and Phi-3 when
   config.json has a window; Gemma 3's "sliding_attention" layers (`layer_types`, or by default
-  all but every `sliding_window_pattern`-th)."""
+  all but every `sliding_window_pattern`-th), and likewise gpt-oss's, OLMo 3's and EXAONE 4's
+  (whose pattern may also be a string of L and G, local and global, repeated)."""
   # Windows by `layer_types`.
-  layered = model_type in GEMMA_TYPES or model_type in ("gpt_oss", "olmo3")
+  layered = model_type in GEMMA_TYPES or model_type in ("gpt_oss", "olmo3", "exaone4")
   if model_type not in known.WINDOW and not layered:
     return {}
   default = GEMMA_WINDOW if model_type in GEMMA_TYPES else known.WINDOW.get(model_type)
   default = GPT_OSS_WINDOW if model_type == "gpt_oss" else default
   default = known.OLMO3_WINDOW if model_type == "olmo3" else default
+  default = known.EXAONE4_WINDOW if model_type == "exaone4" else default
   window = config.get("sliding_window", default)
   if window is None:
     return {}
@@ -35,12 +37,23 @@ def layer_windows(config: Mapping[str, Any], model_type: str, num_layers: int) -
   if not layered:
     return {"sliding_window": window, "sliding_layers": tuple(range(num_layers))}
   types = config.get("layer_types")
+  pattern = config.get("sliding_window_pattern")
+  if types is None and model_type == "exaone4" and isinstance(pattern, str):
+    if not pattern or set(pattern) - {"L", "G"}:
+      raise CheckpointError(
+        f"config.json: sliding_window_pattern={pattern!r}; expected an int or letters L "
+        "(local, sliding) and G (global)."
+      )
+    kind = {"L": "sliding_attention", "G": "full_attention"}
+    types = [kind[pattern[i % len(pattern)]] for i in range(num_layers)]
   if types is None:
     # Gemma 2 and gpt-oss alternate (sliding first); Gemma 3 has one full layer in
     # `sliding_window_pattern`, OLMo 3 one in four.
     pattern = known.OLMO3_PATTERN if model_type == "olmo3" else 2
     if model_type == "gemma3_text":
       pattern = get_key(config, "sliding_window_pattern", GEMMA_PATTERN)
+    if model_type == "exaone4":
+      pattern = get_key(config, "sliding_window_pattern", known.EXAONE4_PATTERN)
     if pattern < 1:
       raise CheckpointError(f"config.json: sliding_window_pattern={pattern}; expected >= 1.")
     types = [
@@ -75,3 +88,11 @@ def nope_layers(config: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
       f"each of the num_hidden_layers={num_layers} layers."
     )
   return tuple(i for i in range(num_layers) if not flags[i])
+
+
+def exaone4_nope_layers(num_layers: int, sliding_layers: tuple[int, ...]) -> tuple[int, ...]:
+  """EXAONE 4's layers without RoPE: with sliding windows, the global (full-attention) ones;
+  without, none."""
+  if not sliding_layers:
+    return ()
+  return tuple(i for i in range(num_layers) if i not in sliding_layers)

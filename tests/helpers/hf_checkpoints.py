@@ -20,6 +20,8 @@ Architectures (`ARCHS`) and what each exercises:
   "smollm3": the second layer without RoPE (NoPE), rope_theta 1e4 (its default, 2e6, would
     barely turn within the tests' sequences).
   "olmo2": norms after each sublayer, q/k norms across heads, rope_theta 5e5, eps 1e-5.
+  "exaone4": OLMo 2's post-norms with per-head q/k norms (Qwen3's), the first layer sliding
+    (window 48) and the second global without RoPE, as EXAONE 4's hybrid models have them.
   "olmo3": OLMo 2's network with the first layer sliding (window 48), YaRN (factor 4,
     original context 64) in the full layer only, plain RoPE at the same base (1e4) in the
     sliding one (transformers 5's `rope_parameters` per layer type).
@@ -68,6 +70,7 @@ ARCHS = (
   "smollm3",
   "olmo2",
   "olmo3",
+  "exaone4",
   "olmoe",
   "phi3",
   "mixtral",
@@ -130,6 +133,15 @@ _ARCH = {
       residual_multiplier=0.5,
       attention_multiplier=0.1,
       logits_scaling=3.0,
+      rope_parameters=dict(rope_theta=1e4),
+    ),
+  ),
+  "exaone4": (
+    transformers.Exaone4Config,
+    dict(
+      rms_norm_eps=1e-5,
+      sliding_window=48,
+      layer_types=["sliding_attention", "full_attention"],
       rope_parameters=dict(rope_theta=1e4),
     ),
   ),

@@ -116,12 +116,14 @@ def test_nope_layers_only_in_a_model_smollm3_holds():
 
 
 def test_olmo2_options_only_together():
-  """Post-norm is OLMo 2's, which also norms q and k across heads: a model with one but not
-  the other has no Hugging Face architecture."""
+  """Post-norm is OLMo 2's, which also norms q and k across heads, or EXAONE 4's, which norms
+  them per head: a post-norm model without q/k norms, or q/k norms across heads without
+  post-norm, has no Hugging Face architecture."""
   olmo2 = ModelConfig(norm_position="post", qk_norm=True, qk_norm_across_heads=True)
   assert model_type_of(olmo2) == "olmo2"
-  with pytest.raises(ValueError, match="olmo2 needs model.qk_norm_across_heads=True"):
-    model_type_of(ModelConfig(norm_position="post", qk_norm=True))
+  assert model_type_of(ModelConfig(norm_position="post", qk_norm=True)) == "exaone4"
+  with pytest.raises(ValueError, match="olmo2 needs model.qk_norm=True"):
+    model_type_of(ModelConfig(norm_position="post"))
   with pytest.raises(ValueError, match="qwen3 needs model.qk_norm_across_heads=False"):
     model_type_of(ModelConfig(qk_norm=True, qk_norm_across_heads=True))
   with pytest.raises(ValueError, match="norm_position must be one of"):
@@ -354,3 +356,27 @@ def test_olmo3_sliding_layers_take_transformers_bases_in_either_layout():
   assert model_type_of(cfg) == "olmo3"
   assert model_type_of(dataclasses.replace(cfg, sliding_window=0, sliding_layers=(),
                                            local_rope_theta=0.0)) == "olmo2"  # fmt: skip
+
+
+def test_exaone4_windows_and_nope_layers_follow_its_pattern():
+  """EXAONE 4: an int pattern (one global layer in that many, as Exaone4Config lays them out),
+  a string one ("LLLG", the Hub's 32B), or no window at all (every layer rotated); the global
+  layers of a windowed model have no RoPE."""
+  base = {
+    "architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4", "vocab_size": 512,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 4096,
+  }  # fmt: skip
+  theirs = transformers.Exaone4Config(**{k: v for k, v in base.items() if k != "architectures"})
+  want = tuple(i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention")
+  for cfg in (config_from_hf(base), config_from_hf(base | {"sliding_window_pattern": "LLLG"})):
+    assert cfg.sliding_layers == want == (0, 1, 2, 4, 5, 6) and cfg.nope_layers == (3, 7)
+    assert (cfg.qk_norm, cfg.qk_norm_across_heads, cfg.norm_position) == (True, False, "post")
+    assert model_type_of(cfg) == "exaone4" and config_from_hf(config_to_hf(cfg, "float32")) == cfg
+  plain = config_from_hf(base | {"sliding_window": None})
+  assert plain.sliding_layers == () and plain.nope_layers == ()
+  assert config_from_hf(config_to_hf(plain, "float32")) == plain
+  with pytest.raises(CheckpointError, match="sliding_window_pattern"):
+    config_from_hf(base | {"sliding_window_pattern": "LLXG"})
+  with pytest.raises(ValueError, match="exaone4 needs model.nope_layers"):
+    model_type_of(dataclasses.replace(plain, nope_layers=(1,)))

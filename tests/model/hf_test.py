@@ -54,6 +54,7 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("qwen2_moe", False, {}),
   ("olmo3", False, {}),
   ("seed_oss", False, {}),
+  ("exaone4", False, {}),
   ("gpt_oss", False, {}),
 ]
 
@@ -136,6 +137,12 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, norm_topk_prob=False)
   elif arch in ("mistral", "gemma3_text"):
     wrong = dataclasses.replace(cfg, sliding_window=0, sliding_layers=(), local_rope_theta=0.0)
+  elif arch == "exaone4":  # the window, and the global layer's NoPE, each
+    no_window = dict(sliding_window=0, sliding_layers=())
+    for change in (no_window, dict(nope_layers=())):
+      wrong = Model(dataclasses.replace(cfg, **change))
+      assert hc.rel_err(hc.jaxrl_logits(wrong, params, tokens), want) > 1e-2, change
+    return
   elif arch == "olmo3":  # the window, and YaRN kept out of the sliding layer, each
     no_window = dict(sliding_window=0, sliding_layers=(), local_rope_theta=0.0)
     for change in (no_window, dict(local_rope_theta=0.0)):
@@ -198,14 +205,25 @@ def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
 
 @pytest.mark.parametrize(
   "arch",
-  ["qwen3", "llama", "smollm3", "olmo2", "gemma3_text", "mistral", "gemma2", "gpt_oss", "olmo3"],
+  [
+    "qwen3",
+    "llama",
+    "smollm3",
+    "olmo2",
+    "gemma3_text",
+    "mistral",
+    "gemma2",
+    "gpt_oss",
+    "olmo3",
+    "exaone4",
+  ],  # fmt: skip
 )
 def test_paged_greedy_matches_transformers_generate(checkpoints, arch):
   """Gemma, Mistral and gpt-oss: prompts and continuations well past their 48-position
   window (gpt-oss: with sinks in paged decode attention, rings of pages for its window)."""
   path = checkpoints(arch)
   rng = np.random.default_rng()
-  windowed = ("gemma3_text", "mistral", "gemma2", "gpt_oss", "olmo3")
+  windowed = ("gemma3_text", "mistral", "gemma2", "gpt_oss", "olmo3", "exaone4")
   lengths = (5, 60) if arch in windowed else (5, 19)
   prompts = [rng.integers(3, hc.VOCAB_SIZE, n).tolist() for n in lengths]
   want = [hc.greedy(hc.load_model(path), p, 32) for p in prompts]
