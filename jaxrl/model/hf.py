@@ -284,6 +284,7 @@ def load_pretrained(
     has_fused_projections(tensors),
     mxfp4_experts=cfg.moe_biases and has_mxfp4_experts(tensors),
     granite_moe=has_granite_moe_experts(tensors),
+    glm=hub_config.get("model_type") == "glm4",
   )
   _check_names(cfg, leaves, tensors, where)
   model = Model(cfg)
@@ -411,7 +412,10 @@ def save_pretrained(
   # Granite MoE stacks its experts.
   model_type = hub_config.get("model_type")
   leaves = hub_leaves(
-    cfg, fused_projections=model_type == "phi3", granite_moe=model_type == "granitemoe"
+    cfg,
+    fused_projections=model_type == "phi3",
+    granite_moe=model_type == "granitemoe",
+    glm=model_type == "glm4",
   )
   check_coverage(leaves, params)
   target = np.dtype(jnp.dtype(dtype))

@@ -1,5 +1,5 @@
-"""Hugging Face `config.json` <-> `ModelConfig` for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-SmolLM3, OLMo 2, OLMoE, Phi-3, Mixtral, Gemma 2, Gemma 3 (text) and Granite (`hf_granite`).
+"""Hugging Face `config.json` <-> `ModelConfig` for every model type of `ARCHITECTURES`; what
+distinguishes each type, and transformers' defaults for it, are in `hf_defaults`.
 
 Both layouts the Hub holds are read: the older one (top-level `rope_theta`, a `rope_scaling`
 dict, `torch_dtype`) and the one transformers 5 writes (`rope_parameters` with `rope_type` and
@@ -10,36 +10,6 @@ longrope) is refused with the key that asks for it.
 
 Under YaRN (`rope_scaling` of type "yarn", which Qwen2.5 and Qwen3 document for 128k contexts)
 `max_seq_len` is at least the original context times the factor, the length YaRN extends to.
-
-Mistral is Llama's network with a sliding attention window in every layer (`sliding_window`:
-each position attends to at most that many, itself included; `ModelConfig.sliding_window`);
-without a window (null, as in Mistral v0.2 and later) a model saved without its source
-checkpoint is written as Llama, the same network.
-
-SmolLM3 is Llama's network with no RoPE in some layers (`no_rope_layers`: 1 rotates, 0 does
-not; by default every fourth layer is NoPE): `ModelConfig.nope_layers`. OLMo 2 norms each
-sublayer's output rather than its input (`norm_position="post"`) and each token's q and k
-projections across all heads (`qk_norm_across_heads`); OLMoE is a pre-norm MoE with those q/k
-norms (its `intermediate_size` is one expert's width). Phi-3 (Phi-3, Phi-4) is Llama's network
-with fused q/k/v and gate/up tensors (`hf_layout`) and, in some, a sliding window in every
-layer; saved without its source it is written as Llama (or Mistral, with a window), except
-that Phi-3.5 and Phi-4-mini's LongRoPE (`rope.py`) and Phi-4-mini's partial rotation
-(`partial_rotary_factor`: `ModelConfig.rotary_dim`), which only Phi-3's architecture has, are
-written as Phi-3. Mixtral is
-Mistral's network with MoE MLPs (top-k router weights always renormalised, no q/k norms).
-Seed-OSS (`seed_oss`) is Qwen2's network (q/k/v biases, none on the output projection or the
-MLP); its attention and residual dropout (0.1, applied only in training by transformers) are
-not: jaxrl has no dropout. Saved without its source it is written as Qwen2.
-
-Gemma 3 (`gemma3_text`, Gemma3ForCausalLM: the 1B and 270M checkpoints) norms each sublayer's
-input and output ("sandwich"), with scales stored minus one, per-head q/k norms, GeGLU MLPs,
-embeddings scaled by sqrt(width), a logit scale of `query_pre_attn_scalar ** -0.5`, and sliding
-windows in the layers `layer_types` names "sliding_attention" (by default five in six), which
-rotate with their own RoPE base (`rope_local_base_freq`, or `rope_parameters` per layer type);
-the scaling applies to the full-attention layers. Gemma 2 (`gemma2`) is the same network
-without q/k norms, with one RoPE, a window in every other layer (the first sliding), and its
-logits softcapped: attention logits at `attn_logit_softcapping` (50), the head's at
-`final_logit_softcapping` (30).
 """
 
 from __future__ import annotations
@@ -97,6 +67,7 @@ ARCHITECTURES = {
   "olmo2": "Olmo2ForCausalLM",
   "olmo3": "Olmo3ForCausalLM",
   "exaone4": "Exaone4ForCausalLM",
+  "glm4": "Glm4ForCausalLM",
   "olmoe": "OlmoeForCausalLM",
   "phi3": "Phi3ForCausalLM",
   "mixtral": "MixtralForCausalLM",
@@ -164,6 +135,8 @@ def _refusals(config: Mapping[str, Any], model_type: str) -> None:
   if model_type == "seed_oss":  # Qwen2's network: q/k/v biases, none on the output
     refuse(config, "attention_bias", lambda v: v, "jaxrl reads Seed-OSS with q/k/v biases")
     refuse(config, "attention_out_bias", lambda v: not v, "jaxrl reads Seed-OSS without one")
+  elif model_type == "glm4":
+    refuse(config, "attention_bias", lambda v: v, "jaxrl reads GLM-4 with its q/k/v biases")
   elif model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others can turn them on
     refuse(config, "attention_bias", lambda v: not v, "jaxrl has no attention biases here")
   if model_type != "llama":
@@ -216,6 +189,8 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   _refusals(config, model_type)
   if model_type == "gpt_oss":
     config = with_default_rope(config)
+  if model_type == "glm4" and not _names_partial_rotation(config):
+    config = {**config, "partial_rotary_factor": known.GLM4_PARTIAL_ROTATION}
   shape = known.SHAPE_DEFAULTS.get(model_type, {})
   d = get_key(config, "hidden_size", shape.get("hidden_size", MISSING))
   heads = get_key(config, "num_attention_heads", shape.get("num_attention_heads", MISSING))
@@ -243,10 +218,11 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       head_dim=head_dim,
       original=known.PHI3_ORIGINAL if model_type == "phi3" else None,
     )
-  if ("rotary_dim" in rope or rope.get("rope_scaling") == "longrope") and model_type != "phi3":
+  partial_ok = model_type == "phi3" or (model_type == "glm4" and "rope_scaling" not in rope)
+  if ("rotary_dim" in rope or rope.get("rope_scaling") == "longrope") and not partial_ok:
     raise CheckpointError(
       f"config.json: {model_type} with a partial rotation or longrope RoPE is not supported: "
-      "jaxrl reads those for phi3 (Phi-3.5, Phi-4-mini) only."
+      "jaxrl reads those for phi3 (Phi-3.5, Phi-4-mini) and a partial rotation for glm4 only."
     )
   max_positions = context_length(rope, max_positions)
   kv_heads = config.get("num_key_value_heads") or known.KV_HEADS.get(model_type, heads)
@@ -325,6 +301,11 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     raise CheckpointError(f"config.json: gives an invalid model: {e}") from None
 
 
+def _names_partial_rotation(config: Mapping[str, Any]) -> bool:
+  params = [config] + [config.get(k) or {} for k in ("rope_scaling", "rope_parameters")]
+  return any("partial_rotary_factor" in p for p in params if isinstance(p, Mapping))
+
+
 def _layer_options(model_type: str) -> dict[str, Any]:
   """The ModelConfig options a model type fixes in every layer: q/k norms, norm position and
   style, q/k/v biases, MLP activation, embedding scale."""
@@ -335,9 +316,9 @@ def _layer_options(model_type: str) -> dict[str, Any]:
     norm_position="post"
     if model_type in ("olmo2", "olmo3", "exaone4")
     else "sandwich"
-    if gemma
+    if gemma or model_type == "glm4"
     else "pre",
-    qkv_bias=model_type in ("qwen2", "qwen2_moe", "seed_oss"),
+    qkv_bias=model_type in ("qwen2", "qwen2_moe", "seed_oss", "glm4"),
     norm_scale_plus_one=gemma,
     mlp_activation="gelu_tanh" if gemma else "silu",
     scale_embeddings=gemma,
@@ -366,6 +347,8 @@ def model_type_of(cfg: ModelConfig) -> str:
     model_type = "granitemoe" if is_granite(cfg) else "mixtral"
   elif cfg.is_moe:
     model_type = "olmoe" if cfg.qk_norm_across_heads else "qwen3_moe"
+  elif cfg.norm_position == "sandwich" and not cfg.norm_scale_plus_one:
+    model_type = "glm4"
   elif cfg.norm_position == "sandwich":
     model_type = "gemma3_text" if cfg.qk_norm else "gemma2"
   elif cfg.norm_position == "post" and cfg.qk_norm and not cfg.qk_norm_across_heads:
@@ -384,7 +367,7 @@ def model_type_of(cfg: ModelConfig) -> str:
     model_type = "granite"
   else:
     model_type = "llama"
-  if cfg.rotary_dim or cfg.rope_scaling == "longrope":
+  if (cfg.rotary_dim or cfg.rope_scaling == "longrope") and model_type != "glm4":
     if model_type not in ("llama", "mistral"):
       raise ValueError(
         f"No Hugging Face architecture has this model: a partial rotation (model.rotary_dim) "
@@ -482,7 +465,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
   if cfg.rope_scaling:
     out["rope_scaling"] = rope_scaling_to_hf(cfg)
   if model_type not in ("qwen2", "qwen2_moe", "gpt_oss"):
-    out["attention_bias"] = False
+    out["attention_bias"] = model_type == "glm4"
   if model_type in ("llama", "smollm3", "granite"):
     out["mlp_bias"] = False
   if model_type not in (
@@ -490,6 +473,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     "olmo2",
     "olmo3",
     "exaone4",
+    "glm4",
     "olmoe",
     "mixtral",
     "gpt_oss",
@@ -511,14 +495,11 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
       out["norm_topk_prob"] = cfg.norm_topk_prob
   if model_type in ("mistral", "mixtral", "phi3"):
     out["sliding_window"] = cfg.sliding_window or None
+  if model_type == "glm4" and cfg.rotary_dim:
+    out["partial_rotary_factor"] = partial_rotary_factor(cfg)
   if model_type == "phi3":  # Phi-3 reads these at the top level
     if cfg.rotary_dim:
-      factor = cfg.rotary_dim / cfg.head_dim  # transformers' int(head_dim * factor) gives it
-      out["partial_rotary_factor"] = (
-        factor
-        if int(cfg.head_dim * factor) == cfg.rotary_dim
-        else ((cfg.rotary_dim + 0.5) / cfg.head_dim)
-      )
+      out["partial_rotary_factor"] = partial_rotary_factor(cfg)
     if cfg.rope_scaling:
       out["original_max_position_embeddings"] = cfg.rope_original_max_position_embeddings
   if model_type == "mixtral":
@@ -553,6 +534,17 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
   if model_type == "qwen2_moe":
     out |= {"qkv_bias": True, "shared_expert_intermediate_size": cfg.shared_expert_dim}
   return out
+
+
+def partial_rotary_factor(cfg: ModelConfig) -> float:
+  """The `partial_rotary_factor` from which transformers' `int(head_dim * factor)` gives
+  `cfg.rotary_dim`."""
+  factor = cfg.rotary_dim / cfg.head_dim
+  return (
+    factor
+    if int(cfg.head_dim * factor) == cfg.rotary_dim
+    else (cfg.rotary_dim + 0.5) / cfg.head_dim
+  )
 
 
 def check_same_architecture(cfg: ModelConfig, source: ModelConfig, where: str) -> None:

@@ -1,5 +1,45 @@
 """transformers' defaults per model type, for the keys a Hugging Face config.json may leave out
 (the model classes' fields), and the options a model type fixes; `hf_config` reads with them.
+
+The model types (gpt-oss: `hf_gpt_oss`; Granite: `hf_granite`):
+
+Mistral is Llama's network with a sliding attention window in every layer (`sliding_window`:
+each position attends to at most that many, itself included; `ModelConfig.sliding_window`);
+without a window (null, as in Mistral v0.2 and later) a model saved without its source
+checkpoint is written as Llama, the same network.
+
+SmolLM3 is Llama's network with no RoPE in some layers (`no_rope_layers`: 1 rotates, 0 does
+not; by default every fourth layer is NoPE): `ModelConfig.nope_layers`. OLMo 2 norms each
+sublayer's output rather than its input (`norm_position="post"`) and each token's q and k
+projections across all heads (`qk_norm_across_heads`); OLMoE is a pre-norm MoE with those q/k
+norms (its `intermediate_size` is one expert's width). Phi-3 (Phi-3, Phi-4) is Llama's network
+with fused q/k/v and gate/up tensors (`hf_layout`) and, in some, a sliding window in every
+layer; saved without its source it is written as Llama (or Mistral, with a window), except
+that Phi-3.5 and Phi-4-mini's LongRoPE (`rope.py`) and Phi-4-mini's partial rotation
+(`partial_rotary_factor`: `ModelConfig.rotary_dim`), which only Phi-3's architecture has, are
+written as Phi-3. Mixtral is
+Mistral's network with MoE MLPs (top-k router weights always renormalised, no q/k norms).
+Seed-OSS (`seed_oss`) is Qwen2's network (q/k/v biases, none on the output projection or the
+MLP); its attention and residual dropout (0.1, applied only in training by transformers) are
+not: jaxrl has no dropout. Saved without its source it is written as Qwen2.
+
+Gemma 3 (`gemma3_text`, Gemma3ForCausalLM: the 1B and 270M checkpoints) norms each sublayer's
+input and output ("sandwich"), with scales stored minus one, per-head q/k norms, GeGLU MLPs,
+embeddings scaled by sqrt(width), a logit scale of `query_pre_attn_scalar ** -0.5`, and sliding
+windows in the layers `layer_types` names "sliding_attention" (by default five in six), which
+rotate with their own RoPE base (`rope_local_base_freq`, or `rope_parameters` per layer type);
+the scaling applies to the full-attention layers. Gemma 2 (`gemma2`) is the same network
+without q/k norms, with one RoPE, a window in every other layer (the first sliding), and its
+logits softcapped: attention logits at `attn_logit_softcapping` (50), the head's at
+`final_logit_softcapping` (30).
+
+GLM-4 (`glm4`: GLM-4-0414, GLM-Z1) norms each sublayer's input and output like Gemma but with
+plain scales (its `post_self_attn_layernorm` and `post_mlp_layernorm`), has q/k/v biases, fuses
+the MLP's gate and up (`gate_up_proj`), and rotates the first `partial_rotary_factor` of each
+head in interleaved pairs (2i, 2i + 1), which the reader reorders to jaxrl's layout.
+OLMo 3 is OLMo 2's network with windows (`hf_layers`); EXAONE 4 is OLMo 2's post-norms with
+per-head q/k norms, its hybrid models' global layers without RoPE; Qwen2-MoE has a gated
+shared expert.
 """
 
 from __future__ import annotations
@@ -18,6 +58,7 @@ MAX_POSITIONS = {
   "olmo2": 2048,
   "olmo3": 2048,
   "exaone4": 2048,
+  "glm4": 131_072,
   "olmoe": 4096,
   "phi3": 4096,
   "mixtral": 131072,
@@ -32,6 +73,7 @@ NORM_EPS = {
   "olmo2": 1e-5,
   "olmo3": 1e-5,
   "exaone4": 1e-5,
+  "glm4": 1.5625e-07,
   "olmoe": 1e-5,
   "phi3": 1e-5,
   "mixtral": 1e-5,
@@ -53,6 +95,7 @@ KV_HEADS = {
   "mixtral": 8,
   "gpt_oss": 8,
   "seed_oss": 8,
+  "glm4": 2,
   "qwen2": 32,
   "qwen3": 32,
   "qwen3_moe": 4,
@@ -63,7 +106,14 @@ KV_HEADS = {
 # Model types with a sliding window in every layer, and transformers' default for it.
 WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
 # Head widths where config.json has none (others: hidden_size // num_attention_heads).
-HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 64, "seed_oss": 128}
+HEAD_DIM = {
+  "qwen3": 128,
+  "gemma2": 256,
+  "gemma3_text": 256,
+  "gpt_oss": 64,
+  "seed_oss": 128,
+  "glm4": 128,
+}
 # Default RoPE bases (others: 10,000); Gemma 3's is its full-attention layers'.
 ROPE_THETA = {
   "smollm3": 2_000_000.0,
@@ -74,6 +124,7 @@ ROPE_THETA = {
 }
 OLMO3_WINDOW, OLMO3_PATTERN = 4096, 4  # Olmo3Config: three sliding layers, then a full one
 EXAONE4_WINDOW, EXAONE4_PATTERN = 4096, 4  # Exaone4Config's defaults, the same
+GLM4_PARTIAL_ROTATION = 0.5  # Glm4Config's partial_rotary_factor
 # Shape keys a config.json may leave out (the others are required): Gemma 3's multimodal
 # checkpoints give only what differs from Gemma3TextConfig's defaults in their text_config.
 SHAPE_DEFAULTS = {

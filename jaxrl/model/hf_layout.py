@@ -155,6 +155,15 @@ def _mxfp4_experts(path: Path, name: str, shape: tuple[int, int, int], part: sli
   return Leaf(path, (name + "_blocks", name + "_scales"), shapes, load, save)
 
 
+def glm_rotary_order(e: int, rotary_dim: int, order: np.ndarray | None) -> np.ndarray:
+  """jaxrl's order of a GLM head's dimensions: GLM rotates the first `rotary_dim` (all: 0) in
+  interleaved pairs (2i, 2i + 1); their evens then their odds are rotate-half's pairs (i, i +
+  rotary_dim / 2), which `order` (`partial_rotary_order`, None for a whole head) maps on."""
+  r = rotary_dim or e
+  halves = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2), np.arange(r, e)])
+  return halves if order is None else halves[order]
+
+
 def _reordered(leaf: Leaf, order: np.ndarray | None) -> Leaf:
   """`leaf` with its last axis (a head's dimensions) in jaxrl's `order`, the Hub's on save."""
   if order is None:
@@ -219,14 +228,18 @@ def hub_leaves(
   fused_projections: bool = False,
   mxfp4_experts: bool = False,
   granite_moe: bool = False,
+  glm: bool = False,
 ) -> list[Leaf]:
   """Every parameter of `cfg`'s model with its Hub tensors; `fused_layers`: MoE layers whose
   experts a checkpoint holds fused; `fused_projections`: q, k, v and the MLP's gate and up as
   Phi-3 stores them (`qkv_proj`, `gate_up_proj`); `mxfp4_experts`: gpt-oss's experts in MXFP4
   (read only); `granite_moe`: Granite MoE's expert tensors (`block_sparse_moe.input_linear`,
-  `output_linear`, `router.layer`)."""
+  `output_linear`, `router.layer`); `glm`: GLM-4's norm names, fused gate/up and interleaved
+  rotary pairs (`glm_rotary_order`)."""
   v, d, h, k, e = cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   order = partial_rotary_order(e, cfg.rotary_dim)
+  if glm:
+    order = glm_rotary_order(e, cfg.rotary_dim, order)
   leaves = [_same(("embed_vd",), "model.embed_tokens.weight", (v, d))]
   # Pre-norm models: input_layernorm before attention, post_attention_layernorm before the
   # MLP; OLMo 2 (post-norm): post_attention_layernorm after attention, post_feedforward after;
@@ -236,6 +249,10 @@ def hub_leaves(
     attn_norm, mlp_norm = ("post_attention_layernorm", "post_feedforward_layernorm")
   if cfg.norm_position == "sandwich":  # Gemma: those two after, these two before
     attn_norm, mlp_norm = ("input_layernorm", "pre_feedforward_layernorm")
+  attn_post, mlp_post = "post_attention_layernorm", "post_feedforward_layernorm"
+  if glm:  # GLM-4's sandwich: its own names, post_attention_layernorm before the MLP
+    attn_norm, mlp_norm = "input_layernorm", "post_attention_layernorm"
+    attn_post, mlp_post = "post_self_attn_layernorm", "post_mlp_layernorm"
   for i in range(cfg.num_layers):
     hub, ours = f"model.layers.{i}.", ("blocks", i)
     attn, mlp = hub + "self_attn.", hub + "mlp."
@@ -254,8 +271,8 @@ def hub_leaves(
     ]
     if cfg.norm_position == "sandwich":
       leaves += [
-        _same((*ours, "attn_post_norm", "scale"), hub + "post_attention_layernorm.weight", (d,)),
-        _same((*ours, "mlp_post_norm", "scale"), hub + "post_feedforward_layernorm.weight", (d,)),
+        _same((*ours, "attn_post_norm", "scale"), hub + attn_post + ".weight", (d,)),
+        _same((*ours, "mlp_post_norm", "scale"), hub + mlp_post + ".weight", (d,)),
       ]
     if cfg.qkv_bias:
       leaves += [
@@ -283,7 +300,7 @@ def hub_leaves(
         _transposed((*ours, "mlp", "w_gate_df"), mlp + "gate_proj.weight", (f, d)),
         _transposed((*ours, "mlp", "w_up_df"), mlp + "up_proj.weight", (f, d)),
       ]
-      if fused_projections:
+      if fused_projections or glm:
         gate_up = _fused(gate_up, mlp + "gate_up_proj.weight")
       leaves += [
         *gate_up,

@@ -55,6 +55,7 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("olmo3", False, {}),
   ("seed_oss", False, {}),
   ("exaone4", False, {}),
+  ("glm4", False, {}),
   ("gpt_oss", False, {}),
 ]
 
@@ -137,6 +138,11 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, norm_topk_prob=False)
   elif arch in ("mistral", "gemma3_text"):
     wrong = dataclasses.replace(cfg, sliding_window=0, sliding_layers=(), local_rope_theta=0.0)
+  elif arch == "glm4":  # the partial rotation, and the base
+    for change in (dict(rotary_dim=0), dict(rope_theta=cfg.rope_theta / 10)):
+      wrong = Model(dataclasses.replace(cfg, **change))
+      assert hc.rel_err(hc.jaxrl_logits(wrong, params, tokens), want) > 1e-2, change
+    return
   elif arch == "exaone4":  # the window, and the global layer's NoPE, each
     no_window = dict(sliding_window=0, sliding_layers=())
     for change in (no_window, dict(nope_layers=())):
@@ -215,7 +221,7 @@ def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
     "gemma2",
     "gpt_oss",
     "olmo3",
-    "exaone4",
+    "exaone4", "glm4",
   ],  # fmt: skip
 )
 def test_paged_greedy_matches_transformers_generate(checkpoints, arch):
