@@ -221,7 +221,8 @@ def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
     "gemma2",
     "gpt_oss",
     "olmo3",
-    "exaone4", "glm4",
+    "exaone4",
+    "glm4",
   ],  # fmt: skip
 )
 def test_paged_greedy_matches_transformers_generate(checkpoints, arch):
