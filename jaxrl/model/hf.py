@@ -39,6 +39,7 @@ from jaxrl.model.hf_config import (
   model_type_of,
   with_dtype,
 )
+from jaxrl.model.hf_defaults import INTERLEAVED_ROPE
 from jaxrl.model.hf_gemma import is_multimodal
 from jaxrl.model.hf_layout import (
   Leaf,
@@ -285,6 +286,7 @@ def load_pretrained(
     mxfp4_experts=cfg.moe_biases and has_mxfp4_experts(tensors),
     granite_moe=has_granite_moe_experts(tensors),
     glm=hub_config.get("model_type") == "glm4",
+    interleaved_rope=hub_config.get("model_type") in INTERLEAVED_ROPE,
   )
   _check_names(cfg, leaves, tensors, where)
   model = Model(cfg)
@@ -416,6 +418,7 @@ def save_pretrained(
     fused_projections=model_type == "phi3",
     granite_moe=model_type == "granitemoe",
     glm=model_type == "glm4",
+    interleaved_rope=model_type in INTERLEAVED_ROPE,
   )
   check_coverage(leaves, params)
   target = np.dtype(jnp.dtype(dtype))

@@ -68,6 +68,7 @@ ARCHITECTURES = {
   "olmo3": "Olmo3ForCausalLM",
   "exaone4": "Exaone4ForCausalLM",
   "glm4": "Glm4ForCausalLM",
+  "ernie4_5": "Ernie4_5ForCausalLM",
   "olmoe": "OlmoeForCausalLM",
   "phi3": "Phi3ForCausalLM",
   "mixtral": "MixtralForCausalLM",
@@ -137,6 +138,8 @@ def _refusals(config: Mapping[str, Any], model_type: str) -> None:
     refuse(config, "attention_out_bias", lambda v: not v, "jaxrl reads Seed-OSS without one")
   elif model_type == "glm4":
     refuse(config, "attention_bias", lambda v: v, "jaxrl reads GLM-4 with its q/k/v biases")
+  elif model_type == "ernie4_5":
+    refuse(config, "use_bias", lambda v: not v, "jaxrl reads ERNIE 4.5 without biases")
   elif model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others can turn them on
     refuse(config, "attention_bias", lambda v: not v, "jaxrl has no attention biases here")
   if model_type != "llama":

@@ -37,6 +37,8 @@ GLM-4 (`glm4`: GLM-4-0414, GLM-Z1) norms each sublayer's input and output like G
 plain scales (its `post_self_attn_layernorm` and `post_mlp_layernorm`), has q/k/v biases, fuses
 the MLP's gate and up (`gate_up_proj`), and rotates the first `partial_rotary_factor` of each
 head in interleaved pairs (2i, 2i + 1), which the reader reorders to jaxrl's layout.
+ERNIE 4.5 (`ernie4_5`, the 0.3B) is Llama's network with GLM's interleaved rotation of the
+whole head; saved without its source it is written as Llama, q and k in Llama's layout.
 OLMo 3 is OLMo 2's network with windows (`hf_layers`); EXAONE 4 is OLMo 2's post-norms with
 per-head q/k norms, its hybrid models' global layers without RoPE; Qwen2-MoE has a gated
 shared expert.
@@ -59,6 +61,7 @@ MAX_POSITIONS = {
   "olmo3": 2048,
   "exaone4": 2048,
   "glm4": 131_072,
+  "ernie4_5": 131_072,
   "olmoe": 4096,
   "phi3": 4096,
   "mixtral": 131072,
@@ -74,6 +77,7 @@ NORM_EPS = {
   "olmo3": 1e-5,
   "exaone4": 1e-5,
   "glm4": 1.5625e-07,
+  "ernie4_5": 1e-5,
   "olmoe": 1e-5,
   "phi3": 1e-5,
   "mixtral": 1e-5,
@@ -96,6 +100,7 @@ KV_HEADS = {
   "gpt_oss": 8,
   "seed_oss": 8,
   "glm4": 2,
+  "ernie4_5": 2,
   "qwen2": 32,
   "qwen3": 32,
   "qwen3_moe": 4,
@@ -113,6 +118,7 @@ HEAD_DIM = {
   "gpt_oss": 64,
   "seed_oss": 128,
   "glm4": 128,
+  "ernie4_5": 128,
 }
 # Default RoPE bases (others: 10,000); Gemma 3's is its full-attention layers'.
 ROPE_THETA = {
@@ -121,10 +127,12 @@ ROPE_THETA = {
   "gemma3_text": GEMMA_THETA,
   "gpt_oss": 150_000.0,
   "olmo3": 500_000.0,
+  "ernie4_5": 500_000.0,
 }
 OLMO3_WINDOW, OLMO3_PATTERN = 4096, 4  # Olmo3Config: three sliding layers, then a full one
 EXAONE4_WINDOW, EXAONE4_PATTERN = 4096, 4  # Exaone4Config's defaults, the same
 GLM4_PARTIAL_ROTATION = 0.5  # Glm4Config's partial_rotary_factor
+INTERLEAVED_ROPE = ("glm4", "ernie4_5")  # rotate pairs (2i, 2i + 1), not (i, i + d / 2)
 # Shape keys a config.json may leave out (the others are required): Gemma 3's multimodal
 # checkpoints give only what differs from Gemma3TextConfig's defaults in their text_config.
 SHAPE_DEFAULTS = {
@@ -151,7 +159,7 @@ SHAPE_DEFAULTS = {
 }
 PHI3_ORIGINAL = 4096  # Phi3Config's original_max_position_embeddings, which outranks the scaling's
 # Model types whose tie_word_embeddings defaults to true.
-TIED = {"smollm3", "gemma2", "gemma3_text"}
+TIED = {"smollm3", "gemma2", "gemma3_text", "ernie4_5"}
 NOPE_INTERVAL = 4  # SmolLM3: without no_rope_layers, every fourth layer is NoPE
 # MoE model types: transformers' defaults. One expert's width is `moe_intermediate_size` where
 # the type has that key, else `intermediate_size` itself.

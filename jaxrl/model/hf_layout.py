@@ -229,16 +229,18 @@ def hub_leaves(
   mxfp4_experts: bool = False,
   granite_moe: bool = False,
   glm: bool = False,
+  interleaved_rope: bool = False,
 ) -> list[Leaf]:
   """Every parameter of `cfg`'s model with its Hub tensors; `fused_layers`: MoE layers whose
   experts a checkpoint holds fused; `fused_projections`: q, k, v and the MLP's gate and up as
   Phi-3 stores them (`qkv_proj`, `gate_up_proj`); `mxfp4_experts`: gpt-oss's experts in MXFP4
   (read only); `granite_moe`: Granite MoE's expert tensors (`block_sparse_moe.input_linear`,
-  `output_linear`, `router.layer`); `glm`: GLM-4's norm names, fused gate/up and interleaved
-  rotary pairs (`glm_rotary_order`)."""
+  `output_linear`, `router.layer`); `glm`: GLM-4's norm names and fused gate/up;
+  `interleaved_rope`: q and k rotated in interleaved pairs (GLM-4, ERNIE 4.5;
+  `glm_rotary_order`)."""
   v, d, h, k, e = cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   order = partial_rotary_order(e, cfg.rotary_dim)
-  if glm:
+  if interleaved_rope:
     order = glm_rotary_order(e, cfg.rotary_dim, order)
   leaves = [_same(("embed_vd",), "model.embed_tokens.weight", (v, d))]
   # Pre-norm models: input_layernorm before attention, post_attention_layernorm before the

@@ -37,6 +37,8 @@ Architectures (`ARCHS`) and what each exercises:
     alternation); Gemma 3's norms, GeGLU and embedding scale without q/k norms; attention
     logits softcapped at 2 and final logits at 5 (Gemma 2's 50 and 30 would leave a tiny
     model's logits uncapped), query_pre_attn_scalar 24 (head_dim 16).
+  "ernie4_5": Llama's network with the whole head rotated in interleaved pairs, head_dim 32,
+    rope_theta 1e4.
   "glm4": sandwich norms with plain scales, q/k/v biases, gate/up fused, the first half of
     each head (head_dim 32) rotated in interleaved pairs, rope_theta 1e4.
   "seed_oss": Qwen2's network (q/k/v biases) with head_dim 32 != hidden / heads, and the
@@ -81,6 +83,7 @@ ARCHS = (
   "granite",
   "seed_oss",
   "glm4",
+  "ernie4_5",
   "granitemoe",
   "gpt_oss",
 )
@@ -147,6 +150,10 @@ _ARCH = {
       layer_types=["sliding_attention", "full_attention"],
       rope_parameters=dict(rope_theta=1e4),
     ),
+  ),
+  "ernie4_5": (
+    transformers.Ernie4_5Config,
+    dict(head_dim=32, rms_norm_eps=1e-5, rope_parameters=dict(rope_theta=1e4)),
   ),
   "glm4": (
     transformers.Glm4Config,

@@ -56,6 +56,8 @@ CASES = [(arch, tied, {}) for arch in ARCHS_TIED_AND_UNTIED for tied in (False, 
   ("seed_oss", False, {}),
   ("exaone4", False, {}),
   ("glm4", False, {}),
+  ("ernie4_5", False, {}),
+  ("ernie4_5", True, {}),
   ("gpt_oss", False, {}),
 ]
 
@@ -138,6 +140,15 @@ def test_logits_match_transformers(checkpoints, case):
     wrong = dataclasses.replace(cfg, norm_topk_prob=False)
   elif arch in ("mistral", "gemma3_text"):
     wrong = dataclasses.replace(cfg, sliding_window=0, sliding_layers=(), local_rope_theta=0.0)
+  elif arch == "ernie4_5":  # q and k left in the checkpoint's interleaved order: wrong
+    from jaxrl.model.hf_layout import glm_rotary_order
+
+    back = np.argsort(glm_rotary_order(cfg.head_dim, 0, None))
+    unordered = jax.tree_util.tree_map_with_path(
+      lambda p, x: x[..., back] if p[-1].key in ("wq_dhe", "wk_dke") else x, params
+    )
+    assert hc.rel_err(hc.jaxrl_logits(model, unordered, tokens), want) > 1e-2
+    return
   elif arch == "glm4":  # the partial rotation, and the base
     for change in (dict(rotary_dim=0), dict(rope_theta=cfg.rope_theta / 10)):
       wrong = Model(dataclasses.replace(cfg, **change))
@@ -254,16 +265,17 @@ def test_save_pretrained_loads_in_transformers(checkpoints, tmp_path, arch, tied
   ]
   reloaded = hc.load_model(tmp_path / "out")
   # Without its source checkpoint, a Phi-3 model is written as Llama: the same network, q/k/v
-  # and gate/up unfused; Seed-OSS as Qwen2, the same network.
+  # and gate/up unfused; Seed-OSS as Qwen2 and ERNIE 4.5 as Llama, the same networks.
   source_arch = _load_json(path / "config.json")["architectures"][0]
-  written = {"phi3": "LlamaForCausalLM", "seed_oss": "Qwen2ForCausalLM"}.get(arch, source_arch)
+  llama_like = {"phi3": "LlamaForCausalLM", "ernie4_5": "LlamaForCausalLM"}
+  written = (llama_like | {"seed_oss": "Qwen2ForCausalLM"}).get(arch, source_arch)
   assert type(reloaded).__name__ == written
   assert hc.rel_err(hc.logits(reloaded, tokens), want) < 1e-6
   # The generated config.json describes the same model to us too.
   assert config_from_hf(_load_json(tmp_path / "out" / "config.json")) == model.config
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3", "seed_oss"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "seed_oss", "ernie4_5"])
 def test_saved_with_its_source_a_model_keeps_its_architecture(checkpoints, tmp_path, arch):
   """Mistral keeps its window; Phi-3's q/k/v and gate/up are fused again, in Phi-3's order,
   sharded too (a fused tensor is one tensor of one shard); Seed-OSS stays Seed-OSS."""
