@@ -241,12 +241,15 @@ def _flash_fwd(q_bthe, k_bske, v_bske, meta, cfg):
   return o_bthe, (q_bthe, k_bske, v_bske, meta, o_bthe, residual)
 
 
-def _flash_bwd(cfg, residuals, do_bthe):
+def _backward(cfg, residuals, do_bthe, dlse_bht=None):
+  """(dq, dk, dv) from the kernel of `cfg`; `dlse_bht`: a cotangent of the log-sum-exp too."""
   impl, causal, window, softcap, sm_scale, block_sizes, interpret = cfg
   q_bthe, k_bske, v_bske, meta, o_bthe, residual = residuals
   module = _LOADERS[impl]()
   kwargs = {} if impl == "reference" else {"interpret": interpret}
-  dq, dk, dv = module.backward(
+  if dlse_bht is not None:
+    kwargs["dlse_bht"] = dlse_bht
+  return module.backward(
     q_bthe,
     k_bske,
     v_bske,
@@ -261,6 +264,10 @@ def _flash_bwd(cfg, residuals, do_bthe):
     block_sizes=block_sizes,
     **kwargs,
   )
+
+
+def _flash_bwd(cfg, residuals, do_bthe):
+  dq, dk, dv = _backward(cfg, residuals, do_bthe)
   return dq, dk, dv, None  # integer segment ids and positions get no cotangent
 
 
@@ -302,8 +309,8 @@ def _flash_sinks_fwd(q_bthe, k_bske, v_bske, sinks_h, meta, cfg):
 
 
 def _flash_sinks_bwd(cfg, residuals, dout_bthe):
-  sinks_h, (q_bthe, k_bske, v_bske, meta, o_bthe, lse_bht) = residuals
-  impl, causal, window, softcap, sm_scale, block_sizes, interpret = cfg
+  sinks_h, flash_residuals = residuals
+  q_bthe, *_, o_bthe, lse_bht = flash_residuals
   w_bht = _sink_weights(lse_bht, sinks_h, q_bthe.shape[1])
   dout_bthe = dout_bthe.astype(jnp.float32)
   do_bthe = dout_bthe * jnp.swapaxes(w_bht, 1, 2)[..., None]
@@ -311,12 +318,7 @@ def _flash_sinks_bwd(cfg, residuals, dout_bthe):
     "bthe,bthe->bht", dout_bthe, o_bthe.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
   )
   dlse_bht = w_bht * (1.0 - w_bht) * dot_bht
-  kwargs = {} if impl == "reference" else {"interpret": interpret}
-  dq, dk, dv = _LOADERS[impl]().backward(
-    q_bthe, k_bske, v_bske, meta, o_bthe, lse_bht, do_bthe.astype(q_bthe.dtype), causal=causal,
-    window=window, softcap=softcap, sm_scale=sm_scale, block_sizes=block_sizes,
-    dlse_bht=dlse_bht, **kwargs,
-  )  # fmt: skip
+  dq, dk, dv = _backward(cfg, flash_residuals, do_bthe, dlse_bht)
   dsinks_h = -jnp.sum(dlse_bht, axis=(0, 2)).astype(sinks_h.dtype)
   return dq, dk, dv, dsinks_h, None
 
