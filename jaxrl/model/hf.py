@@ -39,17 +39,16 @@ from jaxrl.model.hf_config import (
   model_type_of,
   with_dtype,
 )
-from jaxrl.model.hf_defaults import INTERLEAVED_ROPE
 from jaxrl.model.hf_gemma import is_multimodal
 from jaxrl.model.hf_layout import (
   Leaf,
   check_coverage,
   fused_expert_layers,
   has_fused_projections,
-  has_granite_moe_experts,
   has_mxfp4_experts,
   hub_arrays,
   hub_leaves,
+  model_type_layout,
   param_paths,
 )
 from jaxrl.model.safetensors_io import (
@@ -284,9 +283,7 @@ def load_pretrained(
     fused_expert_layers(cfg, tensors),
     has_fused_projections(tensors),
     mxfp4_experts=cfg.moe_biases and has_mxfp4_experts(tensors),
-    granite_moe=has_granite_moe_experts(tensors),
-    glm=hub_config.get("model_type") == "glm4",
-    interleaved_rope=hub_config.get("model_type") in INTERLEAVED_ROPE,
+    **model_type_layout(hub_config.get("model_type")),
   )
   _check_names(cfg, leaves, tensors, where)
   model = Model(cfg)
@@ -411,15 +408,8 @@ def save_pretrained(
   elif tokenizer_source is not False:
     tokenizer_source = resolve_pretrained(tokenizer_source)
   # Phi-3 checkpoints fuse q/k/v and gate/up; a model saved as Phi-3 (with a Phi-3 source) too.
-  # Granite MoE stacks its experts.
   model_type = hub_config.get("model_type")
-  leaves = hub_leaves(
-    cfg,
-    fused_projections=model_type == "phi3",
-    granite_moe=model_type == "granitemoe",
-    glm=model_type == "glm4",
-    interleaved_rope=model_type in INTERLEAVED_ROPE,
-  )
+  leaves = hub_leaves(cfg, fused_projections=model_type == "phi3", **model_type_layout(model_type))
   check_coverage(leaves, params)
   target = np.dtype(jnp.dtype(dtype))
   shapes = {n: s for leaf in leaves for n, s in zip(leaf.names, leaf.shapes, strict=True)}

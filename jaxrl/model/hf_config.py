@@ -113,6 +113,8 @@ ARCH_FIELDS = (
 )
 """The ModelConfig fields a checkpoint fixes (the rest are runtime choices: dtypes, lengths)."""
 
+_DEFAULTS = ModelConfig()  # the value of each field a model type does not set
+
 _MOE_FIELDS = (
   "experts_per_token",
   "moe_mlp_dim",
@@ -263,7 +265,9 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     fields["nope_layers"] = nope_layers(config, fields["num_layers"])
   if model_type == "exaone4" and windows:  # a hybrid model's global layers have no RoPE
     fields["nope_layers"] = exaone4_nope_layers(fields["num_layers"], windows["sliding_layers"])
-  elif model_type == "exaone4" and config.get("sliding_window", known.EXAONE4_WINDOW):
+  elif model_type == "exaone4" and config.get(
+    "sliding_window", known.LAYERED_WINDOWS["exaone4"][0]
+  ):
     raise CheckpointError(
       "config.json: a sliding_window without a sliding layer (layer_types) leaves every EXAONE "
       "4 layer without RoPE, which jaxrl does not implement; set sliding_window to null."
@@ -418,9 +422,7 @@ def model_type_of(cfg: ModelConfig) -> str:
   only |= {"shared_expert_dim": ("qwen2_moe",), "shared_expert_gate": ("qwen2_moe",)}
   only["attention_logit_scale"] = (*GEMMA_TYPES, *GRANITE_TYPES)
   for name, types in only.items():
-    default = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}.get(
-      name, 1.0 if name in GRANITE_FIELDS else 0
-    )
+    default = getattr(_DEFAULTS, name)
     if getattr(cfg, name) != default and model_type not in types:
       who = types[0] if len(types) == 1 else f"{', '.join(types[:-1])} and {types[-1]}"
       raise ValueError(

@@ -46,7 +46,8 @@ shared expert.
 
 from __future__ import annotations
 
-from jaxrl.model.hf_gemma import GEMMA_THETA
+from jaxrl.model.hf_gemma import GEMMA_PATTERN, GEMMA_THETA, GEMMA_WINDOW
+from jaxrl.model.hf_gpt_oss import GPT_OSS_WINDOW
 
 # transformers 5's defaults for keys a config.json may leave out (the model classes' fields).
 MAX_POSITIONS = {
@@ -110,6 +111,15 @@ KV_HEADS = {
 }
 # Model types with a sliding window in every layer, and transformers' default for it.
 WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
+# Model types whose windows are in the layers `layer_types` names: (the default window, the
+# default pattern: one full layer in this many, the key that overrides that pattern or None).
+LAYERED_WINDOWS = {
+  "gemma2": (GEMMA_WINDOW, 2, None),  # alternating, the first sliding
+  "gemma3_text": (GEMMA_WINDOW, GEMMA_PATTERN, "sliding_window_pattern"),
+  "gpt_oss": (GPT_OSS_WINDOW, 2, None),
+  "olmo3": (4096, 4, None),
+  "exaone4": (4096, 4, "sliding_window_pattern"),  # also a string of L and G
+}
 # Head widths where config.json has none (others: hidden_size // num_attention_heads).
 HEAD_DIM = {
   "qwen3": 128,
@@ -129,8 +139,6 @@ ROPE_THETA = {
   "olmo3": 500_000.0,
   "ernie4_5": 500_000.0,
 }
-OLMO3_WINDOW, OLMO3_PATTERN = 4096, 4  # Olmo3Config: three sliding layers, then a full one
-EXAONE4_WINDOW, EXAONE4_PATTERN = 4096, 4  # Exaone4Config's defaults, the same
 GLM4_PARTIAL_ROTATION = 0.5  # Glm4Config's partial_rotary_factor
 INTERLEAVED_ROPE = ("glm4", "ernie4_5")  # rotate pairs (2i, 2i + 1), not (i, i + d / 2)
 # Shape keys a config.json may leave out (the others are required): Gemma 3's multimodal

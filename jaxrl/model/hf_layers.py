@@ -9,8 +9,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrl.model import hf_defaults as known
-from jaxrl.model.hf_gemma import GEMMA_PATTERN, GEMMA_TYPES, GEMMA_WINDOW
-from jaxrl.model.hf_gpt_oss import GPT_OSS_WINDOW
 from jaxrl.model.hf_rope import get_key
 from jaxrl.model.safetensors_io import CheckpointError
 
@@ -20,15 +18,10 @@ def layer_windows(config: Mapping[str, Any], model_type: str, num_layers: int) -
   config.json has a window; Gemma 3's "sliding_attention" layers (`layer_types`, or by default
   all but every `sliding_window_pattern`-th), and likewise gpt-oss's, OLMo 3's and EXAONE 4's
   (whose pattern may also be a string of L and G, local and global, repeated)."""
-  # Windows by `layer_types`.
-  layered = model_type in GEMMA_TYPES or model_type in ("gpt_oss", "olmo3", "exaone4")
-  if model_type not in known.WINDOW and not layered:
+  layered = known.LAYERED_WINDOWS.get(model_type)
+  if model_type not in known.WINDOW and layered is None:
     return {}
-  default = GEMMA_WINDOW if model_type in GEMMA_TYPES else known.WINDOW.get(model_type)
-  default = GPT_OSS_WINDOW if model_type == "gpt_oss" else default
-  default = known.OLMO3_WINDOW if model_type == "olmo3" else default
-  default = known.EXAONE4_WINDOW if model_type == "exaone4" else default
-  window = config.get("sliding_window", default)
+  window = config.get("sliding_window", layered[0] if layered else known.WINDOW[model_type])
   if window is None:
     return {}
   window = get_key({"sliding_window": window}, "sliding_window")
@@ -46,14 +39,10 @@ def layer_windows(config: Mapping[str, Any], model_type: str, num_layers: int) -
       )
     kind = {"L": "sliding_attention", "G": "full_attention"}
     types = [kind[pattern[i % len(pattern)]] for i in range(num_layers)]
-  if types is None:
-    # Gemma 2 and gpt-oss alternate (sliding first); Gemma 3 has one full layer in
-    # `sliding_window_pattern`, OLMo 3 one in four.
-    pattern = known.OLMO3_PATTERN if model_type == "olmo3" else 2
-    if model_type == "gemma3_text":
-      pattern = get_key(config, "sliding_window_pattern", GEMMA_PATTERN)
-    if model_type == "exaone4":
-      pattern = get_key(config, "sliding_window_pattern", known.EXAONE4_PATTERN)
+  if types is None:  # one full layer in `pattern`, after the sliding ones
+    _, pattern, key = layered
+    if key is not None:
+      pattern = get_key(config, key, pattern)
     if pattern < 1:
       raise CheckpointError(f"config.json: sliding_window_pattern={pattern}; expected >= 1.")
     types = [

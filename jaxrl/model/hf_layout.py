@@ -27,6 +27,7 @@ import numpy as np
 from jaxrl.model import mxfp4
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.functional import Params
+from jaxrl.model.hf_defaults import INTERLEAVED_ROPE
 from jaxrl.model.rope import partial_rotary_order
 from jaxrl.model.safetensors_io import TensorInfo
 
@@ -386,9 +387,15 @@ def fused_expert_layers(cfg: ModelConfig, tensors: Mapping[str, TensorInfo]) -> 
   )
 
 
-def has_granite_moe_experts(tensors: Mapping[str, TensorInfo]) -> bool:
-  """Whether a checkpoint holds Granite MoE's expert tensors."""
-  return "model.layers.0.block_sparse_moe.input_linear.weight" in tensors
+def model_type_layout(model_type: str | None) -> dict[str, bool]:
+  """The `hub_leaves` options that a model type's checkpoints always take, on load and on
+  save: Granite MoE's stacked experts, GLM-4's names and fused gate/up, the interleaved
+  rotation of GLM-4 and ERNIE 4.5."""
+  return dict(
+    granite_moe=model_type == "granitemoe",
+    glm=model_type == "glm4",
+    interleaved_rope=model_type in INTERLEAVED_ROPE,
+  )
 
 
 def has_mxfp4_experts(tensors: Mapping[str, TensorInfo]) -> bool:
