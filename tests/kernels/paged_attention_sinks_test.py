@@ -15,13 +15,8 @@ import pytest
 
 from jaxrl.kernels.paged_attention import BlockSizes, paged_attention
 
-from .paged_attention_test import (  # noqa: TID252
-  TF32X3_ERROR,
-  _assert_close,
-  _make_inputs,
-  _poison_before_window,
-  _rng,
-)
+from .paged_attention_test import TF32X3_ERROR, _assert_close, _make_inputs, _rng  # noqa: TID252
+from .paged_attention_window_test import _poison_before_window  # noqa: TID252
 
 
 def _sink_oracle(q_nhd, k_kpsd, v_kpsd, lengths_n, page_indices_nm, sinks_h, window=None):

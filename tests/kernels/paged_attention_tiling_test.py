@@ -63,7 +63,7 @@ def test_gpu_window_tiling_follows_the_window_not_the_table():
   512) at 64 rows of an 8k-token table read 33 pages a sequence, so they take the medium
   tiling (blocks of 4 pages, 2 warps, 1 stage) in 3 parts of 3 blocks, where the same table
   without a window takes blocks of 8 pages in 8 parts. Results at such tilings:
-  `paged_attention_test.py::test_long_table_short_window`."""
+  `paged_attention_window_test.py::test_long_table_short_window`."""
   from jaxrl.kernels.common import target_platform
 
   n, pages = 64, 512
