@@ -39,6 +39,17 @@ def check_sinks(sinks, num_heads: int) -> None:
     )
 
 
+def output_like(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+  """A `pallas_call` output of `shape` and `dtype` that varies over the mesh axes any of
+  `inputs` varies over. Inside a `shard_map` (whose `check_vma` is on by default)
+  `pallas_call` cannot infer that and refuses an output that does not say it: every GPU and
+  TPU expert-parallel MoE layer did until 2026-11-29 (its `gmm` runs in one). Outside a
+  `shard_map` the inputs vary over nothing and this is a plain `ShapeDtypeStruct`."""
+  types = [jax.typeof(x).manual_axis_type for x in inputs]
+  varying = frozenset().union(*(t.varying for t in types))
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(types[0])(varying=varying))
+
+
 @contextlib.contextmanager
 def traced_setting(var: contextvars.ContextVar, value):
   """`var` set to `value` for the traces inside. jax's trace caches do not know such a

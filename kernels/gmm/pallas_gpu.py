@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxrl.kernels.common import output_like
 from jaxrl.kernels.gmm.api import BlockSizes
 
 # The Triton compiler-params class was `TritonCompilerParams` before it became
@@ -241,7 +242,7 @@ def gmm(
     grid=(n_tiles, num_tiles),
     in_specs=[per_tile, per_tile, per_tile, pl.BlockSpec(memory_space=pl.ANY), rhs_spec],
     out_specs=pl.BlockSpec(memory_space=pl.ANY),
-    out_shape=jax.ShapeDtypeStruct((m, n_pad), out_dtype),
+    out_shape=output_like((m, n_pad), out_dtype, lhs_mk, rhs_gkn),
     compiler_params=_TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
     interpret=interpret,
     name="gmm_gpu",
@@ -313,7 +314,7 @@ def tgmm(
       pl.BlockSpec((m_pad, tn), lambda b, i, j: (0, j)),
     ],
     out_specs=pl.BlockSpec((None, tk, tn), lambda b, i, j: (b, i, j)),
-    out_shape=jax.ShapeDtypeStruct((g, k_tiles * tk, n_tiles * tn), out_dtype),
+    out_shape=output_like((g, k_tiles * tk, n_tiles * tn), out_dtype, lhs_mk, grad_mn),
     compiler_params=_TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
     interpret=interpret,
     name="tgmm_gpu",

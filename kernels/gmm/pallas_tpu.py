@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxrl.kernels.common import output_like
 from jaxrl.kernels.gmm.api import BlockSizes
 
 _DEFAULT_TM = 128
@@ -239,7 +240,7 @@ def gmm(
   )
   out_mn = pl.pallas_call(
     kernel,
-    out_shape=jax.ShapeDtypeStruct((m_tiles * tm, n_tiles * tn), out_dtype),
+    out_shape=output_like((m_tiles * tm, n_tiles * tn), out_dtype, lhs_mk, rhs_gkn),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=4,
       grid=(n_tiles, visits[0].shape[0], k_tiles),
@@ -342,7 +343,7 @@ def tgmm(
   )
   out_gkn = pl.pallas_call(
     kernel,
-    out_shape=jax.ShapeDtypeStruct((g, k_tiles * tk, n_tiles * tn), out_dtype),
+    out_shape=output_like((g, k_tiles * tk, n_tiles * tn), out_dtype, lhs_mk, grad_mn),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=4,
       grid=(k_tiles, n_tiles, num_visits),

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import moe_capacity, tolerance
+from helpers import lowering, moe_capacity, tolerance
 
 from jaxrl.model.moe import route
 from jaxrl.sharding import (
@@ -355,12 +355,28 @@ def test_ragged_exchange_matches_reference(monkeypatch):
   _assert_close(out, ref_out)
 
 
+def test_the_tpu_gmm_kernels_run_inside_the_layer(monkeypatch):
+  """The Pallas TPU kernels (in interpret mode) inside the layer's shard_map, the weights cast
+  to vary over the data axis: the same outputs and gradients as the dense reference. Their
+  outputs must say which mesh axes they vary over, or shard_map refuses them. (The GPU
+  kernels' interpreter cannot run under shard_map's checks in this jax: its dynamic_slice
+  mixes varying and invariant operands. `test_ragged_exchange_lowers` lowers them.)"""
+  monkeypatch.setattr(expert_module, "gmm", functools.partial(expert_module.gmm, interpret=True))
+  rng = _rng("kernels")
+  params = _params(rng, tokens=32)
+  config = ExpertParallelConfig(gmm_impl="pallas_tpu")
+  ep = functools.partial(moe_expert_parallel, mesh=_mesh(4), top_k=K, config=config)
+  _assert_matches(ep, _reference, params, rng)
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_ragged_exchange_lowers(platform):
-  """Forward and backward lower to ragged-all-to-all for the accelerators (not runnable here)."""
+  """Forward and backward lower to ragged-all-to-all for the accelerators (not runnable here),
+  with the platform's gmm kernels inside the shard_map."""
   e = 4
   placement = _placement(_rng("lower"), e, "replicate_pack")
-  config = ExpertParallelConfig(exchange="ragged_all_to_all", gmm_impl="reference")
+  gmm_impl = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]
+  config = ExpertParallelConfig(exchange="ragged_all_to_all", gmm_impl=gmm_impl)
   ep = functools.partial(
     moe_expert_parallel, mesh=_mesh(e), top_k=K, config=config, placement_layer=placement
   )
@@ -372,10 +388,16 @@ def test_ragged_exchange_lowers(platform):
   exported = jax.export.export(
     jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)))),
     platforms=[platform],
-    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")],
+    disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call(name)
+      for name in ("ragged_all_to_all", lowering.TRITON_CALL)
+    ],
   )(*shapes)
   text = exported.mlir_module()
   assert text.count("@ragged_all_to_all") == 4  # two exchanges forward, two backward
+  # The experts' matmuls are the platform's kernel (the reference would be XLA's ragged_dot).
+  kernel = {"tpu": "tpu_custom_call", "cuda": lowering.TRITON_CALL}[platform]
+  assert f"@{kernel}" in text and "ragged_dot" not in text
   assert "all_to_all" in text.replace("ragged_all_to_all", "")  # the slots travel padded
 
 
