@@ -22,7 +22,9 @@
 # pair and against itself with libdevice's expf, dense and cuDNN), attn_tune (the flash attention kernels' block sizes swept at 4k and 16k
 # tokens, forward and backward apart), logprobs (the LM head's log-probs and gradients by vocabulary
 # blocks against chunks of positions, 4k and 16k), tgmm (gmm's weight gradient against XLA's,
-# default and swept tiles), learner_cudnn (the learner at 4k and 16k with the Pallas kernel and
+# default and swept tiles), moe_layer (one MoE layer of gpt-oss-20b and of Qwen3-30B-A3B on one
+# GPU, every expert on every token against gmm on each expert's rows, forward at 64-16k rows and
+# forward and backward at 4k and 16k: what `model.moe_dispatch="auto"` chose), learner_cudnn (the learner at 4k and 16k with the Pallas kernel and
 # with cuDNN's packed attention, `model.attention=cudnn`), learner16k_cudnn (its 16k cuDNN row
 # alone: a learner setting takes 60-80 s with its process's start and compile), tests_cudnn
 # (cuDNN's packed attention against the oracle), grpo, train (the main job with its defaults), tests (the GPU-marked
@@ -150,6 +152,7 @@ for spec in "$@"; do
       --remat-policies full,save_attention ;;
     attn_mask) run_part attn_mask "${limit:-120}" python3 launch/bench.py flash_attention --json ;;
     tgmm) run_part tgmm "${limit:-150}" python3 launch/bench.py tgmm --json ;;
+    moe_layer) run_part moe_layer "${limit:-240}" python3 launch/bench.py moe_layer --json ;;
     logprobs) run_part logprobs "${limit:-150}" python3 launch/bench.py logprobs --json ;;
     attn_tune) JAX_PLATFORMS=cuda run_part attn_tune "${limit:-360}" python3 \
       benchmarks/flash_attention_tuning.py --json ;;

@@ -25,12 +25,13 @@ Adam's second moment, the first moment and the gradient summed over micro-batche
 (`train.optimizer.mu_dtype`, `train.optimizer.grad_accum_dtype`), and computes in bf16 with
 rematerialised blocks that keep flash attention's output (`model.remat_policy`, so the backward
 pass does not run the attention forward again) and, on Hopper GPUs, flash attention through
-cuDNN (`model.attention="auto"`); rollout generates from bf16 copies (`rollout.param_dtype`);
-log-probs are computed a block of vocabulary rows at a time, blocks of `train.logprob_chunk`
-positions' worth, so no [tokens, vocab] fp32 logits exist whole; sequences are packed into rows
-as long as the longest one (`train.pack_length`), so the learner compiles its update once. The
-policy is written in Hub layout to `<workdir>/hf/step_<N>` every `checkpoint.hf_every` steps
-and to `<workdir>/hf/final`.
+cuDNN (`model.attention="auto"`), and an MoE checkpoint's experts as grouped matmuls where
+no expert axis spreads them (`model.moe_dispatch="auto"`); rollout generates from bf16 copies
+(`rollout.param_dtype`); log-probs are computed a block of vocabulary rows at a time, blocks of
+`train.logprob_chunk` positions' worth, so no [tokens, vocab] fp32 logits exist whole;
+sequences are packed into rows as long as the longest one (`train.pack_length`), so the learner
+compiles its update once. The policy is written in Hub layout to `<workdir>/hf/step_<N>` every
+`checkpoint.hf_every` steps and to `<workdir>/hf/final`.
 """
 
 import os
@@ -73,6 +74,9 @@ def get_config(arg: str | None = None):
   config.model.remat_policy = "save_attention"
   # Flash attention on Hopper (2.3x dense at 16k tokens, 9 GiB vs 46), through cuDNN in bf16.
   config.model.attention = "auto"
+  # An MoE checkpoint without an expert axis runs its experts as grouped matmuls on Hopper
+  # (every expert on every token elsewhere).
+  config.model.moe_dispatch = "auto"
   config.model.max_seq_len = 2048  # capped by the checkpoint's own limit
   config.rollout.param_dtype = "bfloat16"
 

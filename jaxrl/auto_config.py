@@ -1,6 +1,7 @@
 """What `"auto"` means in an experiment config (`model.dtype`, `rollout.param_dtype`,
-`model.attention`) on the backend at hand: `auto_settings`, and `resolve_auto`, which
-`jaxrl.config.from_config_dict` applies before it builds the dataclasses."""
+`model.attention`, `model.moe_dispatch`) on the backend at hand: `auto_settings`, and
+`resolve_auto`, which `jaxrl.config.from_config_dict` applies before it builds the
+dataclasses."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from typing import Any
 
 from jaxrl.model.config import ModelConfig
 
-_AUTO_KEYS = (("model", "dtype"), ("rollout", "param_dtype"), ("model", "attention"))
+_AUTO_KEYS = (
+  ("model", "dtype"),
+  ("rollout", "param_dtype"),
+  ("model", "attention"),
+  ("model", "moe_dispatch"),
+)
 
 
 def resolve_auto(
@@ -68,7 +74,17 @@ def auto_settings(
   Hopper's shared memory per block). On a TPU v5e, whose chip has 15.75 GiB, XLA's plan of a
   16k-token Qwen3-0.6B update needs 21.2 GiB of temporaries with dense attention and 7.1 GiB
   in all with flash (compiled without a TPU, `launch/bench.py kernels`): set
-  `model.attention=flash` there for long responses."""
+  `model.attention=flash` there for long responses.
+
+  MoE dispatch without an expert axis: "grouped" (`jaxrl.kernels.gmm` on each expert's rows) on
+  Hopper-class GPUs, "dense" (every expert on every token) elsewhere. The Pallas `gmm` ran
+  Qwen3-30B-A3B's expert shapes at 122-384 TFLOP/s on an H200 (8-128 experts, 8k-16k rows;
+  docs/BENCHMARKS.md), where "dense" does `num_experts / experts_per_token` times the work (4x
+  for Mixtral's 8 experts, 16x for Qwen3-30B-A3B's 128): to keep up it would need that rate
+  times the ratio, 950-1,540 TFLOP/s at 8 experts and 1,950-3,730 at 128, against the card's
+  989 bf16 peak (`launch/bench.py moe_layer` times the two on a GPU). On CPU, where `gmm` is
+  XLA's `ragged_dot`, the grouped layer was slower (`moe_layer`); on TPU and older GPUs
+  `gmm`'s kernel has not run yet."""
   if backend is None:
     import jax  # here: reading a config must not start a backend unless "auto" asks
 
@@ -88,4 +104,5 @@ def auto_settings(
     "model.dtype": "float32" if on_cpu else "bfloat16",
     "rollout.param_dtype": "" if on_cpu else "bfloat16",
     "model.attention": attention,
+    "model.moe_dispatch": "grouped" if hopper else "dense",
   }

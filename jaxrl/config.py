@@ -292,8 +292,8 @@ class PretrainedConfig:
     path: "" trains `config.model` from a random initialisation; otherwise a local directory
       or a Hub id ("Qwen/Qwen3-0.6B") with config.json, *.safetensors and tokenizer files. The
       model's shapes then come from its config.json: of `config.model` only `dtype` (compute),
-      `param_dtype` (the learner's weights), `remat`, `remat_policy`, `attention` and
-      `max_seq_len` (capped by the checkpoint's) apply.
+      `param_dtype` (the learner's weights), `remat`, `remat_policy`, `attention`,
+      `scan_layers`, `moe_dispatch` and `max_seq_len` (capped by the checkpoint's) apply.
     enable_thinking: passed to the chat template as `enable_thinking` (Qwen3: False opens the
       answer with an empty <think></think> block, for short answers); templates that do not
       read it ignore it.
@@ -523,7 +523,8 @@ def from_config_dict(
 ) -> ExperimentConfig:
   """Converts a ConfigDict into `ExperimentConfig`, checking every key and type.
 
-  `"auto"` settings (`model.dtype`, `rollout.param_dtype`, `model.attention`) follow
+  `"auto"` settings (`model.dtype`, `rollout.param_dtype`, `model.attention`,
+  `model.moe_dispatch`) follow
   `backend` and a GPU's `compute_capability` (default: JAX's default device's;
   `jaxrl.auto_config`)."""
   if isinstance(config, ml_collections.ConfigDict):

@@ -443,6 +443,7 @@ def _imported_when_asked(module: str, name: str):
 bench_weight_transfer = _imported_when_asked("bench_transfer", "bench_weight_transfer")
 bench_publish = _imported_when_asked("bench_publish", "bench_publish")
 bench_chaos = _imported_when_asked("bench_chaos", "bench_chaos")
+bench_moe_layer = _imported_when_asked("bench_moe", "bench_moe_layer")
 
 
 BENCHMARKS = {
@@ -463,6 +464,7 @@ BENCHMARKS = {
   "logprob_mismatch": bench_logprob_mismatch,
   "logprobs": bench_logprobs,
   "memory": bench_memory,
+  "moe_layer": bench_moe_layer,
   "paged_attention": bench_paged_attention,
   "plan": bench_plan,
   "prefill_packing": bench_prefill_packing,
@@ -529,6 +531,8 @@ def main() -> None:
     '"block_q_bwd=32,block_kv_bwd=64,num_warps=4;block_q=64"'
   )
   parser.add_argument("--flash-blocks", default=None, help=flash_blocks_help)
+  target_help = "moe_layer: compile for this GPU (benchmarks/gpu_targets) instead of timing"
+  parser.add_argument("--target", default=None, help=target_help)
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}
   if args.rows and args.name in ("decode_profile", "window_kv"):
@@ -556,10 +560,8 @@ def main() -> None:
         f"--lengths {args.lengths} --attentions {args.attentions}: the learner bench runs "
         f"(length, attention) in {list(bench_learner_settings)}."
       )
-  if args.prompt_len:
-    kwargs["prompt_len"] = args.prompt_len
-  if args.trace_dir:
-    kwargs["keep_trace_in"] = args.trace_dir
+  passed = (("prompt_len", "prompt_len"), ("trace_dir", "keep_trace_in"), ("target", "target"))
+  kwargs.update({key: getattr(args, flag) for flag, key in passed if getattr(args, flag)})
   if args.reference:
     kwargs["reference_ops"] = tuple(args.reference.split(","))
   if args.attention_blocks:

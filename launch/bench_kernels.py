@@ -19,7 +19,8 @@ the compile of the learner's apply step alone for target T (`_compile_apply`); `
 "update"` that of the update's programs, one after another or on threads as
 `Learner.compile_ahead` compiles them (`_compile_update`); `"kind": "engine"` that of the
 programs the HF recipe's rollout engine compiles ahead (`rollout.paged.compile_ahead`,
-`_compile_engine`).
+`_compile_engine`); `"kind": "moe_layer"` XLA's temporaries of an MoE layer's two dispatches
+(`bench_moe.plan_moe_layer`, `python launch/bench.py moe_layer --target h100`).
 
 Without a device XLA keeps its default GEMM tiles (no autotuning), so which GEMM kernels run
 may differ on a card; the kernels the model's ops make, and their number, do not.
@@ -538,12 +539,15 @@ if __name__ == "__main__":
     if child_spec.get("kind") == "code":
       from bench_kernel_code import compile_kernel_code as compile_child
     else:
+      from bench_moe import plan_moe_layer
+
       compile_child = {
         "training": _compile_training_kernels,
         "learner": _plan_learner,
         "apply": _compile_apply,
         "update": _compile_update,
         "engine": _compile_engine,
+        "moe_layer": plan_moe_layer,
       }.get(child_spec.get("kind"), _compile_window)
     print(json.dumps(compile_child(child_spec)))
   else:

@@ -234,13 +234,17 @@ def test_auto_settings_follow_the_backend(backend, compute, rollout):
   config.model.dtype = "auto"
   config.rollout.param_dtype = "auto"
   config.model.attention = "auto"
+  config.model.moe_dispatch = "auto"
   cfg = from_config_dict(config, backend=backend)
   assert (cfg.model.dtype, cfg.rollout.param_dtype) == (compute, rollout)
-  # Flash attention (cuDNN's, in bf16) on Hopper-class GPUs only, where it was measured.
-  assert cfg.model.attention == "dense"
+  # Flash attention (cuDNN's, in bf16) and the grouped MoE dispatch on Hopper-class GPUs only,
+  # where they were measured.
+  assert (cfg.model.attention, cfg.model.moe_dispatch) == ("dense", "dense")
   for capability, attention in [("9.0", "cudnn"), ("10.0", "cudnn"), ("8.9", "dense")]:
     cfg = from_config_dict(config, backend=backend, compute_capability=capability)
     assert cfg.model.attention == (attention if backend == "gpu" else "dense")
+    hopper = backend == "gpu" and capability != "8.9"
+    assert cfg.model.moe_dispatch == ("grouped" if hopper else "dense")
   assert cfg.model.param_dtype == "float32"  # master weights stay fp32
   # The shipped demo says "auto", in every variant.
   module = load(os.path.join(REPO, "configs", "grpo_tiny.py"))

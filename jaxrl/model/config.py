@@ -6,6 +6,7 @@ import dataclasses
 
 DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("dense", "flash", "cudnn")
+MOE_DISPATCHES = ("dense", "grouped")
 ROPE_SCALINGS = (
   "",
   "llama3",
@@ -155,6 +156,16 @@ class ModelConfig:
       compute dtype made inside the program (the parameters themselves keep one tree of
       layers, as checkpoints, shardings and the rollout engine see them). False unrolls
       the blocks, as passes that read a cache (decode, chunked prefill) always do.
+    moe_dispatch: how an MoE layer runs its experts on a mesh without an expert axis (size 1;
+      with one the layer is expert-parallel, `jaxrl.sharding.moe_expert_parallel`): "dense"
+      runs every expert on every token and zeroes the outputs of the experts a token did not
+      choose (`num_experts / experts_per_token` times the routed FLOPs, and `[tokens,
+      experts, width]` activations); "grouped" sorts each token's k assignments by expert and
+      runs `jaxrl.kernels.gmm` on them (the expert-parallel layer on the one-device expert
+      axis: the tokens split over the data and fsdp axes, the expert weights gathered like
+      fsdp), same result to rounding. A tensor-parallel mesh (tensor > 1) runs "dense", whose
+      einsums XLA splits over that axis. (An experiment config may say "auto": "grouped" on
+      Hopper GPUs, where `gmm` was measured, "dense" elsewhere; `jaxrl.auto_config`.)
   """
 
   vocab_size: int = 64
@@ -215,6 +226,7 @@ class ModelConfig:
   remat_policy: str = "full"
   attention: str = "dense"
   scan_layers: bool = True
+  moe_dispatch: str = "dense"
 
   def __post_init__(self):
     for name in (
@@ -330,6 +342,10 @@ class ModelConfig:
       )
     if self.attention not in ATTENTIONS:
       raise ValueError(f"model.attention must be one of {ATTENTIONS}, got {self.attention!r}.")
+    if self.moe_dispatch not in MOE_DISPATCHES:
+      raise ValueError(
+        f"model.moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}."
+      )
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")

@@ -93,18 +93,31 @@ def replay_route(
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
   """Run the MoE layers expert-parallel over `mesh`'s expert axis
-  (`jaxrl.sharding.moe_expert_parallel`) instead of the reference dispatch."""
+  (`jaxrl.sharding.moe_expert_parallel`: grouped matmuls on each device's experts) instead of
+  the reference dispatch. On an expert axis of one device this is the grouped dispatch of
+  `ModelConfig.moe_dispatch`."""
 
   mesh: Mesh
   config: ExpertParallelConfig = ExpertParallelConfig()
 
   @classmethod
   def for_mesh(cls, cfg: ModelConfig, mesh: Mesh, config: ExpertParallelConfig | None = None):
-    """The expert-parallel path for an MoE model on a mesh with an expert axis > 1, else None
-    (the reference dispatch, which XLA shards like any other einsum)."""
-    if not cfg.is_moe or mesh.shape.get("expert", 1) == 1:
+    """The expert-parallel path for an MoE model on a mesh with an expert axis > 1, or with
+    `cfg.moe_dispatch == "grouped"` on one without tensor parallelism; else None (the
+    reference dispatch, which XLA shards like any other einsum)."""
+    if not cfg.is_moe:
+      return None
+    spread = mesh.shape.get("expert", 1) > 1
+    grouped = cfg.moe_dispatch == "grouped" and mesh.shape.get("tensor", 1) == 1
+    if not (spread or grouped):
       return None
     return cls(mesh, config or ExpertParallelConfig())
+
+  @property
+  def spreads_experts(self) -> bool:
+    """Whether the experts are spread over devices (an expert axis > 1): only then do
+    placements, and the learner's placement planning, apply."""
+    return self.mesh.shape["expert"] > 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,6 +96,7 @@ def model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
       remat_policy=cfg.model.remat_policy,
       attention=cfg.model.attention,
       scan_layers=cfg.model.scan_layers,
+      moe_dispatch=cfg.model.moe_dispatch,
       max_seq_len=min(model.max_seq_len, cfg.model.max_seq_len),
     )
     if tokenizer.vocab_size > model.vocab_size:

@@ -111,7 +111,9 @@ class Learner:
     )
     # With an expert capacity, padding positions are kept out of it and drops are reported.
     self._capacity = self.expert_parallel is not None and bool(moe.capacity_factor)
-    if model.config.is_moe and moe.placement != "static" and self.expert_parallel is None:
+    # Placements need experts spread over devices (not the grouped dispatch on one).
+    self.spreads_experts = self.expert_parallel is not None and self.expert_parallel.spreads_experts
+    if model.config.is_moe and moe.placement != "static" and not self.spreads_experts:
       raise ValueError(
         f"train.moe.placement={moe.placement!r} places experts on the training mesh's expert "
         "axis, which this mesh does not have (size 1): give it one, or use placement='static'."
@@ -382,7 +384,7 @@ class Learner:
 
   def _plan(self, routes_mbtlk: np.ndarray | None):
     """Expert placements per micro-batch (expert-parallel routing replay), or (None, None)."""
-    if routes_mbtlk is None or self.expert_parallel is None:
+    if routes_mbtlk is None or not self.spreads_experts:
       return None, None
     return plan_micro_batches(
       routes_mbtlk, self.model.config.num_experts, self.mesh.shape["expert"], self.moe_cfg

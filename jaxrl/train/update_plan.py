@@ -96,7 +96,7 @@ def compile_ahead(learner, batch_size: int, lengths: Sequence[int]) -> Future | 
   restore its state meanwhile. A learner with an
   expert placement per micro-batch (MoE routing replay, expert-parallel) is compiled by its
   first update as before: its placement's shapes come from the batch."""
-  if learner.expert_parallel is not None and learner.moe_cfg.routing_replay:
+  if learner.spreads_experts and learner.moe_cfg.routing_replay:
     return None
   if not learner.pack_length and not lengths:
     return None

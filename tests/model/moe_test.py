@@ -1,5 +1,8 @@
-"""The model's MoE layers on the expert-parallel path: same logits and gradients as the
-reference dispatch, with and without a balancing placement, and routing replay on both paths."""
+"""The model's MoE layers on the expert-parallel path and the grouped dispatch (the same layer on
+a one-device expert axis): same logits and gradients as the reference dispatch, with and
+without a balancing placement, and routing replay on every path."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -129,9 +132,51 @@ def test_a_placement_without_the_expert_parallel_path_is_refused():
 def test_expert_parallel_is_chosen_only_for_moe_models_on_an_expert_axis():
   mesh = make_mesh(jax.devices()[:8], {"data": 2, "expert": 4})
   flat = make_mesh(jax.devices()[:8], {"data": 8})
-  assert ExpertParallel.for_mesh(CFG, mesh) is not None
+  assert ExpertParallel.for_mesh(CFG, mesh).spreads_experts
   assert ExpertParallel.for_mesh(CFG, flat) is None
   assert ExpertParallel.for_mesh(get_preset("tiny"), mesh) is None
+
+
+def test_the_grouped_dispatch_is_chosen_on_meshes_without_tensor_parallelism():
+  grouped = dataclasses.replace(CFG, moe_dispatch="grouped")
+  flat = make_mesh(jax.devices()[:8], {"data": 2, "fsdp": 4})
+  one = ExpertParallel.for_mesh(grouped, make_mesh(jax.devices()[:1], {}))
+  assert one is not None and not one.spreads_experts
+  assert not ExpertParallel.for_mesh(grouped, flat).spreads_experts
+  assert (
+    ExpertParallel.for_mesh(grouped, make_mesh(jax.devices()[:8], {"data": 4, "tensor": 2})) is None
+  )
+  assert ExpertParallel.for_mesh(
+    grouped, make_mesh(jax.devices()[:8], {"expert": 8})
+  ).spreads_experts
+  assert (
+    ExpertParallel.for_mesh(dataclasses.replace(get_preset("tiny"), moe_dispatch="grouped"), flat)
+    is None
+  )
+  with pytest.raises(ValueError, match="moe_dispatch must be one of"):
+    dataclasses.replace(CFG, moe_dispatch="sorted")
+
+
+# The grouped dispatch is the expert-parallel layer on a one-device expert axis: the tokens
+# split over the data and fsdp axes (3 x 7 do not divide 8: the layer pads them), every device
+# running all experts with `gmm`.
+@pytest.mark.parametrize("cfg", [CFG, OSS, SHARED], ids=["tiny-moe", "gpt-oss", "shared-expert"])
+@pytest.mark.parametrize("axes", [{}, {"data": 2, "fsdp": 4}], ids=["one-device", "fsdp4-data2"])
+def test_the_grouped_dispatch_matches_the_reference(cfg, axes):
+  rng = np.random.default_rng()
+  model = Model(cfg)
+  params = _params(model, rng)
+  tokens_bt = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 7)), jnp.int32)
+  devices = jax.devices()[: max(1, int(np.prod(list(axes.values()))))]
+  mesh = make_mesh(devices, axes)
+  grouped = ExpertParallel.for_mesh(dataclasses.replace(cfg, moe_dispatch="grouped"), mesh)
+  assert grouped is not None
+  routes = _random_routes(rng, 3, 7, cfg.num_layers, cfg.experts_per_token, cfg.num_experts)
+  with jax.default_matmul_precision("highest"):
+    for replay in (None, jnp.asarray(routes)):
+      want, want_grads = _loss(model, MoEInputs(routes_btlk=replay))(params, tokens_bt)
+      got, got_grads = _loss(model, MoEInputs(grouped, routes_btlk=replay))(params, tokens_bt)
+      _assert_matches(got, got_grads, want, want_grads)
 
 
 # -- capacity: padding takes none, drops are counted ---------------------------------------------

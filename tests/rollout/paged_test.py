@@ -443,6 +443,37 @@ def test_moe_routing_trace_matches_a_full_forward_and_survives_snapshot(mesh):
   assert one_token_prompt.prompt_routing.shape == (0, *trace_shape)
 
 
+@pytest.mark.parametrize("axes", [{}, {"data": 4}], ids=["one-device", "data4"])
+def test_the_grouped_dispatch_generates_as_the_reference_dispatch(axes):
+  """`model.moe_dispatch="grouped"` (gmm on sorted assignments; on a data mesh each device its
+  rows): the paged and static engines' greedy tokens, log-probs and routes equal the reference
+  dispatch's."""
+  dense = Model(get_preset("tiny-moe"))
+  grouped = Model(dataclasses.replace(dense.config, moe_dispatch="grouped"))
+  params = dense.init(7)
+  devices = jax.devices()[: 4 if axes else 1]
+  mesh = make_mesh(devices, axes)
+  rng = np.random.default_rng(3)
+  prompts = [list(rng.integers(3, 60, n)) for n in (1, 9, 23, 30)]
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=12)
+  config = PagedConfig(page_size=8, num_pages=32, max_running=4, prefill_chunk=8, decode_steps=2)
+  runs = {}
+  for name, model in (("dense", dense), ("grouped", grouped)):
+    for engine in (
+      PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=config),
+      StaticEngine(model, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD),
+    ):
+      engine.update_weights(params, 0)
+      runs[name, type(engine).__name__] = engine.generate(prompts, sampling, seed=0)
+  assert runs["grouped", "PagedEngine"][0].routing is not None
+  for kind in ("PagedEngine", "StaticEngine"):
+    for want, got in zip(runs["dense", kind], runs["grouped", kind], strict=True):
+      np.testing.assert_array_equal(got.token_ids, want.token_ids)
+      np.testing.assert_array_equal(got.routing, want.routing)
+      np.testing.assert_array_equal(got.prompt_routing, want.prompt_routing)
+      tolerance.assert_close(got.logprobs, want.logprobs, n=TERMS)
+
+
 def test_dense_models_have_no_routing_trace(mesh, params):
   out = engine(mesh, params).generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), seed=0)[0]
   assert out.routing is None and out.prompt_routing is None

@@ -22,10 +22,10 @@ pytestmark = pytest.mark.xdist_group("routing")
 REPLAY = MoEConfig(routing_replay=True, placement="least_loaded", redundant_slots=1)
 
 
-def learner(axes, params, moe=REPLAY, micro=8, pack=0):
+def learner(axes, params, moe=REPLAY, micro=8, pack=0, model=MODEL):
   mesh = make_mesh(jax.devices()[4:], axes)
   return Learner(
-    MODEL,
+    model,
     mesh,
     TRAIN_RULES,
     loss=LossConfig(),
@@ -103,6 +103,34 @@ def test_expert_parallel_learner_with_placements_matches_the_reference_learner(r
   assert "moe_dropped_frac" not in got  # dropless
   terms = tolerance.update_terms(MODEL.config, params, tokens)
   tolerance.assert_same_update(ep.params, ref.params, params, n=terms)
+
+
+def test_the_grouped_dispatch_learner_matches_the_reference_learner(rollout):
+  """The grouped dispatch (`model.moe_dispatch="grouped"`) on an fsdp mesh, packed, with
+  routing replay: the same update as the reference dispatch's; no placement is planned (one
+  device's worth of experts), and asking for one is refused as on any mesh without an expert
+  axis."""
+  params, _, batch = rollout
+  grouped = Model(dataclasses.replace(MODEL.config, moe_dispatch="grouped"))
+  static = MoEConfig(routing_replay=True)
+  with jax.default_matmul_precision("highest"):
+    got_learner = learner({"fsdp": 4}, params, moe=static, pack=24, model=grouped)
+    ref = learner({"fsdp": 4}, params, moe=static)
+    assert got_learner.expert_parallel is not None and not got_learner.spreads_experts
+    assert ref.expert_parallel is None
+    logp_bt = ref.logprobs(ref.params, batch.tokens_bt, ref._replayed_routes(batch))
+    got, want = got_learner.update(batch), ref.update(batch)
+  assert "moe_imbalance_planned" not in got
+  mask_bt, tokens = batch.mask_bt, batch.mask_bt.size
+  scale = tolerance.policy_loss_scale(
+    logp_bt, batch.old_logp_bt, batch.advantages_b, mask_bt, computed_logp=True
+  )
+  terms = tolerance.model_terms(MODEL.config, tokens=tokens)
+  tolerance.assert_close(got["loss"], want["loss"], n=terms, scale=scale, err_msg="loss")
+  terms = tolerance.update_terms(MODEL.config, params, tokens)
+  tolerance.assert_same_update(got_learner.params, ref.params, params, n=terms)
+  with pytest.raises(ValueError, match="expert axis"):
+    learner({"fsdp": 4}, None, model=grouped)
 
 
 def test_loads_and_bad_settings():
