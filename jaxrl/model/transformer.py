@@ -29,6 +29,17 @@ from jaxrl.model.moe import MoEInputs, MoEMLP, gated_unit, param
 from jaxrl.model.rope import rope_cos_sin
 
 
+def _remat_block(cfg, moe, layer: int):
+  """Block `layer` of a pass without a cache under `nnx.remat`, called as `(block, x,
+  positions, segment ids)`. The layer and its window are closed over, not passed: `nnx.remat`
+  traces a function's defaults too, and a traced layer index has no window to look up."""
+  window = cfg.layer_window(layer)
+  return nnx.remat(
+    lambda blk, x, pos, seg: blk(x, pos, None, moe, layer, seg, window),
+    policy=remat_policy(cfg.remat_policy),
+  )
+
+
 def remat_policy(name: str):
   """The `jax.checkpoint` policy of `ModelConfig.remat_policy` (None: save nothing).
   "save_attention" keeps flash attention's (or cuDNN's) output and softmax statistics."""
@@ -362,10 +373,7 @@ class Transformer(nnx.Module):
         # Training: keep each block's input (and what `remat_policy` names) for the backward
         # pass and recompute the rest, trading compute for activation memory that no longer
         # grows with depth.
-        run = nnx.remat(
-          lambda blk, x, pos, seg, i=i: blk(x, pos, None, moe, i, seg, cfg.layer_window(i)),
-          policy=remat_policy(cfg.remat_policy),
-        )
+        run = _remat_block(cfg, moe, i)
         x_btd, layer_cache, layer_routing = run(block, x_btd, positions_bt, segment_ids_bt)
       else:
         x_btd, layer_cache, layer_routing = block(

@@ -13,10 +13,18 @@ from helpers.packed_rows import two_packed_rows
 from jaxrl.model import Model, PackedPrefillCache, get_preset
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+# "windowed": a window in the first and last of the 3 layers (the scan runs periods of 2
+# blocks, then the last alone); unrolled and rematerialised, a block's window must stay a
+# Python int inside `nnx.remat`.
+WINDOWED = {"sliding_window": 5, "sliding_layers": (0, 2)}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "windowed"])
 @pytest.mark.parametrize("remat", [False, True])
 def test_scanned_blocks_give_the_unrolled_results(preset, remat):
-  cfg = get_preset(preset, num_layers=3, qk_norm=True, max_seq_len=24, remat=remat)
+  extra = WINDOWED if preset == "windowed" else {}
+  preset = "tiny" if preset == "windowed" else preset
+  cfg = get_preset(preset, num_layers=3, qk_norm=True, max_seq_len=24, remat=remat, **extra)
   scanned, unrolled = Model(cfg), Model(dataclasses.replace(cfg, scan_layers=False))
   rng = np.random.default_rng(0)
   params = scanned.init(1)
