@@ -112,16 +112,16 @@ def count_loop_body(thunk_sequence: str) -> dict:
   }
 
 
-def _target_devices(target: str) -> list:
-  """The devices of a target compiled for without them: a TPU topology, or a GPU described by
-  its `benchmarks/gpu_targets` file."""
+def _target_devices(target: str, gpus: int = 1) -> list:
+  """The devices of a target compiled for without them: a TPU topology, or `gpus` GPUs of one
+  host described by its `benchmarks/gpu_targets` file."""
   from jax.experimental import topologies
 
   if target in TPU_TOPOLOGIES:
     return topologies.get_topology_desc(TPU_TOPOLOGIES[target], "tpu").devices
   config = (TARGETS / f"{target}.txtpb").read_text()
   return topologies.get_topology_desc(
-    platform="cuda", target_config=config, topology="1x1x1"
+    platform="cuda", target_config=config, topology=f"1x1x{gpus}"
   ).devices
 
 
@@ -539,7 +539,7 @@ if __name__ == "__main__":
     if child_spec.get("kind") == "code":
       from bench_kernel_code import compile_kernel_code as compile_child
     else:
-      from bench_moe import plan_moe_layer
+      from bench_moe import plan_moe_layer, plan_moe_recipes
 
       compile_child = {
         "training": _compile_training_kernels,
@@ -548,6 +548,7 @@ if __name__ == "__main__":
         "update": _compile_update,
         "engine": _compile_engine,
         "moe_layer": plan_moe_layer,
+        "moe_recipes": plan_moe_recipes,
       }.get(child_spec.get("kind"), _compile_window)
     print(json.dumps(compile_child(child_spec)))
   else:

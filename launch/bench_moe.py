@@ -19,8 +19,10 @@ rows; on CPU two small layers (32 experts top-4 and 128 top-8) in fp32, 1,024 to
 rows, so that the command runs anywhere.
 
 `--target h100` (no GPU needed: the CUDA plugin, as `launch/bench_kernels.py` says) compiles
-the GPU cases' learner programs for that GPU instead and reports XLA's temporaries of each
-dispatch: what a layer's forward and backward asks of the card's memory.
+for that GPU instead: the GPU cases' programs, reporting XLA's temporaries of each dispatch
+(what a layer's forward and backward asks of the card's memory), and the MoE set-ups of
+`RECIPES` whole (`plan_moe_recipes`: the learner's update and the rollout engine's programs on
+one GPU or eight): whether they compile for a GPU, and their memory plans.
 """
 
 from __future__ import annotations
@@ -117,7 +119,13 @@ def bench_moe_layer(target: str | None = None, calls: int | None = None) -> dict
   if target:
     from bench_kernels import _run_child
 
-    return {"target": target, **_run_child({"target": target, "kind": "moe_layer"}, 1800.0)}
+    recipes = {"target": target, "kind": "moe_recipes"}
+    return {
+      "target": target,
+      "layer": _run_child({"target": target, "kind": "moe_layer"}, 1800.0),
+      "recipes": _run_child(recipes, 3600.0),
+      "recipes_unscanned": _run_child({**recipes, "scan_layers": False}, 3600.0),
+    }
   device = jax.devices()[0]
   on_cpu = device.platform == "cpu"
   cases = CPU_CASES if on_cpu else GPU_CASES
@@ -163,4 +171,90 @@ def plan_moe_layer(spec: dict) -> dict:
             out[f"{key}_temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
           except Exception as e:  # noqa: BLE001  (a compiler error is this benchmark's finding)
             out[f"{key}_error"] = str(e).splitlines()[0][:500]
+  return out
+
+
+# (name, preset, mesh axes, GPUs, dispatch, routing replay): the MoE set-ups a user would run
+# on GPUs. gpt-oss-20b on one GPU: its rollout engine (bf16 weights, 42 GB) fits an H100; its
+# learner (fp32 master weights and Adam: about 250 GB) does not, and is planned to say so.
+RECIPES = (
+  ("gpt-oss-20b_1gpu_grouped", "gpt-oss-20b", {}, 1, "grouped", False),
+  ("qwen3-30b-a3b_8gpu_expert8", "qwen3-30b-a3b", {"expert": 8}, 8, "dense", True),
+)
+
+
+def plan_moe_recipes(spec: dict) -> dict:
+  """In a fresh process (`bench_kernels._run_child`): each of `RECIPES` compiled for
+  `spec["target"]` GPUs without them: the learner's update (one packed row of
+  `spec["length"]` positions a micro-batch, bf16 compute on fp32 master weights, remat, flash
+  attention's Pallas kernel) and the paged rollout engine's programs (bf16 weights and KV, 64
+  rows, `spec["max_tokens"]`-token sequences), or the compiler's error: whether these set-ups
+  trace and compile for a GPU at all, and XLA's memory plan of each (GiB a GPU: the learner's
+  micro-step and apply step apart, the engine's largest temporaries of its packed prefills and
+  of its other programs). `spec["scan_layers"]` (default True) is the model's: a scan over
+  the blocks stacks a copy of their weights inside the program (`ModelConfig.scan_layers`)."""
+  import time
+
+  from bench_kernels import _target_devices
+
+  from jaxrl.compile_ahead import with_shardings
+  from jaxrl.model import Model
+  from jaxrl.rollout.paged import PagedConfig, PagedEngine
+  from jaxrl.rollout.precompile import engine_lowerings
+  from jaxrl.rollout.sampling import NO_FILTER
+  from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES
+  from jaxrl.train import Learner, LossConfig, MoEConfig, OptimizerConfig, update_plan
+
+  length, max_tokens = spec.get("length", 2048), spec.get("max_tokens", 1024)
+  only = spec.get("recipes")
+  out = {}
+  for name, preset, axes, gpus, dispatch, replay in RECIPES:
+    if only and name not in only:
+      continue
+    devices = _target_devices(spec["target"], gpus)
+    mesh = make_mesh(devices, axes)
+    layers = {}
+    if spec.get("num_layers"):  # fewer layers, for a quick check; sliding layers kept in range
+      n = spec["num_layers"]
+      kept = tuple(i for i in get_preset(preset).sliding_layers if i < n)
+      layers = {"num_layers": n, "sliding_layers": kept}
+    scan = spec.get("scan_layers", True)
+    common = dict(moe_dispatch=dispatch, attention="flash", scan_layers=scan, **layers)
+    train_cfg = get_preset(preset, dtype="bfloat16", param_dtype="float32", remat=True,
+                           max_seq_len=length + 1, **common)  # fmt: skip
+    rollout_cfg = get_preset(preset, dtype="bfloat16", param_dtype="bfloat16", **common)
+    row = out[name] = {"gpus": gpus, "mesh": axes, "moe_dispatch": dispatch, "scan_layers": scan}
+    with target_platform("cuda"):
+      start = time.perf_counter()
+      try:
+        learner = Learner(
+          Model(train_cfg), mesh, TRAIN_RULES, loss=LossConfig(),
+          optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
+          updates_per_step=1, micro_batch_size=1, temperature=1.0, params=None,
+          pack_length=length, abstract=True, moe=MoEConfig(routing_replay=replay),
+        )  # fmt: skip
+        programs = update_plan.compiled_update(learner, 2, length)
+        for kind, program in zip(("micro_step", "apply"), programs, strict=True):
+          row[f"learner_{kind}"] = update_plan.memory_plan([program])
+      except Exception as e:  # noqa: BLE001  (a compiler error is this benchmark's finding)
+        row["learner_error"] = str(e).splitlines()[0][:500]
+      row["learner_compile_s"] = round(time.perf_counter() - start, 1)
+      start = time.perf_counter()
+      try:
+        model = Model(rollout_cfg)
+        config = PagedConfig(page_size=16, num_pages=4096, max_running=64, prefill_chunk=512,
+                             max_tokens=max_tokens, keep_turn_kv=False)  # fmt: skip
+        engine = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=config)
+        params = with_shardings(model.abstract_params(), engine.param_shardings)
+        temps = {}
+        for program, lower in engine_lowerings(engine, 1, NO_FILTER, params):
+          kind = "packed_prefill" if program.jitted is engine._calls._prefill_packed else "other"
+          temp = lower().compile().memory_analysis().temp_size_in_bytes / 2**30
+          temps.setdefault(kind, []).append(temp)
+        row["engine_programs"] = sum(map(len, temps.values()))
+        for kind, values in temps.items():
+          row[f"engine_{kind}_max_temp_gib"] = max(values)
+      except Exception as e:  # noqa: BLE001
+        row["engine_error"] = str(e).splitlines()[0][:500]
+      row["engine_compile_s"] = round(time.perf_counter() - start, 1)
   return out

@@ -154,8 +154,14 @@ class ModelConfig:
       layers) took 35.7 s instead of 69.4 s, its 8-row packed prefill 8.0 s instead of 13.1
       (docs/BENCHMARKS.md), with the same result. The stacked weights are a copy in the
       compute dtype made inside the program (the parameters themselves keep one tree of
-      layers, as checkpoints, shardings and the rollout engine see them). False unrolls
-      the blocks, as passes that read a cache (decode, chunked prefill) always do.
+      layers, as checkpoints, shardings and the rollout engine see them). That copy, and in
+      training its stacked gradient, cost the blocks' weights in the compute dtype once
+      (packed prefill) or twice (learner) per device, where unrolled blocks cast one layer at
+      a time: small for Qwen3-0.6B (0.82 GiB each), large for big models on few devices
+      (gpt-oss-20b on one H100: a 2k-token micro-step's temporaries 77.0 GiB scanned against
+      4.75 unrolled, the engine's packed prefill 34.7 against 0.32; docs/BENCHMARKS.md): set
+      False there. False unrolls the blocks, as passes that read a cache (decode, chunked
+      prefill) always do.
     moe_dispatch: how an MoE layer runs its experts on a mesh without an expert axis (size 1;
       with one the layer is expert-parallel, `jaxrl.sharding.moe_expert_parallel`): "dense"
       runs every expert on every token and zeroes the outputs of the experts a token did not

@@ -3,7 +3,9 @@
 The reference dispatch runs every expert on every token and weights the outputs by the router
 (zero for experts not in a token's top-k). It is the single-device definition that expert
 parallelism is checked against; it is not meant to be fast. On a mesh with an expert axis the
-layer runs expert-parallel instead (`ExpertParallel`, `jaxrl.sharding.moe_expert_parallel`).
+layer runs expert-parallel instead (`ExpertParallel`, `jaxrl.sharding.moe_expert_parallel`),
+and with `ModelConfig.moe_dispatch="grouped"` it runs that path on a one-device expert axis
+too (grouped matmuls over each expert's rows, no exchange).
 Either path can replay recorded routes (`MoEInputs.routes_btlk`) instead of routing.
 
 Glossary: b batch, t positions, d model width, x experts, f expert mlp width, k top-k.

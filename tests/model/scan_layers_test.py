@@ -12,7 +12,6 @@ from helpers.packed_rows import two_packed_rows
 
 from jaxrl.model import Model, PackedPrefillCache, get_preset
 
-
 # "windowed": a window in the first and last of the 3 layers (the scan runs periods of 2
 # blocks, then the last alone); unrolled and rematerialised, a block's window must stay a
 # Python int inside `nnx.remat`.
