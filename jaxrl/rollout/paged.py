@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from jaxrl.model import Model, Params
+from jaxrl.model.scan_fit import fit_scan
 from jaxrl.rollout.decode_loop import DeviceBatch, RowStart, WindowOutput
 from jaxrl.rollout.engine import Completion, ParamPlacer, bucket
 from jaxrl.rollout.kv_park import KVPark
@@ -104,6 +105,8 @@ class PagedEngine:
     self.params: Params | None = None
     shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
     self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
+    # The packed prefill's scan holds a stacked copy of the blocks' weights: off where large.
+    self.model = model = fit_scan(model, mesh, self.param_shardings, copies=1)
     self._placer = ParamPlacer(self.param_shardings, model.abstract_params())
     # The sliding-window layers' pool (`window_kv`): R pages a request; none: (0, 0).
     self.ring_pages, window_pages = window_pool(config, model.config)

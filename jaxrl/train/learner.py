@@ -31,6 +31,7 @@ import numpy as np
 from jaxrl.compile_ahead import with_shardings
 from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
 from jaxrl.model import ExpertParallel, Model, MoEInputs, Params, copy_params
+from jaxrl.model.scan_fit import fit_scan
 from jaxrl.sharding import tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train import proximal, replica_sums, update_plan
@@ -124,6 +125,8 @@ class Learner:
     self.temperature = temperature if temperature > 0 else 1.0
     shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
     self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
+    # A scan over the blocks holds their weights and gradient stacked: off where too large.
+    self.model = model = fit_scan(model, mesh, self.param_shardings, copies=2)
     self.vocab_shards = head_vocab_shards(model.lm_head(self.param_shardings), mesh)
     batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
     self._batch_size_multiple = int(np.prod([mesh.shape[a] for a in batch_axes or ()]))
