@@ -18,11 +18,12 @@ Qwen3-30B-A3B (128, top-8, d 2048, f 768) in bf16, at 4k and 16k tokens and 64 a
 rows; on CPU two small layers (32 experts top-4 and 128 top-8) in fp32, 1,024 tokens and 64
 rows, so that the command runs anywhere.
 
-`--target h100` (no GPU needed: the CUDA plugin, as `launch/bench_kernels.py` says) compiles
-for that GPU instead: the GPU cases' programs, reporting XLA's temporaries of each dispatch
-(what a layer's forward and backward asks of the card's memory), and the MoE set-ups of
-`RECIPES` whole (`plan_moe_recipes`: the learner's update and the rollout engine's programs on
-one GPU or eight): whether they compile for a GPU, and their memory plans.
+`--target h100` (no GPU needed: the CUDA plugin, as `launch/bench_kernels.py` says; or
+`tpu-v5e` with libtpu, the layer cases only) compiles for that device instead: the GPU cases'
+programs, reporting XLA's temporaries of each dispatch (what a layer's forward and backward
+asks of the device's memory), and for a GPU the MoE set-ups of `RECIPES` whole
+(`plan_moe_recipes`: the learner's update and the rollout engine's programs on one GPU or
+eight): whether they compile for a GPU, and their memory plans.
 """
 
 from __future__ import annotations
@@ -117,15 +118,14 @@ def _time_case(preset, overrides, dtype, tokens, rows, calls) -> dict:
 def bench_moe_layer(target: str | None = None, calls: int | None = None) -> dict:
   """The MoE layer's two dispatches timed on this device, or planned for `target`."""
   if target:
-    from bench_kernels import _run_child
+    from bench_kernels import TPU_TOPOLOGIES, _run_child
 
-    recipes = {"target": target, "kind": "moe_recipes"}
-    return {
-      "target": target,
-      "layer": _run_child({"target": target, "kind": "moe_layer"}, 1800.0),
-      "recipes": _run_child(recipes, 3600.0),
-      "recipes_unscanned": _run_child({**recipes, "scan_layers": False}, 3600.0),
-    }
+    out = {"target": target, "layer": _run_child({"target": target, "kind": "moe_layer"}, 1800.0)}
+    if target not in TPU_TOPOLOGIES:  # the set-ups are GPU ones (8 GPUs of one host)
+      recipes = {"target": target, "kind": "moe_recipes"}
+      out["recipes"] = _run_child(recipes, 3600.0)
+      out["recipes_unscanned"] = _run_child({**recipes, "scan_layers": False}, 3600.0)
+    return out
   device = jax.devices()[0]
   on_cpu = device.platform == "cpu"
   cases = CPU_CASES if on_cpu else GPU_CASES
@@ -146,10 +146,12 @@ def bench_moe_layer(target: str | None = None, calls: int | None = None) -> dict
 
 def plan_moe_layer(spec: dict) -> dict:
   """In a fresh process (`bench_kernels._run_child`): XLA's temporaries (MiB) of each GPU
-  case's learner programs, compiled for `spec["target"]` without its device."""
-  from bench_kernels import _target_devices
+  case's programs, compiled for `spec["target"]` (a GPU, or a TPU topology's first chip)
+  without its device, or the compiler's error (a TPU compile refuses a plan past its chip)."""
+  from bench_kernels import TPU_TOPOLOGIES, _target_devices
 
   devices = _target_devices(spec["target"])
+  platform = "tpu" if spec["target"] in TPU_TOPOLOGIES else "cuda"
   mesh = make_mesh(devices[:1], {})
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   out = {}
@@ -166,7 +168,7 @@ def plan_moe_layer(spec: dict) -> dict:
         for kind, fn in (("fwd", forward), ("fwd_bwd", grads)):
           key = f"{name}_{kind}_{tokens}_{dispatch}"
           try:
-            with target_platform("cuda"):
+            with target_platform(platform):
               compiled = jax.jit(fn).lower(state, x).compile()
             out[f"{key}_temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
           except Exception as e:  # noqa: BLE001  (a compiler error is this benchmark's finding)
