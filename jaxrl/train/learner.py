@@ -112,8 +112,6 @@ class Learner:
     )
     # With an expert capacity, padding positions are kept out of it and drops are reported.
     self._capacity = self.expert_parallel is not None and bool(moe.capacity_factor)
-    # Placements need experts spread over devices (not the grouped dispatch on one).
-    self.spreads_experts = self.expert_parallel is not None and self.expert_parallel.spreads_experts
     if model.config.is_moe and moe.placement != "static" and not self.spreads_experts:
       raise ValueError(
         f"train.moe.placement={moe.placement!r} places experts on the training mesh's expert "
@@ -384,6 +382,12 @@ class Learner:
     supervised warm-up); nothing to do without a KL term."""
     if self._ref_params is not None:
       self.ref_params = self.params
+
+  @property
+  def spreads_experts(self) -> bool:
+    """Whether the MoE layers spread their experts over devices (an expert axis > 1): only
+    then do placements apply (not on the grouped dispatch's one device)."""
+    return self.expert_parallel is not None and self.expert_parallel.spreads_experts
 
   def _plan(self, routes_mbtlk: np.ndarray | None):
     """Expert placements per micro-batch (expert-parallel routing replay), or (None, None)."""
