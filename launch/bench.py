@@ -4,19 +4,15 @@
   python launch/bench.py rollout [--json] [--presets micro,bench-tiny,bench-small] [--rows 64]
       [--dtype bfloat16]
   python launch/bench.py prefix_sharing|prefill_packing [--json] [--presets bench-tiny]
-  python launch/bench.py plan [--json]
-  python launch/bench.py calibrate [--json]
-  python launch/bench.py paged_attention [--json]
-  python launch/bench.py flash_attention [--json]
-  python launch/bench.py logprobs [--json]
-  python launch/bench.py gmm [--json]
-  python launch/bench.py tgmm [--json]
+  python launch/bench.py plan|calibrate [--json]
+  python launch/bench.py paged_attention|flash_attention|logprobs|gmm|tgmm [--json]
   python launch/bench.py grpo_step [--json] [--presets bench-tiny]
   python launch/bench.py learner [--json] [--profile] [--lengths 4096] [--attentions flash]
                                 [--logprob-chunks 128,1024]
                                 [--remat-policies full,save_attention]
   python launch/bench.py kernels [--json] [--presets qwen3-0.6b]   (the CUDA plugin, no GPU)
   python launch/bench.py kernel_code [--json] [--flash-blocks "block_kv_bwd=32;..."]   (idem)
+  python launch/bench.py moe_layer|split_kernels [--json] [--target h100]   (idem)
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
       [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
       [--attention-blocks "2,,2,1;1,,2,1"]
@@ -444,6 +440,7 @@ bench_weight_transfer = _imported_when_asked("bench_transfer", "bench_weight_tra
 bench_publish = _imported_when_asked("bench_publish", "bench_publish")
 bench_chaos = _imported_when_asked("bench_chaos", "bench_chaos")
 bench_moe_layer = _imported_when_asked("bench_moe", "bench_moe_layer")
+bench_split_kernels = _imported_when_asked("bench_split", "bench_split_kernels")
 
 
 BENCHMARKS = {
@@ -472,6 +469,7 @@ BENCHMARKS = {
   "publish": bench_publish,
   "rollout": bench_rollout,
   "sampler": bench_sampler,
+  "split_kernels": bench_split_kernels,
   "tgmm": bench_tgmm,
   "turn_kv": bench_turn_kv,
   "weight_transfer": bench_weight_transfer,
@@ -531,7 +529,7 @@ def main() -> None:
     '"block_q_bwd=32,block_kv_bwd=64,num_warps=4;block_q=64"'
   )
   parser.add_argument("--flash-blocks", default=None, help=flash_blocks_help)
-  target_help = "moe_layer: compile for this GPU (benchmarks/gpu_targets) instead of timing"
+  target_help = "moe_layer, split_kernels: compile for this GPU (benchmarks/gpu_targets)"
   parser.add_argument("--target", default=None, help=target_help)
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}

@@ -540,6 +540,7 @@ if __name__ == "__main__":
       from bench_kernel_code import compile_kernel_code as compile_child
     else:
       from bench_moe import plan_moe_layer, plan_moe_recipes
+      from bench_split import plan_split_kernels
 
       compile_child = {
         "training": _compile_training_kernels,
@@ -549,6 +550,7 @@ if __name__ == "__main__":
         "engine": _compile_engine,
         "moe_layer": plan_moe_layer,
         "moe_recipes": plan_moe_recipes,
+        "split_kernels": plan_split_kernels,
       }.get(child_spec.get("kind"), _compile_window)
     print(json.dumps(compile_child(child_spec)))
   else:

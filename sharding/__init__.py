@@ -38,6 +38,7 @@ from jaxrl.sharding.rules import (
   Rules,
   batch_sharding,
   check_rules,
+  kernel_mesh,
   logical_to_pspec,
   tree_shardings,
 )
@@ -62,6 +63,7 @@ __all__ = [
   "home_placement",
   "host_array",
   "imbalance",
+  "kernel_mesh",
   "logical_to_pspec",
   "make_mesh",
   "move_between_devices",

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.kernels.partitioning import KernelMesh
 from jaxrl.sharding.mesh import MESH_AXES
 
 MeshAxes = str | tuple[str, ...] | None
@@ -296,3 +297,15 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
   if ndim < 1:
     raise ValueError(f"batch_sharding needs ndim >= 1 (a batch dimension), got {ndim}.")
   return NamedSharding(mesh, logical_to_pspec(("batch",) + (None,) * (ndim - 1), rules, mesh))
+
+
+def kernel_mesh(mesh: Mesh, rules: Rules) -> KernelMesh | None:
+  """Where a stage's attention kernels find their operands (`jaxrl.kernels.KernelMesh`): rows
+  over the mesh axes of the `batch` rule, kv heads over those of `kv_heads`; None where
+  neither has an axis of more than one device (the kernels are then called as they are)."""
+  table = _rule_table(rules)
+  sizes = dict(mesh.shape)
+  rows, heads = (
+    tuple(a for a in table.get(name, ()) if sizes.get(a, 1) > 1) for name in ("batch", "kv_heads")
+  )
+  return KernelMesh(mesh, rows, heads) if rows or heads else None

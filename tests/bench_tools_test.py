@@ -19,6 +19,7 @@ from bench_profile import (  # noqa: E402
   parse_block_sizes,
   summarize,
 )
+from bench_split import collectives  # noqa: E402
 from helpers.lowering import TRITON_CALL, export_cuda  # noqa: E402
 
 from jaxrl.kernels import paged_attention  # noqa: E402
@@ -227,3 +228,18 @@ def test_parse_block_sizes_reads_c_x_w_s_with_empty_fields_derived():
     parse_block_sizes("2,2")
   with pytest.raises(ValueError, match="power of two"):
     parse_block_sizes("2,,3,1")
+
+
+def test_collectives_counts_results_of_sync_and_async_ops():
+  hlo = """
+  %ags = (bf16[4,512,16,128]{3,2,1,0}, bf16[8,512,16,128]{3,2,1,0}) all-gather-start(%p)
+  %all-gather-done = bf16[8,512,16,128]{3,2,1,0} all-gather-done(%ags)
+  %all-reduce-start = bf16[64,1024]{1,0} all-reduce-start(%x), channel_id=2, to_apply=%add
+  %ag = s32[2,2048]{1,0} all-gather(%y), dimensions={0}
+  %a2a = ((bf16[2,32,4,128]{3,2,1,0}), bf16[2,32,4,128]{3,2,1,0}) all-to-all-start(%z)
+  """
+  assert collectives(hlo) == {
+    "all-gather": {"count": 2, "bytes": 8 * 512 * 16 * 128 * 2 + 2 * 2048 * 4},
+    "all-reduce": {"count": 1, "bytes": 64 * 1024 * 2},
+    "all-to-all": {"count": 1, "bytes": 2 * 32 * 4 * 128 * 2},
+  }

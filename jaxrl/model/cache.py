@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxrl.kernels.common import softcap
 from jaxrl.kernels.flash_attention import flash_attention
 from jaxrl.kernels.paged_attention import paged_attention
+from jaxrl.kernels.partitioning import KernelMesh
 from jaxrl.kernels.qk_rope_write import qk_rope_write, write_rows
 
 
@@ -149,6 +150,7 @@ FLASH_IMPL = {"flash": "auto", "cudnn": "cudnn"}
 def attend(
   q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt=None, attention: str = "dense",
   sliding_window: int | None = None, logit_softcap: float | None = None, sinks=None,
+  kernel_mesh: KernelMesh | None = None,
 ):  # fmt: skip
   """Writes this call's keys/values into `cache` (if any) and attends; returns (out, cache).
   `sliding_window`: the layer's window (static), None for full causal attention;
@@ -159,7 +161,9 @@ def attend(
   `segment_ids_bt` (no cache only): packed rows, where a token attends to the earlier (or
   equal) positions of its own segment; `positions_bt` then restart at 0 in every segment.
   `attention` (`ModelConfig.attention`; no cache only): "dense" (`dot_attention`), or "flash"
-  or "cudnn", `flash_attention` through the kernel of the platform or cuDNN: the same rule."""
+  or "cudnn", `flash_attention` through the kernel of the platform or cuDNN: the same rule.
+  `kernel_mesh`: where the operands live on a mesh, so that the kernels run on each device's
+  rows and heads (`jaxrl.kernels.partitioning`); None on one device."""
   rule = LogitRule(sliding_window, logit_softcap, sinks)
   if cache is None:
     if attention in FLASH_IMPL:
@@ -167,7 +171,7 @@ def attend(
         q_bthe, k_btke, v_btke,
         q_segment_ids=segment_ids_bt, kv_segment_ids=segment_ids_bt,
         q_positions=positions_bt, kv_positions=positions_bt, impl=FLASH_IMPL[attention],
-        **rule._asdict(),
+        mesh=kernel_mesh, **rule._asdict(),
       )  # fmt: skip
       return out, None
     out = dot_attention(
@@ -179,7 +183,7 @@ def attend(
     if segment_ids_bt is None:
       raise ValueError("A packed prefill (PackedPrefillCache) needs segment_ids_bt.")
     return _attend_packed_prefill(
-      q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention, rule
+      q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention, rule, kernel_mesh
     )
   if segment_ids_bt is not None:
     raise ValueError(
@@ -189,7 +193,7 @@ def attend(
     )
   if isinstance(cache, LayerCache):
     return _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache, rule)
-  return _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache, rule)
+  return _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache, rule, kernel_mesh)
 
 
 def _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache: LayerCache, rule: LogitRule):
@@ -203,8 +207,9 @@ def _attend_dense(q_bthe, k_btke, v_btke, positions_bt, cache: LayerCache, rule:
 
 
 def _attend_packed_prefill(
-  q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention, rule: LogitRule
-):
+  q_bthe, k_btke, v_btke, positions_bt, cache, segment_ids_bt, attention, rule: LogitRule,
+  kernel_mesh,
+):  # fmt: skip
   """Every sequence of a packed row starts at position 0 here: its keys are all in the row, so
   attention reads them from the row (cast to the cache's dtype first, as a chunked prefill
   reads them back from the pages) and the pages are only written: here, or after the scan
@@ -213,8 +218,9 @@ def _attend_packed_prefill(
   dtype = cache.dtype if scanned else cache.k_pages_kpze.dtype
   keys_btke, values_btke = k_btke.astype(dtype), v_btke.astype(dtype)
   out, _ = attend(
-    q_bthe, keys_btke, values_btke, positions_bt, None, segment_ids_bt, attention, *rule
-  )
+    q_bthe, keys_btke, values_btke, positions_bt, None, segment_ids_bt, attention, *rule,
+    kernel_mesh,
+  )  # fmt: skip
   if scanned:
     return out, (keys_btke, values_btke)
   return out, write_packed_prefill(cache, keys_btke, values_btke, positions_bt)
@@ -257,19 +263,23 @@ def _token_pages(positions_bt, cache: PagedLayerCache):
   return jnp.where(positions_bt >= 0, page_bt, num_pages), safe_pos_bt % page_size
 
 
-def _read_paged_decode(q_bthe, k_pages, v_pages, positions_bt, page_table_bn, rule: LogitRule):
+def _read_paged_decode(
+  q_bthe, k_pages, v_pages, positions_bt, page_table_bn, rule: LogitRule, kernel_mesh
+):  # fmt: skip
   """Decode attention, one query per row, read straight from the pages (this step's keys and
   values already written)."""
   lengths_b = jnp.where(positions_bt[:, 0] >= 0, positions_bt[:, 0] + 1, 0).astype(jnp.int32)
   table_bn = page_table_bn.astype(jnp.int32)
-  out = paged_attention(q_bthe[:, 0], k_pages, v_pages, lengths_b, table_bn, **rule._asdict())
+  out = paged_attention(
+    q_bthe[:, 0], k_pages, v_pages, lengths_b, table_bn, mesh=kernel_mesh, **rule._asdict()
+  )
   return out[:, None]
 
 
 def attend_paged_decode(
   q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache, cos_btf, sin_btf, q_scale=None,
   k_scale=None, *, eps, norm_plus_one: bool = False, sliding_window: int | None = None,
-  logit_softcap: float | None = None, sinks=None,
+  logit_softcap: float | None = None, sinks=None, kernel_mesh: KernelMesh | None = None,
 ):  # fmt: skip
   """A decode step (t = 1) against a paged cache, from the projections: q and k RMS-normed
   (with `q_scale`/`k_scale`, when given; `norm_plus_one` as `rms_norm`'s `plus_one`) and
@@ -281,16 +291,18 @@ def attend_paged_decode(
   q_bhe, k_pages, v_pages = qk_rope_write(
     q_bthe[:, 0], k_btke[:, 0], v_btke[:, 0], cos_btf[:, 0], sin_btf[:, 0], rows_b,
     cache.k_pages_kpze, cache.v_pages_kpze, q_scale=q_scale, k_scale=k_scale, eps=eps,
-    norm_plus_one=norm_plus_one,
+    norm_plus_one=norm_plus_one, mesh=kernel_mesh,
   )  # fmt: skip
   out = _read_paged_decode(
     q_bhe[:, None], k_pages, v_pages, positions_bt, cache.page_table_bn,
-    LogitRule(sliding_window, logit_softcap, sinks),
+    LogitRule(sliding_window, logit_softcap, sinks), kernel_mesh,
   )  # fmt: skip
   return out, PagedLayerCache(k_pages, v_pages, cache.page_table_bn)
 
 
-def _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache, rule: LogitRule):
+def _attend_paged(
+  q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache, rule: LogitRule, kernel_mesh
+):  # fmt: skip
   """Positions < 0 mark padding tokens: they write nothing and their outputs are ignored."""
   page_size = cache.k_pages_kpze.shape[2]
   page_bt, slot_bt = _token_pages(positions_bt, cache)
@@ -298,7 +310,9 @@ def _attend_paged(q_bthe, k_btke, v_btke, positions_bt, cache: PagedLayerCache, 
   v_pages = write_pages(cache.v_pages_kpze, v_btke, page_bt, slot_bt)
   new_cache = PagedLayerCache(k_pages, v_pages, cache.page_table_bn)
   if q_bthe.shape[1] == 1:
-    out = _read_paged_decode(q_bthe, k_pages, v_pages, positions_bt, cache.page_table_bn, rule)
+    out = _read_paged_decode(
+      q_bthe, k_pages, v_pages, positions_bt, cache.page_table_bn, rule, kernel_mesh
+    )
     return out, new_cache
   # Prefill chunk: gather each row's pages into contiguous slots and attend densely.
   b, n = cache.page_table_bn.shape

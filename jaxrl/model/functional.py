@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.kernels.partitioning import KernelMesh
 from jaxrl.model.cache import LayerCache, init_cache
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.moe import MoEInputs
@@ -88,6 +89,7 @@ class Model:
     segment_ids_bt: jax.Array | None = None,
     return_moe_counts: bool = False,
     activation_sharding: jax.sharding.Sharding | None = None,
+    kernel_mesh: KernelMesh | None = None,
   ):
     """Forward pass; returns (logits_btv in fp32, updated cache or None[, routing_btlk][,
     moe counts]).
@@ -98,7 +100,8 @@ class Model:
     `lm_head` applied in chunks); `segment_ids_bt` packs several sequences in a row (training,
     or a packed prefill); `return_moe_counts` adds the assignments the MoE layers routed and
     dropped for capacity; `activation_sharding` pins the residual stream between blocks (the
-    learner's rows over its batch axes); see `Transformer.__call__`.
+    learner's rows over its batch axes); `kernel_mesh` runs the attention kernels on each
+    device's rows and heads; see `Transformer.__call__`.
     """
     state = jax.tree.map(lambda x: x, self._abstract_state)
     nnx.replace_by_pure_dict(state, params)
@@ -113,6 +116,7 @@ class Model:
       segment_ids_bt,
       return_moe_counts,
       activation_sharding,
+      kernel_mesh,
     )
 
   def lm_head(self, params: Params) -> LMHead:

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxrl.kernels.common import softcap
 from jaxrl.kernels.flash_attention import save_attention_policy
+from jaxrl.kernels.partitioning import KernelMesh
 from jaxrl.kernels.qk_rope_write import apply_rope, rms_norm
 from jaxrl.model.cache import (
   LogitRule,
@@ -29,13 +30,13 @@ from jaxrl.model.moe import MoEInputs, MoEMLP, gated_unit, param
 from jaxrl.model.rope import rope_cos_sin
 
 
-def _remat_block(cfg, moe, layer: int):
+def _remat_block(cfg, moe, layer: int, kernel_mesh):
   """Block `layer` of a pass without a cache under `nnx.remat`, called as `(block, x,
   positions, segment ids)`. The layer and its window are closed over, not passed: `nnx.remat`
   traces a function's defaults too, and a traced layer index has no window to look up."""
   window = cfg.layer_window(layer)
   return nnx.remat(
-    lambda blk, x, pos, seg: blk(x, pos, None, moe, layer, seg, window),
+    lambda blk, x, pos, seg: blk(x, pos, None, moe, layer, seg, window, kernel_mesh),
     policy=remat_policy(cfg.remat_policy),
   )
 
@@ -116,9 +117,12 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(e, cfg.norm_eps, pd, cfg.norm_scale_plus_one)
       self.k_norm = RMSNorm(e, cfg.norm_eps, pd, cfg.norm_scale_plus_one)
 
-  def __call__(self, x_btd, positions_bt, cache, segment_ids_bt=None, layer=0, window=None):
+  def __call__(
+    self, x_btd, positions_bt, cache, segment_ids_bt=None, layer=0, window=None, kernel_mesh=None
+  ):  # fmt: skip
     """`layer`: this block's index (traced in a scanned stack), for `cfg.nope_layers`;
-    `window`: its sliding window (static; `ModelConfig.layer_window`), None for none."""
+    `window`: its sliding window (static; `ModelConfig.layer_window`), None for none;
+    `kernel_mesh`: the attention kernels' `KernelMesh` (`Transformer.__call__`)."""
     cfg = self.cfg
     dt = x_btd.dtype
     q = jnp.einsum("btd,dhe->bthe", x_btd, self.wq_dhe.get_value().astype(dt))
@@ -146,7 +150,7 @@ class Attention(nnx.Module):
         q = q * jnp.asarray(q_mult, dt)
       out_bthe, cache = attend_paged_decode(
         q, k, v, positions_bt, cache, cos_btf, sin_btf, *scales, eps=cfg.norm_eps,
-        norm_plus_one=cfg.norm_scale_plus_one, **rule._asdict(),
+        norm_plus_one=cfg.norm_scale_plus_one, kernel_mesh=kernel_mesh, **rule._asdict(),
       )  # fmt: skip
     else:
       if per_head_norm:
@@ -155,8 +159,9 @@ class Attention(nnx.Module):
         q = q * jnp.asarray(q_mult, dt)
       q, k = apply_rope(q, cos_btf, sin_btf), apply_rope(k, cos_btf, sin_btf)
       out_bthe, cache = attend(
-        q, k, v, positions_bt, cache, segment_ids_bt, attention=cfg.attention, **rule._asdict()
-      )
+        q, k, v, positions_bt, cache, segment_ids_bt, attention=cfg.attention,
+        kernel_mesh=kernel_mesh, **rule._asdict(),
+      )  # fmt: skip
     out_btd = jnp.einsum("bthe,hed->btd", out_bthe, self.wo_hed.get_value().astype(dt))
     if cfg.attention_out_bias:
       out_btd = out_btd + self.bo_d.get_value().astype(dt)
@@ -202,12 +207,13 @@ class Block(nnx.Module):
 
   def __call__(
     self, x_btd, positions_bt, cache, moe: MoEInputs | None, layer: int, segment_ids_bt=None,
-    window: int | None = None,
+    window: int | None = None, kernel_mesh=None,
   ):  # fmt: skip
     """Returns (output, cache, an MoE MLP's `MoERouting` or None). `window`: the layer's
-    sliding window (static), None for full attention."""
+    sliding window (static), None for full attention; `kernel_mesh`: the attention kernels'
+    `KernelMesh`."""
     position, multiplier = self.attn.cfg.norm_position, self.attn.cfg.residual_multiplier
-    attn_args = (positions_bt, cache, segment_ids_bt, layer, window)
+    attn_args = (positions_bt, cache, segment_ids_bt, layer, window, kernel_mesh)
 
     def add(x_btd, out_btd):  # Granite scales what joins the residual stream
       return x_btd + (
@@ -257,6 +263,7 @@ class Transformer(nnx.Module):
     segment_ids_bt: jax.Array | None = None,
     return_moe_counts: bool = False,
     activation_sharding: jax.sharding.Sharding | None = None,
+    kernel_mesh: KernelMesh | None = None,
   ):
     """Runs the model.
 
@@ -288,6 +295,11 @@ class Transformer(nnx.Module):
         gather and all-reduce `[b, t, ...]` activations in every layer instead of gathering the
         weights (a training mesh's collectives then grow with the tokens, not the parameters;
         docs/BENCHMARKS.md, "Training meshes"). None: XLA's choice.
+      kernel_mesh: where the attention kernels' operands live on a mesh (`KernelMesh`, from
+        `jaxrl.sharding.kernel_mesh`: rows over the batch axes, kv heads over the heads'
+        axes), so that each device runs the kernels on its own rows and heads; None on one
+        device (`jaxrl.kernels.partitioning`: without it XLA gathers every kernel's operands
+        onto every GPU, and a TPU refuses the program).
 
     Returns:
       (logits_btv in fp32, or hidden_btd with `return_hidden`; updated cache or None), plus,
@@ -306,7 +318,7 @@ class Transformer(nnx.Module):
     if cfg.embedding_multiplier != 1:  # Granite
       x_btd = x_btd * jnp.asarray(cfg.embedding_multiplier, dt)
     x_btd = _pin(x_btd, activation_sharding)
-    args = (x_btd, positions_bt, moe, segment_ids_bt, activation_sharding)
+    args = (x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, kernel_mesh)
     packed_prefill = cache is not None and isinstance(cache[0], PackedPrefillCache)
     if cfg.scan_layers and cache is None:
       x_btd, new_cache, ids_btlk, routed, dropped = self._scan_blocks(*args, cfg.num_layers)
@@ -330,7 +342,7 @@ class Transformer(nnx.Module):
     return out
 
   def _scan_packed_prefill(
-    self, cache, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding
+    self, cache, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, kernel_mesh
   ):
     """A packed prefill with its blocks but the last scanned (`_scan_blocks`), each scanned
     layer's keys and values then written to its own pool, and the last block unrolled: its
@@ -340,7 +352,7 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     scanned = cfg.num_layers - 1
     kv_dtype = cache[0].k_pages_kpze.dtype
-    args = (positions_bt, moe, segment_ids_bt, activation_sharding)
+    args = (positions_bt, moe, segment_ids_bt, activation_sharding, kernel_mesh)
     x_btd, kv, ids_btlk, routed, dropped = self._scan_blocks(
       x_btd, *args, scanned, kv_dtype=kv_dtype
     )
@@ -358,8 +370,9 @@ class Transformer(nnx.Module):
     )  # fmt: skip
 
   def _unrolled_blocks(
-    self, cache, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, *, first=0
-  ):
+    self, cache, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, kernel_mesh, *,
+    first=0,
+  ):  # fmt: skip
     """The blocks from `first` on, one after another (passes with a cache, or `scan_layers`
     off): returns the residual stream after them, their updated caches (None without a
     cache), the expert ids each of their MoE layers routed to (`[b, t, layers, k]`, None for
@@ -373,12 +386,13 @@ class Transformer(nnx.Module):
         # Training: keep each block's input (and what `remat_policy` names) for the backward
         # pass and recompute the rest, trading compute for activation memory that no longer
         # grows with depth.
-        run = _remat_block(cfg, moe, i)
+        run = _remat_block(cfg, moe, i, kernel_mesh)
         x_btd, layer_cache, layer_routing = run(block, x_btd, positions_bt, segment_ids_bt)
       else:
         x_btd, layer_cache, layer_routing = block(
-          x_btd, positions_bt, layer_cache, moe, i, segment_ids_bt, cfg.layer_window(i)
-        )
+          x_btd, positions_bt, layer_cache, moe, i, segment_ids_bt, cfg.layer_window(i),
+          kernel_mesh,
+        )  # fmt: skip
       x_btd = _pin(x_btd, activation_sharding)
       new_cache.append(layer_cache)
       if layer_routing is not None:
@@ -388,8 +402,8 @@ class Transformer(nnx.Module):
     return x_btd, (None if cache is None else tuple(new_cache)), ids_btlk, routed, dropped
 
   def _scan_blocks(
-    self, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, layers: int, *,
-    kv_dtype=None,
+    self, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, kernel_mesh,
+    layers: int, *, kv_dtype=None,
   ):  # fmt: skip
     """The first `layers` blocks of a pass without a cache, or of a packed prefill
     (`kv_dtype`: its pool's dtype), as one `lax.scan` (`ModelConfig.scan_layers`): returns,
@@ -408,7 +422,7 @@ class Transformer(nnx.Module):
     the window statically: the scan's step then runs one period of the pattern, its blocks
     one after another (`_window_period`), and a last scan the layers that remain."""
     cfg = self.cfg
-    args = (positions_bt, moe, segment_ids_bt, activation_sharding)
+    args = (positions_bt, moe, segment_ids_bt, activation_sharding, kernel_mesh)
     period = _window_period(cfg, layers)
     whole = layers // period * period
     parts = [(0, whole, period)] + [(whole, layers - whole, layers - whole)] * (whole < layers)
@@ -427,8 +441,8 @@ class Transformer(nnx.Module):
     return x_btd, kv, ids_btlk, routed, dropped
 
   def _scan_period(
-    self, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, *, first: int,
-    count: int, period: int, kv_dtype,
+    self, x_btd, positions_bt, moe, segment_ids_bt, activation_sharding, kernel_mesh, *,
+    first: int, count: int, period: int, kv_dtype,
   ):  # fmt: skip
     """Layers `[first, first + count)` as a scan over `count // period` steps of `period`
     blocks each; returns the residual stream, the keys and values (or None) and the expert
@@ -451,7 +465,7 @@ class Transformer(nnx.Module):
       nnx.replace_by_pure_dict(state, weights)
       block = nnx.merge(graphdef, state)
       x_btd, kv, routing = block(
-        x_btd, positions_bt, layer_cache, moe, layer, segment_ids_bt, window
+        x_btd, positions_bt, layer_cache, moe, layer, segment_ids_bt, window, kernel_mesh
       )
       return _pin(x_btd, activation_sharding), kv, routing
 

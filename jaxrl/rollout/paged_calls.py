@@ -25,7 +25,14 @@ import numpy as np
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PackedPrefillCache, PagedLayerCache
 from jaxrl.rollout.decode_loop import DecodeState, RowSampling, WindowOutput, decode_window
 from jaxrl.rollout.requests import bucketed_page_pairs
-from jaxrl.sharding import batch_sharding, host_array, logical_to_pspec, readable, to_devices
+from jaxrl.sharding import (
+  batch_sharding,
+  host_array,
+  kernel_mesh,
+  logical_to_pspec,
+  readable,
+  to_devices,
+)
 
 
 class PagedCalls:
@@ -41,6 +48,8 @@ class PagedCalls:
     mc = model.config
     # MoE on a mesh with an expert axis: the expert-parallel layer (else the reference).
     self._moe = MoEInputs(ExpertParallel.for_mesh(mc, mesh))
+    # Attention kernels on each device's rows and heads (`jaxrl.kernels.partitioning`).
+    self._kernel_mesh = kernel_mesh(mesh, rules)
     self.ring_layers = frozenset(mc.sliding_layers if window_pool else ())
     pools = [
       window_pool if i in self.ring_layers else config.num_pages for i in range(mc.num_layers)
@@ -167,6 +176,7 @@ class PagedCalls:
       self._layers(kv, table_bn, ring_table_bn),
       return_routing=True,
       moe=self._moe,
+      kernel_mesh=self._kernel_mesh,
     )
     return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
 
@@ -183,6 +193,7 @@ class PagedCalls:
       ),
       return_routing=True,
       moe=self._moe,
+      kernel_mesh=self._kernel_mesh,
       segment_ids_bt=segment_ids_bt,
     )
     return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
@@ -198,6 +209,7 @@ class PagedCalls:
         self._layers(kv, table_bn, ring_table_bn),
         return_routing=True,
         moe=self._moe,
+        kernel_mesh=self._kernel_mesh,
       )
       routing_blk = None if routing_b1lk is None else routing_b1lk[:, 0]
       return logits_b1v[:, 0], routing_blk, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]

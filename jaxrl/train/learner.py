@@ -32,7 +32,7 @@ from jaxrl.compile_ahead import with_shardings
 from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
 from jaxrl.model import ExpertParallel, Model, MoEInputs, Params, copy_params
 from jaxrl.model.scan_fit import fit_scan
-from jaxrl.sharding import tree_shardings
+from jaxrl.sharding import kernel_mesh, tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train import proximal, replica_sums, update_plan
 from jaxrl.train.batch import TrainBatch
@@ -141,6 +141,8 @@ class Learner:
       self.activation_sharding = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(batch_axes, None, None)
       )
+    # Attention kernels on each device's rows and heads (`jaxrl.kernels.partitioning`).
+    self.kernel_mesh = kernel_mesh(mesh, rules)
     self.optimizer = make_optimizer(optimizer)
     self._grad_accum_dtype = jnp.dtype(optimizer.grad_accum_dtype)
     if abstract:
@@ -300,6 +302,7 @@ class Learner:
       segment_ids_bt=segment_ids_bt,
       return_moe_counts=moe_counts is not None,
       activation_sharding=self.activation_sharding,
+      kernel_mesh=self.kernel_mesh,
     )
     if moe_counts is not None:
       moe_counts.update(counts[0])

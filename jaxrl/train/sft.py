@@ -54,6 +54,7 @@ class SupervisedTrainer:
       hidden_btd, _ = self.learner.model.apply(
         p, tokens_bt[:, :-1], return_hidden=True,
         activation_sharding=self.learner.activation_sharding,
+        kernel_mesh=self.learner.kernel_mesh,
       )  # fmt: skip
       logp_bt, _ = chunked_token_logprobs(
         hidden_btd,

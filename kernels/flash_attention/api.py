@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.kernels.common import IMPLS, check_block_fields, check_sinks, resolve_impl
 from jaxrl.kernels.flash_attention import cudnn, reference
+from jaxrl.kernels.partitioning import KernelMesh, head_groups, merge_groups, split_call
 
 # The `checkpoint_name`s of what the backward pass needs from the forward: the output and the
 # log-sum-exp residual.
@@ -205,26 +206,36 @@ def _metadata(b, t, s, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
 
 
 # Static configuration shared by forward and backward: (impl, causal, window, softcap, sm_scale,
-# block_sizes, interpret); `window` is the sliding window and `softcap` the logit cap (a float),
-# None for none.
+# block_sizes, interpret, kernel_mesh); `window` is the sliding window and `softcap` the logit
+# cap (a float), None for none; `kernel_mesh` the operands' `KernelMesh` or None.
 
 
 def _forward(cfg, q, k, v, meta):
-  impl, causal, window, softcap, sm_scale, block_sizes, interpret = cfg
+  impl, causal, window, softcap, sm_scale, block_sizes, interpret, kernel_mesh = cfg
   module = _LOADERS[impl]()
   kwargs = {} if impl == "reference" else {"interpret": interpret}
-  return module.forward(
-    q,
-    k,
-    v,
-    meta,
-    causal=causal,
-    window=window,
-    softcap=softcap,
-    sm_scale=sm_scale,
-    block_sizes=block_sizes,
-    **kwargs,
-  )
+  forward = functools.partial(
+    module.forward, causal=causal, window=window, softcap=softcap, sm_scale=sm_scale,
+    block_sizes=block_sizes, **kwargs,
+  )  # fmt: skip
+  if impl == "reference":
+    return forward(q, k, v, meta)
+  kv_heads = k.shape[2]
+
+  def local(q_btkge, k, v, *meta):
+    o_bthe, lse_bhu = forward(merge_groups(q_btkge, 2), k, v, reference.Metadata(*meta))
+    return head_groups(o_bthe, k.shape[2], 2), head_groups(lse_bhu, k.shape[2], 1)
+
+  o, lse = split_call(
+    local, f"{_KERNEL_OPERANDS} -> b t k g e, b k g u", kernel_mesh,
+    head_groups(q, kv_heads, 2), k, v, *meta, rows="b", heads="k",
+  )  # fmt: skip
+  return merge_groups(o, 2), merge_groups(lse, 1)
+
+
+# The kernels' operands (q split into kv heads and their groups, k, v, the 4 metadata arrays)
+# for `kernels.partitioning`: each device attends with its own rows and kv heads.
+_KERNEL_OPERANDS = "b t k g e, b s k e, b s k e, b t, b s, b t, b s"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -243,27 +254,37 @@ def _flash_fwd(q_bthe, k_bske, v_bske, meta, cfg):
 
 def _backward(cfg, residuals, do_bthe, dlse_bht=None):
   """(dq, dk, dv) from the kernel of `cfg`; `dlse_bht`: a cotangent of the log-sum-exp too."""
-  impl, causal, window, softcap, sm_scale, block_sizes, interpret = cfg
+  impl, causal, window, softcap, sm_scale, block_sizes, interpret, kernel_mesh = cfg
   q_bthe, k_bske, v_bske, meta, o_bthe, residual = residuals
   module = _LOADERS[impl]()
   kwargs = {} if impl == "reference" else {"interpret": interpret}
-  if dlse_bht is not None:
-    kwargs["dlse_bht"] = dlse_bht
-  return module.backward(
-    q_bthe,
-    k_bske,
-    v_bske,
-    meta,
-    o_bthe,
-    residual,
-    do_bthe.astype(q_bthe.dtype),
-    causal=causal,
-    window=window,
-    softcap=softcap,
-    sm_scale=sm_scale,
-    block_sizes=block_sizes,
-    **kwargs,
-  )
+  backward = functools.partial(
+    module.backward, causal=causal, window=window, softcap=softcap, sm_scale=sm_scale,
+    block_sizes=block_sizes, **kwargs,
+  )  # fmt: skip
+  do_bthe = do_bthe.astype(q_bthe.dtype)
+  if impl == "reference":
+    dlse = {} if dlse_bht is None else {"dlse_bht": dlse_bht}
+    return backward(q_bthe, k_bske, v_bske, meta, o_bthe, residual, do_bthe, **dlse)
+  kv_heads = k_bske.shape[2]
+  groups = lambda x, axis: head_groups(x, kv_heads, axis)  # noqa: E731
+  extra = () if dlse_bht is None else (groups(dlse_bht, 1),)
+
+  def local(q, k, v, q_seg, kv_seg, q_pos, kv_pos, o, lse, do, *dlse_bkgt):
+    local_kwargs = {"dlse_bht": merge_groups(dlse_bkgt[0], 1)} if dlse_bkgt else {}
+    dq, dk, dv = backward(
+      merge_groups(q, 2), k, v, reference.Metadata(q_seg, kv_seg, q_pos, kv_pos),
+      merge_groups(o, 2), merge_groups(lse, 1), merge_groups(do, 2), **local_kwargs,
+    )  # fmt: skip
+    return head_groups(dq, k.shape[2], 2), dk, dv
+
+  rule = f"{_KERNEL_OPERANDS}, b t k g e, b k g u, b t k g e" + ", b k g t" * bool(extra)
+  dq, dk, dv = split_call(
+    local, f"{rule} -> b t k g e, b s k e, b s k e", kernel_mesh,
+    groups(q_bthe, 2), k_bske, v_bske, *meta, groups(o_bthe, 2), groups(residual, 1),
+    groups(do_bthe, 2), *extra, rows="b", heads="k",
+  )  # fmt: skip
+  return merge_groups(dq, 2), dk, dv
 
 
 def _flash_bwd(cfg, residuals, do_bthe):
@@ -338,7 +359,7 @@ def _run(q, k, v, ids, sinks=None, *, cfg):
 @functools.partial(jax.jit, static_argnames=("cfg", "max_segments"))
 def _run_cudnn(q, k, v, ids, *, cfg, max_segments):
   """cuDNN where the batch's layout allows, else the kernel of `cfg` (`cudnn.attention`)."""
-  _, causal, _, _, sm_scale, _, _ = cfg
+  _, causal, _, _, sm_scale, _, _, _ = cfg
   b, t = q.shape[:2]
   meta = _metadata(b, t, k.shape[1], *ids)
   q_seg, kv_seg, q_pos, kv_pos = ids
@@ -368,6 +389,7 @@ def flash_attention(
   impl: str = "auto",
   block_sizes: BlockSizes | None = None,
   interpret: Any = False,
+  mesh: KernelMesh | None = None,
 ) -> jax.Array:
   """Grouped-query softmax attention for training and prefill, in memory linear in length.
 
@@ -427,6 +449,11 @@ def flash_attention(
     interpret: run the Pallas kernel in interpret mode (on CPU). True, or for `pallas_tpu` a
       `pltpu.InterpretParams`; it needs a kernel `impl`, since the reference has no kernel
       (with `"cudnn"`: the fallback kernel's).
+    mesh: where the operands live on a mesh (`KernelMesh`: rows split over its `rows` axes,
+      kv heads over its `heads` axes): the kernels, forward and backward, then run on each
+      device's rows and heads (`jaxrl.kernels.partitioning`). None: one call, which on more
+      than one device XLA gathers whole onto each (GPU) or refuses (TPU). cuDNN's attention
+      is split by jax's own rules.
 
   Returns:
     `[batch, q_len, num_q_heads, head_dim]` in q's dtype.
@@ -472,9 +499,12 @@ def flash_attention(
     return jnp.zeros(q.shape, q.dtype)  # nothing to attend to: every query sees no key
   ids = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
   if impl == "cudnn":
-    cfg = ("pallas_gpu", causal, sliding_window, softcap, float(sm_scale), block_sizes, interpret)
+    cfg = (
+      "pallas_gpu", causal, sliding_window, softcap, float(sm_scale), block_sizes, interpret,
+      mesh,
+    )  # fmt: skip
     if sliding_window is not None or softcap is not None or sinks is not None:
       return _run(q, k, v, ids, sinks, cfg=cfg)  # cuDNN's fallback for every batch
     return _run_cudnn(q, k, v, ids, cfg=cfg, max_segments=max_segments)
-  cfg = (impl, causal, sliding_window, softcap, float(sm_scale), block_sizes, interpret)
+  cfg = (impl, causal, sliding_window, softcap, float(sm_scale), block_sizes, interpret, mesh)
   return _run(q, k, v, ids, sinks, cfg=cfg)

@@ -26,6 +26,7 @@ from jaxrl.kernels.common import (
   traced_setting,
 )
 from jaxrl.kernels.paged_attention import reference
+from jaxrl.kernels.partitioning import KernelMesh, head_groups, merge_groups, split_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +199,7 @@ def _check_logit_softcap(logit_softcap) -> float | None:
   jax.jit,
   static_argnames=(
     "impl", "sm_scale", "sliding_window", "logit_softcap", "block_sizes", "precision",
-    "interpret",
+    "interpret", "kernel_mesh",
   ),
 )  # fmt: skip
 def _run(
@@ -216,6 +217,7 @@ def _run(
   block_sizes,
   precision,
   interpret,
+  kernel_mesh,
 ):
   _, _, s, _ = k_pages.shape
   m = page_indices.shape[1]
@@ -226,24 +228,36 @@ def _run(
   # Passed only when set, so that calls without them trace exactly as they always have.
   extra = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
   extra = {key: value for key, value in extra.items() if value is not None}
-  if sinks is not None:
-    extra["sinks_h"] = sinks.astype(jnp.float32)
-  if impl == "reference":
-    return fn(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, **extra)
+  if impl != "reference":
+    extra.update(block_sizes=block_sizes, interpret=interpret)
   # The TPU kernel multiplies in float32 at HIGHEST, at least as accurate as any precision.
   if impl == "pallas_gpu":
     extra["precision"] = precision
-  return fn(
-    q,
-    k_pages,
-    v_pages,
-    lengths,
-    page_indices,
-    sm_scale=sm_scale,
-    block_sizes=block_sizes,
-    interpret=interpret,
-    **extra,
-  )
+  kernel = functools.partial(fn, sm_scale=sm_scale, **extra)
+  if impl != "reference":
+    return _split_kernel(kernel, kernel_mesh, q, k_pages, v_pages, lengths, page_indices, sinks)
+  sinks = {} if sinks is None else {"sinks_h": sinks.astype(jnp.float32)}
+  return kernel(q, k_pages, v_pages, lengths, page_indices, **sinks)
+
+
+def _split_kernel(kernel, kernel_mesh, q, k_pages, v_pages, lengths, page_indices, sinks):
+  """`kernel` on each device's sequences and kv heads (`kernels.partitioning`): the pools stay
+  split over their kv heads, as a tensor-parallel engine holds them."""
+  kv_heads = k_pages.shape[0]
+  args = [head_groups(q, kv_heads, 1), k_pages, v_pages, lengths, page_indices]
+  rule = "n k g d, k p s d, k p s d, n, n m"
+  if sinks is not None:
+    args.append(head_groups(sinks.astype(jnp.float32), kv_heads, 0))
+    rule += ", k g"
+
+  def local(q_nkgd, k_pages, v_pages, lengths, page_indices, sinks_kg=None):
+    sinks_h = None if sinks_kg is None else merge_groups(sinks_kg, 0)
+    extra = {} if sinks_h is None else {"sinks_h": sinks_h}
+    out = kernel(merge_groups(q_nkgd, 1), k_pages, v_pages, lengths, page_indices, **extra)
+    return head_groups(out, k_pages.shape[0], 1)
+
+  out = split_call(local, rule + " -> n k g d", kernel_mesh, *args, rows="n", heads="k")
+  return merge_groups(out, 1)
 
 
 def paged_attention(
@@ -261,6 +275,7 @@ def paged_attention(
   impl: str = "auto",
   block_sizes: BlockSizes | None = None,
   interpret: Any = False,
+  mesh: KernelMesh | None = None,
 ) -> jax.Array:
   """Decode attention of one query per sequence over a paged KV cache (GQA/MQA aware).
 
@@ -318,6 +333,10 @@ def paged_attention(
       `default_block_sizes` around the trace).
     interpret: run the Pallas kernel in interpret mode (on CPU). True, or for `pallas_tpu` a
       `pltpu.InterpretParams`; it needs a kernel `impl`, since the reference has no kernel.
+    mesh: where the operands live on a mesh (`KernelMesh`: sequences split over its `rows`
+      axes, kv heads and the pools over its `heads` axes): the kernel then runs on each
+      device's sequences and heads (`jaxrl.kernels.partitioning`). None: one call, which on
+      more than one device XLA gathers whole onto each (GPU) or refuses (TPU).
 
   Returns:
     `[num_seqs, num_q_heads, head_dim]` attention output in q's dtype.
@@ -363,4 +382,5 @@ def paged_attention(
     block_sizes=block_sizes,
     precision=precision,
     interpret=interpret,
+    kernel_mesh=mesh,
   )

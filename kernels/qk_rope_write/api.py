@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.kernels.common import IMPLS, resolve_impl
+from jaxrl.kernels.partitioning import KernelMesh, head_groups, merge_groups, split_call
 from jaxrl.kernels.qk_rope_write import reference
 
 
@@ -56,23 +57,42 @@ def _gpu_shapes_supported(e: int) -> bool:
   return f >= 1 and f & (f - 1) == 0
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "eps", "plus_one", "interpret"))
+@functools.partial(jax.jit, static_argnames=("impl", "eps", "plus_one", "interpret", "kernel_mesh"))
 def _run(
-  q, k, v, cos, sin, rows, k_pages, v_pages, q_scale, k_scale, *, impl, eps, plus_one, interpret
-):
+  q, k, v, cos, sin, rows, k_pages, v_pages, q_scale, k_scale, *, impl, eps, plus_one, interpret,
+  kernel_mesh,
+):  # fmt: skip
   cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
   rows = rows.astype(jnp.int32)
   if impl == "reference":
-    return reference.qk_rope_write(
-      q, k, v, cos, sin, rows, k_pages, v_pages, q_scale_e=q_scale, k_scale_e=k_scale, eps=eps,
-      plus_one=plus_one,
-    )  # fmt: skip
-  from jaxrl.kernels.qk_rope_write import pallas_gpu
+    write = reference.qk_rope_write
+  else:
+    from jaxrl.kernels.qk_rope_write import pallas_gpu
 
-  return pallas_gpu.qk_rope_write(
-    q, k, v, cos, sin, rows, k_pages, v_pages, q_scale_e=q_scale, k_scale_e=k_scale, eps=eps,
-    plus_one=plus_one, interpret=interpret,
+    write = functools.partial(pallas_gpu.qk_rope_write, interpret=interpret)
+  # Split over kv heads as a tensor-parallel engine holds its pools (`kernels.partitioning`);
+  # every device writes every token's keys and values of its own heads (tokens are not split:
+  # a pool's copies on the row axes must all get every token). The reference too: left to
+  # XLA, its scatter gathered each layer's new keys and values over the heads' axis (TPU, 4
+  # all-gathers a layer; compiled for a TPU v5e, `launch/bench.py split_kernels`).
+  kv_heads = k_pages.shape[0]
+  scales = () if q_scale is None else (q_scale, k_scale)
+  rule = "n k g e, n k e, n k e, n f, n f, n, k p s e, k p s e" + ", e, e" * bool(scales)
+
+  def local(q_nkge, k, v, cos, sin, rows, k_pages, v_pages, *scales):
+    q_scale, k_scale = scales or (None, None)
+    q, k_pages, v_pages = write(
+      merge_groups(q_nkge, 1), k, v, cos, sin, rows, k_pages, v_pages, q_scale_e=q_scale,
+      k_scale_e=k_scale, eps=eps, plus_one=plus_one,
+    )  # fmt: skip
+    return head_groups(q, k_pages.shape[0], 1), k_pages, v_pages
+
+  q, k_pages, v_pages = split_call(
+    local, rule + " -> n k g e, k p s e, k p s e", kernel_mesh,
+    head_groups(q, kv_heads, 1), k, v, cos, sin, rows, k_pages, v_pages, *scales,
+    rows=None, heads="k",
   )  # fmt: skip
+  return merge_groups(q, 1), k_pages, v_pages
 
 
 def qk_rope_write(
@@ -91,6 +111,7 @@ def qk_rope_write(
   norm_plus_one: bool = False,
   impl: str = "auto",
   interpret: Any = False,
+  mesh: KernelMesh | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One decode step's q and k normed and rotated, and its k and v written into the pages.
 
@@ -115,6 +136,8 @@ def qk_rope_write(
       fusions serve), `"reference"` or `"pallas_gpu"`. The GPU kernel needs head_dim // 2 to
       be a power of two; "auto" runs the reference for other head dims.
     interpret: run the Pallas kernel in interpret mode (on CPU); needs `impl="pallas_gpu"`.
+    mesh: where the pools live on a mesh (`KernelMesh`): the kernel then runs on each
+      device's kv heads, every token on every device (`jaxrl.kernels.partitioning`).
 
   Returns:
     (q normed and rotated, in q's dtype; k_pages; v_pages).
@@ -140,5 +163,5 @@ def qk_rope_write(
     return q, k_pages, v_pages
   return _run(
     q, k, v, cos, sin, rows, k_pages, v_pages, q_scale, k_scale, impl=impl, eps=float(eps),
-    plus_one=bool(norm_plus_one), interpret=interpret,
+    plus_one=bool(norm_plus_one), interpret=interpret, kernel_mesh=mesh,
   )  # fmt: skip

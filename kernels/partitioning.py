@@ -1,0 +1,132 @@
+"""Kernels run on each device's rows and heads: `KernelMesh` and `split_call`.
+
+A Pallas kernel reaches XLA as a custom call that XLA's partitioner cannot look into.
+
+- On a GPU, it makes every operand whole on every device and runs the kernel on all of it
+  there. Compiled for H100s without them (2026-11-29, `launch/bench.py split_kernels`):
+  - a tensor-parallel rollout engine (Qwen3-8B over 2 GPUs) all-gathered both KV pools of
+    every layer at every decode step, 9.7 GB a step on each GPU, and each GPU attended with
+    every head;
+  - a learner on an fsdp mesh gathered the whole batch's q, k and v around flash attention,
+    and each GPU computed every row's attention, forward and backward.
+- On a TPU, it refuses: "Mosaic kernels cannot be automatically partitioned. Please wrap the
+  call in a shard_map." So no multi-chip program with a kernel in it compiled.
+  (`custom_partitioning`, the other way to tell the partitioner, does not reach the TPU
+  compiler: jax-ml/jax#38196.)
+
+So a kernel call runs inside a `jax.shard_map` over the caller's mesh (`KernelMesh`): its
+operands split over their rows (the mesh axes a batch's sequences are split over) and their
+kv heads (those the weights' heads are split over), as the engine and the learner hold them.
+Every other dimension is whole on each device: sequence positions, pages, head dims. A kernel
+computes each row and kv head from that row and head alone, so each device runs it on its own
+pieces and nothing crosses devices. On one device, without a `KernelMesh`, or inside a
+`shard_map` that already made the mesh's axes manual, the kernel is called as it is.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jaxrl.kernels.common import traced_setting
+
+_UNSPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("unsplit_kernels", default=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelMesh:
+  """Where a kernel call's operands live: `mesh`, the axes that split a batch's rows
+  (sequences) and those that split its kv heads (`jaxrl.sharding.kernel_mesh` builds it from
+  a stage's rules). Hashable: kernels take it as a static argument."""
+
+  mesh: jax.sharding.Mesh
+  rows: tuple[str, ...] = ()
+  heads: tuple[str, ...] = ()
+
+
+def unsplit_kernels():
+  """Traces inside call the kernels whole, as before `split_call` (one custom call that the
+  partitioner gathers onto every device): for measuring what the split saves in the same
+  process (`launch/bench.py split_kernels`)."""
+  return traced_setting(_UNSPLIT, True)
+
+
+def _factors(spec: str) -> list[tuple[str, ...]]:
+  """ "b k e, b n" -> [("b", "k", "e"), ("b", "n")]."""
+  return [tuple(part.split()) for part in spec.split(",")]
+
+
+def _factor_axes(kernel_mesh: KernelMesh, operands, args, rows, heads) -> dict:
+  """{factor: mesh axes} for the rows' and heads' factors, each kept only where it divides
+  among its axes of more than one device."""
+  sizes = dict(kernel_mesh.mesh.shape)
+  out = {}
+  for factor, names in ((rows, kernel_mesh.rows), (heads, kernel_mesh.heads)):
+    if factor is None:
+      continue
+    names = tuple(a for a in names if sizes.get(a, 1) > 1)
+    pairs = zip(operands, args, strict=True)
+    dims = [arg.shape[fs.index(factor)] for fs, arg in pairs if factor in fs]
+    if names and dims and dims[0] % math.prod(sizes[a] for a in names) == 0:
+      out[factor] = names
+  return out
+
+
+def _spec(factors: tuple[str, ...], axes: dict) -> PartitionSpec:
+  entries = [axes.get(f) for f in factors]
+  return PartitionSpec(*[e[0] if e and len(e) == 1 else e for e in entries])
+
+
+def split_call(
+  fn: Callable, rule: str, kernel_mesh: KernelMesh | None, *args, rows: str | None,
+  heads: str | None,
+):  # fmt: skip
+  """`fn(*args)` on each device's rows and kv heads (module docstring). `rule` names each
+  dimension of each operand and result with a factor, einsum style ("n k g e, k p s e -> n k g
+  e"); the factor `rows` is split over `kernel_mesh.rows` and `heads` over
+  `kernel_mesh.heads` (None: that one is not split), all others whole. `fn` must compute each
+  row and head from its own pieces: no sum across rows or heads. Results: one array, or a
+  tuple for several."""
+  operands_spec, results_spec = rule.split("->")
+  operands, results = _factors(operands_spec), _factors(results_spec)
+  if len(operands) != len(args):
+    raise ValueError(f"split_call: rule {rule!r} names {len(operands)} operands, got {len(args)}.")
+  for factors, arg in zip(operands, args, strict=True):
+    if len(factors) != arg.ndim:
+      raise ValueError(
+        f"split_call: rule {rule!r} gives {factors} for an operand of shape {arg.shape}."
+      )
+  if kernel_mesh is None or _UNSPLIT.get() or jax.sharding.get_abstract_mesh().manual_axes:
+    return fn(*args)
+  axes = _factor_axes(kernel_mesh, operands, args, rows, heads)
+  if not axes:
+    return fn(*args)
+  out_specs = [_spec(fs, axes) for fs in results]
+  mapped = jax.shard_map(
+    fn,
+    mesh=kernel_mesh.mesh,
+    in_specs=tuple(_spec(fs, axes) for fs in operands),
+    out_specs=out_specs[0] if len(results) == 1 else tuple(out_specs),
+    # The kernels' outputs do not say which axes they vary over (`output_like`); each is
+    # per-device by construction, as its out_specs say.
+    check_vma=False,
+  )
+  return mapped(*args)
+
+
+def head_groups(x: jax.Array, kv_heads: int, axis: int) -> jax.Array:
+  """`x` with its query-head axis `axis` split into `[kv_heads, heads // kv_heads]`, so that a
+  rule can split query heads together with the kv heads they attend with."""
+  shape = x.shape
+  return x.reshape(*shape[:axis], kv_heads, shape[axis] // kv_heads, *shape[axis + 1 :])
+
+
+def merge_groups(x: jax.Array, axis: int) -> jax.Array:
+  """`head_groups` undone: axes `axis` and `axis + 1` merged."""
+  shape = x.shape
+  return x.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])

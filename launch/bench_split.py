@@ -1,0 +1,170 @@
+"""`python launch/bench.py split_kernels --json`: what the kernels' split over a mesh saves
+(`jaxrl.kernels.partitioning`), compiled for GPUs without them.
+
+Each set-up is compiled twice in one process: with the kernels split over the mesh as their
+operands are (as shipped), and with `unsplit_kernels()` (one whole custom call each, which
+XLA's partitioner gathers onto every device: how the kernels ran before). Reported per
+program: the collectives in its text by kind (count, and the bytes of their results on one
+device; a decode window's loop body is its decode step, so those are a step's), XLA's
+temporaries on one device, and the compile's seconds.
+
+Set-ups, the ones a user with a node of GPUs meets:
+- `engine_qwen3-8b_tensor2`: the paged engine's decode window of Qwen3-8B over 2 GPUs in
+  tensor parallel (bf16 weights and KV, 64 rows, 2,048-token page tables, 4,096 pages of 16).
+- `learner_qwen3-0.6b_fsdp8`: the learner's micro-step of Qwen3-0.6B over 8 GPUs in fsdp (bf16
+  compute, fp32 master weights, remat, flash attention's Pallas kernel, one packed row of
+  4,096 positions a GPU).
+
+`--target tpu-v5e` compiles the same for a TPU topology's chips (the learner over its 4 chips).
+Needs the CUDA plugin or libtpu next to jax (`launch/bench_kernels.py`, PLUGIN_HELP, TPU_HELP).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+
+_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+_KINDS = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
+_ARRAY = re.compile(r"\b(bf16|f16|f32|s32|u32|s8|u8|pred)\[([\d,]*)\]")
+
+
+def collectives(hlo: str) -> dict:
+  """{kind: {"count", "bytes"}} of the collectives in a compiled program's text; bytes: their
+  results on one device (an async start's type lists its operands, then its results)."""
+  out = {}
+  for kind in _KINDS:
+    for match in re.finditer(rf"= (.+?) {kind}(-start)?\(", hlo):
+      arrays = _ARRAY.findall(match[1])
+      if match[2] and kind != "all-reduce":
+        arrays = arrays[len(arrays) // 2 :]
+      size = sum(
+        _DTYPE_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d]))
+        for dt, dims in arrays
+      )
+      row = out.setdefault(kind, {"count": 0, "bytes": 0})
+      row["count"] += 1
+      row["bytes"] += size
+  return out
+
+
+def _measure(lower) -> dict:
+  start = time.perf_counter()
+  compiled = lower().compile()
+  seconds = time.perf_counter() - start
+  return {
+    "collectives": collectives(compiled.as_text()),
+    "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30,
+    "compile_s": round(seconds, 1),
+  }
+
+
+def _both(lower_fn) -> dict:
+  """The program compiled as shipped and with the kernels unsplit, in this process."""
+  from jaxrl.kernels.partitioning import unsplit_kernels
+
+  row = {}
+  for name, unsplit in (("split", False), ("unsplit", True)):
+    try:
+      if unsplit:
+        with unsplit_kernels():
+          row[name] = _measure(lower_fn)
+      else:
+        row[name] = _measure(lower_fn)
+    except Exception as e:  # noqa: BLE001  (a compiler error is this benchmark's finding)
+      row[name] = {"error": str(e).splitlines()[0][:500]}
+  return row
+
+
+def _engine_decode(target: str) -> dict:
+  from bench_kernels import _target_devices
+
+  from jaxrl.compile_ahead import with_shardings
+  from jaxrl.model import Model, get_preset
+  from jaxrl.rollout.paged import PagedConfig, PagedEngine
+  from jaxrl.rollout.precompile import engine_lowerings
+  from jaxrl.rollout.sampling import NO_FILTER
+  from jaxrl.sharding import ROLLOUT_RULES, make_mesh
+
+  mesh = make_mesh(_target_devices(target, 2)[:2], {"tensor": 2})
+  model = Model(get_preset("qwen3-8b", dtype="bfloat16", param_dtype="bfloat16"))
+  config = PagedConfig(page_size=16, num_pages=4096, max_running=64, prefill_chunk=512,
+                       max_tokens=2048, keep_turn_kv=False)  # fmt: skip
+  engine = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=config)
+  params = with_shardings(model.abstract_params(), engine.param_shardings)
+  decodes = [
+    (program.args[2].shape, lower)
+    for program, lower in engine_lowerings(engine, 1, NO_FILTER, params)
+    if program.on_device
+  ]
+  shape, lower = max(decodes, key=lambda d: d[0])  # the most rows, the widest page table
+  return {"rows": shape[0], "table_pages": shape[1], **_both(lower)}
+
+
+def _learner_micro_step(target: str) -> dict:
+  from bench_kernels import TPU_TOPOLOGIES, _target_devices
+
+  from jaxrl.model import Model, get_preset
+  from jaxrl.sharding import TRAIN_RULES, make_mesh
+  from jaxrl.train import Learner, LossConfig, MoEConfig, OptimizerConfig, update_plan
+
+  length = 4096
+  devices = _target_devices(target, 8)  # a TPU target: its topology's chips (4)
+  gpus = len(devices) if target in TPU_TOPOLOGIES else 8
+  mesh = make_mesh(devices[:gpus], {"fsdp": gpus})
+  cfg = get_preset("qwen3-0.6b", dtype="bfloat16", param_dtype="float32", remat=True,
+                   max_seq_len=length + 1, attention="flash")  # fmt: skip
+  learner = Learner(
+    Model(cfg), mesh, TRAIN_RULES, loss=LossConfig(),
+    optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
+    updates_per_step=1, micro_batch_size=gpus, temperature=1.0, params=None,
+    pack_length=length, abstract=True, moe=MoEConfig(),
+  )  # fmt: skip
+
+  def lower():
+    micro_step = update_plan.compiled_update(learner, 2 * gpus, length)[0]
+    return _Compiled(micro_step)
+
+  return {"gpus": gpus, "pack_length": length, **_both(lower)}
+
+
+class _Compiled:
+  """A compiled program where `_measure` expects a lowered one (`compiled_update` compiles)."""
+
+  def __init__(self, compiled):
+    self._compiled = compiled
+
+  def compile(self):
+    return self._compiled
+
+
+def plan_split_kernels(spec: dict) -> dict:
+  """In a fresh process (`bench_kernels._run_child`): the set-ups of this module's docstring,
+  each compiled split and unsplit for `spec["target"]`: GPUs, or a TPU topology's chips."""
+  from bench_kernels import TPU_TOPOLOGIES
+
+  from jaxrl.kernels.common import target_platform
+
+  out = {}
+  with target_platform("tpu" if spec["target"] in TPU_TOPOLOGIES else "cuda"):
+    for name, plan in (
+      ("engine_qwen3-8b_tensor2", _engine_decode),
+      ("learner_qwen3-0.6b_fsdp8", _learner_micro_step),
+    ):
+      if spec.get("only") and name not in spec["only"]:
+        continue
+      try:
+        out[name] = plan(spec["target"])
+      except Exception as e:  # noqa: BLE001
+        out[name] = {"error": str(e).splitlines()[0][:500]}
+  return out
+
+
+def bench_split_kernels(target: str = "h100") -> dict:
+  """`plan_split_kernels` in a child process with the CUDA plugin's compiler (or libtpu's, for
+  a TPU target)."""
+  from bench_kernels import _run_child
+
+  return {"target": target, **_run_child({"target": target, "kind": "split_kernels"}, 3600.0)}
