@@ -9,8 +9,10 @@ device; a decode window's loop body is its decode step, so those are a step's), 
 temporaries on one device, and the compile's seconds.
 
 Set-ups, the ones a user with a node of GPUs meets:
-- `engine_qwen3-8b_tensor2`: the paged engine's decode window of Qwen3-8B over 2 GPUs in
-  tensor parallel (bf16 weights and KV, 64 rows, 2,048-token page tables, 4,096 pages of 16).
+- `engine_qwen3-8b_tensor2`: the paged engine of Qwen3-8B over 2 GPUs in tensor parallel
+  (bf16 weights and KV, 64 rows, 2,048-token page tables, 4,096 pages of 16, flash attention's
+  kernel): its decode window, and its packed prefill of the most rows (prompts of up to 512
+  tokens packed into rows of 512).
 - `learner_qwen3-0.6b_fsdp8`: the learner's micro-step of Qwen3-0.6B over 8 GPUs in fsdp (bf16
   compute, fp32 master weights, remat, flash attention's Pallas kernel, one packed row of
   4,096 positions a GPU).
@@ -78,7 +80,7 @@ def _both(lower_fn) -> dict:
   return row
 
 
-def _engine_decode(target: str) -> dict:
+def _engine(target: str) -> dict:
   from bench_kernels import _target_devices
 
   from jaxrl.compile_ahead import with_shardings
@@ -89,18 +91,23 @@ def _engine_decode(target: str) -> dict:
   from jaxrl.sharding import ROLLOUT_RULES, make_mesh
 
   mesh = make_mesh(_target_devices(target, 2)[:2], {"tensor": 2})
-  model = Model(get_preset("qwen3-8b", dtype="bfloat16", param_dtype="bfloat16"))
+  cfg = get_preset("qwen3-8b", dtype="bfloat16", param_dtype="bfloat16", attention="flash")
+  model = Model(cfg)
   config = PagedConfig(page_size=16, num_pages=4096, max_running=64, prefill_chunk=512,
                        max_tokens=2048, keep_turn_kv=False)  # fmt: skip
   engine = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=config)
   params = with_shardings(model.abstract_params(), engine.param_shardings)
-  decodes = [
-    (program.args[2].shape, lower)
-    for program, lower in engine_lowerings(engine, 1, NO_FILTER, params)
-    if program.on_device
-  ]
-  shape, lower = max(decodes, key=lambda d: d[0])  # the most rows, the widest page table
-  return {"rows": shape[0], "table_pages": shape[1], **_both(lower)}
+  lowerings = engine_lowerings(engine, 1, NO_FILTER, params)
+  packed = engine._calls._prefill_packed
+  # The most rows and the widest page table; the packed prefill of the most rows.
+  first = lambda pair: pair[0]  # noqa: E731
+  decode = max(((p.args[2].shape, lower) for p, lower in lowerings if p.on_device), key=first)
+  prefills = ((p.args[0].shape, lower) for p, lower in lowerings if p.jitted is packed)
+  prefill = max(prefills, key=first)
+  return {
+    "decode_step": {"rows": decode[0][0], "table_pages": decode[0][1], **_both(decode[1])},
+    "packed_prefill": {"rows": prefill[0][0], "tokens": prefill[0][1], **_both(prefill[1])},
+  }
 
 
 def _learner_micro_step(target: str) -> dict:
@@ -150,7 +157,7 @@ def plan_split_kernels(spec: dict) -> dict:
   out = {}
   with target_platform("tpu" if spec["target"] in TPU_TOPOLOGIES else "cuda"):
     for name, plan in (
-      ("engine_qwen3-8b_tensor2", _engine_decode),
+      ("engine_qwen3-8b_tensor2", _engine),
       ("learner_qwen3-0.6b_fsdp8", _learner_micro_step),
     ):
       if spec.get("only") and name not in spec["only"]:

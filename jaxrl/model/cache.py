@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxrl.kernels.common import softcap
 from jaxrl.kernels.flash_attention import flash_attention
 from jaxrl.kernels.paged_attention import paged_attention
-from jaxrl.kernels.partitioning import KernelMesh
+from jaxrl.kernels.partitioning import KernelMesh, split_call
 from jaxrl.kernels.qk_rope_write import qk_rope_write, write_rows
 
 
@@ -223,11 +223,11 @@ def _attend_packed_prefill(
   )  # fmt: skip
   if scanned:
     return out, (keys_btke, values_btke)
-  return out, write_packed_prefill(cache, keys_btke, values_btke, positions_bt)
+  return out, write_packed_prefill(cache, keys_btke, values_btke, positions_bt, kernel_mesh)
 
 
 def write_packed_prefill(
-  cache: PackedPrefillCache, keys_btke, values_btke, positions_bt
+  cache: PackedPrefillCache, keys_btke, values_btke, positions_bt, kernel_mesh=None
 ) -> PackedPrefillCache:
   """`cache` with a packed prefill's keys and values (in its dtype) at each token's page
   (`token_pages_bt`) and slot (its position % page size); padding (position < 0) writes
@@ -235,16 +235,23 @@ def write_packed_prefill(
   num_pages, page_size = cache.k_pages_kpze.shape[1:3]
   slot_bt = jnp.maximum(positions_bt, 0) % page_size
   page_bt = jnp.where(positions_bt >= 0, cache.token_pages_bt, num_pages)
-  k_pages = write_pages(cache.k_pages_kpze, keys_btke, page_bt, slot_bt)
-  v_pages = write_pages(cache.v_pages_kpze, values_btke, page_bt, slot_bt)
+  k_pages = write_pages(cache.k_pages_kpze, keys_btke, page_bt, slot_bt, kernel_mesh)
+  v_pages = write_pages(cache.v_pages_kpze, values_btke, page_bt, slot_bt, kernel_mesh)
   return PackedPrefillCache(k_pages, v_pages, cache.token_pages_bt)
 
 
-def write_pages(pages_kpze, new_btke, page_bt, slot_bt):
+def write_pages(pages_kpze, new_btke, page_bt, slot_bt, kernel_mesh=None):
   """The pool with each token's keys (or values), all heads, at its page and slot; a token
-  whose page is outside the pool writes nothing (`write_rows`: one scatter of whole rows)."""
+  whose page is outside the pool writes nothing (`write_rows`: one scatter of whole rows).
+  With a `kernel_mesh`, each device writes its own kv heads of every token: left to XLA, the
+  scatter gathered the new keys and values over the heads' axis (a tensor-parallel packed
+  prefill: 3 all-gathers every 4 layers compiled for H100s, 19 for a TPU v5e)."""
   z = pages_kpze.shape[2]
-  return write_rows(pages_kpze, new_btke, _rows(page_bt, slot_bt, pages_kpze.shape[1], z))
+  rows_n = _rows(page_bt, slot_bt, pages_kpze.shape[1], z)
+  return split_call(
+    write_rows, "k p z e, b t k e, n -> k p z e", kernel_mesh, pages_kpze, new_btke, rows_n,
+    rows=None, heads="k",
+  )  # fmt: skip
 
 
 def _rows(page_bt, slot_bt, num_pages, page_size):
@@ -306,8 +313,8 @@ def _attend_paged(
   """Positions < 0 mark padding tokens: they write nothing and their outputs are ignored."""
   page_size = cache.k_pages_kpze.shape[2]
   page_bt, slot_bt = _token_pages(positions_bt, cache)
-  k_pages = write_pages(cache.k_pages_kpze, k_btke, page_bt, slot_bt)
-  v_pages = write_pages(cache.v_pages_kpze, v_btke, page_bt, slot_bt)
+  k_pages = write_pages(cache.k_pages_kpze, k_btke, page_bt, slot_bt, kernel_mesh)
+  v_pages = write_pages(cache.v_pages_kpze, v_btke, page_bt, slot_bt, kernel_mesh)
   new_cache = PagedLayerCache(k_pages, v_pages, cache.page_table_bn)
   if q_bthe.shape[1] == 1:
     out = _read_paged_decode(

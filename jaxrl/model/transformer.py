@@ -357,7 +357,7 @@ class Transformer(nnx.Module):
       x_btd, *args, scanned, kv_dtype=kv_dtype
     )
     new_cache = tuple(
-      write_packed_prefill(c, k, v, positions_bt)
+      write_packed_prefill(c, k, v, positions_bt, kernel_mesh)
       for c, k, v in zip(cache[:scanned], *kv, strict=True)
     )
     x_btd, last_cache, last_ids, last_routed, last_dropped = self._unrolled_blocks(

@@ -195,3 +195,32 @@ def test_kernel_mesh_follows_the_stages_rules():
   assert kernel_mesh(mesh, ROLLOUT_RULES) == KernelMesh(mesh, ("data",), ("tensor",))
   assert kernel_mesh(_mesh(fsdp=2), ROLLOUT_RULES) is None  # rollout rows are not over fsdp
   assert kernel_mesh(_mesh(data=1), TRAIN_RULES) is None
+
+
+def test_page_writes_stay_on_each_devices_kv_heads():
+  from jaxrl.model.cache import write_pages
+
+  mesh = _mesh(data=2, tensor=4)
+  split = kernel_mesh(mesh, ROLLOUT_RULES)
+  b, t, k, e, p, z = 2, 6, 4, 16, 8, 4
+  ks = jax.random.split(jax.random.key(3), 2)
+  pages = jax.random.normal(ks[0], (k, p, z, e), jnp.float32)
+  new = jax.random.normal(ks[1], (b, t, k, e), jnp.float32)
+  page_bt = jnp.array([[0, 0, 3, 3, 8, 8], [5, 5, 5, 5, 1, 1]], jnp.int32)  # page 8: outside
+  slot_bt = jnp.array([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 3, 2]], jnp.int32)
+  args = (
+    _put(mesh, pages, "tensor"), _put(mesh, new, "data", None, "tensor"),
+    _put(mesh, page_bt, "data"), _put(mesh, slot_bt, "data"),
+  )  # fmt: skip
+  run = jax.jit(lambda *a: write_pages(*a, kernel_mesh=split))
+  got = run(*args)
+  np.testing.assert_array_equal(got, write_pages(pages, new, page_bt, slot_bt))
+  assert got.sharding.spec == P("tensor")
+  # Every token to every device of `data` (each holds a copy of the pool), nothing over
+  # `tensor`: left to XLA, the scatter gathered the new rows over the heads' axis too.
+  found = _collectives(run.lower(*args).compile())
+  assert set(found) <= {"all-gather"}, found
+  whole = jax.jit(lambda *a: write_pages(*a, kernel_mesh=None))
+  assert _collectives(whole.lower(*args).compile()).get("all-gather", 0) > found.get(
+    "all-gather", 0
+  )
