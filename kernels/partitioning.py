@@ -20,7 +20,9 @@ kv heads (those the weights' heads are split over), as the engine and the learne
 Every other dimension is whole on each device: sequence positions, pages, head dims. A kernel
 computes each row and kv head from that row and head alone, so each device runs it on its own
 pieces and nothing crosses devices. On one device, without a `KernelMesh`, or inside a
-`shard_map` that already made the mesh's axes manual, the kernel is called as it is.
+`shard_map` that already made the mesh's axes manual, the kernel is called as it is; on a mesh
+where neither rows nor heads split (an expert axis alone), each device runs it on whole
+operands, as XLA did on GPUs, but now in a `shard_map`, which a TPU needs.
 """
 
 from __future__ import annotations
@@ -103,9 +105,11 @@ def split_call(
       )
   if kernel_mesh is None or _UNSPLIT.get() or jax.sharding.get_abstract_mesh().manual_axes:
     return fn(*args)
-  axes = _factor_axes(kernel_mesh, operands, args, rows, heads)
-  if not axes:
+  if kernel_mesh.mesh.size == 1:
     return fn(*args)
+  # Where nothing splits (a mesh of expert axes alone, rows that do not divide) the kernel
+  # still runs in a shard_map, on whole operands: a TPU compiles no kernel outside one.
+  axes = _factor_axes(kernel_mesh, operands, args, rows, heads)
   out_specs = [_spec(fs, axes) for fs in results]
   mapped = jax.shard_map(
     fn,

@@ -17,6 +17,10 @@ Set-ups, the ones a user with a node of GPUs meets:
   compute, fp32 master weights, remat, flash attention's Pallas kernel, one packed row of
   4,096 positions a GPU).
 
+- `moe_qwen3-30b-a3b_2_layers_expert4`: Qwen3-30B-A3B's first 2 layers over 4 devices of an
+  expert axis alone (routing replay): the learner's micro-step (one packed row of 1,024) and
+  the engine's decode window (16 rows). Nothing there for the kernels to split.
+
 `--target tpu-v5e` compiles the same for a TPU topology's chips (the learner over its 4 chips).
 Needs the CUDA plugin or libtpu next to jax (`launch/bench_kernels.py`, PLUGIN_HELP, TPU_HELP).
 """
@@ -137,6 +141,45 @@ def _learner_micro_step(target: str) -> dict:
   return {"gpus": gpus, "pack_length": length, **_both(lower)}
 
 
+def _moe_expert_parallel(target: str) -> dict:
+  """Qwen3-30B-A3B's first 2 layers over 4 devices of an expert axis alone (nothing for the
+  kernels to split: each device attends with every row and head), the learner's micro-step
+  and the engine's decode window: whether they compile."""
+  from bench_kernels import _target_devices
+
+  from jaxrl.compile_ahead import with_shardings
+  from jaxrl.model import Model, get_preset
+  from jaxrl.rollout.paged import PagedConfig, PagedEngine
+  from jaxrl.rollout.precompile import engine_lowerings
+  from jaxrl.rollout.sampling import NO_FILTER
+  from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
+  from jaxrl.train import Learner, LossConfig, MoEConfig, OptimizerConfig, update_plan
+
+  mesh = make_mesh(_target_devices(target, 4)[:4], {"expert": 4})
+  length = 1024
+  common = dict(dtype="bfloat16", attention="flash", num_layers=2, moe_dispatch="dense")
+  train_cfg = get_preset("qwen3-30b-a3b", param_dtype="float32", remat=True,
+                         max_seq_len=length + 1, **common)  # fmt: skip
+  learner = Learner(
+    Model(train_cfg), mesh, TRAIN_RULES, loss=LossConfig(),
+    optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
+    updates_per_step=1, micro_batch_size=1, temperature=1.0, params=None,
+    pack_length=length, abstract=True, moe=MoEConfig(routing_replay=True),
+  )  # fmt: skip
+  model = Model(get_preset("qwen3-30b-a3b", param_dtype="bfloat16", **common))
+  config = PagedConfig(page_size=16, num_pages=1024, max_running=16, prefill_chunk=256,
+                       max_tokens=512, keep_turn_kv=False)  # fmt: skip
+  engine = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=config)
+  params = with_shardings(model.abstract_params(), engine.param_shardings)
+  lowerings = engine_lowerings(engine, 1, NO_FILTER, params)
+  decode = next(lower for p, lower in lowerings if p.on_device)
+
+  def micro_step():
+    return _Compiled(update_plan.compiled_update(learner, 2, length)[0])
+
+  return {"learner_micro_step": _both(micro_step), "decode_step": _both(decode)}
+
+
 class _Compiled:
   """A compiled program where `_measure` expects a lowered one (`compiled_update` compiles)."""
 
@@ -159,6 +202,7 @@ def plan_split_kernels(spec: dict) -> dict:
     for name, plan in (
       ("engine_qwen3-8b_tensor2", _engine),
       ("learner_qwen3-0.6b_fsdp8", _learner_micro_step),
+      ("moe_qwen3-30b-a3b_2_layers_expert4", _moe_expert_parallel),
     ):
       if spec.get("only") and name not in spec["only"]:
         continue

@@ -301,11 +301,13 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
 
 def kernel_mesh(mesh: Mesh, rules: Rules) -> KernelMesh | None:
   """Where a stage's attention kernels find their operands (`jaxrl.kernels.KernelMesh`): rows
-  over the mesh axes of the `batch` rule, kv heads over those of `kv_heads`; None where
-  neither has an axis of more than one device (the kernels are then called as they are)."""
+  over the mesh axes of the `batch` rule, kv heads over those of `kv_heads` (each only where
+  more than one device); None on one device (the kernels are then called as they are)."""
+  if mesh.size == 1:
+    return None
   table = _rule_table(rules)
   sizes = dict(mesh.shape)
   rows, heads = (
     tuple(a for a in table.get(name, ()) if sizes.get(a, 1) > 1) for name in ("batch", "kv_heads")
   )
-  return KernelMesh(mesh, rows, heads) if rows or heads else None
+  return KernelMesh(mesh, rows, heads)

@@ -168,7 +168,7 @@ def test_flash_attention_forward_and_backward_stay_on_each_devices_rows_and_head
     assert "all-gather" in _collectives(whole.lower(*args).compile())
 
 
-def test_split_call_checks_its_rule_and_calls_plainly_where_nothing_splits():
+def test_split_call_checks_its_rule_and_calls_plainly_on_one_device():
   x = jnp.arange(12.0).reshape(6, 2)
   one = KernelMesh(_mesh(data=1), rows=("data",))
   with pytest.raises(ValueError, match="names 2 operands, got 1"):
@@ -177,23 +177,27 @@ def test_split_call_checks_its_rule_and_calls_plainly_where_nothing_splits():
     split_call(lambda a: a, "i -> i", one, x, rows="i", heads=None)
 
   def jaxpr(kernel_mesh):
-    call = lambda a: split_call(lambda y: y * 2, "i j -> i j", kernel_mesh, a, rows="i", heads="j")  # noqa: E731
+    def call(a):
+      return split_call(lambda y: y * 2, "i j -> i j", kernel_mesh, a, rows="i", heads="j")
+
     return str(jax.make_jaxpr(call)(x))
 
   mesh = _mesh(data=2, tensor=4)
-  assert "shard_map" in jaxpr(KernelMesh(mesh, rows=("data",)))
+  assert "in_specs=(P('data', None),)" in jaxpr(KernelMesh(mesh, rows=("data",)))
   assert "shard_map" not in jaxpr(one)  # one device
   assert "shard_map" not in jaxpr(None)
-  # 2 heads do not split over 4 devices, and 6 rows not over 4: called as they are.
-  assert "shard_map" not in jaxpr(KernelMesh(mesh, heads=("tensor",)))
-  assert "shard_map" not in jaxpr(KernelMesh(_mesh(data=4), rows=("data",)))
+  # 2 heads do not split over 4 devices, nor 6 rows over 4: whole operands on each device,
+  # still in a shard_map (a TPU compiles no kernel outside one).
+  assert "in_specs=(P(None, None),)" in jaxpr(KernelMesh(mesh, heads=("tensor",)))
+  assert "in_specs=(P(None, None),)" in jaxpr(KernelMesh(_mesh(data=4), rows=("data",)))
 
 
 def test_kernel_mesh_follows_the_stages_rules():
   mesh = _mesh(data=2, fsdp=2, tensor=2)
   assert kernel_mesh(mesh, TRAIN_RULES) == KernelMesh(mesh, ("data", "fsdp"), ("tensor",))
   assert kernel_mesh(mesh, ROLLOUT_RULES) == KernelMesh(mesh, ("data",), ("tensor",))
-  assert kernel_mesh(_mesh(fsdp=2), ROLLOUT_RULES) is None  # rollout rows are not over fsdp
+  experts = _mesh(expert=4)  # nothing splits, but the kernels still need their shard_map
+  assert kernel_mesh(experts, TRAIN_RULES) == KernelMesh(experts, (), ())
   assert kernel_mesh(_mesh(data=1), TRAIN_RULES) is None
 
 
