@@ -185,6 +185,21 @@ RECIPES = (
 )
 
 
+def abstract_learner(train_cfg, mesh, length: int, rows: int = 1, replay: bool = False):
+  """The recipes' learner for compiling without devices: one packed row of `length` positions
+  a micro-batch row, `rows` rows, bf16 Adam first moment and gradient sums, TRAIN_RULES."""
+  from jaxrl.model import Model
+  from jaxrl.sharding import TRAIN_RULES
+  from jaxrl.train import Learner, LossConfig, MoEConfig, OptimizerConfig
+
+  return Learner(
+    Model(train_cfg), mesh, TRAIN_RULES, loss=LossConfig(),
+    optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
+    updates_per_step=1, micro_batch_size=rows, temperature=1.0, params=None,
+    pack_length=length, abstract=True, moe=MoEConfig(routing_replay=replay),
+  )  # fmt: skip
+
+
 def plan_moe_recipes(spec: dict) -> dict:
   """In a fresh process (`bench_kernels._run_child`): each of `RECIPES` compiled for
   `spec["target"]` GPUs without them: the learner's update (one packed row of
@@ -204,8 +219,8 @@ def plan_moe_recipes(spec: dict) -> dict:
   from jaxrl.rollout.paged import PagedConfig, PagedEngine
   from jaxrl.rollout.precompile import engine_lowerings
   from jaxrl.rollout.sampling import NO_FILTER
-  from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES
-  from jaxrl.train import Learner, LossConfig, MoEConfig, OptimizerConfig, update_plan
+  from jaxrl.sharding import ROLLOUT_RULES
+  from jaxrl.train import update_plan
 
   length, max_tokens = spec.get("length", 2048), spec.get("max_tokens", 1024)
   only = spec.get("recipes")
@@ -229,12 +244,7 @@ def plan_moe_recipes(spec: dict) -> dict:
     with target_platform("cuda"):
       start = time.perf_counter()
       try:
-        learner = Learner(
-          Model(train_cfg), mesh, TRAIN_RULES, loss=LossConfig(),
-          optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
-          updates_per_step=1, micro_batch_size=1, temperature=1.0, params=None,
-          pack_length=length, abstract=True, moe=MoEConfig(routing_replay=replay),
-        )  # fmt: skip
+        learner = abstract_learner(train_cfg, mesh, length, replay=replay)
         programs = update_plan.compiled_update(learner, 2, length)
         for kind, program in zip(("micro_step", "apply"), programs, strict=True):
           row[f"learner_{kind}"] = update_plan.memory_plan([program])

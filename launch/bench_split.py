@@ -116,10 +116,11 @@ def _engine(target: str) -> dict:
 
 def _learner_micro_step(target: str) -> dict:
   from bench_kernels import TPU_TOPOLOGIES, _target_devices
+  from bench_moe import abstract_learner
 
-  from jaxrl.model import Model, get_preset
-  from jaxrl.sharding import TRAIN_RULES, make_mesh
-  from jaxrl.train import Learner, LossConfig, MoEConfig, OptimizerConfig, update_plan
+  from jaxrl.model import get_preset
+  from jaxrl.sharding import make_mesh
+  from jaxrl.train import update_plan
 
   length = 4096
   devices = _target_devices(target, 8)  # a TPU target: its topology's chips (4)
@@ -127,12 +128,7 @@ def _learner_micro_step(target: str) -> dict:
   mesh = make_mesh(devices[:gpus], {"fsdp": gpus})
   cfg = get_preset("qwen3-0.6b", dtype="bfloat16", param_dtype="float32", remat=True,
                    max_seq_len=length + 1, attention="flash")  # fmt: skip
-  learner = Learner(
-    Model(cfg), mesh, TRAIN_RULES, loss=LossConfig(),
-    optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
-    updates_per_step=1, micro_batch_size=gpus, temperature=1.0, params=None,
-    pack_length=length, abstract=True, moe=MoEConfig(),
-  )  # fmt: skip
+  learner = abstract_learner(cfg, mesh, length, rows=gpus)
 
   def lower():
     micro_step = update_plan.compiled_update(learner, 2 * gpus, length)[0]
@@ -146,26 +142,22 @@ def _moe_expert_parallel(target: str) -> dict:
   kernels to split: each device attends with every row and head), the learner's micro-step
   and the engine's decode window: whether they compile."""
   from bench_kernels import _target_devices
+  from bench_moe import abstract_learner
 
   from jaxrl.compile_ahead import with_shardings
   from jaxrl.model import Model, get_preset
   from jaxrl.rollout.paged import PagedConfig, PagedEngine
   from jaxrl.rollout.precompile import engine_lowerings
   from jaxrl.rollout.sampling import NO_FILTER
-  from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
-  from jaxrl.train import Learner, LossConfig, MoEConfig, OptimizerConfig, update_plan
+  from jaxrl.sharding import ROLLOUT_RULES, make_mesh
+  from jaxrl.train import update_plan
 
   mesh = make_mesh(_target_devices(target, 4)[:4], {"expert": 4})
   length = 1024
   common = dict(dtype="bfloat16", attention="flash", num_layers=2, moe_dispatch="dense")
   train_cfg = get_preset("qwen3-30b-a3b", param_dtype="float32", remat=True,
                          max_seq_len=length + 1, **common)  # fmt: skip
-  learner = Learner(
-    Model(train_cfg), mesh, TRAIN_RULES, loss=LossConfig(),
-    optimizer=OptimizerConfig(mu_dtype="bfloat16", grad_accum_dtype="bfloat16"),
-    updates_per_step=1, micro_batch_size=1, temperature=1.0, params=None,
-    pack_length=length, abstract=True, moe=MoEConfig(routing_replay=True),
-  )  # fmt: skip
+  learner = abstract_learner(train_cfg, mesh, length, replay=True)
   model = Model(get_preset("qwen3-30b-a3b", param_dtype="bfloat16", **common))
   config = PagedConfig(page_size=16, num_pages=1024, max_running=16, prefill_chunk=256,
                        max_tokens=512, keep_turn_kv=False)  # fmt: skip
