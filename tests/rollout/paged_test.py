@@ -9,10 +9,12 @@ import pytest
 from helpers import tolerance
 from jax._src.array import ArrayImpl
 
+from jaxrl.compile_ahead import abstract
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import logprob_mismatch
 from jaxrl.rollout import SamplingParams, StaticEngine
 from jaxrl.rollout.paged import PagedConfig, PagedEngine
+from jaxrl.rollout.precompile import engine_lowerings
 from jaxrl.rollout.requests import PageAllocator, RequestRecord
 from jaxrl.rollout.sampling import NO_FILTER, SORT_ALL, TOP_K_CANDIDATES
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
@@ -42,6 +44,22 @@ def engine(mesh, params, version=0, **cfg):
 
 def prompts(n, rng, longest=20):
   return [list(rng.integers(3, 60, rng.integers(1, longest))) for _ in range(n)]
+
+
+def test_the_decode_step_runs_its_kernels_on_each_devices_heads(mesh, params):
+  """On a mesh the engine passes its `KernelMesh` down to the kernels and page writes, which
+  then run in a shard_map (`jaxrl.kernels.partitioning`); on one device they do not. The
+  tests on `mesh` that compare tokens with the static engine check the results."""
+
+  def decode_text(on):
+    e = engine(on, params, page_size=8, num_pages=16, max_running=4)
+    lower = next(
+      lower for p, lower in engine_lowerings(e, 1, NO_FILTER, abstract(e.params)) if p.on_device
+    )
+    return lower().as_text()
+
+  assert "sdy.manual_computation" in decode_text(mesh)
+  assert "sdy.manual_computation" not in decode_text(make_mesh(jax.devices()[:1], {"data": 1}))
 
 
 def test_greedy_matches_static_engine_under_preemption(mesh, params):
