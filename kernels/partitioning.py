@@ -5,8 +5,8 @@ A Pallas kernel reaches XLA as a custom call that XLA's partitioner cannot look 
 - On a GPU, it makes every operand whole on every device and runs the kernel on all of it
   there. Compiled for H100s without them (2026-11-29, `launch/bench.py split_kernels`):
   - a tensor-parallel rollout engine (Qwen3-8B over 2 GPUs) all-gathered both KV pools of
-    every layer at every decode step, 9.7 GB a step on each GPU, and each GPU attended with
-    every head;
+    every layer at every decode step, for paged attention and again for `qk_rope_write`
+    (all-gathers of 19.4 GB a step on each GPU), and each GPU attended with every head;
   - a learner on an fsdp mesh gathered the whole batch's q, k and v around flash attention,
     and each GPU computed every row's attention, forward and backward.
 - On a TPU, it refuses: "Mosaic kernels cannot be automatically partitioned. Please wrap the
