@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 from helpers import hf_checkpoints as hc
+from helpers import tolerance
 from safetensors.numpy import load_file, save_file
 
 from jaxrl.model import (
@@ -254,7 +255,12 @@ def test_save_pretrained_loads_in_transformers(checkpoints, tmp_path, arch, tied
   llama_like = {"phi3": "LlamaForCausalLM", "ernie4_5": "LlamaForCausalLM"}
   written = (llama_like | {"seed_oss": "Qwen2ForCausalLM"}).get(arch, source_arch)
   assert type(reloaded).__name__ == written
-  assert hc.rel_err(hc.logits(reloaded, tokens), want) < 1e-6
+  got = hc.logits(reloaded, tokens)
+  if written == source_arch:  # the same torch network on the same weights
+    assert hc.rel_err(got, want) < 1e-6
+  else:  # another network's order of operations (ERNIE's interleaved rotation as Llama's):
+    # float32 rounding apart (1.005e-6 seen, with random tokens)
+    tolerance.assert_close(got, want, n=tolerance.model_terms(model.config))
   # The generated config.json describes the same model to us too.
   assert config_from_hf(_load_json(tmp_path / "out" / "config.json")) == model.config
 
