@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.sharding import PartitionSpec
@@ -64,18 +64,16 @@ def _factors(spec: str) -> list[tuple[str, ...]]:
 
 
 def _factor_axes(kernel_mesh: KernelMesh, operands, args, rows, heads) -> dict:
-  """{factor: mesh axes} for the rows' and heads' factors, each kept only where it divides
-  among its axes of more than one device."""
+  """{factor: mesh axes} for the factors of `rows` and of `heads`, each group kept only where
+  every dimension of its factors divides among its axes of more than one device."""
   sizes = dict(kernel_mesh.mesh.shape)
   out = {}
-  for factor, names in ((rows, kernel_mesh.rows), (heads, kernel_mesh.heads)):
-    if factor is None:
-      continue
+  for factors, names in ((rows, kernel_mesh.rows), (heads, kernel_mesh.heads)):
     names = tuple(a for a in names if sizes.get(a, 1) > 1)
-    pairs = zip(operands, args, strict=True)
-    dims = [arg.shape[fs.index(factor)] for fs, arg in pairs if factor in fs]
-    if names and dims and dims[0] % math.prod(sizes[a] for a in names) == 0:
-      out[factor] = names
+    pairs = list(zip(operands, args, strict=True))
+    dims = [arg.shape[fs.index(f)] for f in factors for fs, arg in pairs if f in fs]
+    if names and dims and all(d % math.prod(sizes[a] for a in names) == 0 for d in dims):
+      out.update(dict.fromkeys(factors, names))
   return out
 
 
@@ -85,15 +83,16 @@ def _spec(factors: tuple[str, ...], axes: dict) -> PartitionSpec:
 
 
 def split_call(
-  fn: Callable, rule: str, kernel_mesh: KernelMesh | None, *args, rows: str | None,
-  heads: str | None,
+  fn: Callable, rule: str, kernel_mesh: KernelMesh | None, *args, rows: Sequence[str] = (),
+  heads: Sequence[str] = (),
 ):  # fmt: skip
   """`fn(*args)` on each device's rows and kv heads (module docstring). `rule` names each
-  dimension of each operand and result with a factor, einsum style ("n k g e, k p s e -> n k g
-  e"); the factor `rows` is split over `kernel_mesh.rows` and `heads` over
-  `kernel_mesh.heads` (None: that one is not split), all others whole. `fn` must compute each
-  row and head from its own pieces: no sum across rows or heads. Results: one array, or a
-  tuple for several."""
+  dimension of each operand and result with a factor, einsum style ("n h d, k p s d -> n h
+  d"); the factors of `rows` are split over `kernel_mesh.rows` and those of `heads` over
+  `kernel_mesh.heads`, all others whole. Query heads (h) and kv heads (k) split in equal
+  blocks go together: device i's kv heads are those its query heads attend with, where the
+  axes' size divides k. `fn` must compute each row and head from its own pieces: no sum
+  across rows or heads. Results: one array, or a tuple for several."""
   operands_spec, results_spec = rule.split("->")
   operands, results = _factors(operands_spec), _factors(results_spec)
   if len(operands) != len(args):
@@ -103,9 +102,8 @@ def split_call(
       raise ValueError(
         f"split_call: rule {rule!r} gives {factors} for an operand of shape {arg.shape}."
       )
-  if kernel_mesh is None or _UNSPLIT.get() or jax.sharding.get_abstract_mesh().manual_axes:
-    return fn(*args)
-  if kernel_mesh.mesh.size == 1:
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  if kernel_mesh is None or kernel_mesh.mesh.size == 1 or manual or _UNSPLIT.get():
     return fn(*args)
   # Where nothing splits (a mesh of expert axes alone, rows that do not divide) the kernel
   # still runs in a shard_map, on whole operands: a TPU compiles no kernel outside one.
@@ -121,16 +119,3 @@ def split_call(
     check_vma=False,
   )
   return mapped(*args)
-
-
-def head_groups(x: jax.Array, kv_heads: int, axis: int) -> jax.Array:
-  """`x` with its query-head axis `axis` split into `[kv_heads, heads // kv_heads]`, so that a
-  rule can split query heads together with the kv heads they attend with."""
-  shape = x.shape
-  return x.reshape(*shape[:axis], kv_heads, shape[axis] // kv_heads, *shape[axis + 1 :])
-
-
-def merge_groups(x: jax.Array, axis: int) -> jax.Array:
-  """`head_groups` undone: axes `axis` and `axis + 1` merged."""
-  shape = x.shape
-  return x.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])

@@ -250,7 +250,7 @@ def write_pages(pages_kpze, new_btke, page_bt, slot_bt, kernel_mesh=None):
   rows_n = _rows(page_bt, slot_bt, pages_kpze.shape[1], z)
   return split_call(
     write_rows, "k p z e, b t k e, n -> k p z e", kernel_mesh, pages_kpze, new_btke, rows_n,
-    rows=None, heads="k",
+    heads=("k",),
   )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.kernels.common import IMPLS, check_block_fields, check_sinks, resolve_impl
 from jaxrl.kernels.flash_attention import cudnn, reference
-from jaxrl.kernels.partitioning import KernelMesh, head_groups, merge_groups, split_call
+from jaxrl.kernels.partitioning import KernelMesh, split_call
 
 # The `checkpoint_name`s of what the backward pass needs from the forward: the output and the
 # log-sum-exp residual.
@@ -220,22 +220,19 @@ def _forward(cfg, q, k, v, meta):
   )  # fmt: skip
   if impl == "reference":
     return forward(q, k, v, meta)
-  kv_heads = k.shape[2]
 
-  def local(q_btkge, k, v, *meta):
-    o_bthe, lse_bhu = forward(merge_groups(q_btkge, 2), k, v, reference.Metadata(*meta))
-    return head_groups(o_bthe, k.shape[2], 2), head_groups(lse_bhu, k.shape[2], 1)
+  def local(q, k, v, *meta):
+    return forward(q, k, v, reference.Metadata(*meta))
 
-  o, lse = split_call(
-    local, f"{_KERNEL_OPERANDS} -> b t k g e, b k g u", kernel_mesh,
-    head_groups(q, kv_heads, 2), k, v, *meta, rows="b", heads="k",
+  return split_call(
+    local, f"{_KERNEL_OPERANDS} -> b t h e, b h u", kernel_mesh, q, k, v, *meta,
+    rows=("b",), heads=("h", "k"),
   )  # fmt: skip
-  return merge_groups(o, 2), merge_groups(lse, 1)
 
 
-# The kernels' operands (q split into kv heads and their groups, k, v, the 4 metadata arrays)
-# for `kernels.partitioning`: each device attends with its own rows and kv heads.
-_KERNEL_OPERANDS = "b t k g e, b s k e, b s k e, b t, b s, b t, b s"
+# The kernels' operands (q, k, v, the 4 metadata arrays) for `kernels.partitioning`: each
+# device attends with its own rows and heads.
+_KERNEL_OPERANDS = "b t h e, b s k e, b s k e, b t, b s, b t, b s"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -266,25 +263,19 @@ def _backward(cfg, residuals, do_bthe, dlse_bht=None):
   if impl == "reference":
     dlse = {} if dlse_bht is None else {"dlse_bht": dlse_bht}
     return backward(q_bthe, k_bske, v_bske, meta, o_bthe, residual, do_bthe, **dlse)
-  kv_heads = k_bske.shape[2]
-  groups = lambda x, axis: head_groups(x, kv_heads, axis)  # noqa: E731
-  extra = () if dlse_bht is None else (groups(dlse_bht, 1),)
+  extra = () if dlse_bht is None else (dlse_bht,)
 
-  def local(q, k, v, q_seg, kv_seg, q_pos, kv_pos, o, lse, do, *dlse_bkgt):
-    local_kwargs = {"dlse_bht": merge_groups(dlse_bkgt[0], 1)} if dlse_bkgt else {}
-    dq, dk, dv = backward(
-      merge_groups(q, 2), k, v, reference.Metadata(q_seg, kv_seg, q_pos, kv_pos),
-      merge_groups(o, 2), merge_groups(lse, 1), merge_groups(do, 2), **local_kwargs,
-    )  # fmt: skip
-    return head_groups(dq, k.shape[2], 2), dk, dv
+  def local(q, k, v, q_seg, kv_seg, q_pos, kv_pos, o, lse, do, *dlse_bht):
+    dlse = {"dlse_bht": dlse_bht[0]} if dlse_bht else {}
+    meta = reference.Metadata(q_seg, kv_seg, q_pos, kv_pos)
+    return backward(q, k, v, meta, o, lse, do, **dlse)
 
-  rule = f"{_KERNEL_OPERANDS}, b t k g e, b k g u, b t k g e" + ", b k g t" * bool(extra)
-  dq, dk, dv = split_call(
-    local, f"{rule} -> b t k g e, b s k e, b s k e", kernel_mesh,
-    groups(q_bthe, 2), k_bske, v_bske, *meta, groups(o_bthe, 2), groups(residual, 1),
-    groups(do_bthe, 2), *extra, rows="b", heads="k",
+  rule = f"{_KERNEL_OPERANDS}, b t h e, b h u, b t h e" + ", b h t" * bool(extra)
+  return split_call(
+    local, f"{rule} -> b t h e, b s k e, b s k e", kernel_mesh,
+    q_bthe, k_bske, v_bske, *meta, o_bthe, residual, do_bthe, *extra,
+    rows=("b",), heads=("h", "k"),
   )  # fmt: skip
-  return merge_groups(dq, 2), dk, dv
 
 
 def _flash_bwd(cfg, residuals, do_bthe):

@@ -26,7 +26,7 @@ from jaxrl.kernels.common import (
   traced_setting,
 )
 from jaxrl.kernels.paged_attention import reference
-from jaxrl.kernels.partitioning import KernelMesh, head_groups, merge_groups, split_call
+from jaxrl.kernels.partitioning import KernelMesh, split_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,36 +228,28 @@ def _run(
   # Passed only when set, so that calls without them trace exactly as they always have.
   extra = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
   extra = {key: value for key, value in extra.items() if value is not None}
-  if impl != "reference":
+  if impl != "reference":  # the kernels'
     extra.update(block_sizes=block_sizes, interpret=interpret)
   # The TPU kernel multiplies in float32 at HIGHEST, at least as accurate as any precision.
   if impl == "pallas_gpu":
     extra["precision"] = precision
   kernel = functools.partial(fn, sm_scale=sm_scale, **extra)
-  if impl != "reference":
-    return _split_kernel(kernel, kernel_mesh, q, k_pages, v_pages, lengths, page_indices, sinks)
-  sinks = {} if sinks is None else {"sinks_h": sinks.astype(jnp.float32)}
-  return kernel(q, k_pages, v_pages, lengths, page_indices, **sinks)
-
-
-def _split_kernel(kernel, kernel_mesh, q, k_pages, v_pages, lengths, page_indices, sinks):
-  """`kernel` on each device's sequences and kv heads (`kernels.partitioning`): the pools stay
-  split over their kv heads, as a tensor-parallel engine holds them."""
-  kv_heads = k_pages.shape[0]
-  args = [head_groups(q, kv_heads, 1), k_pages, v_pages, lengths, page_indices]
-  rule = "n k g d, k p s d, k p s d, n, n m"
+  if impl == "reference":
+    sinks = {} if sinks is None else {"sinks_h": sinks.astype(jnp.float32)}
+    return kernel(q, k_pages, v_pages, lengths, page_indices, **sinks)
+  # On each device's sequences and kv heads (`kernels.partitioning`): the pools stay split
+  # over their kv heads, as a tensor-parallel engine holds them.
+  rule = "n h d, k p s d, k p s d, n, n m"
+  args = (q, k_pages, v_pages, lengths, page_indices)
   if sinks is not None:
-    args.append(head_groups(sinks.astype(jnp.float32), kv_heads, 0))
-    rule += ", k g"
+    kernel = functools.partial(_with_sinks, kernel)
+    rule, args = rule + ", h", (*args, sinks.astype(jnp.float32))
+  return split_call(kernel, rule + " -> n h d", kernel_mesh, *args, rows=("n",), heads=("h", "k"))
 
-  def local(q_nkgd, k_pages, v_pages, lengths, page_indices, sinks_kg=None):
-    sinks_h = None if sinks_kg is None else merge_groups(sinks_kg, 0)
-    extra = {} if sinks_h is None else {"sinks_h": sinks_h}
-    out = kernel(merge_groups(q_nkgd, 1), k_pages, v_pages, lengths, page_indices, **extra)
-    return head_groups(out, k_pages.shape[0], 1)
 
-  out = split_call(local, rule + " -> n k g d", kernel_mesh, *args, rows="n", heads="k")
-  return merge_groups(out, 1)
+def _with_sinks(kernel, *args):
+  """`kernel` with its last positional argument as the `sinks_h` keyword."""
+  return kernel(*args[:-1], sinks_h=args[-1])
 
 
 def paged_attention(

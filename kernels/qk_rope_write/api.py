@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.kernels.common import IMPLS, resolve_impl
-from jaxrl.kernels.partitioning import KernelMesh, head_groups, merge_groups, split_call
+from jaxrl.kernels.partitioning import KernelMesh, split_call
 from jaxrl.kernels.qk_rope_write import reference
 
 
@@ -75,24 +75,20 @@ def _run(
   # a pool's copies on the row axes must all get every token). The reference too: left to
   # XLA, its scatter gathered each layer's new keys and values over the heads' axis (TPU, 4
   # all-gathers a layer; compiled for a TPU v5e, `launch/bench.py split_kernels`).
-  kv_heads = k_pages.shape[0]
   scales = () if q_scale is None else (q_scale, k_scale)
-  rule = "n k g e, n k e, n k e, n f, n f, n, k p s e, k p s e" + ", e, e" * bool(scales)
+  rule = "n h e, n k e, n k e, n f, n f, n, k p s e, k p s e" + ", e, e" * bool(scales)
 
-  def local(q_nkge, k, v, cos, sin, rows, k_pages, v_pages, *scales):
+  def local(q, k, v, cos, sin, rows, k_pages, v_pages, *scales):
     q_scale, k_scale = scales or (None, None)
-    q, k_pages, v_pages = write(
-      merge_groups(q_nkge, 1), k, v, cos, sin, rows, k_pages, v_pages, q_scale_e=q_scale,
-      k_scale_e=k_scale, eps=eps, plus_one=plus_one,
+    return write(
+      q, k, v, cos, sin, rows, k_pages, v_pages, q_scale_e=q_scale, k_scale_e=k_scale, eps=eps,
+      plus_one=plus_one,
     )  # fmt: skip
-    return head_groups(q, k_pages.shape[0], 1), k_pages, v_pages
 
-  q, k_pages, v_pages = split_call(
-    local, rule + " -> n k g e, k p s e, k p s e", kernel_mesh,
-    head_groups(q, kv_heads, 1), k, v, cos, sin, rows, k_pages, v_pages, *scales,
-    rows=None, heads="k",
+  return split_call(
+    local, rule + " -> n h e, k p s e, k p s e", kernel_mesh,
+    q, k, v, cos, sin, rows, k_pages, v_pages, *scales, heads=("h", "k"),
   )  # fmt: skip
-  return merge_groups(q, 1), k_pages, v_pages
 
 
 def qk_rope_write(

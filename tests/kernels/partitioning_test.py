@@ -172,13 +172,13 @@ def test_split_call_checks_its_rule_and_calls_plainly_on_one_device():
   x = jnp.arange(12.0).reshape(6, 2)
   one = KernelMesh(_mesh(data=1), rows=("data",))
   with pytest.raises(ValueError, match="names 2 operands, got 1"):
-    split_call(lambda a, b: a, "i j, i -> i j", one, x, rows="i", heads=None)
+    split_call(lambda a, b: a, "i j, i -> i j", one, x, rows=("i",))
   with pytest.raises(ValueError, match=r"gives \('i',\) for an operand of shape \(6, 2\)"):
-    split_call(lambda a: a, "i -> i", one, x, rows="i", heads=None)
+    split_call(lambda a: a, "i -> i", one, x, rows=("i",))
 
   def jaxpr(kernel_mesh):
     def call(a):
-      return split_call(lambda y: y * 2, "i j -> i j", kernel_mesh, a, rows="i", heads="j")
+      return split_call(lambda y: y * 2, "i j -> i j", kernel_mesh, a, rows=("i",), heads=("j",))
 
     return str(jax.make_jaxpr(call)(x))
 
