@@ -57,11 +57,11 @@ def collectives(hlo: str) -> dict:
   return out
 
 
-def _measure(lower) -> dict:
+def _measure(compile_program) -> dict:
   from bench_kernels import flash_kernel_calls
 
   start = time.perf_counter()
-  compiled = lower().compile()
+  compiled = compile_program()
   seconds = time.perf_counter() - start
   text = compiled.as_text()
   row = {
@@ -74,18 +74,18 @@ def _measure(lower) -> dict:
   return row
 
 
-def _both(lower_fn) -> dict:
-  """The program compiled as shipped and with the kernels unsplit, in this process."""
+def _both(compile_program) -> dict:
+  """The program (`compile_program()` traces and compiles it) compiled as shipped and with
+  the kernels unsplit, in this process."""
+  import contextlib
+
   from jaxrl.kernels.partitioning import unsplit_kernels
 
   row = {}
-  for name, unsplit in (("split", False), ("unsplit", True)):
+  for name, setting in (("split", contextlib.nullcontext), ("unsplit", unsplit_kernels)):
     try:
-      if unsplit:
-        with unsplit_kernels():
-          row[name] = _measure(lower_fn)
-      else:
-        row[name] = _measure(lower_fn)
+      with setting():
+        row[name] = _measure(compile_program)
     except Exception as e:  # noqa: BLE001  (a compiler error is this benchmark's finding)
       row[name] = {"error": str(e).splitlines()[0][:500]}
   return row
@@ -116,8 +116,16 @@ def _engine(target: str) -> dict:
   prefills = ((p.args[0].shape, lower) for p, lower in lowerings if p.jitted is packed)
   prefill = max(prefills, key=first)
   return {
-    "decode_step": {"rows": decode[0][0], "table_pages": decode[0][1], **_both(decode[1])},
-    "packed_prefill": {"rows": prefill[0][0], "tokens": prefill[0][1], **_both(prefill[1])},
+    "decode_step": {
+      "rows": decode[0][0],
+      "table_pages": decode[0][1],
+      **_both(lambda: decode[1]().compile()),
+    },
+    "packed_prefill": {
+      "rows": prefill[0][0],
+      "tokens": prefill[0][1],
+      **_both(lambda: prefill[1]().compile()),
+    },
   }
 
 
@@ -138,11 +146,10 @@ def _learner_micro_step(target: str) -> dict:
                    attention="flash")  # fmt: skip
   learner = abstract_learner(cfg, mesh, length, rows=gpus)
 
-  def lower():
-    micro_step = update_plan.compiled_update(learner, 2 * gpus, length)[0]
-    return _Compiled(micro_step)
+  def micro_step():
+    return update_plan.compiled_update(learner, 2 * gpus, length)[0]
 
-  return {"gpus": gpus, "pack_length": length, **_both(lower)}
+  return {"gpus": gpus, "pack_length": length, **_both(micro_step)}
 
 
 def _moe_expert_parallel(target: str) -> dict:
@@ -175,19 +182,12 @@ def _moe_expert_parallel(target: str) -> dict:
   decode = next(lower for p, lower in lowerings if p.on_device)
 
   def micro_step():
-    return _Compiled(update_plan.compiled_update(learner, 2, length)[0])
+    return update_plan.compiled_update(learner, 2, length)[0]
 
-  return {"learner_micro_step": _both(micro_step), "decode_step": _both(decode)}
-
-
-class _Compiled:
-  """A compiled program where `_measure` expects a lowered one (`compiled_update` compiles)."""
-
-  def __init__(self, compiled):
-    self._compiled = compiled
-
-  def compile(self):
-    return self._compiled
+  return {
+    "learner_micro_step": _both(micro_step),
+    "decode_step": _both(lambda: decode().compile()),
+  }
 
 
 def plan_split_kernels(spec: dict) -> dict:
