@@ -23,16 +23,27 @@ pieces and nothing crosses devices. On one device, without a `KernelMesh`, or in
 `shard_map` that already made the mesh's axes manual, the kernel is called as it is; on a mesh
 where neither rows nor heads split (an expert axis alone), each device runs it on whole
 operands, as XLA did on GPUs, but now in a `shard_map`, which a TPU needs.
+
+A rollout engine over several devices of its rows' axes (`data`) splits its KV pools' pages
+over them too (`KernelMesh.split_pages`): device i holds the pages of the rows on device i, so
+that the engine's capacity grows with its devices instead of every device holding, and writing,
+every page. Page ids stay global (the host's allocator hands device i the ids of its own range);
+a kernel that takes `pages=` factors gets `page_offset`, the id of its device's first page, and
+reads its rows' pages at `id - page_offset`. Reads (page tables) need every row's pages on the
+row's own device; writes of tokens not split with the pages (a packed prefill's) are dropped on
+the devices that do not hold their page.
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxrl.kernels.common import traced_setting
@@ -49,6 +60,8 @@ class KernelMesh:
   mesh: jax.sharding.Mesh
   rows: tuple[str, ...] = ()
   heads: tuple[str, ...] = ()
+  # The KV pools' pages split over the `rows` axes, as the rows are (module docstring).
+  split_pages: bool = False
 
 
 def unsplit_kernels():
@@ -84,7 +97,7 @@ def _spec(factors: tuple[str, ...], axes: dict) -> PartitionSpec:
 
 def split_call(
   fn: Callable, rule: str, kernel_mesh: KernelMesh | None, *args, rows: Sequence[str] = (),
-  heads: Sequence[str] = (),
+  heads: Sequence[str] = (), pages: Sequence[str] = (),
 ):  # fmt: skip
   """`fn(*args)` on each device's rows and kv heads (module docstring). `rule` names each
   dimension of each operand and result with a factor, einsum style ("n h d, k p s d -> n h
@@ -92,7 +105,12 @@ def split_call(
   `kernel_mesh.heads`, all others whole. Query heads (h) and kv heads (k) split in equal
   blocks go together: device i's kv heads are those its query heads attend with, where the
   axes' size divides k. `fn` must compute each row and head from its own pieces: no sum
-  across rows or heads. Results: one array, or a tuple for several."""
+  across rows or heads. Results: one array, or a tuple for several.
+
+  `pages`: the factors of a KV pool's page axis. `fn` is then called with `page_offset=`,
+  the global id of the first page its device holds (0 where the pages are whole); with
+  `kernel_mesh.split_pages` they split over the rows' axes, and the `rows` factors must split
+  with them (a row reads its pages on its own device)."""
   operands_spec, results_spec = rule.split("->")
   operands, results = _factors(operands_spec), _factors(results_spec)
   if len(operands) != len(args):
@@ -104,10 +122,12 @@ def split_call(
       )
   manual = jax.sharding.get_abstract_mesh().manual_axes
   if kernel_mesh is None or kernel_mesh.mesh.size == 1 or manual or _UNSPLIT.get():
-    return fn(*args)
+    return fn(*args, page_offset=0) if pages else fn(*args)
   # Where nothing splits (a mesh of expert axes alone, rows that do not divide) the kernel
   # still runs in a shard_map, on whole operands: a TPU compiles no kernel outside one.
   axes = _factor_axes(kernel_mesh, operands, args, rows, heads)
+  if pages:
+    fn = _with_page_offset(fn, kernel_mesh, operands, args, rows, pages, axes)
   out_specs = [_spec(fs, axes) for fs in results]
   mapped = jax.shard_map(
     fn,
@@ -119,3 +139,55 @@ def split_call(
     check_vma=False,
   )
   return mapped(*args)
+
+
+def local_page_ids(page_ids, page_offset, num_pages: int):
+  """Global page ids (a page table) as ids into this device's `num_pages` pages, which start
+  at global id `page_offset` (`split_call`'s). Ids of other devices' pages (a table's unused
+  entries, a padding row's) are clipped into range: a kernel must not load outside its pool,
+  and what it reads there is masked by the row's length. Unchanged where the pages are whole
+  (`page_offset` the constant 0): programs on one device stay as they were."""
+  if isinstance(page_offset, int) and page_offset == 0:
+    return page_ids
+  return jnp.clip(page_ids - page_offset, 0, num_pages - 1)
+
+
+def local_rows(rows, page_offset, num_pages: int, page_size: int):
+  """A pool's global rows (`page * page_size + slot`, -1: write nothing) as rows of this
+  device's `num_pages` pages, which start at global page `page_offset`; -1 where the page is
+  another device's (its write is dropped here: that device makes it). Unchanged where the
+  pages are whole (`page_offset` the constant 0): the writers drop rows outside the pool."""
+  if isinstance(page_offset, int) and page_offset == 0:
+    return rows
+  local = rows - page_offset * page_size
+  return jnp.where((rows >= 0) & (local >= 0) & (local < num_pages * page_size), local, -1)
+
+
+def _with_page_offset(fn, kernel_mesh, operands, args, rows, pages, axes):
+  """`fn` given its device's `page_offset`; `axes` gets the `pages` factors' mesh axes when
+  the pools' pages split (`KernelMesh.split_pages`), checked against the rows'."""
+  split = tuple(a for a in kernel_mesh.rows if kernel_mesh.mesh.shape[a] > 1)
+  if not (kernel_mesh.split_pages and split):
+    return functools.partial(fn, page_offset=0)
+  shards = math.prod(kernel_mesh.mesh.shape[a] for a in split)
+  pool = next(arg for fs, arg in zip(operands, args, strict=True) if pages[0] in fs)
+  num_pages = pool.shape[next(fs for fs in operands if pages[0] in fs).index(pages[0])]
+  if num_pages % shards:
+    raise ValueError(
+      f"split_call: a KV pool of {num_pages} pages does not split over the {shards} devices "
+      f"of its rows' axes {split}; size the pool in multiples of {shards}."
+    )
+  unsplit = [f for f in rows if any(f in fs for fs in operands) and axes.get(f) != split]
+  if unsplit:
+    raise ValueError(
+      f"split_call: the rows ({unsplit}) of a call that reads pages split over {split} do not "
+      f"split over those axes (not a multiple of {shards} rows?): each row's pages are on its "
+      "own device only."
+    )
+  axes.update(dict.fromkeys(pages, split))
+  local = num_pages // shards
+
+  def with_offset(*a):
+    return fn(*a, page_offset=jax.lax.axis_index(split) * local)
+
+  return with_offset

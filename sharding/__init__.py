@@ -39,6 +39,7 @@ from jaxrl.sharding.rules import (
   batch_sharding,
   check_rules,
   kernel_mesh,
+  kv_pool_pspec,
   logical_to_pspec,
   tree_shardings,
 )
@@ -64,6 +65,7 @@ __all__ = [
   "host_array",
   "imbalance",
   "kernel_mesh",
+  "kv_pool_pspec",
   "logical_to_pspec",
   "make_mesh",
   "move_between_devices",

@@ -299,10 +299,11 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, logical_to_pspec(("batch",) + (None,) * (ndim - 1), rules, mesh))
 
 
-def kernel_mesh(mesh: Mesh, rules: Rules) -> KernelMesh | None:
+def kernel_mesh(mesh: Mesh, rules: Rules, *, split_pages: bool = False) -> KernelMesh | None:
   """Where a stage's attention kernels find their operands (`jaxrl.kernels.KernelMesh`): rows
   over the mesh axes of the `batch` rule, kv heads over those of `kv_heads` (each only where
-  more than one device); None on one device (the kernels are then called as they are)."""
+  more than one device); None on one device (the kernels are then called as they are).
+  `split_pages`: KV pools whose pages split over the rows' axes (`kv_pool_pspec`)."""
   if mesh.size == 1:
     return None
   table = _rule_table(rules)
@@ -310,4 +311,12 @@ def kernel_mesh(mesh: Mesh, rules: Rules) -> KernelMesh | None:
   rows, heads = (
     tuple(a for a in table.get(name, ()) if sizes.get(a, 1) > 1) for name in ("batch", "kv_heads")
   )
-  return KernelMesh(mesh, rows, heads)
+  return KernelMesh(mesh, rows, heads, split_pages=split_pages and bool(rows))
+
+
+def kv_pool_pspec(mesh: Mesh, rules: Rules, shape: Sequence[int]) -> PartitionSpec:
+  """The spec of a paged KV pool `[kv_heads, pages, page_size, head_dim]`: heads and head dims
+  by their rules, and the pages over the `batch` rule's axes, with the rows that read them
+  (`KernelMesh.split_pages`): each device holds its own rows' pages, so the pool's capacity
+  grows with the devices the rows split over."""
+  return logical_to_pspec(("kv_heads", "batch", None, "head_dim"), rules, mesh, shape)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxrl.kernels.common import softcap
 from jaxrl.kernels.flash_attention import flash_attention
 from jaxrl.kernels.paged_attention import paged_attention
-from jaxrl.kernels.partitioning import KernelMesh, split_call
+from jaxrl.kernels.partitioning import KernelMesh, local_page_ids, local_rows, split_call
 from jaxrl.kernels.qk_rope_write import qk_rope_write, write_rows
 
 
@@ -245,20 +245,47 @@ def write_pages(pages_kpze, new_btke, page_bt, slot_bt, kernel_mesh=None):
   whose page is outside the pool writes nothing (`write_rows`: one scatter of whole rows).
   With a `kernel_mesh`, each device writes its own kv heads of every token: left to XLA, the
   scatter gathered the new keys and values over the heads' axis (a tensor-parallel packed
-  prefill: 3 all-gathers every 4 layers compiled for H100s, 19 for a TPU v5e)."""
-  z = pages_kpze.shape[2]
-  rows_n = _rows(page_bt, slot_bt, pages_kpze.shape[1], z)
+  prefill: 3 all-gathers every 4 layers compiled for H100s, 19 for a TPU v5e). A pool whose
+  pages split over the rows' axes (`KernelMesh.split_pages`) takes each row's tokens on the
+  devices of its row, which hold its pages (the engine lays its calls' rows out so)."""
+  rows_bt = _rows(page_bt, slot_bt, pages_kpze.shape[1], pages_kpze.shape[2])
+
+  def write_local(pages_kpze, new_btke, rows_bt, *, page_offset):
+    rows_n = local_rows(rows_bt.reshape(-1), page_offset, *pages_kpze.shape[1:3])
+    return write_rows(pages_kpze, new_btke, rows_n)
+
+  split_rows = ("b",) if kernel_mesh is not None and kernel_mesh.split_pages else ()
   return split_call(
-    write_rows, "k p z e, b t k e, n -> k p z e", kernel_mesh, pages_kpze, new_btke, rows_n,
-    heads=("k",),
+    write_local, "k p z e, b t k e, b t -> k p z e", kernel_mesh, pages_kpze, new_btke, rows_bt,
+    rows=split_rows, heads=("k",), pages=("p",),
+  )  # fmt: skip
+
+
+def gather_pages(k_pages_kpze, v_pages_kpze, page_table_bn, kernel_mesh=None):
+  """Each row's keys and values in order, `[b, n * z, k, e]` each, from the pages its table
+  lists (a prefill chunk attends to them densely). On each device's rows and kv heads with a
+  `kernel_mesh`, as the attention kernels (`jaxrl.kernels.partitioning`): left to XLA, a
+  gather from pools split over the rows' axes could gather the pools."""
+
+  def gather(k_pages, v_pages, table_bn, *, page_offset):
+    table_bn = local_page_ids(table_bn, page_offset, k_pages.shape[1])
+    b, n = table_bn.shape
+    flat = lambda pages: jnp.moveaxis(pages[:, table_bn], 0, -2).reshape(  # noqa: E731
+      b, n * pages.shape[2], -1, pages.shape[-1]
+    )
+    return flat(k_pages), flat(v_pages)
+
+  return split_call(
+    gather, "k p z e, k p z e, b n -> b s k e, b s k e", kernel_mesh, k_pages_kpze,
+    v_pages_kpze, page_table_bn, rows=("b",), heads=("k",), pages=("p",),
   )  # fmt: skip
 
 
 def _rows(page_bt, slot_bt, num_pages, page_size):
-  """Rows of the pool seen as `[pages * page_size]` slots per head; -1 where the page is
-  outside the pool (nothing written)."""
+  """Rows of the pool seen as `[pages * page_size]` slots per head (shaped as `page_bt`); -1
+  where the page is outside the pool (nothing written)."""
   inside = (page_bt >= 0) & (page_bt < num_pages)
-  return jnp.where(inside, page_bt * page_size + slot_bt, -1).reshape(-1)
+  return jnp.where(inside, page_bt * page_size + slot_bt, -1)
 
 
 def _token_pages(positions_bt, cache: PagedLayerCache):
@@ -294,7 +321,7 @@ def attend_paged_decode(
   makes five), then paged attention.
   The same as norms, `apply_rope` and `attend`. Returns (out, cache)."""
   num_pages, page_size = cache.k_pages_kpze.shape[1:3]
-  rows_b = _rows(*_token_pages(positions_bt, cache), num_pages, page_size)
+  rows_b = _rows(*_token_pages(positions_bt, cache), num_pages, page_size).reshape(-1)
   q_bhe, k_pages, v_pages = qk_rope_write(
     q_bthe[:, 0], k_btke[:, 0], v_btke[:, 0], cos_btf[:, 0], sin_btf[:, 0], rows_b,
     cache.k_pages_kpze, cache.v_pages_kpze, q_scale=q_scale, k_scale=k_scale, eps=eps,
@@ -323,12 +350,7 @@ def _attend_paged(
     return out, new_cache
   # Prefill chunk: gather each row's pages into contiguous slots and attend densely.
   b, n = cache.page_table_bn.shape
-  keys = jnp.moveaxis(k_pages[:, cache.page_table_bn], 0, -2).reshape(
-    b, n * page_size, -1, k_pages.shape[-1]
-  )
-  values = jnp.moveaxis(v_pages[:, cache.page_table_bn], 0, -2).reshape(
-    b, n * page_size, -1, v_pages.shape[-1]
-  )
+  keys, values = gather_pages(k_pages, v_pages, cache.page_table_bn, kernel_mesh)
   key_pos_bs = jnp.broadcast_to(jnp.arange(n * page_size), (b, n * page_size))
   out = dot_attention(q_bthe, keys, values, positions_bt, key_pos_bs, **rule._asdict())
   return out, new_cache

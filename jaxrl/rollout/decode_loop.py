@@ -162,10 +162,17 @@ class DeviceBatch:
   """The rows of the running batch: which request each row holds (`rows`, on the host; None is
   a free row) and their decode state and sampling parameters (`state`, `sampling`, on the
   device, None before the first admission). A holder is any object with a `row` attribute,
-  which this keeps up to date."""
+  which this keeps up to date, and a `shard`: the rows split into `shards` equal blocks, in
+  order (those of each device along the rows' axes), and a holder's row is always in its
+  shard's block, where its KV pages are (`PagedCalls.page_shards`)."""
 
   def __init__(
-    self, shardings: tuple[DecodeState, RowSampling], pad_id: int, *, put=jax.device_put
+    self,
+    shardings: tuple[DecodeState, RowSampling],
+    pad_id: int,
+    *,
+    put=jax.device_put,
+    shards: int = 1,
   ):
     """`put(tree, shardings)`: host arrays onto the devices (`PagedCalls.put`)."""
     self.rows: list = []
@@ -174,6 +181,7 @@ class DeviceBatch:
     self._shardings = shardings
     self._pad_id = pad_id
     self._put = put
+    self.shards = shards
     # Declared output shardings: the state keeps the layout the decoders expect.
     self._set_rows = jax.jit(set_rows, out_shardings=shardings)
     self._gather_rows = jax.jit(gather_rows, out_shardings=shardings)
@@ -188,9 +196,12 @@ class DeviceBatch:
     return self.sampling.stop_ids_bs.shape[1]
 
   def place(self, keep: list, new: list[tuple[object, RowStart]], rows: int, stop_width: int):
-    """Gives each new holder a free row and writes its start there; `keep` are the holders that
-    stay. A batch whose row count changes is re-laid out first (kept rows to the front, in
-    order), all on the device; stop-id rows widen to `stop_width` when it grows."""
+    """Gives each new holder a free row of its shard and writes its start there; `keep` are
+    the holders that stay. A batch whose row count changes is re-laid out first (kept rows to
+    the front of their shard's block, in order), all on the device; stop-id rows widen to
+    `stop_width` when it grows."""
+    if rows % self.shards:
+      raise ValueError(f"DeviceBatch: {rows} rows do not split into {self.shards} shards.")
     if self.state is None:
       self.state, self.sampling = self._put(
         dead_rows(rows, stop_width, self._pad_id), self._shardings
@@ -202,12 +213,19 @@ class DeviceBatch:
       self.sampling = self.sampling._replace(stop_ids_bs=widened)
     if rows != len(self.rows):
       self._relayout(keep, rows)
-    free = iter(i for i, holder in enumerate(self.rows) if holder is None)
+    block = rows // self.shards
+    free = [
+      iter(i for i in range(s * block, (s + 1) * block) if self.rows[i] is None)
+      for s in range(self.shards)
+    ]
     count = 1 << (len(new) - 1).bit_length()  # a power of two: few compiled shapes
     index = np.full((count,), len(self.rows), np.int32)  # padding: out of range, dropped
     state, sampling = dead_rows(count, self.stop_width, self._pad_id)
     for i, (holder, start) in enumerate(new):
-      holder.row = index[i] = next(free)
+      row = next(free[holder.shard], None)
+      if row is None:
+        raise ValueError(f"DeviceBatch: no free row in shard {holder.shard}'s {block} rows.")
+      holder.row = index[i] = row
       self.rows[holder.row] = holder
       state.tokens_b[i], state.positions_b[i] = start.token, start.position
       state.budgets_b[i], state.index_b[i], state.live_b[i] = start.budget, start.index, True
@@ -229,7 +247,13 @@ class DeviceBatch:
   def _relayout(self, keep: list, rows: int) -> None:
     source = np.full((rows,), -1, np.int32)
     moved: list = [None] * rows
-    for i, holder in enumerate(keep):
+    block = rows // self.shards
+    taken = [0] * self.shards
+    for holder in keep:
+      i = holder.shard * block + taken[holder.shard]
+      if taken[holder.shard] == block:
+        raise ValueError(f"DeviceBatch: shard {holder.shard} keeps more than its {block} rows.")
+      taken[holder.shard] += 1
       source[i], moved[i], holder.row = holder.row, holder, i
     state, sampling = dead_rows(1, self.stop_width, self._pad_id)
     self.state, self.sampling = self._gather_rows(

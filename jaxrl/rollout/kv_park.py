@@ -9,7 +9,9 @@ under its id, with the tokens whose keys/values they hold, so that the next turn
 Parked pages are a cache, never a reservation: the engine evicts entries, least recently parked
 first, before it refuses an admission or preempts a running request. Keys/values depend only
 on the tokens and the weights, so an entry is reused only when the new request's tokens start
-with the parked ones, and every entry is dropped when the weights change. An engine with a
+with the parked ones, and every entry is dropped when the weights change. On an engine whose
+pool splits into shards (`PageAllocator`), an entry's pages are on one shard, and only entries
+of the shard that is short of pages are evicted. An engine with a
 pool for its sliding-window layers (`window_kv`) parks the request's ring with its pages.
 """
 
@@ -81,20 +83,27 @@ class KVPark:
     self.park(record.request_id, Parked(tokens, pages[:kept], routes, ring))
     self.allocator.free(pages[kept:])
 
-  def allocate(self, n: int) -> list[int] | None:
-    """`n` free pages from the allocator, evicting parked entries (the least recently parked
-    first) while too few are free; None (nothing taken) if even that is not enough."""
-    pages = self.allocator.allocate(n)
-    while pages is None and self.evict_oldest():
-      pages = self.allocator.allocate(n)
+  def allocate(self, n: int, shard: int = 0) -> list[int] | None:
+    """`n` free pages of `shard` from the allocator, evicting that shard's parked entries (the
+    least recently parked first) while too few are free; None (nothing taken) if even that is
+    not enough."""
+    pages = self.allocator.allocate(n, shard)
+    while pages is None and self.evict_oldest(shard):
+      pages = self.allocator.allocate(n, shard)
     return pages
 
-  def allocate_ring(self, n: int) -> list[int] | None:
+  def allocate_ring(self, n: int, shard: int = 0) -> list[int] | None:
     """`allocate` in the window pool."""
-    pages = self.ring_allocator.allocate(n)
-    while pages is None and self.evict_oldest():
-      pages = self.ring_allocator.allocate(n)
+    pages = self.ring_allocator.allocate(n, shard)
+    while pages is None and self.evict_oldest(shard):
+      pages = self.ring_allocator.allocate(n, shard)
     return pages
+
+  def shard_of(self, entry: Parked) -> int:
+    """The shard whose pages (and ring) `entry` holds."""
+    if entry.pages:
+      return self.allocator.shard_of(entry.pages[0])
+    return self.ring_allocator.shard_of(entry.ring[0]) if entry.ring else 0
 
   def free(self, entry: Parked) -> None:
     """Frees an entry's pages of both pools (one taken out, or never parked)."""
@@ -118,11 +127,13 @@ class KVPark:
       return None
     return entry
 
-  def evict_oldest(self) -> bool:
-    """Frees the least recently parked entry; False when there is none."""
-    if not self._entries:
+  def evict_oldest(self, shard: int | None = None) -> bool:
+    """Frees the least recently parked entry (of `shard`; None: of any); False when there is
+    none."""
+    found = next((k for k, e in self._entries.items() if shard in (None, self.shard_of(e))), None)
+    if found is None:
       return False
-    _, entry = self._entries.popitem(last=False)
+    entry = self._entries.pop(found)
     self.free(entry)
     self.num_evicted_pages += len(entry.pages)
     return True

@@ -22,6 +22,10 @@ handed out for the window in flight and the next one. A row stops inside a windo
 token or its length limit and writes nothing after. Sampling keys depend only on (request seed,
 token index), so the tokens are the same for every window size.
 
+On a mesh whose rows split over several devices (`data`), the pool splits with them
+(`shards`): each device holds `num_pages` pages of its own rows' requests, a request runs on one
+device's rows and pages (`admission`), and every call lays its rows out in a block for each.
+
 Glossary: b rows, t tokens per row, n pages per row, k kv heads, p pages, z page size, e head dim.
 """
 
@@ -37,6 +41,7 @@ import numpy as np
 
 from jaxrl.model import Model, Params
 from jaxrl.model.scan_fit import fit_scan
+from jaxrl.rollout.admission import Running, admit_waiting
 from jaxrl.rollout.decode_loop import DeviceBatch, RowStart, WindowOutput
 from jaxrl.rollout.engine import Completion, ParamPlacer, bucket
 from jaxrl.rollout.kv_park import KVPark
@@ -63,22 +68,11 @@ from jaxrl.sharding import tree_shardings
 
 
 @dataclasses.dataclass
-class _Running:
-  record: RequestRecord
-  pages: list[int]
-  admitted: int  # admission order; the highest is the youngest
-  version: int  # the weights its prefill ran under: only pages of the current ones are parked
-  row: int = -1  # its row in the device batch
-  pending: int = 0  # steps of the window in flight: at most this many tokens not yet read back
-  ring: list[int] = dataclasses.field(default_factory=list)  # its window pool pages (window_kv)
-
-
-@dataclasses.dataclass
 class _InFlight:
   """A dispatched window whose tokens the host has not read back yet."""
 
   output: WindowOutput
-  rows: list[_Running | None]  # the batch's rows when it was dispatched
+  rows: list[Running | None]  # the batch's rows when it was dispatched
   steps: int
   version: int
 
@@ -116,14 +110,14 @@ class PagedEngine:
     self._kv = None
     self._precompiled = False
     self._compiled_ahead = False  # `PagedConfig.compile_ahead` started (at most once)
-    row = self._calls.row_sharding
-    batch_axes = row.spec[0] or ()
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
-    self._row_multiple = int(np.prod([mesh.shape[a] for a in batch_axes]))
-    self.allocator = PageAllocator(config.num_pages)
-    self.ring_allocator = PageAllocator(window_pages) if window_pages else None
+    # The rows split over `shards` devices (groups of devices along the rows' axes), each
+    # with `num_pages` pages of its own and at most `rows_per_shard` running requests.
+    self.shards = shards = self._calls.page_shards
+    self.rows_per_shard = -(-config.max_running // shards)
+    self.allocator = PageAllocator(config.num_pages, shards)
+    self.ring_allocator = PageAllocator(window_pages, shards) if window_pages else None
     self.waiting: collections.deque[RequestRecord] = collections.deque()
-    self.running: dict[str, _Running] = {}
+    self.running: dict[str, Running] = {}
     self._admissions = itertools.count()
     self._ids = itertools.count()
     self.num_preemptions = 0
@@ -136,7 +130,9 @@ class PagedEngine:
     self.park = KVPark(self.allocator, self.ring_allocator)
     # Read-backs that found no window queued behind them: the device waited for the host.
     self.num_host_waits = 0
-    self._batch = DeviceBatch(self._calls.row_state_shardings, pad_id, put=self._calls.put)
+    self._batch = DeviceBatch(
+      self._calls.row_state_shardings, pad_id, put=self._calls.put, shards=shards
+    )
     # The smallest page table and prefill chunk of any call (`PagedConfig.max_tokens`).
     sized_for = min(config.max_tokens, model.config.max_seq_len)
     self._min_table_width = (
@@ -330,68 +326,10 @@ class PagedEngine:
   # -- scheduling --------------------------------------------------------------------------------
 
   def _admit(self) -> None:
-    """Admits waiting requests while rows and pages last. A request reuses the pages of a
-    leader (`share_prefix`: admitted here with the same tokens, prefilled once) or its own
-    parked ones (`kv_park`: its last turn's; only the tokens after them are prefilled): full
-    pages shared, the page its first write falls in copied. A ring of the window pool
-    (`window_kv`) is a kept turn's own, and a leader's copied whole."""
-    admitted, leaders, z = [], {}, self.cfg.page_size
-    kept_copies, leader_copies = [], []  # partial pages: copied before / after the prefill
-    ring_copies = []  # leaders' rings into their followers', after the prefill
-    while self.waiting and len(self.running) < self.cfg.max_running:
-      record = self.waiting[0]
-      tokens = tuple(record.prompt_ids + record.token_ids)
-      leader = leaders.get(tokens) if self.cfg.share_prefix else None
-      kept = self.park.take(record.request_id, tokens)
-      source, reused = [], 0  # pages wholly below position `reused` are the source's
-      if leader is not None:
-        source, reused = leader.pages, len(tokens) - 1
-      elif kept is not None:
-        source, reused = kept.pages, min(len(kept.tokens), len(tokens) - 1)
-      full = reused // z
-      own = self.park.allocate(pages_for(len(tokens), z) - full)
-      ring = kept.ring if kept is not None else []
-      if own is not None and self.ring_pages and kept is None:
-        ring = self.park.allocate_ring(self.ring_pages)
-        if ring is None:  # every ring is a running request's
-          self.allocator.free(own)
-          own = None
-      if own is None:
-        if kept is not None and not self.running:
-          # Only its own parked pages stand in the way (the page past the shared ones is held
-          # until after the allocation): drop them and prefill it whole.
-          self.park.free(kept)
-          continue
-        if kept is not None:
-          self.park.park(record.request_id, kept)
-        break
-      self.waiting.popleft()
-      pages = self.allocator.share(source[:full]) + own
-      if reused % z:
-        (leader_copies if leader is not None else kept_copies).append((source[full], own[0]))
-      if leader is not None and ring:
-        ring_copies.extend(zip(leader.ring, ring, strict=True))
-      if kept is not None:
-        self.allocator.free(kept.pages)  # after `share`: the pages it reuses stay allocated
-        record.prompt_routing += kept.prompt_routes(record, reused)
-        self.num_kept_prefill_tokens += reused if leader is None else 0  # else: shared
-      state = _Running(record, pages, next(self._admissions), self.version, ring=ring)
-      self.running[record.request_id] = state
-      admitted.append((state, leader, reused))
-      leaders.setdefault(tokens, state)
-    if admitted:
-      self._compile_ahead([s for s, _, _ in admitted])
-      self._kv = self._calls.copy(self._kv, kept_copies)
-      fresh = [(s, reused) for s, leader, reused in admitted if leader is None]
-      self._prefill_states([s for s, _ in fresh], [reused for _, reused in fresh])
-      self._kv = self._calls.copy(self._kv, leader_copies, ring_copies)
-      for state, leader, reused in admitted:
-        if leader is not None:
-          state.record.prompt_routing = [list(x) for x in leader.record.prompt_routing]
-          self.num_shared_prefill_tokens += reused
-      self._place([s for s, _, _ in admitted])
+    """Admits waiting requests while rows and pages last (`admission.admit_waiting`)."""
+    admit_waiting(self)
 
-  def _compile_ahead(self, admitted: Sequence[_Running]) -> None:
+  def _compile_ahead(self, admitted: Sequence[Running]) -> None:
     """`PagedConfig.compile_ahead`, for the stop-id width and sampler filter of the first
     admission (one that later differs compiles its programs when they come). Not on a mesh
     of several processes, whose calls take global arrays: that their programs land in the
@@ -432,7 +370,8 @@ class PagedEngine:
       cached = r.num_tokens - 1 + min(state.pending + window, self._budget(r))
       need = pages_for(cached, self.cfg.page_size) - len(state.pages)
       while need > 0:
-        pages = self.park.allocate(need)  # parked pages go first, then the youngest request
+        # Parked pages go first, then the youngest request of its shard.
+        pages = self.park.allocate(need, state.shard)
         if pages is not None:
           state.pages.extend(pages)
           break
@@ -443,17 +382,18 @@ class PagedEngine:
           need = pages_for(r.num_tokens - 1 + min(window, self._budget(r)), self.cfg.page_size)
           need -= len(state.pages)
           continue
-        youngest = max(self.running.values(), key=lambda s: s.admitted)
+        same = (s for s in self.running.values() if s.shard == state.shard)
+        youngest = max(same, key=lambda s: s.admitted)
         self._preempt(youngest)
         if youngest is state:
           break
 
-  def _preempt(self, state: _Running) -> None:
+  def _preempt(self, state: Running) -> None:
     self._remove(state)
     self.waiting.appendleft(state.record)
     self.num_preemptions += 1
 
-  def _remove(self, state: _Running) -> None:
+  def _remove(self, state: Running) -> None:
     """Takes a running request out (its record complete: nothing of it in flight), frees its
     pages and marks its row dead on the device."""
     del self.running[state.record.request_id]
@@ -462,7 +402,7 @@ class PagedEngine:
 
   # -- the device batch --------------------------------------------------------------------------
 
-  def _place(self, admitted: Sequence[_Running]) -> None:
+  def _place(self, admitted: Sequence[Running]) -> None:
     """Gives the admitted requests rows of the device batch and their start there."""
     keep = [s for s in self._batch.rows if s is not None]
     new = []
@@ -480,7 +420,7 @@ class PagedEngine:
         stop_ids=self._stop_ids(r),
       )
       new.append((state, start))
-    rows = self._rows(len(keep) + len(new))
+    rows = self._block_rows([*keep, *(state for state, _ in new)])
     stop_width = bucket(max(len(x.stop_ids) for _, x in new), 1)
     self._batch.place(sorted(keep, key=lambda s: s.admitted), new, rows, stop_width)
 
@@ -491,7 +431,7 @@ class PagedEngine:
     return max(bucket(tokens), self._min_chunk)
 
   def _page_tables(
-    self, states: Sequence[_Running | None], rows: int
+    self, states: Sequence[Running | None], rows: int
   ) -> tuple[np.ndarray, np.ndarray | None]:
     """The rows' page tables of the main pool and of the window pool (None without one)."""
     width = self._table_width(max(len(s.pages) for s in states if s is not None))
@@ -507,10 +447,33 @@ class PagedEngine:
     """The most rows of one prefill call of `width` tokens a row (`prefill_tokens`)."""
     return max(1, self.cfg.prefill_tokens // width)
 
-  def _rows(self, n: int) -> int:
-    return -(-bucket(n, 1) // self._row_multiple) * self._row_multiple
+  def _chunk_row_cap(self, width: int) -> int:
+    """The most rows of a shard in one chunked prefill call of `width` tokens a row."""
+    return max(1, self._prefill_row_cap(width) // self.shards)
 
-  def _prefill_states(self, states: Sequence[_Running], starts: Sequence[int]) -> None:
+  def _block_row_counts(self, most: int) -> list[int]:
+    """Every row count of a `_block_rows` call of at most `most` rows a shard, largest first."""
+    return sorted({self.shards * bucket(n, 1) for n in range(1, most + 1)}, reverse=True)
+
+  def _block_rows(self, states: Sequence[Running]) -> int:
+    """Rows of a call of `states`' rows, each on its shard's devices, which hold its pages
+    (decode windows, prefills): a block of the same bucketed size for each shard."""
+    counts = collections.Counter(s.shard for s in states)
+    return self.shards * bucket(max(counts.values(), default=1), 1)
+
+  def _block_layout(self, states: Sequence[Running]) -> list[Running | None]:
+    """`states` in the rows of a `_block_rows` call: each in its shard's block, in order; None:
+    a padding row."""
+    rows = self._block_rows(states)
+    block = rows // self.shards
+    layout: list[Running | None] = [None] * rows
+    taken = [0] * self.shards
+    for s in states:
+      layout[s.shard * block + taken[s.shard]] = s
+      taken[s.shard] += 1
+    return layout
+
+  def _prefill_states(self, states: Sequence[Running], starts: Sequence[int]) -> None:
     prefill_admitted(self, states, starts)
 
   def _dispatch(self, window: int) -> _InFlight | None:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.kernels.partitioning import local_page_ids, split_call
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PackedPrefillCache, PagedLayerCache
 from jaxrl.rollout.decode_loop import DecodeState, RowSampling, WindowOutput, decode_window
 from jaxrl.rollout.requests import bucketed_page_pairs
@@ -29,7 +30,7 @@ from jaxrl.sharding import (
   batch_sharding,
   host_array,
   kernel_mesh,
-  logical_to_pspec,
+  kv_pool_pspec,
   readable,
   to_devices,
 )
@@ -48,17 +49,22 @@ class PagedCalls:
     mc = model.config
     # MoE on a mesh with an expert axis: the expert-parallel layer (else the reference).
     self._moe = MoEInputs(ExpertParallel.for_mesh(mc, mesh))
-    # Attention kernels on each device's rows and heads (`jaxrl.kernels.partitioning`).
-    self._kernel_mesh = kernel_mesh(mesh, rules)
+    # Attention kernels on each device's rows and heads (`jaxrl.kernels.partitioning`), and
+    # the pools' pages split with the rows: `page_shards` groups of devices along the rows'
+    # axes, each with `config.num_pages` pages (and `window_pool`) of its own rows.
+    self._kernel_mesh = kernel_mesh(mesh, rules, split_pages=True)
+    rows_axes = self._kernel_mesh.rows if self._kernel_mesh else ()
+    self.page_shards = int(np.prod([mesh.shape[a] for a in rows_axes]))
     self.ring_layers = frozenset(mc.sliding_layers if window_pool else ())
     pools = [
       window_pool if i in self.ring_layers else config.num_pages for i in range(mc.num_layers)
     ]
+    pools = [pages * self.page_shards for pages in pools]
     dtype = jnp.dtype(mc.dtype)
     kv, makers, self.abstract_kv = [], {}, []  # abstract_kv: the pools' shapes, for compiling
     for pages in pools:
       shape = (mc.num_kv_heads, pages, config.page_size, mc.head_dim)
-      spec = logical_to_pspec(("kv_heads", None, None, "head_dim"), rules, mesh, shape)
+      spec = kv_pool_pspec(mesh, rules, shape)
       sharding = jax.sharding.NamedSharding(mesh, spec)
       if pages not in makers:
         makers[pages] = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
@@ -105,12 +111,13 @@ class PagedCalls:
       self._wrap(self._prefill_packed, (None, None, *[matrix] * 5))
     )
     self.num_prefill_tokens = 0  # tokens (positions >= 0) the prefill calls were given
+    # Pages of one shard's main pool and window pool (global ids: shard i holds i * n..).
     self._num_pages, self._window_pool = config.num_pages, window_pool
     # Page copies of the main pool's layers, and of the window pool's.
     main_layers = frozenset(range(mc.num_layers)) - self.ring_layers
     self.copy_pages, self.copy_ring_pages = (
       jax.jit(
-        functools.partial(_copy_pages, layers=layers),
+        functools.partial(_copy_pages, layers=layers, kernel_mesh=self._kernel_mesh),
         donate_argnums=(0,),
         in_shardings=(kv, None, None),
         out_shardings=kv,
@@ -139,11 +146,21 @@ class PagedCalls:
   def copy(self, kv, pairs: list[tuple[int, int]], ring_pairs: list[tuple[int, int]] = ()):
     """`kv` with the pages of each (source, target) pair of the main pool copied, and of each
     of `ring_pairs` in the window pool (a call per pool that has any; `kv` as it is when
-    there are none). Every source is read before any target is written."""
+    there are none). Every source is read before any target is written; a pair's pages are
+    on one shard (`page_shards`)."""
+    for copies, per_shard in ((pairs, self._num_pages), (ring_pairs, self._window_pool)):
+      apart = [(s, t) for s, t in copies if s // per_shard != t // per_shard]
+      if apart:
+        raise ValueError(
+          f"Page copies {apart} cross shards of {per_shard} pages: a copy stays on the devices "
+          "that hold its pages (a bookkeeping error of the engine; please report it)."
+        )
+    total = self.page_shards
     if pairs:
-      kv = self.copy_pages(kv, *bucketed_page_pairs(pairs, self._num_pages))
+      kv = self.copy_pages(kv, *bucketed_page_pairs(pairs, self._num_pages * total))
     if ring_pairs:
-      kv = self.copy_ring_pages(kv, *bucketed_page_pairs(list(ring_pairs), self._window_pool))
+      ring_pairs = list(ring_pairs)
+      kv = self.copy_ring_pages(kv, *bucketed_page_pairs(ring_pairs, self._window_pool * total))
     return kv
 
   def decoder(self, width: int):
@@ -233,9 +250,23 @@ def _global_inputs(jitted, in_shardings):
   return call
 
 
-def _copy_pages(kv, source_c, target_c, *, layers: frozenset[int]):
+def _copy_pages(kv, source_c, target_c, *, layers: frozenset[int], kernel_mesh):
   """The keys and values of pages `source_c` copied into pages `target_c` in the pools of
   `layers` (the others as they are); targets out of range, the padding of a bucketed call,
-  write nothing."""
-  move = lambda pages: pages.at[:, target_c].set(pages[:, source_c], mode="drop")  # noqa: E731
-  return [(move(k), move(v)) if i in layers else (k, v) for i, (k, v) in enumerate(kv)]
+  write nothing. On each device's kv heads and pages (`kernels.partitioning`): a pair's pages
+  are on one device of the rows' axes, which copies it."""
+
+  def move(pages, source_c, target_c, *, page_offset):
+    p = pages.shape[1]
+    source = local_page_ids(source_c, page_offset, p)
+    target = target_c - page_offset
+    target = jnp.where((target_c >= 0) & (target >= 0) & (target < p), target, p)
+    return pages.at[:, target].set(pages[:, source], mode="drop")
+
+  def copy(pages):
+    rule = "k p z e, c, c -> k p z e"
+    return split_call(
+      move, rule, kernel_mesh, pages, source_c, target_c, heads=("k",), pages=("p",)
+    )
+
+  return [(copy(k), copy(v)) if i in layers else (k, v) for i, (k, v) in enumerate(kv)]

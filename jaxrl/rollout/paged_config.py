@@ -15,8 +15,12 @@ class PagedConfig:
     num_pages: the page budget (per layer) of the main pool: every layer's, but those with a
       sliding window where they have a pool of their own (`window_pages`); bounds the tokens
       cached at once. A model windowed in every layer then allocates no main pool, and
-      `num_pages` only bounds its running requests' lengths together.
-    max_running: most requests decoded together in one step.
+      `num_pages` only bounds its running requests' lengths together. Pages of one device:
+      an engine whose rows split over several devices (`data`) has this many on each, for
+      the requests whose rows it holds (`PagedEngine.shards`), so its capacity grows with
+      them; a request must fit one device's pages.
+    max_running: most requests decoded together in one step; over several devices of
+      `data`, at most `ceil(max_running / devices)` on each.
     prefill_chunk: most prompt tokens of one request prefilled per call.
     decode_steps: most decode steps per device call (the window). Larger windows pay the
       host's per-step cost less often; a request that finishes inside a window leaves its row

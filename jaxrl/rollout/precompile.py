@@ -60,7 +60,7 @@ def engine_programs(
   calls, pad = engine._calls, engine.pad_id
   max_tokens = max_tokens or (cfg.max_tokens if cfg.max_tokens > 0 else mc.max_seq_len)
   max_tokens = min(max_tokens, mc.max_seq_len)
-  row_counts = sorted({engine._rows(n) for n in range(1, cfg.max_running + 1)}, reverse=True)
+  row_counts = engine._block_row_counts(engine.rows_per_shard)
   max_pages = pages_for(max_tokens, cfg.page_size)
   widths = sorted({engine._table_width(p) for p in range(1, max_pages + 1)})
   # Prefill caches every token but the last: chunks of up to `max_tokens - 1`.
@@ -72,9 +72,8 @@ def engine_programs(
     not cfg.pack_prefill or cfg.keep_turn_kv or max_tokens > cfg.prefill_chunk + 1
   )
 
-  def prefill_rows(chunk: int) -> list[int]:  # a call's rows stop at `prefill_tokens`
-    most = min(cfg.max_running, engine._prefill_row_cap(chunk))
-    return sorted({engine._rows(n) for n in range(1, most + 1)}, reverse=True)
+  def prefill_rows(chunk: int) -> list[int]:  # blocks of a shard's rows, to `prefill_tokens`
+    return engine._block_row_counts(min(engine.rows_per_shard, engine._chunk_row_cap(chunk)))
 
   rings = engine.ring_pages > 0  # the window pool's tables (`window_kv`), else None
 
@@ -87,7 +86,7 @@ def engine_programs(
     for rows in prefill_rows(chunk):
       tokens = np.full((rows, chunk), pad, np.int32)
       padding = np.full((rows, chunk), -1, np.int32)  # positions and segment ids
-      pages = np.full((rows, chunk), cfg.num_pages, np.int32)
+      pages = np.full((rows, chunk), engine.allocator.num_pages, np.int32)
       ring_pages = (
         np.full((rows, chunk), engine.ring_allocator.num_pages, np.int32) if rings else None
       )
@@ -98,7 +97,7 @@ def engine_programs(
   # targets out of range write nothing.
   copies = cfg.share_prefix or cfg.keep_turn_kv
   admitted = range(1, cfg.max_running + 1)
-  copy_programs = [(calls.copy_pages, cfg.num_pages, {bucket(n, 1) for n in admitted})]
+  copy_programs = [(calls.copy_pages, engine.allocator.num_pages, {bucket(n, 1) for n in admitted})]
   if rings and cfg.share_prefix:
     counts = {bucket(n * engine.ring_pages, 1) for n in admitted}
     copy_programs.append((calls.copy_ring_pages, engine.ring_allocator.num_pages, counts))

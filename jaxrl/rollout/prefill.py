@@ -17,17 +17,20 @@ Glossary: b rows, t tokens per row.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxrl.rollout.engine import bucket
 from jaxrl.rollout.requests import record_prompt_routing
 from jaxrl.rollout.window_kv import ring_pages
 
 if TYPE_CHECKING:
-  from jaxrl.rollout.paged import PagedEngine, _Running
+  from jaxrl.rollout.admission import Running
+  from jaxrl.rollout.paged import PagedEngine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,22 +120,30 @@ def packed_call(
 
 
 def chunk_spans(
-  lengths: Sequence[int], chunk: int, row_cap: Callable[[int], int] | None = None
+  lengths: Sequence[int],
+  chunk: int,
+  row_cap: Callable[[int], int] | None = None,
+  shards: Sequence[int] | None = None,
 ) -> Iterator[tuple[int, int, list[int]]]:
   """(start, stop, indices) of each chunked call: positions start..stop-1 of the sequences
   (indices into `lengths`, tokens to cache) still running past `start`, at most
-  `row_cap(stop - start)` of them a call (default: all)."""
+  `row_cap(stop - start)` of them a call (default: all), or with `shards` (sequence i's is
+  `shards[i]`) at most that many of each shard's."""
   longest = max(lengths, default=0)
   for start in range(0, longest, chunk):
     stop = min(start + chunk, longest)
     live = [i for i, n in enumerate(lengths) if start < n]
     cap = row_cap(stop - start) if row_cap else max(len(live), 1)
-    for first in range(0, len(live), cap):
-      yield start, stop, live[first : first + cap]
+    groups = collections.defaultdict(list)
+    for i in live:
+      groups[shards[i] if shards is not None else 0].append(i)
+    calls = max(-(-len(g) // cap) for g in groups.values())
+    for call in range(calls):
+      yield start, stop, [i for g in groups.values() for i in g[call * cap : (call + 1) * cap]]
 
 
 def chunk_rows(
-  seqs: Sequence[Sequence[int]],
+  seqs: Sequence[Sequence[int] | None],
   start: int,
   stop: int,
   shape: tuple[int, int],
@@ -140,12 +151,14 @@ def chunk_rows(
   offsets: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Tokens and positions (-1: padding) of a chunked call of `shape` [b, t]: positions
-  offset+start..offset+stop-1 of each of `seqs` (one to a row; each caches every token but its
-  last). `offsets[i]`: the positions of sequence i already cached (kept pages of an earlier
-  turn, `kv_park`), which the chunks skip; default none."""
+  offset+start..offset+stop-1 of each of `seqs` (one to a row, None: a padding row; each
+  caches every token but its last). `offsets[i]`: the positions of sequence i already cached
+  (kept pages of an earlier turn, `kv_park`), which the chunks skip; default none."""
   tokens = np.full(shape, pad_id, np.int32)
   positions = np.full(shape, -1, np.int32)
   for row, x in enumerate(seqs):
+    if x is None:
+      continue
     first = start + (offsets[row] if offsets is not None else 0)
     part = x[first : min(first + stop - start, len(x) - 1)]
     tokens[row, : len(part)] = part
@@ -160,7 +173,7 @@ def record_packed_routing(records, call: PackedCall, routing_btlk: np.ndarray) -
     record_prompt_routing([records[seg.index]], 0, span)
 
 
-def prefill_admitted(engine: PagedEngine, states: Sequence[_Running], starts: Sequence[int]):
+def prefill_admitted(engine: PagedEngine, states: Sequence[Running], starts: Sequence[int]):
   """Caches every token but the last of each admitted request from position `starts[i]` on
   (those before are in kept pages): sequences from 0 that fit one `prefill_chunk` packed into
   shared rows (`pack_prefill`), the others chunk by chunk over their page tables. A part of
@@ -177,35 +190,49 @@ def prefill_admitted(engine: PagedEngine, states: Sequence[_Running], starts: Se
   rest = [(s, x, a) for s, x, a, f in zip(states, seqs, starts, fits, strict=True) if not f]
   lengths = [len(x) - 1 - a for _, x, a in rest]
   calls = engine._calls
-  cap = lambda n: engine._prefill_row_cap(engine._chunk_width(n))  # noqa: E731
-  for start, stop, live in chunk_spans(lengths, cfg.prefill_chunk, cap):
-    shape = engine._rows(len(live)), engine._chunk_width(stop - start)
-    offsets = [rest[i][2] for i in live]
-    seqs_live = [rest[i][1] for i in live]
+  cap = lambda n: engine._chunk_row_cap(engine._chunk_width(n))  # noqa: E731
+  shards = [s.shard for s, _, _ in rest]
+  for start, stop, live in chunk_spans(lengths, cfg.prefill_chunk, cap, shards):
+    # Each row on its shard's devices, which hold its pages (`PagedEngine._block_layout`).
+    index = {id(rest[i][0]): i for i in live}
+    layout = engine._block_layout([rest[i][0] for i in live])
+    order = [None if s is None else index[id(s)] for s in layout]
+    shape = len(layout), engine._chunk_width(stop - start)
+    offsets = [0 if i is None else rest[i][2] for i in order]
+    seqs_live = [None if i is None else rest[i][1] for i in order]
     tokens, positions = chunk_rows(seqs_live, start, stop, shape, engine.pad_id, offsets)
-    tables = engine._page_tables([rest[i][0] for i in live], len(tokens))
+    tables = engine._page_tables(layout, len(tokens))
     engine._kv, routing_btlk = calls.prefill(engine.params, engine._kv, tokens, positions, *tables)
     if routing_btlk is not None:
       routing_btlk = calls.host(routing_btlk)
-      for row, i in enumerate(live):
-        record_prompt_routing(
-          [rest[i][0].record], offsets[row] + start, routing_btlk[row : row + 1]
-        )
+      for row, i in enumerate(order):
+        if i is not None:
+          record_prompt_routing(
+            [rest[i][0].record], offsets[row] + start, routing_btlk[row : row + 1]
+          )
 
 
-def _prefill_packed(engine: PagedEngine, states: Sequence[_Running], seqs: Sequence[list[int]]):
+def _prefill_packed(engine: PagedEngine, states: Sequence[Running], seqs: Sequence[list[int]]):
   cfg, calls = engine.cfg, engine._calls
   width = engine._chunk_width(max(len(x) - 1 for x in seqs))
-  layout = pack_rows([len(x) - 1 for x in seqs], width)  # packed once, sized from it
-  cap = engine._prefill_row_cap(width)
+  # Each shard's sequences packed into rows of its own devices, which hold their pages (one
+  # shard on one device: all of them); packed once, sized from it.
+  layouts = []
+  for shard in range(engine.shards):
+    members = [i for i, s in enumerate(states) if s.shard == shard]
+    packed = pack_rows([len(seqs[i]) - 1 for i in members], width) if members else []
+    layouts.append([[members[i] for i in row] for row in packed])
+  cap = engine._chunk_row_cap(width)  # calls of at most `prefill_tokens`
   rings = [s.ring for s in states] if engine.ring_pages else None
   window_pages = engine.ring_allocator.num_pages if engine.ring_pages else 0
-  for first in range(0, len(layout), cap):  # calls of at most `prefill_tokens`
-    rows = layout[first : first + cap]
+  for first in range(0, max(len(x) for x in layouts), cap):
+    blocks = [layout[first : first + cap] for layout in layouts]
+    block = bucket(max(len(b) for b in blocks), 1)
+    rows = [row for b in blocks for row in b + [[]] * (block - len(b))]  # []: a padding row
     call = packed_call(
-      seqs, [s.pages for s in states], rows=engine._rows(len(rows)), width=width,
-      page_size=cfg.page_size, num_pages=cfg.num_pages, pad_id=engine.pad_id, layout=rows,
-      rings=rings, window_pages=window_pages,
+      seqs, [s.pages for s in states], rows=len(rows), width=width, page_size=cfg.page_size,
+      num_pages=engine.allocator.num_pages, pad_id=engine.pad_id, layout=rows, rings=rings,
+      window_pages=window_pages,
     )  # fmt: skip
     engine._kv, routing_btlk = calls.prefill_packed(
       engine.params, engine._kv, call.tokens_bt, call.positions_bt, call.segment_ids_bt,

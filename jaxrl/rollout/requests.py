@@ -73,25 +73,39 @@ class RequestRecord:
 
 
 class PageAllocator:
-  """A free list over `num_pages` KV pages, with reference counts: a page shared by several
-  requests (a common prompt prefix) returns to the free list when the last one frees it."""
+  """A free list over `num_pages` KV pages in each of `shards` shards, with reference counts: a
+  page shared by several requests (a common prompt prefix) returns to the free list when the
+  last one frees it. Shard i holds pages `i * num_pages` to `(i + 1) * num_pages - 1` (ids are
+  global): an engine whose pool splits over its rows' devices (`PagedCalls.page_shards`) gives
+  a request the pages of its row's shard only."""
 
-  def __init__(self, num_pages: int):
+  def __init__(self, num_pages: int, shards: int = 1):
     if num_pages < 1:
       raise ValueError(f"The page budget must be at least 1 page, got {num_pages}.")
-    self.num_pages = num_pages
-    self._free = list(range(num_pages - 1, -1, -1))
-    self._refs = [0] * num_pages
+    self.pages_per_shard = num_pages
+    self.shards = shards
+    self.num_pages = num_pages * shards  # every shard's
+    self._free = [
+      list(range((i + 1) * num_pages - 1, i * num_pages - 1, -1)) for i in range(shards)
+    ]
+    self._refs = [0] * self.num_pages
 
   @property
   def num_free(self) -> int:
-    return len(self._free)
+    return sum(len(free) for free in self._free)
 
-  def allocate(self, n: int) -> list[int] | None:
-    """`n` pages, or None (and nothing taken) if fewer are free."""
-    if n > len(self._free):
+  def free_in(self, shard: int) -> int:
+    return len(self._free[shard])
+
+  def shard_of(self, page: int) -> int:
+    return page // self.pages_per_shard
+
+  def allocate(self, n: int, shard: int = 0) -> list[int] | None:
+    """`n` pages of `shard`, or None (and nothing taken) if fewer are free there."""
+    free = self._free[shard]
+    if n > len(free):
       return None
-    pages = [self._free.pop() for _ in range(n)]
+    pages = [free.pop() for _ in range(n)]
     for page in pages:
       self._refs[page] = 1
     return pages
@@ -119,7 +133,7 @@ class PageAllocator:
     for page in reversed(pages):
       self._refs[page] -= 1
       if self._refs[page] == 0:
-        self._free.append(page)
+        self._free[self.shard_of(page)].append(page)
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

@@ -26,7 +26,7 @@ from jaxrl.kernels.common import (
   traced_setting,
 )
 from jaxrl.kernels.paged_attention import reference
-from jaxrl.kernels.partitioning import KernelMesh, split_call
+from jaxrl.kernels.partitioning import KernelMesh, local_page_ids, split_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,22 +234,24 @@ def _run(
   if impl == "pallas_gpu":
     extra["precision"] = precision
   kernel = functools.partial(fn, sm_scale=sm_scale, **extra)
-  if impl == "reference":
-    sinks = {} if sinks is None else {"sinks_h": sinks.astype(jnp.float32)}
-    return kernel(q, k_pages, v_pages, lengths, page_indices, **sinks)
   # On each device's sequences and kv heads (`kernels.partitioning`): the pools stay split
-  # over their kv heads, as a tensor-parallel engine holds them.
+  # over their kv heads, as a tensor-parallel engine holds them, and over the rows' axes with
+  # the rows where the engine splits its pages (each row's pages are then on its device).
   rule = "n h d, k p s d, k p s d, n, n m"
   args = (q, k_pages, v_pages, lengths, page_indices)
   if sinks is not None:
-    kernel = functools.partial(_with_sinks, kernel)
     rule, args = rule + ", h", (*args, sinks.astype(jnp.float32))
-  return split_call(kernel, rule + " -> n h d", kernel_mesh, *args, rows=("n",), heads=("h", "k"))
+  local = functools.partial(_on_local_pages, kernel)
+  return split_call(
+    local, rule + " -> n h d", kernel_mesh, *args, rows=("n",), heads=("h", "k"), pages=("p",)
+  )
 
 
-def _with_sinks(kernel, *args):
-  """`kernel` with its last positional argument as the `sinks_h` keyword."""
-  return kernel(*args[:-1], sinks_h=args[-1])
+def _on_local_pages(kernel, q, k_pages, v_pages, lengths, table, *sinks, page_offset):
+  """`kernel` over this device's pages: the table's global page ids less `page_offset`
+  (`split_call`); the sinks, if any, as its `sinks_h`."""
+  table = local_page_ids(table, page_offset, k_pages.shape[1])
+  return kernel(q, k_pages, v_pages, lengths, table, **({"sinks_h": sinks[0]} if sinks else {}))
 
 
 def paged_attention(

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.kernels.common import IMPLS, resolve_impl
-from jaxrl.kernels.partitioning import KernelMesh, split_call
+from jaxrl.kernels.partitioning import KernelMesh, local_rows, split_call
 from jaxrl.kernels.qk_rope_write import reference
 
 
@@ -70,24 +70,28 @@ def _run(
     from jaxrl.kernels.qk_rope_write import pallas_gpu
 
     write = functools.partial(pallas_gpu.qk_rope_write, interpret=interpret)
-  # Split over kv heads as a tensor-parallel engine holds its pools (`kernels.partitioning`);
-  # every device writes every token's keys and values of its own heads (tokens are not split:
-  # a pool's copies on the row axes must all get every token). The reference too: left to
-  # XLA, its scatter gathered each layer's new keys and values over the heads' axis (TPU, 4
-  # all-gathers a layer; compiled for a TPU v5e, `launch/bench.py split_kernels`).
+  # Split over kv heads as a tensor-parallel engine holds its pools (`kernels.partitioning`).
+  # Pools whose pages split over the rows' axes (`KernelMesh.split_pages`) split the tokens
+  # with them: each device writes its own rows, whose pages it holds. Pools whole over those
+  # axes take every token on every device (each copy must get every token). The reference
+  # too: left to XLA, its scatter gathered each layer's new keys and values over the heads'
+  # axis (TPU, 4 all-gathers a layer; compiled for a TPU v5e, `launch/bench.py split_kernels`).
   scales = () if q_scale is None else (q_scale, k_scale)
   rule = "n h e, n k e, n k e, n f, n f, n, k p s e, k p s e" + ", e, e" * bool(scales)
 
-  def local(q, k, v, cos, sin, rows, k_pages, v_pages, *scales):
+  def local(q, k, v, cos, sin, rows, k_pages, v_pages, *scales, page_offset):
     q_scale, k_scale = scales or (None, None)
+    rows = local_rows(rows, page_offset, k_pages.shape[1], k_pages.shape[2])
     return write(
       q, k, v, cos, sin, rows, k_pages, v_pages, q_scale_e=q_scale, k_scale_e=k_scale, eps=eps,
       plus_one=plus_one,
     )  # fmt: skip
 
+  split_rows = ("n",) if kernel_mesh is not None and kernel_mesh.split_pages else ()
   return split_call(
     local, rule + " -> n h e, k p s e, k p s e", kernel_mesh,
-    q, k, v, cos, sin, rows, k_pages, v_pages, *scales, heads=("h", "k"),
+    q, k, v, cos, sin, rows, k_pages, v_pages, *scales, rows=split_rows, heads=("h", "k"),
+    pages=("p",),
   )  # fmt: skip
 
 

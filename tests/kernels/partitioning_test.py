@@ -79,20 +79,24 @@ def test_paged_attention_stays_on_each_devices_rows_and_heads(impl, with_sinks):
     assert "all-gather" in _collectives(whole.lower(*args).compile())
 
 
-def test_qk_rope_write_keeps_the_pools_split_over_kv_heads():
-  mesh = _mesh(data=2, tensor=4)
-  split = KernelMesh(mesh, rows=("data",), heads=("tensor",))
-  n, h, k, e, p, z = 3, 8, 4, 64, 8, 4
-  ks = jax.random.split(jax.random.key(1), 6)
+def _rope_inputs(seed, *, n, h, k, e, p, z):
+  """`qk_rope_write`'s q, k, v, cos, sin and pools for n tokens."""
+  ks = jax.random.split(jax.random.key(seed), 6)
   q = jax.random.normal(ks[0], (n, h, e), jnp.float32)
   kk = jax.random.normal(ks[1], (n, k, e), jnp.float32)
   v = jax.random.normal(ks[2], (n, k, e), jnp.float32)
   angles = jax.random.uniform(ks[3], (n, e // 2)) * 6
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
-  rows = jnp.array([5, -1, 30], jnp.int32)  # a padding token writes nothing
   k_pages = jax.random.normal(ks[4], (k, p, z, e), jnp.float32)
   v_pages = jax.random.normal(ks[5], (k, p, z, e), jnp.float32)
-  scale = jnp.linspace(0.5, 1.5, e)
+  return q, kk, v, jnp.cos(angles), jnp.sin(angles), k_pages, v_pages
+
+
+def test_qk_rope_write_keeps_the_pools_split_over_kv_heads():
+  mesh = _mesh(data=2, tensor=4)
+  split = KernelMesh(mesh, rows=("data",), heads=("tensor",))
+  q, kk, v, cos, sin, k_pages, v_pages = _rope_inputs(1, n=3, h=8, k=4, e=64, p=8, z=4)
+  rows = jnp.array([5, -1, 30], jnp.int32)  # a padding token writes nothing
+  scale = jnp.linspace(0.5, 1.5, q.shape[-1])
   args = (
     _put(mesh, q, None, "tensor"), _put(mesh, kk, None, "tensor"), _put(mesh, v, None, "tensor"),
     _put(mesh, cos), _put(mesh, sin), _put(mesh, rows), _put(mesh, k_pages, "tensor"),
@@ -228,3 +232,114 @@ def test_page_writes_stay_on_each_devices_kv_heads():
   assert _collectives(whole.lower(*args).compile()).get("all-gather", 0) > found.get(
     "all-gather", 0
   )
+
+
+# -- pools whose pages split with the rows (`KernelMesh.split_pages`) -----------------------------
+
+
+def _local_tables(rng, n, m, p, shards):
+  """Page tables whose row i lists pages of shard i // (n // shards) only (of p in all)."""
+  per_rows, per_pages = n // shards, p // shards
+  table = np.zeros((n, m), np.int32)
+  for i in range(n):
+    first = (i // per_rows) * per_pages
+    table[i] = first + rng.permutation(per_pages)[:m]
+  return jnp.asarray(table)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_gpu", "pallas_tpu"])
+def test_paged_attention_reads_each_rows_pages_on_its_own_device(impl):
+  mesh = _mesh(data=2, tensor=2)
+  split = kernel_mesh(mesh, ROLLOUT_RULES, split_pages=True)
+  assert split.split_pages
+  q, k_pages, v_pages, _, _, sinks = _paged_inputs(n=4, p=16)
+  lengths = jnp.array([5, 17, 64, 30], jnp.int32)
+  table = _local_tables(np.random.default_rng(0), 4, 4, 16, 2)
+  args = (
+    _put(mesh, q, "data", "tensor"), _put(mesh, k_pages, "tensor", "data"),
+    _put(mesh, v_pages, "tensor", "data"), _put(mesh, lengths, "data"), _put(mesh, table, "data"),
+    _put(mesh, sinks, "tensor"),
+  )  # fmt: skip
+
+  def attend(q, k_pages, v_pages, lengths, table, sinks):
+    return paged_attention(
+      q, k_pages, v_pages, lengths, table, sinks=sinks, impl=impl,
+      interpret=impl != "reference", mesh=split,
+    )  # fmt: skip
+
+  run = jax.jit(attend)
+  out = run(*args)
+  expected = paged_attention(q, k_pages, v_pages, lengths, table, sinks=sinks, impl="reference")
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+  assert out.sharding.spec == P("data", "tensor")
+  assert _collectives(run.lower(*args).compile()) == {}
+
+
+def test_split_pages_refuse_rows_or_pools_that_do_not_split_with_them():
+  mesh = _mesh(data=2, tensor=2)
+  split = kernel_mesh(mesh, ROLLOUT_RULES, split_pages=True)
+  q, k_pages, v_pages, lengths, table, _ = _paged_inputs(n=3, p=16)  # 3 rows over 2 devices
+  with pytest.raises(ValueError, match=r"rows \(\['n'\]\) of a call that reads pages"):
+    paged_attention(q, k_pages, v_pages, lengths, table, impl="reference", mesh=split)
+  q, k_pages, v_pages, lengths, table, _ = _paged_inputs(n=4, p=15, m=3)
+  with pytest.raises(ValueError, match="a KV pool of 15 pages does not split over the 2"):
+    paged_attention(q, k_pages, v_pages, lengths, table, impl="reference", mesh=split)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_gpu"])
+def test_qk_rope_write_writes_each_row_on_the_device_of_its_pages(impl):
+  mesh = _mesh(data=2, tensor=2)
+  split = kernel_mesh(mesh, ROLLOUT_RULES, split_pages=True)
+  z = 4
+  q, kk, v, cos, sin, k_pages, v_pages = _rope_inputs(4, n=4, h=4, k=2, e=64, p=8, z=z)
+  # Rows 0-1 on device 0 of `data` (pages 0-3), rows 2-3 on device 1 (pages 4-7); one padding.
+  rows = jnp.array([1 * z + 2, -1, 4 * z + 0, 7 * z + 3], jnp.int32)
+  args = (
+    _put(mesh, q, "data", "tensor"), _put(mesh, kk, "data", "tensor"),
+    _put(mesh, v, "data", "tensor"), _put(mesh, cos, "data"), _put(mesh, sin, "data"),
+    _put(mesh, rows, "data"), _put(mesh, k_pages, "tensor", "data"),
+    _put(mesh, v_pages, "tensor", "data"),
+  )  # fmt: skip
+
+  def write(*a, impl=impl, mesh=split):
+    return qk_rope_write(*a, impl=impl, interpret=impl != "reference", mesh=mesh)
+
+  run = jax.jit(write)
+  got = run(*args)
+  expected = write(q, kk, v, cos, sin, rows, k_pages, v_pages, impl="reference", mesh=None)
+  for g, x in zip(got, expected, strict=True):
+    np.testing.assert_allclose(g, x, rtol=1e-5, atol=1e-5)
+  assert got[0].sharding.spec == P("data", "tensor")
+  assert got[1].sharding.spec == P("tensor", "data")
+  assert _collectives(run.lower(*args).compile()) == {}
+
+
+def test_page_writes_land_on_the_device_that_holds_the_page():
+  """Each row's tokens are written on the devices of its row, which hold its pages; a prefill
+  chunk's rows read them back there."""
+  from jaxrl.model.cache import gather_pages, write_pages
+
+  mesh = _mesh(data=2, tensor=2)
+  split = kernel_mesh(mesh, ROLLOUT_RULES, split_pages=True)
+  b, t, k, e, p, z = 2, 6, 2, 16, 8, 4
+  ks = jax.random.split(jax.random.key(5), 2)
+  pages = jax.random.normal(ks[0], (k, p, z, e), jnp.float32)
+  new = jax.random.normal(ks[1], (b, t, k, e), jnp.float32)
+  # Row 0 on device 0 of `data` (pages 0-3), row 1 on device 1 (4-7); page 8 is outside.
+  page_bt = jnp.array([[0, 0, 3, 3, 8, 8], [5, 5, 5, 5, 6, 6]], jnp.int32)
+  slot_bt = jnp.array([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 3, 2]], jnp.int32)
+  args = (
+    _put(mesh, pages, "tensor", "data"), _put(mesh, new, "data", None, "tensor"),
+    _put(mesh, page_bt, "data"), _put(mesh, slot_bt, "data"),
+  )  # fmt: skip
+  run = jax.jit(lambda *a: write_pages(*a, kernel_mesh=split))
+  got = run(*args)
+  np.testing.assert_array_equal(got, write_pages(pages, new, page_bt, slot_bt))
+  assert got.sharding.spec == P("tensor", "data")
+  assert _collectives(run.lower(*args).compile()) == {}
+  table = _local_tables(np.random.default_rng(1), 2, 3, p, 2)
+  gather = jax.jit(lambda pages, table: gather_pages(pages, pages, table, split))
+  keys, _ = gather(got, _put(mesh, table, "data"))
+  want, _ = gather_pages(got, got, table)
+  np.testing.assert_array_equal(keys, want)
+  assert _collectives(gather.lower(got, _put(mesh, table, "data")).compile()) == {}

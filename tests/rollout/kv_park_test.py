@@ -67,7 +67,7 @@ def test_a_next_turn_on_kept_pages_samples_what_a_full_prefill_samples(mesh, par
     second = run(e, seconds)
     turns[keep] = [r for rid in "abc" for r in (first[rid], second[rid])]
     kept[keep] = e.num_kept_prefill_tokens
-    assert not e.has_work and e.allocator.num_free + e.park.num_pages == 64
+    assert not e.has_work and e.allocator.num_free + e.park.num_pages == e.allocator.num_pages
   for a, b in zip(turns[True], turns[False], strict=True):
     assert a.token_ids == b.token_ids
     np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
@@ -91,10 +91,11 @@ def test_a_next_turn_sharing_a_leaders_pages_counts_its_tokens_once(mesh, params
   assert e.num_shared_prefill_tokens == 5 + 12  # b's prompt in turn 1, its tokens in turn 2
   assert e.num_prefill_tokens - before == 2  # a's two new tokens
   e.drain()  # frees the parked pages (the two entries share their whole pages)
-  assert e.allocator.num_free == 64
+  assert e.allocator.num_free == e.allocator.num_pages
 
 
-def test_parked_pages_are_evicted_before_any_request_is_preempted(mesh, params):
+def test_parked_pages_are_evicted_before_any_request_is_preempted(params):
+  mesh = make_mesh(jax.devices()[:1], {"data": 1})  # one pool: on `data` 2, each has its own
   rng = np.random.default_rng()
   # 12 pages of 4: turn 1 parks 5 pages; two new requests of 24 tokens need all 12.
   small = dict(page_size=4, num_pages=12, prefill_chunk=8, decode_steps=2)
@@ -120,11 +121,11 @@ def test_parked_pages_are_evicted_before_any_request_is_preempted(mesh, params):
 
 def test_new_weights_drop_parked_pages_and_pages_of_older_weights_are_not_parked(mesh, params):
   rng = np.random.default_rng()
-  e = engine(mesh, params, page_size=4, num_pages=32, decode_steps=2)
+  e = engine(mesh, params, page_size=4, num_pages=16, decode_steps=2)  # 16 on each of 2 shards
   first = run(e, [turn("a", rng.integers(3, 60, 9), 0)])["a"]
   assert "a" in e.park
   e.update_weights(MODEL.init(int(rng.integers(1 << 16))), 1)
-  assert len(e.park) == 0 and e.allocator.num_free == 32
+  assert len(e.park) == 0 and e.allocator.num_free == e.allocator.num_pages
   second = run(e, [turn("a", [*first.prompt_ids, *first.token_ids, 5, 6], 1)])["a"]
   assert e.num_kept_prefill_tokens == 0 and set(second.versions) == {1}
   # Weights that change while a turn runs: its pages mix versions and are not kept.
@@ -135,12 +136,12 @@ def test_new_weights_drop_parked_pages_and_pages_of_older_weights_are_not_parked
   assert "b" not in e.park and len(e.park) == 0
   # An ended episode's pages go at once; so do all on drain.
   run(e, [turn("c", rng.integers(3, 60, 9), 3)])
-  assert "c" in e.park and e.allocator.num_free < 32
-  assert e.drop_kept("c") and not e.drop_kept("c") and e.allocator.num_free == 32
+  assert "c" in e.park and e.allocator.num_free < e.allocator.num_pages
+  assert e.drop_kept("c") and not e.drop_kept("c") and e.allocator.num_free == e.allocator.num_pages
   run(e, [turn("d", rng.integers(3, 60, 9), 4)])
   assert "d" in e.park
   e.drain()
-  assert len(e.park) == 0 and e.allocator.num_free == 32
+  assert len(e.park) == 0 and e.allocator.num_free == e.allocator.num_pages
 
 
 def test_keep_kv_round_trips_and_old_records_load_without_it():

@@ -77,7 +77,7 @@ def test_greedy_matches_static_engine_under_preemption(mesh, params):
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
     tolerance.assert_close(b.logprobs, a.logprobs, n=TERMS)
     assert a.finish_reason == b.finish_reason
-  assert paged.allocator.num_free == 14 and not paged.has_work
+  assert paged.allocator.num_free == paged.allocator.num_pages and not paged.has_work
 
 
 def test_attention_sinks_decode_like_the_static_engine(mesh):
@@ -211,7 +211,8 @@ def test_shared_prompt_pages_give_the_tokens_of_unshared_requests(mesh, params, 
   base = [list(rng.integers(3, 60, n)) for n in (8, 9, int(rng.integers(2, 30)))]
   ps = [p for p in base for _ in range(group)]  # 8 and 9 tokens: the last page full and not
   sp = SamplingParams(temperature=temperature, max_new_tokens=16, ignore_eos=True)
-  small = dict(page_size=4, num_pages=26, max_running=8, prefill_chunk=8, decode_steps=2)
+  # 13 pages of 4 on each of data's 2 shards: 26 cannot hold 12 requests of up to 45 tokens.
+  small = dict(page_size=4, num_pages=13, max_running=8, prefill_chunk=8, decode_steps=2)
   outs = {}
   for share in (False, True):
     e = engine(mesh, params, share_prefix=share, **small)
@@ -224,8 +225,8 @@ def test_shared_prompt_pages_give_the_tokens_of_unshared_requests(mesh, params, 
     for r in e.stream():
       done[r.request_id] = r
     outs[share] = [done[i] for i in ids]
-    assert e.allocator.num_free == 26 and not e.has_work
-    assert e.num_preemptions > 0  # 26 pages of 4 cannot hold 12 requests of up to 45 tokens
+    assert e.allocator.num_free == e.allocator.num_pages and not e.has_work
+    assert e.num_preemptions > 0
   for a, b in zip(outs[False], outs[True], strict=True):
     assert a.token_ids == b.token_ids
     tolerance.assert_close(b.logprobs, a.logprobs, n=TERMS)
@@ -287,7 +288,7 @@ def test_stream_yields_short_requests_first_and_abort_returns_partials(mesh, par
   for r in partial.values():
     assert r.finish_reason is None
     assert len(r.token_ids) == len(r.logprobs) == len(r.versions) == 32
-  assert not e.has_work and e.allocator.num_free == e.cfg.num_pages
+  assert not e.has_work and e.allocator.num_free == e.allocator.num_pages
 
 
 def test_abort_of_an_unknown_id_aborts_nothing(mesh, params):
@@ -302,12 +303,14 @@ def test_abort_of_an_unknown_id_aborts_nothing(mesh, params):
   assert set(e.running) == {"a"} and [r.request_id for r in e.waiting] == ["w"]
   partial = {r.request_id: r for r in e.abort(["w", "a"])}
   assert len(partial["a"].token_ids) > 0 and partial["w"].token_ids == []
-  assert not e.has_work and e.allocator.num_free == e.cfg.num_pages
+  assert not e.has_work and e.allocator.num_free == e.allocator.num_pages
 
 
 def test_every_request_ending_in_the_window_read_back_for_pages(mesh, params):
   """Out of pages, the engine reads the window in flight back; when that ends every running
-  request, no window is dispatched over an empty batch and both come back."""
+  request, no window is dispatched over an empty batch and both come back. On a mesh whose
+  rows do not split (over `data`, each shard would have pages of its own for one of them)."""
+  mesh = make_mesh(jax.devices()[:2], {"tensor": 2})
   # EOS ignored: the weights are a random draw, and a greedy EOS would end A or B early.
   sp = SamplingParams(temperature=0.0, max_new_tokens=13, ignore_eos=True)
   roomy = engine(mesh, params, page_size=4, num_pages=16, decode_steps=4)
@@ -553,7 +556,7 @@ def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row
   want, got = bucketed.generate(ps, sp, seed=3), sized.generate(ps, sp, seed=3)
   for a, b in zip(want, got, strict=True):
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
-  row_counts = {sized._rows(n) for n in range(1, 5)}
+  row_counts = set(sized._block_row_counts(sized.rows_per_shard))
   decoded = sized._calls.decoders[NO_FILTER]._cache_size()
   assert decoded <= len(row_counts) < bucketed._calls.decoders[NO_FILTER]._cache_size()
   assert sized._calls._prefill._cache_size() <= len(row_counts)

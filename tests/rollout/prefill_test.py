@@ -73,11 +73,18 @@ def test_packed_prefill_gives_the_cache_and_tokens_of_one_request_per_row(temper
     engines.append(e)
     rows.append(seen)
   assert len(rows[1]) == 1 and rows[1][0][0] < rows[0][0][0]  # one call, fewer rows
-  # A packed row a call (rows of 2: the data axis), as many calls as packed rows; one prompt
-  # to a row, two a call (a 1-token prompt caches nothing).
-  packed_rows = pack_rows([len(p) - 1 for p in prompts if len(p) > 1], 32)
-  assert rows[2] == [(2, 32)] * len(packed_rows)
-  assert rows[3] == [(2, 32)] * -(-sum(len(p) > 1 for p in prompts) // 2)
+
+  # Each request's row on its shard's device of `data` 2 (its pages are there), so a call
+  # has a row of each shard's at least: a packed row of each a call, as many calls as the
+  # most packed rows of a shard; one prompt to a row, one of each shard's a call (a 1-token
+  # prompt caches nothing).
+  def on_shard(e, shard):
+    return [
+      len(p) - 1 for i, p in enumerate(prompts) if len(p) > 1 and e.running[str(i)].shard == shard
+    ]
+
+  assert rows[2] == [(2, 32)] * max(len(pack_rows(on_shard(engines[2], s), 32)) for s in (0, 1))
+  assert rows[3] == [(2, 32)] * max(len(on_shard(engines[3], s)) for s in (0, 1))
   terms = tolerance.model_terms(MODEL.config)
   unpacked = engines[0]
   for other in engines[1:]:

@@ -78,7 +78,7 @@ def assert_same(got, expected):
 
 def assert_all_free(e):
   assert not e.has_work and not len(e.park)
-  assert e.allocator.num_free == e.cfg.num_pages
+  assert e.allocator.num_free == e.allocator.num_pages
   assert e.ring_allocator.num_free == e.ring_allocator.num_pages
 
 
@@ -86,7 +86,8 @@ def test_the_window_layers_pool_holds_a_ring_per_running_request(rings):
   e = rings
   assert e.ring_pages == 4 == ring_size(5, 4, e.cfg)
   pools = [k.shape[1] for k, _ in e._kv]
-  assert pools == [4 * 6, 4 * 6, 96, 4 * 6]  # layer 2 attends to every position
+  # Layer 2 attends to every position; each of data's 2 shards has pools of its own.
+  assert pools == [2 * 4 * 6, 2 * 4 * 6, 2 * 96, 2 * 4 * 6]
   # Off, or a ring no smaller than the longest sequence: one pool for every layer.
   config = lambda **c: PagedConfig(**{**SMALL, **c})  # noqa: E731
   assert window_pool(config(window_pages=0), MODEL.config) == (0, 0)
@@ -150,7 +151,9 @@ def test_one_ring_runs_one_request_at_a_time(mesh, params, one_pool):
   sp = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
   e = engine(mesh, params, window_pages=4)
   got = e.generate(ps, sp, seed=0)
-  assert e.num_windows >= 3 * 4  # one request at a time: 4 windows of 3 steps each
+  # One request at a time on each of data's 2 shards (a ring each): 4 windows of 3 steps for
+  # the first two requests, then 4 for the third.
+  assert e.num_windows >= 2 * 4
   assert_same(got, one_pool.generate(ps, sp, seed=0))
   assert_all_free(e)
 
@@ -206,7 +209,8 @@ def test_a_snapshot_continues_on_another_engine_exactly(mesh, params, rings):
 def test_precompiled_ring_engine_compiles_nothing_while_it_generates(mesh, params, one_pool):
   """Its decode windows, prefills and copies of both pools' pages are all precompiled."""
   rng = np.random.default_rng()
-  e = engine(mesh, params, precompile=True, max_tokens=40, max_running=2)
+  # 2 rows on each of data's 2 shards: a prompt's second sample joins its leader's shard.
+  e = engine(mesh, params, precompile=True, max_tokens=40, max_running=4)
   compiled = lambda: [f._cache_size() for f in e._calls.jitted]  # noqa: E731
   before = compiled()
   ps = [p for p in prompts(rng, [6, 20]) for _ in range(2)]  # shared prompts: rings copied

@@ -1,0 +1,119 @@
+"""A paged engine whose rows split over several devices splits its KV pool with them: each
+device holds `num_pages` pages of its own rows, so the engine holds as many more tokens as it
+has devices along `data` (before, every device held the whole pool, and wrote every token)."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import tolerance
+from jax.sharding import PartitionSpec as P
+
+from jaxrl.model import Model, get_preset
+from jaxrl.rollout import SamplingParams
+from jaxrl.rollout.decode_loop import DeviceBatch, RowStart
+from jaxrl.rollout.kv_park import KVPark, Parked
+from jaxrl.rollout.paged import PagedConfig, PagedEngine
+from jaxrl.rollout.requests import PageAllocator
+from jaxrl.sharding import ROLLOUT_RULES, batch_sharding, make_mesh
+
+EOS, PAD = 2, 0
+MODEL = Model(get_preset("tiny"))
+TERMS = tolerance.model_terms(MODEL.config)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return MODEL.init(np.random.randint(1 << 16))
+
+
+def engine(mesh, params, **cfg):
+  e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=PagedConfig(**cfg))
+  e.update_weights(params, 0)
+  return e
+
+
+def test_sharded_allocator_hands_out_each_shards_own_pages():
+  allocator = PageAllocator(4, shards=2)
+  assert allocator.num_pages == 8 and allocator.num_free == 8
+  first, second = allocator.allocate(3, shard=0), allocator.allocate(4, shard=1)
+  assert sorted(first) == [0, 1, 2] and sorted(second) == [4, 5, 6, 7]
+  assert allocator.allocate(2, shard=0) is None and allocator.free_in(0) == 1  # nothing taken
+  assert allocator.allocate(1, shard=1) is None
+  allocator.free(allocator.share(second[:1]))  # shared, then dropped: still held once
+  allocator.free(second)
+  assert allocator.free_in(1) == 4 and allocator.free_in(0) == 1
+  assert [allocator.shard_of(p) for p in (0, 3, 4, 7)] == [0, 0, 1, 1]
+
+
+def test_parked_pages_are_evicted_only_from_the_shard_short_of_pages():
+  allocator = PageAllocator(4, shards=2)
+  park = KVPark(allocator)
+  for rid, shard in (("old", 1), ("mid", 0), ("new", 1)):
+    park.park(rid, Parked((1, 2, 3), allocator.allocate(2, shard), []))
+  assert allocator.num_free == 2 and park.shard_of(park._entries["mid"]) == 0
+  # Shard 0 needs 3 pages: only "mid" is on it; the older "old" of shard 1 stays.
+  assert sorted(park.allocate(3, shard=0)) == [0, 1, 2]
+  assert list(park._entries) == ["old", "new"] and park.num_evicted_pages == 2
+  assert park.allocate(3, shard=0) is None and list(park._entries) == ["old", "new"]
+  assert park.allocate(4, shard=1) is not None and len(park) == 0
+
+
+def test_device_batch_keeps_each_request_in_its_shards_rows():
+  mesh = make_mesh(jax.devices()[:2], {"data": 2})
+  row = batch_sharding(mesh, ROLLOUT_RULES, 1)
+  matrix = batch_sharding(mesh, ROLLOUT_RULES, 2)
+  from jaxrl.rollout.decode_loop import DecodeState, RowSampling
+
+  batch = DeviceBatch(
+    (DecodeState(*[row] * 5), RowSampling(row, row, row, row, matrix)), PAD, shards=2
+  )
+  start = RowStart(token=5, position=3, budget=4, index=0, seed=1, temperature=1.0, top_k=0,
+                   top_p=1.0, stop_ids=(EOS,))  # fmt: skip
+
+  def holders(*shards):
+    return [type("H", (), {"shard": s, "row": -1})() for s in shards]
+
+  first = holders(1, 1, 0)
+  batch.place([], [(h, start) for h in first], rows=4, stop_width=1)
+  assert [h.row for h in first] == [2, 3, 0]  # shard 1: rows 2-3; shard 0: rows 0-1
+  more = holders(1, 0)
+  batch.place(first, [(h, start) for h in more], rows=8, stop_width=1)  # re-laid out: 4 a shard
+  assert [h.row for h in first] == [4, 5, 0] and [h.row for h in more] == [6, 1]
+  assert np.asarray(batch.state.positions_b).tolist() == [3, 3, -1, -1, 3, 3, 3, -1]
+  with pytest.raises(ValueError, match="no free row in shard 1's 4 rows"):
+    batch.place([*first, *more], [(h, start) for h in holders(1, 1)], rows=8, stop_width=1)
+
+
+def test_an_engine_over_data_holds_a_pool_on_each_device(params):
+  """The same `num_pages` on one device preempts; over `data` 2 the requests fit in the two
+  devices' pools, and give the same tokens. Every running request's row and pages are on
+  one shard's devices."""
+  rng = np.random.default_rng()
+  ps = [list(rng.integers(3, 60, int(rng.integers(4, 12)))) for _ in range(8)]
+  sp = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+  # 8 requests of up to 31 tokens need up to 32 pages of 8: one device's 16 do not hold them,
+  # two devices' do (4 requests on each).
+  small = dict(page_size=8, num_pages=16, max_running=8, prefill_chunk=8, decode_steps=2)
+  one = engine(make_mesh(jax.devices()[:2], {"tensor": 2}), params, **small)
+  expected = one.generate(ps, sp, seed=0)
+  assert one.num_preemptions > 0
+  mesh = make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
+  e = engine(mesh, params, **small)
+  assert e.shards == 2 and e.allocator.num_pages == 32
+  assert e._kv[0][0].sharding.spec == P("tensor", "data", None, None)
+  assert e._kv[0][0].shape[1] == 32
+  for i, p in enumerate(ps):
+    e.submit(p, sp, seed=(0 * 1_000_003 + i) % (2**31 - 1), request_id=str(i))
+  done, checked = {}, 0
+  while e.has_work:
+    for r in e.step():
+      done[r.request_id] = r
+    block = len(e._batch.rows) // 2
+    for s in e.running.values():
+      assert {page // 16 for page in s.pages} == {s.shard} and s.row // block == s.shard
+      checked += 1
+  assert checked > 0 and e.num_preemptions == 0
+  assert {s for s in range(2) if e.allocator.free_in(s) == 16} == {0, 1}
+  for i, want in enumerate(expected):
+    np.testing.assert_array_equal(done[str(i)].token_ids, want.token_ids)
+    tolerance.assert_close(done[str(i)].logprobs, want.logprobs, n=TERMS)
