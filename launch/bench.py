@@ -12,7 +12,7 @@
                                 [--remat-policies full,save_attention]
   python launch/bench.py kernels [--json] [--presets qwen3-0.6b]   (the CUDA plugin, no GPU)
   python launch/bench.py kernel_code [--json] [--flash-blocks "block_kv_bwd=32;..."]   (idem)
-  python launch/bench.py moe_layer|split_kernels [--json] [--target h100]   (idem)
+  python launch/bench.py moe_layer|split_kernels|kv_shards [--json] [--target h100]   (idem)
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
       [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
       [--attention-blocks "2,,2,1;1,,2,1"]
@@ -441,6 +441,7 @@ bench_publish = _imported_when_asked("bench_publish", "bench_publish")
 bench_chaos = _imported_when_asked("bench_chaos", "bench_chaos")
 bench_moe_layer = _imported_when_asked("bench_moe", "bench_moe_layer")
 bench_split_kernels = _imported_when_asked("bench_split", "bench_split_kernels")
+bench_kv_shards = _imported_when_asked("bench_kv_shards", "bench_kv_shards")
 
 
 BENCHMARKS = {
@@ -457,6 +458,7 @@ BENCHMARKS = {
   "grpo_step": bench_grpo_step,
   "kernel_code": bench_kernel_code,
   "kernels": bench_kernels,
+  "kv_shards": bench_kv_shards,
   "learner": bench_learner,
   "logprob_mismatch": bench_logprob_mismatch,
   "logprobs": bench_logprobs,
@@ -529,7 +531,7 @@ def main() -> None:
     '"block_q_bwd=32,block_kv_bwd=64,num_warps=4;block_q=64"'
   )
   parser.add_argument("--flash-blocks", default=None, help=flash_blocks_help)
-  target_help = "moe_layer, split_kernels: compile for this GPU (benchmarks/gpu_targets)"
+  target_help = "moe_layer, split_kernels, kv_shards: compile for this GPU (gpu_targets)"
   parser.add_argument("--target", default=None, help=target_help)
   args = parser.parse_args()
   kwargs = {"presets": tuple(args.presets.split(","))} if args.presets else {}

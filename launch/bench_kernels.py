@@ -539,6 +539,7 @@ if __name__ == "__main__":
     if child_spec.get("kind") == "code":
       from bench_kernel_code import compile_kernel_code as compile_child
     else:
+      from bench_kv_shards import plan_kv_shards
       from bench_moe import plan_moe_layer, plan_moe_recipes
       from bench_split import plan_split_kernels
 
@@ -551,6 +552,7 @@ if __name__ == "__main__":
         "moe_layer": plan_moe_layer,
         "moe_recipes": plan_moe_recipes,
         "split_kernels": plan_split_kernels,
+        "kv_shards": plan_kv_shards,
       }.get(child_spec.get("kind"), _compile_window)
     print(json.dumps(compile_child(child_spec)))
   else:

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "lau
 
 from bench_kernel_code import ptx_instruction_counts, ptxas_resources  # noqa: E402
 from bench_kernels import count_loop_body, flash_kernel_calls  # noqa: E402
+from bench_kv_shards import run_workload  # noqa: E402
 from bench_profile import (  # noqa: E402
   busy_microseconds,
   device_kernels,
@@ -243,3 +244,11 @@ def test_collectives_counts_results_of_sync_and_async_ops():
     "all-reduce": {"count": 1, "bytes": 64 * 1024 * 2},
     "all-to-all": {"count": 1, "bytes": 2 * 32 * 4 * 128 * 2},
   }
+
+
+def test_kv_shards_workload_counts_what_the_engine_did():
+  """`launch/bench.py kv_shards`' CPU workload, small: its capacity is every device's pool."""
+  row = run_workload("micro", data=2, requests=12, new_tokens=16, num_pages=12)
+  assert row["cached_tokens_capacity"] == 2 * 12 * 16 and row["generated_tokens"] == 12 * 16
+  assert row["prefill_tokens"] >= row["prompt_tokens"] - 12  # each caches all but its last
+  assert row["preemptions"] > 0 and row["decode_windows"] > 0
