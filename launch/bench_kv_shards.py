@@ -8,11 +8,13 @@ device held the whole pool and wrote every token into it).
   about 1,350 pages), 64 rows. Reported: preemptions, prefill tokens computed (re-prefills of
   preempted requests included), decode windows, seconds, the KV pool bytes on one device and
   the tokens the engine can cache.
-- `--target h100` (or another GPU target): Qwen3-0.6B's engine over 8 GPUs as `data` 8, as the
-  HF recipe's sync rollout takes them (bf16, 8,192 pages of 16 on each GPU, 128 rows, 2,048-token
-  tables), compiled without the GPUs (the CUDA plugin, `launch/bench_kernels.py`): the
-  collectives and temporaries of its decode step, its packed prefill and its chunked prefill
-  (the most rows and the widest table of each), and the KV pool bytes on one GPU.
+- `--target h100` (or another GPU target): Qwen3-0.6B's engine over 8 GPUs as `data` 8, as
+  the HF recipe's sync rollout takes them (bf16, 8,192 pages of 16 on each GPU, 128 rows,
+  2,048-token tables), compiled without the GPUs (the CUDA plugin, `launch/bench_kernels.py`):
+  the collectives and temporaries of its decode step, its packed prefill and its chunked
+  prefill (the most rows and the widest table of each), and the KV pool bytes on one GPU.
+  `--target tpu-v5e`: the same over the topology's 4 chips, 4,096 pages each (libtpu; run
+  with `JAX_PLATFORMS=cpu`, or the CPU workload's process holds libtpu's lock).
 
 The module runs on the tree before this change too (no name of the change is needed): the
 figures in docs/BENCHMARKS.md come from running it on both, one after the other.
@@ -77,8 +79,9 @@ def run_workload(
 
 
 def plan_kv_shards(spec: dict) -> dict:
-  """In a fresh process (`bench_kernels._run_child`): the GPU set-up of the module docstring."""
-  from bench_kernels import _target_devices
+  """In a fresh process (`bench_kernels._run_child`): the compiled set-up of the module
+  docstring, for GPUs or a TPU topology's chips."""
+  from bench_kernels import TPU_TOPOLOGIES, _target_devices
   from bench_split import _measure
 
   from jaxrl.compile_ahead import with_shardings
@@ -89,12 +92,15 @@ def plan_kv_shards(spec: dict) -> dict:
   from jaxrl.rollout.sampling import NO_FILTER
   from jaxrl.sharding import ROLLOUT_RULES, make_mesh
 
-  with target_platform("cuda"):
-    mesh = make_mesh(_target_devices(spec["target"], 8)[:8], {"data": 8})
+  tpu = spec["target"] in TPU_TOPOLOGIES
+  with target_platform("tpu" if tpu else "cuda"):
+    devices = _target_devices(spec["target"], 8)[:8]  # a TPU target: its topology's chips
+    mesh = make_mesh(devices, {"data": len(devices)})
     cfg = get_preset("qwen3-0.6b", dtype="bfloat16", param_dtype="bfloat16", attention="flash")
     model = Model(cfg)
-    config = PagedConfig(page_size=16, num_pages=8192, max_running=128, prefill_chunk=512,
-                         max_tokens=2048)  # fmt: skip
+    # A v5e chip has 16 GB: half the pages of an 80 GB GPU's.
+    config = PagedConfig(page_size=16, num_pages=4096 if tpu else 8192, max_running=128,
+                         prefill_chunk=512, max_tokens=2048)  # fmt: skip
     engine = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, config=config)
     params = with_shardings(model.abstract_params(), engine.param_shardings)
     lowerings = engine_lowerings(engine, 1, NO_FILTER, params)
@@ -127,5 +133,5 @@ def bench_kv_shards(target: str | None = None) -> dict:
   if target:
     from bench_kernels import _run_child
 
-    out[f"{target}_data8"] = _run_child({"target": target, "kind": "kv_shards"}, 3600.0)
+    out[target] = _run_child({"target": target, "kind": "kv_shards"}, 3600.0)
   return out
