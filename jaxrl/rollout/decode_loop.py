@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.rollout.sampling import sample_tokens
+from jaxrl.rollout.sampling import VocabSplit, sample_tokens
 
 
 class DecodeState(NamedTuple):
@@ -83,8 +83,10 @@ def decode_window(
   *,
   steps: int,
   filter_width: int,
+  vocab_split: VocabSplit | None = None,
 ):
   """`steps` decode steps from `state`; returns (WindowOutput, the advanced state, kv).
+  `vocab_split`: where the logits split over their vocabulary (`sample_tokens`).
 
   `step_logits(kv, tokens_b, positions_b) -> (logits_bv, routing_blk or None, kv)` runs the
   model for one token per row (position -1: nothing cached, output ignored). A row takes at most
@@ -103,6 +105,7 @@ def decode_window(
       sampling.top_k_b,
       sampling.top_p_b,
       filter_width=filter_width,
+      vocab_split=vocab_split,
     )
     taken_b = taken_b + live_b
     stopped_b = jnp.any(new_b[:, None] == sampling.stop_ids_bs, axis=1) | (

@@ -26,11 +26,13 @@ from jaxrl.kernels.partitioning import local_page_ids, split_call
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PackedPrefillCache, PagedLayerCache
 from jaxrl.rollout.decode_loop import DecodeState, RowSampling, WindowOutput, decode_window
 from jaxrl.rollout.requests import bucketed_page_pairs
+from jaxrl.rollout.sampling import VocabSplit
 from jaxrl.sharding import (
   batch_sharding,
   host_array,
   kernel_mesh,
   kv_pool_pspec,
+  logical_to_pspec,
   readable,
   to_devices,
 )
@@ -72,6 +74,9 @@ class PagedCalls:
       pool = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
       self.abstract_kv.append((pool, pool))
     self.new_kv = lambda: [(makers[p](), makers[p]()) for p in pools]
+    # The sampler on each device's part of the vocabulary (`sampling.VocabSplit`).
+    logits_spec = logical_to_pspec(("batch", "vocab"), rules, mesh)
+    self._vocab_split = VocabSplit(mesh, *(_axes(entry) for entry in logits_spec))
     row = self.row_sharding = batch_sharding(mesh, rules, 1)
     matrix = batch_sharding(mesh, rules, 2)
     state, sampling = DecodeState(*[row] * 5), RowSampling(row, row, row, row, matrix)
@@ -231,7 +236,15 @@ class PagedCalls:
       routing_blk = None if routing_b1lk is None else routing_b1lk[:, 0]
       return logits_b1v[:, 0], routing_blk, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
 
-    return decode_window(step_logits, kv, state, sampling, steps=steps, filter_width=width)
+    return decode_window(
+      step_logits, kv, state, sampling, steps=steps, filter_width=width,
+      vocab_split=self._vocab_split,
+    )  # fmt: skip
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry as a tuple of mesh axes."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _global_inputs(jitted, in_shardings):

@@ -1,5 +1,7 @@
 """Static engine and sampler tests on a 4-device rollout mesh."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,8 @@ import pytest
 from helpers import tolerance
 from helpers.compiles import compiled_functions
 from helpers.host_reads import whole_arrays_read_on_the_host
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.model import Model, get_preset
 from jaxrl.rl.experience import logprob_mismatch
@@ -23,6 +27,7 @@ from jaxrl.rollout.sampling import (
   SAMPLE_BLOCK,
   SORT_ALL,
   TOP_K_CANDIDATES,
+  VocabSplit,
   _first_above,
   draw_from_logits,
   filter_width,
@@ -366,3 +371,68 @@ def test_bad_requests_rejected_at_submit(setup):
     SamplingParams(top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
     SamplingParams(temperature=-1.0)
+
+
+# -- the sampler on each device's part of the vocabulary (`sampling.VocabSplit`) -----------------
+
+
+def _split_sampler(mesh):
+  split = VocabSplit(mesh, ("data",), ("tensor",))
+
+  def sample(keys, logits, temperature):
+    b = logits.shape[0]
+    zeros, ones = jnp.zeros(b, jnp.int32), jnp.ones(b)
+    return sample_tokens(
+      keys, logits, temperature, zeros, ones, filter_width=NO_FILTER, vocab_split=split
+    )
+
+  return jax.jit(sample)
+
+
+def test_vocab_split_sampler_draws_what_the_whole_vocabulary_draws():
+  """Each device's part of 2,048 logits is whole blocks of 512: the same blocks, the same draw.
+  Greedy rows take the first maximum across devices; nothing of `[b, v]` crosses devices."""
+  mesh = make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
+  rng = np.random.default_rng()
+  b, v = 8, 4096
+  logits = np.asarray(rng.normal(size=(b, v)) * 3, np.float32)
+  logits[0, [100, 3000]] = logits[0].max() + 1.0  # tied maxima on both devices: 100 wins
+  temperature = jnp.array([0.0, 1.0, 0.7, 1.0, 0.0, 1.3, 1.0, 1.0], jnp.float32)
+  keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), b)
+  zeros, ones = jnp.zeros(b, jnp.int32), jnp.ones(b)
+  want = sample_tokens(keys, jnp.asarray(logits), temperature, zeros, ones, filter_width=NO_FILTER)
+  sharded = jax.device_put(logits, NamedSharding(mesh, P("data", "tensor")))
+  sample = _split_sampler(mesh)
+  got = sample(keys, sharded, temperature)
+  np.testing.assert_array_equal(got[0], want[0])
+  assert int(got[0][0]) == 100 and int(got[0][4]) == int(np.argmax(logits[4]))
+  tolerance.assert_close(got[1], want[1], n=v, scale=float(np.abs(logits).max()) / 0.7)
+  text = sample.lower(keys, sharded, temperature).compile().as_text()
+  gathered = [int(np.prod([int(d) for d in dims.split(",")])) for dims in
+              re.findall(r"= \w+\[([\d,]+)\]\S* all-gather", text)]  # fmt: skip
+  assert gathered and max(gathered) < b * v // 16, gathered  # each device's [b/2, v/2] is not
+
+
+def test_vocab_split_sampler_draws_from_the_softmax_where_parts_are_not_whole_blocks():
+  """1,280 entries in blocks of 256 over 2 devices: 640 each, 2.5 blocks, padded on each."""
+  mesh = make_mesh(jax.devices()[:2], {"tensor": 2})
+  rng = np.random.default_rng(0)
+  logits = np.asarray(rng.normal(size=(2, 1280)) * 2, np.float32)
+  temperature = jnp.array([1.0, 0.7], jnp.float32)
+  split = VocabSplit(mesh, (), ("tensor",))
+  zeros, ones = jnp.zeros(2, jnp.int32), jnp.ones(2)
+  sharded = jax.device_put(logits, NamedSharding(mesh, P(None, "tensor")))
+  draw = jax.jit(
+    jax.vmap(
+      lambda k: sample_tokens(
+        k, sharded, temperature, zeros, ones, filter_width=NO_FILTER, vocab_split=split
+      )  # fmt: skip
+    )
+  )
+  tokens, logprobs = draw(jax.random.split(jax.random.key(2), 20000 * 2).reshape(20000, 2))
+  tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+  for row in range(2):
+    scaled = logits[row].astype(np.float64) / float(temperature[row])
+    log_probs = scaled - scaled.max() - np.log(np.exp(scaled - scaled.max()).sum())
+    assert _chi_square_z(tokens[:, row], np.exp(log_probs)) < 6.0, row
+    tolerance.assert_close(logprobs[:100, row], log_probs[tokens[:100, row]], n=1280, scale=4.0)
