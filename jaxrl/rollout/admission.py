@@ -8,9 +8,10 @@ whole.
 
 On an engine whose rows and pages split over several devices (`PagedEngine.shards`), a request
 runs on one shard: its row in that shard's block of the batch, its pages in that shard's part
-of the pool. It goes to its leader's shard or its parked pages' where that has a free row and
+of the pool. It goes to a leader's shard or its parked pages' where that has a free row and
 the pages, else to the shard with the fewest running requests (then the most free pages) that
-has room, prefilled whole there.
+has room, prefilled whole there; it then leads the requests with its tokens that come to that
+shard after it (a GRPO group split over shards prefills its prompt once on each).
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ def admit_waiting(engine: PagedEngine) -> None:
   while engine.waiting and len(engine.running) < engine.cfg.max_running:
     record = engine.waiting[0]
     tokens = tuple(record.prompt_ids + record.token_ids)
-    leader = leaders.get(tokens) if engine.cfg.share_prefix else None
+    # Its leader on each shard that has one (a request prefilled on a shard leads there).
+    shard_leaders = leaders.get(tokens, {}) if engine.cfg.share_prefix else {}
     kept = engine.park.take(record.request_id, tokens)
-    claim = _claim(engine, tokens, leader, kept, running_on)
+    claim = _claim(engine, tokens, list(shard_leaders.values()), kept, running_on)
     if claim is None:
       if kept is not None and not engine.running:
         # Only its own parked pages stand in the way (the page past the shared ones is held
@@ -98,7 +100,7 @@ def admit_waiting(engine: PagedEngine) -> None:
     engine.running[record.request_id] = state
     running_on[claim.shard] += 1
     admitted.append((state, claim.leader, claim.reused))
-    leaders.setdefault(tokens, state)
+    leaders.setdefault(tokens, {}).setdefault(claim.shard, state)
   if admitted:
     engine._compile_ahead([s for s, _, _ in admitted])
     engine._kv = engine._calls.copy(engine._kv, kept_copies)
@@ -113,16 +115,15 @@ def admit_waiting(engine: PagedEngine) -> None:
 
 
 def _claim(
-  engine: PagedEngine, tokens: tuple[int, ...], leader, kept: Parked | None, running_on
+  engine: PagedEngine, tokens: tuple[int, ...], leaders: list, kept: Parked | None, running_on
 ) -> _Claim | None:
   """Pages (and a ring) for a request of `tokens` on the first shard that has a free row and
-  room, reusing its leader's pages there, else its parked ones, else none; None when no shard
-  has room (nothing taken, though parked entries of other requests may have been evicted)."""
+  room, reusing a leader's pages there (`leaders`: one a shard, the first admitted first),
+  else its parked ones, else none; None when no shard has room (nothing taken, though parked
+  entries of other requests may have been evicted)."""
   z, park = engine.cfg.page_size, engine.park
   kept_shard = park.shard_of(kept) if kept is not None else -1
-  candidates = []
-  if leader is not None:
-    candidates.append((leader.shard, leader, None, len(tokens) - 1))
+  candidates = [(leader.shard, leader, None, len(tokens) - 1) for leader in leaders]
   if kept is not None:
     candidates.append((kept_shard, None, kept, min(len(kept.tokens), len(tokens) - 1)))
   by_load = sorted(

@@ -117,3 +117,20 @@ def test_an_engine_over_data_holds_a_pool_on_each_device(params):
   for i, want in enumerate(expected):
     np.testing.assert_array_equal(done[str(i)].token_ids, want.token_ids)
     tolerance.assert_close(done[str(i)].logprobs, want.logprobs, n=TERMS)
+
+
+def test_a_group_split_over_shards_prefills_its_prompt_once_on_each(params):
+  """4 samples of one prompt, 2 rows a shard: two on each of data's 2 shards, the second of
+  each sharing the first's pages; the tokens are those of unshared requests."""
+  mesh = make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
+  prompt = list(np.random.default_rng().integers(3, 60, 13))
+  sp = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+  runs = {}
+  for share in (True, False):
+    e = engine(mesh, params, page_size=4, num_pages=16, max_running=4, share_prefix=share)
+    runs[share] = e.generate([prompt] * 4, sp, seed=3)
+    if share:
+      assert e.num_shared_prefill_tokens == 2 * 12 and e.num_prefill_tokens == 2 * 12
+  for a, b in zip(runs[True], runs[False], strict=True):
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    tolerance.assert_close(a.logprobs, b.logprobs, n=TERMS)
