@@ -170,8 +170,8 @@ def _with_page_offset(fn, kernel_mesh, operands, args, rows, pages, axes):
   if not (kernel_mesh.split_pages and split):
     return functools.partial(fn, page_offset=0)
   shards = math.prod(kernel_mesh.mesh.shape[a] for a in split)
-  pool = next(arg for fs, arg in zip(operands, args, strict=True) if pages[0] in fs)
-  num_pages = pool.shape[next(fs for fs in operands if pages[0] in fs).index(pages[0])]
+  pool = next((fs, arg) for fs, arg in zip(operands, args, strict=True) if pages[0] in fs)
+  num_pages = pool[1].shape[pool[0].index(pages[0])]
   if num_pages % shards:
     raise ValueError(
       f"split_call: a KV pool of {num_pages} pages does not split over the {shards} devices "

@@ -12,6 +12,7 @@ Glossary: b rows, w window steps, s stop ids per row, l layers, k experts per to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -127,6 +128,21 @@ def decode_window(
     live_b,
   )
   return WindowOutput(tokens_wb, logprobs_wb, routing_wblk, taken_b), advanced, kv
+
+
+def block_order(shard_of: Sequence[int], shards: int, rows: int) -> list[int | None]:
+  """Rows of a call laid out in `shards` equal blocks, one for each device along the rows'
+  axes: item i (of shard `shard_of[i]`) in its shard's block, in order; None: a padding row.
+  Raises where a shard has more items than its block has rows."""
+  block = rows // shards
+  order: list[int | None] = [None] * rows
+  taken = [0] * shards
+  for i, shard in enumerate(shard_of):
+    if taken[shard] == block:
+      raise ValueError(f"block_order: shard {shard} has more than its {block} rows.")
+    order[shard * block + taken[shard]] = i
+    taken[shard] += 1
+  return order
 
 
 def set_rows(state: DecodeState, sampling: RowSampling, rows_a, new_state, new_sampling):
@@ -250,14 +266,10 @@ class DeviceBatch:
   def _relayout(self, keep: list, rows: int) -> None:
     source = np.full((rows,), -1, np.int32)
     moved: list = [None] * rows
-    block = rows // self.shards
-    taken = [0] * self.shards
-    for holder in keep:
-      i = holder.shard * block + taken[holder.shard]
-      if taken[holder.shard] == block:
-        raise ValueError(f"DeviceBatch: shard {holder.shard} keeps more than its {block} rows.")
-      taken[holder.shard] += 1
-      source[i], moved[i], holder.row = holder.row, holder, i
+    for i, k in enumerate(block_order([h.shard for h in keep], self.shards, rows)):
+      if k is not None:
+        holder = keep[k]
+        source[i], moved[i], holder.row = holder.row, holder, i
     state, sampling = dead_rows(1, self.stop_width, self._pad_id)
     self.state, self.sampling = self._gather_rows(
       self.state, self.sampling, source, state, sampling

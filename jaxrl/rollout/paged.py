@@ -42,7 +42,7 @@ import numpy as np
 from jaxrl.model import Model, Params
 from jaxrl.model.scan_fit import fit_scan
 from jaxrl.rollout.admission import Running, admit_waiting
-from jaxrl.rollout.decode_loop import DeviceBatch, RowStart, WindowOutput
+from jaxrl.rollout.decode_loop import DeviceBatch, RowStart, WindowOutput, block_order
 from jaxrl.rollout.engine import Completion, ParamPlacer, bucket
 from jaxrl.rollout.kv_park import KVPark
 from jaxrl.rollout.paged_calls import PagedCalls
@@ -461,17 +461,10 @@ class PagedEngine:
     counts = collections.Counter(s.shard for s in states)
     return self.shards * bucket(max(counts.values(), default=1), 1)
 
-  def _block_layout(self, states: Sequence[Running]) -> list[Running | None]:
-    """`states` in the rows of a `_block_rows` call: each in its shard's block, in order; None:
-    a padding row."""
-    rows = self._block_rows(states)
-    block = rows // self.shards
-    layout: list[Running | None] = [None] * rows
-    taken = [0] * self.shards
-    for s in states:
-      layout[s.shard * block + taken[s.shard]] = s
-      taken[s.shard] += 1
-    return layout
+  def _block_order(self, states: Sequence[Running]) -> list[int | None]:
+    """The rows of a `_block_rows` call of `states`: the index of the state each holds, each
+    in its shard's block (`decode_loop.block_order`); None: a padding row."""
+    return block_order([s.shard for s in states], self.shards, self._block_rows(states))
 
   def _prefill_states(self, states: Sequence[Running], starts: Sequence[int]) -> None:
     prefill_admitted(self, states, starts)

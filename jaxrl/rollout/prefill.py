@@ -193,10 +193,11 @@ def prefill_admitted(engine: PagedEngine, states: Sequence[Running], starts: Seq
   cap = lambda n: engine._chunk_row_cap(engine._chunk_width(n))  # noqa: E731
   shards = [s.shard for s, _, _ in rest]
   for start, stop, live in chunk_spans(lengths, cfg.prefill_chunk, cap, shards):
-    # Each row on its shard's devices, which hold its pages (`PagedEngine._block_layout`).
-    index = {id(rest[i][0]): i for i in live}
-    layout = engine._block_layout([rest[i][0] for i in live])
-    order = [None if s is None else index[id(s)] for s in layout]
+    # Each row on its shard's devices, which hold its pages (`PagedEngine._block_order`).
+    order = [
+      None if j is None else live[j] for j in engine._block_order([rest[i][0] for i in live])
+    ]
+    layout = [None if i is None else rest[i][0] for i in order]
     shape = len(layout), engine._chunk_width(stop - start)
     offsets = [0 if i is None else rest[i][2] for i in order]
     seqs_live = [None if i is None else rest[i][1] for i in order]

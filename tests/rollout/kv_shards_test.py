@@ -32,19 +32,6 @@ def engine(mesh, params, **cfg):
   return e
 
 
-def test_sharded_allocator_hands_out_each_shards_own_pages():
-  allocator = PageAllocator(4, shards=2)
-  assert allocator.num_pages == 8 and allocator.num_free == 8
-  first, second = allocator.allocate(3, shard=0), allocator.allocate(4, shard=1)
-  assert sorted(first) == [0, 1, 2] and sorted(second) == [4, 5, 6, 7]
-  assert allocator.allocate(2, shard=0) is None and allocator.free_in(0) == 1  # nothing taken
-  assert allocator.allocate(1, shard=1) is None
-  allocator.free(allocator.share(second[:1]))  # shared, then dropped: still held once
-  allocator.free(second)
-  assert allocator.free_in(1) == 4 and allocator.free_in(0) == 1
-  assert [allocator.shard_of(p) for p in (0, 3, 4, 7)] == [0, 0, 1, 1]
-
-
 def test_parked_pages_are_evicted_only_from_the_shard_short_of_pages():
   allocator = PageAllocator(4, shards=2)
   park = KVPark(allocator)

@@ -15,7 +15,7 @@ from jaxrl.rl.experience import logprob_mismatch
 from jaxrl.rollout import SamplingParams, StaticEngine
 from jaxrl.rollout.paged import PagedConfig, PagedEngine
 from jaxrl.rollout.precompile import engine_lowerings
-from jaxrl.rollout.requests import PageAllocator, RequestRecord
+from jaxrl.rollout.requests import RequestRecord
 from jaxrl.rollout.sampling import NO_FILTER, SORT_ALL, TOP_K_CANDIDATES
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig
@@ -578,24 +578,3 @@ def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row
     sized.generate(long_prompt, sampling, seed=1)[0].token_ids,
     bucketed.generate(long_prompt, sampling, seed=1)[0].token_ids,
   )
-
-
-def test_page_allocator_refuses_to_free_a_page_nobody_holds_and_frees_nothing_then():
-  """A page freed twice would go to two requests at once, each overwriting the other's keys."""
-  allocator = PageAllocator(4)
-  pages = allocator.allocate(2)
-  shared = allocator.share(pages[:1])
-  allocator.free(pages)  # the first page is still held by its sharer
-  assert allocator.num_free == 3
-  with pytest.raises(ValueError, match=f"Page {pages[1]} freed 1 time.*held by 0"):
-    allocator.free(pages[1:])
-  allocator.free(shared)
-  assert allocator.num_free == 4
-  (page,) = allocator.allocate(1)
-  with pytest.raises(ValueError, match="freed 2 time"):
-    allocator.free([page, page])
-  assert allocator.num_free == 3  # nothing freed
-  with pytest.raises(ValueError, match="Page 7 .*pages 0..3"):
-    allocator.free([7])
-  allocator.free([page])
-  assert allocator.num_free == 4 and sorted(allocator.allocate(4)) == [0, 1, 2, 3]
