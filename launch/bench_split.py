@@ -11,8 +11,9 @@ temporaries on one device, and the compile's seconds.
 Set-ups, the ones a user with a node of GPUs meets:
 - `engine_qwen3-8b_tensor2`: the paged engine of Qwen3-8B over 2 GPUs in tensor parallel
   (bf16 weights and KV, 64 rows, 2,048-token page tables, 4,096 pages of 16, flash attention's
-  kernel): its decode window, and its packed prefill of the most rows (prompts of up to 512
-  tokens packed into rows of 512).
+  kernel): its decode window (without a sampling filter, and as shipped only, with top-k:
+  `decode_step_top_k`), and its packed prefill of the most rows (prompts of up to 512 tokens
+  packed into rows of 512).
 - `learner_qwen3-0.6b_fsdp8`: the learner's micro-step of Qwen3-0.6B over 8 GPUs in fsdp (bf16
   compute, fp32 master weights, remat keeping attention's output and statistics as the HF
   recipe does, flash attention's Pallas kernel, one packed row of 4,096 positions a GPU). Also
@@ -98,7 +99,7 @@ def _engine(target: str) -> dict:
   from jaxrl.model import Model, get_preset
   from jaxrl.rollout.paged import PagedConfig, PagedEngine
   from jaxrl.rollout.precompile import engine_lowerings
-  from jaxrl.rollout.sampling import NO_FILTER
+  from jaxrl.rollout.sampling import NO_FILTER, TOP_K_CANDIDATES
   from jaxrl.sharding import ROLLOUT_RULES, make_mesh
 
   mesh = make_mesh(_target_devices(target, 2)[:2], {"tensor": 2})
@@ -115,11 +116,19 @@ def _engine(target: str) -> dict:
   decode = max(((p.args[2].shape, lower) for p, lower in lowerings if p.on_device), key=first)
   prefills = ((p.args[0].shape, lower) for p, lower in lowerings if p.jitted is packed)
   prefill = max(prefills, key=first)
+  # The same step sampling with a top-k filter (`TOP_K_CANDIDATES`: Qwen3's generation
+  # config asks for top_k 20), as shipped only.
+  top_k = engine_lowerings(engine, 1, TOP_K_CANDIDATES, params)
+  decode_top_k = max(((p.args[2].shape, lower) for p, lower in top_k if p.on_device), key=first)
   return {
     "decode_step": {
       "rows": decode[0][0],
       "table_pages": decode[0][1],
       **_both(lambda: decode[1]().compile()),
+    },
+    "decode_step_top_k": {
+      "rows": decode_top_k[0][0],
+      "split": _measure(lambda: decode_top_k[1]().compile()),
     },
     "packed_prefill": {
       "rows": prefill[0][0],

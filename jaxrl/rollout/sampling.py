@@ -82,16 +82,29 @@ def filter_logits(
     candidates_bc = jax.lax.top_k(logits_bv, width)[0]  # descending
   else:
     candidates_bc = jnp.sort(logits_bv, axis=-1)[:, ::-1]
+
+  def top_k_log_norm(kth_b1):
+    top_k_logits_bv = jnp.where(logits_bv >= kth_b1, logits_bv, -jnp.inf)
+    return jax.nn.logsumexp(top_k_logits_bv, axis=-1, keepdims=True)
+
+  threshold_b1 = _kept_threshold(candidates_bc, top_k_b, top_p_b, top_k_log_norm)
+  return jnp.where(logits_bv >= threshold_b1, logits_bv, -jnp.inf)
+
+
+def _kept_threshold(candidates_bc, top_k_b, top_p_b, top_k_log_norm) -> jax.Array:
+  """Each row's smallest logit that its top-k set and top-p nucleus keep (`[b, 1]`; -inf for
+  a row with neither), from its largest logits in descending order (`candidates_bc`, at least
+  its top k) and `top_k_log_norm(kth_b1)`: the log-sum-exp of the whole row's logits at or
+  above its k-th value."""
   c = candidates_bc.shape[-1]
   k_b = jnp.where(top_k_b > 0, jnp.minimum(top_k_b, c), c)
   kth_b1 = jnp.take_along_axis(candidates_bc, (k_b - 1)[:, None], axis=-1)
   in_top_k = candidates_bc >= kth_b1
   # The nucleus normalises over the whole top-k set of the row, not only over the candidates:
-  # ties at the k-th value may run past the `width` candidates, and each of them takes mass.
-  # A tied run is kept or dropped whole (the threshold below), decided by its first member,
-  # which lies among the candidates since k <= width.
-  top_k_logits_bv = jnp.where(logits_bv >= kth_b1, logits_bv, -jnp.inf)
-  log_norm_b1 = jax.nn.logsumexp(top_k_logits_bv, axis=-1, keepdims=True)
+  # ties at the k-th value may run past the candidates, and each of them takes mass. A tied
+  # run is kept or dropped whole (the threshold below), decided by its first member, which
+  # lies among the candidates since k <= c.
+  log_norm_b1 = top_k_log_norm(kth_b1)
   probs_bc = jnp.where(in_top_k, jnp.exp(candidates_bc - log_norm_b1), 0.0)
   mass_before = jnp.cumsum(probs_bc, axis=-1) - probs_bc
   # top_p = 1 keeps the whole top-k set, also where the mass before a token rounds to 1.
@@ -99,8 +112,7 @@ def filter_logits(
   # The smallest logit still kept is the threshold for the unsorted row.
   threshold_b1 = jnp.min(jnp.where(keep_bc, candidates_bc, jnp.inf), axis=-1, keepdims=True)
   unfiltered_b1 = ((top_k_b <= 0) & (top_p_b >= 1.0))[:, None]
-  threshold_b1 = jnp.where(unfiltered_b1, -jnp.inf, threshold_b1)
-  return jnp.where(logits_bv >= threshold_b1, logits_bv, -jnp.inf)
+  return jnp.where(unfiltered_b1, -jnp.inf, threshold_b1)
 
 
 def first_argmax(x_bv: jax.Array) -> jax.Array:
@@ -228,16 +240,19 @@ def sample_tokens(
   copy back to the host at every step.
 
   `vocab_split`: logits split over their vocabulary (a tensor-parallel engine's). Without a
-  filter, each device then draws over its own part (`_draw_on_vocab_shards`: the same
-  distribution; the blocks are each device's, so the draws differ from the whole vocabulary's
-  where its part is not a whole number of blocks), where XLA gathered every row's logits onto
-  every device (`[b, v]` float32 a step: 38.9 MB at Qwen3-8B's vocabulary and 64 rows).
+  filter or with TOP_K_CANDIDATES, each device then filters and draws over its own part
+  (`_draw_on_vocab_shards`: the same distribution; the blocks are each device's, so the draws
+  differ from the whole vocabulary's where its part is not a whole number of blocks), where XLA
+  gathered every row's logits onto every device (`[b, v]` float32 a step: 38.9 MB at
+  Qwen3-8B's vocabulary and 64 rows). SORT_ALL still sorts the whole, gathered row.
   """
-  if vocab_split is not None and filter_width == NO_FILTER:
+  if vocab_split is not None and filter_width in (NO_FILTER, TOP_K_CANDIDATES):
     split = _vocab_shards(vocab_split, logits_bv.shape)
     if split is not None:
       uniforms_b2 = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys_b)
-      return _draw_on_vocab_shards(split, uniforms_b2, logits_bv, temperature_b)
+      return _draw_on_vocab_shards(
+        split, filter_width, uniforms_b2, logits_bv, temperature_b, top_k_b, top_p_b
+      )
   logits_bv = logits_bv.astype(jnp.float32)
   greedy_b = temperature_b <= 0
   scaled_bv = logits_bv / jnp.where(greedy_b, 1.0, temperature_b)[:, None]
@@ -274,30 +289,39 @@ def _vocab_shards(split: VocabSplit, shape: tuple[int, int]) -> VocabSplit | Non
   return VocabSplit(split.mesh, rows, vocab)
 
 
-def _draw_on_vocab_shards(split: VocabSplit, uniforms_b2, logits_bv, temperature_b):
-  """`sample_tokens` without a filter, each device on its part of the vocabulary: the max and
-  argmax, and each block's mass, from its own logits; across devices only each row's maxes and
-  argmaxes (`[b, devices]`), block masses (`[b, blocks]`) and the drawn block (`[b, z]`)."""
+def _draw_on_vocab_shards(
+  split: VocabSplit, width: int, uniforms_b2, logits_bv, temperature_b, top_k_b, top_p_b
+):
+  """`sample_tokens` with NO_FILTER or TOP_K_CANDIDATES, each device on its part of the
+  vocabulary: the max and argmax, the filter's threshold (`_threshold_on_vocab_shards`) and
+  each block's mass from its own logits; across devices only each row's maxes and argmaxes
+  (`[b, devices]`), block masses (`[b, blocks]`), the drawn block (`[b, z]`) and, filtering,
+  each device's `width` largest logits and a few sums a row."""
   rows = split.rows or None
   vocab = split.vocab
   z = sample_block(logits_bv.shape[1])  # the whole vocabulary's block size
   spec = lambda *dims: jax.sharding.PartitionSpec(*dims)  # noqa: E731
 
-  def draw(uniforms_b2, logits_bv, temperature_b):
+  def draw(uniforms_b2, logits_bv, temperature_b, top_k_b, top_p_b):
     logits_bv = logits_bv.astype(jnp.float32)
     greedy_b = temperature_b <= 0
     scaled_bv = logits_bv / jnp.where(greedy_b, 1.0, temperature_b)[:, None]
-    b, width = scaled_bv.shape
+    b, part = scaled_bv.shape
     shard = jax.lax.axis_index(vocab)
     local_argmax_b = first_argmax(scaled_bv)
     local_max_b = jnp.take_along_axis(scaled_bv, local_argmax_b[:, None], axis=-1)[:, 0]
     maxes_bd = jax.lax.all_gather(local_max_b, vocab, axis=1)
-    argmaxes_bd = jax.lax.all_gather(local_argmax_b + shard * width, vocab, axis=1)
+    argmaxes_bd = jax.lax.all_gather(local_argmax_b + shard * part, vocab, axis=1)
     max_b = jnp.max(maxes_bd, axis=-1)
     first_b = jnp.argmax(maxes_bd == max_b[:, None], axis=-1)  # the lowest ids win ties
     argmax_b = jnp.take_along_axis(argmaxes_bd, first_b[:, None], axis=-1)[:, 0]
-    blocks = -(-width // z)
-    padded_bv = jnp.pad(scaled_bv, ((0, 0), (0, blocks * z - width)), constant_values=-jnp.inf)
+    # A filter keeps every row's largest logit, so max_b is the filtered row's max too.
+    filtered_bv = scaled_bv
+    if width != NO_FILTER:
+      threshold_b1 = _threshold_on_vocab_shards(scaled_bv, max_b, top_k_b, top_p_b, width, vocab)
+      filtered_bv = jnp.where(scaled_bv >= threshold_b1, scaled_bv, -jnp.inf)
+    blocks = -(-part // z)
+    padded_bv = jnp.pad(filtered_bv, ((0, 0), (0, blocks * z - part)), constant_values=-jnp.inf)
     exp_bnz = jnp.exp(padded_bv.reshape(b, blocks, z) - max_b[:, None, None])
     mass_bn = jax.lax.all_gather(jnp.sum(exp_bnz, axis=-1), vocab, axis=1, tiled=True)
     cumulative_bn = jnp.cumsum(mass_bn, axis=-1)
@@ -310,17 +334,39 @@ def _draw_on_vocab_shards(split: VocabSplit, uniforms_b2, logits_bv, temperature
     mass_bz = jnp.exp(inside_bz - max_b[:, None])
     running_bz = jnp.cumsum(mass_bz, axis=-1)
     in_block_b = _first_above(running_bz, uniforms_b2[:, 1] * running_bz[:, -1], mass_bz)
-    drawn_b = owner_b * width + local_block_b * z + in_block_b
+    drawn_b = owner_b * part + local_block_b * z + in_block_b
     tokens_b = jnp.where(greedy_b, argmax_b, drawn_b)
     drawn_logit_b = jnp.take_along_axis(inside_bz, in_block_b[:, None], axis=-1)[:, 0]
     chosen_b = jnp.where(greedy_b, max_b, drawn_logit_b)
-    return tokens_b.astype(jnp.int32), chosen_b - (max_b + jnp.log(total_b))
+    # Sampled rows are scored by what they drew from; greedy rows unfiltered.
+    lse_b = max_b + jnp.log(total_b)
+    if width != NO_FILTER:
+      whole_b = jax.lax.psum(jnp.sum(jnp.exp(scaled_bv - max_b[:, None]), axis=-1), vocab)
+      lse_b = jnp.where(greedy_b, max_b + jnp.log(whole_b), lse_b)
+    return tokens_b.astype(jnp.int32), chosen_b - lse_b
 
   mapped = jax.shard_map(
     draw,
     mesh=split.mesh,
-    in_specs=(spec(rows), spec(rows, vocab), spec(rows)),
+    in_specs=(spec(rows), spec(rows, vocab), spec(rows), spec(rows), spec(rows)),
     out_specs=(spec(rows), spec(rows)),
     check_vma=False,  # each output is the same on every device of `vocab`, as computed
   )
-  return mapped(uniforms_b2, logits_bv, temperature_b)
+  return mapped(uniforms_b2, logits_bv, temperature_b, top_k_b, top_p_b)
+
+
+def _threshold_on_vocab_shards(scaled_bv, max_b, top_k_b, top_p_b, width: int, vocab):
+  """`filter_logits`'s threshold (`_kept_threshold`) for logits split over the mesh axes
+  `vocab` (inside a `shard_map`): the row's `width` largest logits are among the `width`
+  largest of each device's part, so each device gathers only those (`[b, devices * width]`),
+  and the top-k set's normaliser is a sum over the devices."""
+  local_c = min(width, scaled_bv.shape[1])
+  local_bc = jax.lax.top_k(scaled_bv, local_c)[0]
+  gathered_bc = jax.lax.all_gather(local_bc, vocab, axis=1, tiled=True)
+  candidates_bc = jax.lax.top_k(gathered_bc, min(width, gathered_bc.shape[1]))[0]
+
+  def top_k_log_norm(kth_b1):
+    exp_bv = jnp.where(scaled_bv >= kth_b1, jnp.exp(scaled_bv - max_b[:, None]), 0.0)
+    return (max_b + jnp.log(jax.lax.psum(jnp.sum(exp_bv, axis=-1), vocab)))[:, None]
+
+  return _kept_threshold(candidates_bc, top_k_b, top_p_b, top_k_log_norm)

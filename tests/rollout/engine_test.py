@@ -29,6 +29,7 @@ from jaxrl.rollout.sampling import (
   TOP_K_CANDIDATES,
   VocabSplit,
   _first_above,
+  _threshold_on_vocab_shards,
   draw_from_logits,
   filter_width,
   first_argmax,
@@ -197,6 +198,9 @@ def _chi_square_z(tokens, probs) -> float:
   big = expected >= 5
   observed = np.append(counts[big], counts[~big].sum())
   expected = np.append(expected[big], expected[~big].sum())
+  if expected[-1] == 0:  # bins of no mass only: none may be drawn, and they add no freedom
+    assert observed[-1] == 0, "drew a token of probability 0"
+    observed, expected = observed[:-1], expected[:-1]
   chi = np.sum((observed - expected) ** 2 / expected)
   dof = len(observed) - 1
   return (chi - dof) / np.sqrt(2 * dof)
@@ -413,26 +417,109 @@ def test_vocab_split_sampler_draws_what_the_whole_vocabulary_draws():
   assert gathered and max(gathered) < b * v // 16, gathered  # each device's [b/2, v/2] is not
 
 
-def test_vocab_split_sampler_draws_from_the_softmax_where_parts_are_not_whole_blocks():
-  """1,280 entries in blocks of 256 over 2 devices: 640 each, 2.5 blocks, padded on each."""
+def _nucleus_probs(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+  """float64 oracle: softmax(scaled) restricted to its top-k set and top-p nucleus (no ties)."""
+  order = np.argsort(-scaled)
+  keep = order[:top_k] if top_k else order
+  probs = np.exp(scaled[keep] - scaled.max())
+  probs /= probs.sum()
+  kept = keep[np.cumsum(probs) - probs < top_p]
+  out = np.zeros_like(scaled)
+  out[kept] = np.exp(scaled[kept] - scaled.max())
+  return out / out.sum()
+
+
+@pytest.mark.parametrize("width", [NO_FILTER, TOP_K_CANDIDATES])
+def test_vocab_split_sampler_draws_from_the_softmax_where_parts_are_not_whole_blocks(width):
+  """1,280 entries in blocks of 256 over 2 devices: 640 each, 2.5 blocks, padded on each; the
+  filtered rows draw from their top-k set and nucleus, renormalised."""
   mesh = make_mesh(jax.devices()[:2], {"tensor": 2})
   rng = np.random.default_rng(0)
-  logits = np.asarray(rng.normal(size=(2, 1280)) * 2, np.float32)
-  temperature = jnp.array([1.0, 0.7], jnp.float32)
+  logits = np.asarray(rng.normal(size=(3, 1280)) * 2, np.float32)
+  temperature = jnp.array([1.0, 0.7, 1.2], jnp.float32)
+  top_k = [0, 0, 0] if width == NO_FILTER else [20, 64, 0]
+  top_p = [1.0, 1.0, 1.0] if width == NO_FILTER else [1.0, 0.6, 1.0]
+  params = [SamplingParams(top_k=k, top_p=p) for k, p in zip(top_k, top_p, strict=True)]
+  assert filter_width(params) == width
   split = VocabSplit(mesh, (), ("tensor",))
-  zeros, ones = jnp.zeros(2, jnp.int32), jnp.ones(2)
+  top_k_b, top_p_b = jnp.array(top_k, jnp.int32), jnp.array(top_p, jnp.float32)
   sharded = jax.device_put(logits, NamedSharding(mesh, P(None, "tensor")))
   draw = jax.jit(
     jax.vmap(
       lambda k: sample_tokens(
-        k, sharded, temperature, zeros, ones, filter_width=NO_FILTER, vocab_split=split
+        k, sharded, temperature, top_k_b, top_p_b, filter_width=width, vocab_split=split
       )  # fmt: skip
     )
   )
-  tokens, logprobs = draw(jax.random.split(jax.random.key(2), 20000 * 2).reshape(20000, 2))
+  tokens, logprobs = draw(jax.random.split(jax.random.key(2), 20000 * 3).reshape(20000, 3))
   tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-  for row in range(2):
+  for row in range(3):
     scaled = logits[row].astype(np.float64) / float(temperature[row])
-    log_probs = scaled - scaled.max() - np.log(np.exp(scaled - scaled.max()).sum())
-    assert _chi_square_z(tokens[:, row], np.exp(log_probs)) < 6.0, row
-    tolerance.assert_close(logprobs[:100, row], log_probs[tokens[:100, row]], n=1280, scale=4.0)
+    probs = _nucleus_probs(scaled, top_k[row], top_p[row])
+    assert _chi_square_z(tokens[:, row], probs) < 6.0, row
+    assert np.all(probs[tokens[:, row]] > 0), row
+    want = np.log(probs[tokens[:100, row]])
+    tolerance.assert_close(logprobs[:100, row], want, n=1280, scale=4.0)
+
+
+def test_vocab_split_top_k_draws_what_the_whole_vocabulary_draws():
+  """With top-k (and top-p within it) each device filters its own part: the same kept tokens,
+  so where parts are whole blocks the same draws and log-probs as the whole vocabulary's;
+  across devices only each part's 64 largest logits, no `[b, v]`."""
+  mesh = make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
+  split = VocabSplit(mesh, ("data",), ("tensor",))
+  rng = np.random.default_rng()
+  b, v = 8, 4096
+  logits = np.asarray(rng.integers(-40, 40, size=(b, v)) / 4, np.float32)  # many ties
+  temperature = jnp.array([0.0, 1.0, 0.7, 1.0, 0.0, 1.3, 1.0, 1.0], jnp.float32)
+  top_k = jnp.array([5, 1, 20, 64, 0, 7, 0, 40], jnp.int32)
+  top_p = jnp.array([1.0, 1.0, 0.5, 0.9, 1.0, 1.0, 1.0, 0.3], jnp.float32)
+  sharded = jax.device_put(logits, NamedSharding(mesh, P("data", "tensor")))
+  keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 64 * b).reshape(64, b)
+
+  def sample(keys, logits, vocab_split):
+    return sample_tokens(
+      keys, logits, temperature, top_k, top_p, filter_width=TOP_K_CANDIDATES,
+      vocab_split=vocab_split,
+    )  # fmt: skip
+
+  split_draws = jax.jit(jax.vmap(lambda k, x: sample(k, x, split), in_axes=(0, None)))
+  want = jax.jit(jax.vmap(lambda k, x: sample(k, x, None), in_axes=(0, None)))(keys, logits)
+  got = split_draws(keys, sharded)
+  np.testing.assert_array_equal(got[0], want[0])
+  assert np.all(np.asarray(got[0])[:, 0] == np.argmax(logits[0]))  # greedy: the first max
+  tolerance.assert_close(got[1], want[1], n=v, scale=float(np.abs(logits).max()) / 0.7)
+  text = split_draws.lower(keys, sharded).compile().as_text()
+  gathered = [int(np.prod([int(d) for d in dims.split(",")])) for dims in
+              re.findall(r"= \w+\[([\d,]+)\]\S* all-gather", text)]  # fmt: skip
+  assert gathered and max(gathered) < 64 * b * v // 16, gathered  # no device's [b/2, v/2]
+
+
+def test_vocab_split_filter_keeps_what_the_whole_row_keeps():
+  """Each device's part keeps exactly what `filter_logits` keeps of the whole row, ties at the
+  k-th value included, also where they run past the 64 candidates and over both devices."""
+  mesh = make_mesh(jax.devices()[:2], {"tensor": 2})
+  top_k = jnp.array([1, 5, 17, 64, 0, 2, 33, 64], jnp.int32)
+  top_p = jnp.array([1.0, 0.5, 0.9, 0.95, 1.0, 0.3, 1.0, 0.8], jnp.float32)
+
+  def kept(logits_bv):
+    max_b = jax.lax.pmax(jnp.max(logits_bv, axis=-1), "tensor")
+    threshold_b1 = _threshold_on_vocab_shards(
+      logits_bv, max_b, top_k, top_p, TOP_K_CANDIDATES, ("tensor",)
+    )
+    return logits_bv >= threshold_b1
+
+  split_kept = jax.jit(
+    jax.shard_map(kept, mesh=mesh, in_specs=P(None, "tensor"), out_specs=P(None, "tensor"))
+  )
+  tied_past_candidates = 0
+  for seed in range(16):
+    rng = np.random.default_rng(seed)
+    logits = np.asarray(rng.integers(-20, 20, size=(8, 600)) / 4, np.float32)
+    ordered = np.sort(logits[3])[::-1]
+    tied_past_candidates += int(ordered[TOP_K_CANDIDATES] == ordered[TOP_K_CANDIDATES - 1])
+    whole = filter_logits(jnp.asarray(logits), top_k, top_p, width=SORT_ALL)
+    np.testing.assert_array_equal(
+      split_kept(jnp.asarray(logits)), np.isfinite(whole), err_msg=f"{seed=}"
+    )
+  assert tied_past_candidates > 0
