@@ -30,8 +30,8 @@ from jaxrl.train.sft import SupervisedTrainer
 
 
 class LearnerLost(RuntimeError):
-  """A process of the learner is gone; the run goes on from the last checkpoint with a new
-  learner (`job.run`, `config.loop.learner_restarts`)."""
+  """A process of the learner, or the weight store, is gone; the run goes on from the last
+  checkpoint with a new learner and store (`job.run`, `config.loop.learner_restarts`)."""
 
 
 class VersionedStore(Protocol):
@@ -123,6 +123,11 @@ class Backend(Protocol):
     re-planning chose, one per worker the controller should run; None while nothing changed
     (always, for a backend whose devices are fixed)."""
 
+  def raise_if_lost(self, learner: PolicyLearner, store: VersionedStore) -> None:
+    """Raises `LearnerLost` once a process of `learner` or `store` is gone, without waiting
+    for them (the loop asks while it waits for rollouts); never, for a backend that runs them
+    in this process."""
+
 
 class LocalBackend:
   """The learner in this process; rollout workers as threads on slices of its devices."""
@@ -147,6 +152,9 @@ class LocalBackend:
 
   def replan_rollout(self) -> list | None:
     return None  # this process's devices do not come and go
+
+  def raise_if_lost(self, learner, store) -> None:
+    del learner, store  # in this process: they go only with it
 
   def make_worker(self, name: str, devices, store) -> LocalWorker:
     p = self.parts

@@ -503,6 +503,7 @@ class Controller(CheckpointedController, WorkerPool):
           hook(self)
         self._dispatch()  # what was released since: before waiting for the workers' events
         self._handle_events(block=True)
+        self.backend.raise_if_lost(self.learner, self.weights)
         self._check_workers()
         self.follow_cluster()
         self.check_workers_left()

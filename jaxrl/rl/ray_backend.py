@@ -18,8 +18,10 @@ import os
 import time
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from jaxrl.config import ConfigError
+from jaxrl.rl.backends import LearnerLost
 from jaxrl.rl.ray_cluster import ProcessSlot, RayPlacement, replan_placement
 from jaxrl.rl.ray_learner import RayLearner
 from jaxrl.rl.ray_rollout import RayWorker
@@ -83,6 +85,31 @@ class RayWeightStore:
       time.sleep(0.01)
 
 
+class ActorWatch:
+  """Whether Ray actors are still there, asked without waiting: each `lost()` reads each
+  actor's answer to its last ping, where it has come (an actor answers once the calls sent
+  before the ping have run), and pings it again. The ping of an actor that died (its process
+  killed, its node lost) fails as soon as Ray knows, queued or not."""
+
+  def __init__(self, actors: dict[str, ray.actor.ActorHandle]):
+    self.actors = actors
+    self._pings: dict[str, ray.ObjectRef] = {}
+
+  def lost(self) -> str:
+    """Which actor is gone and why; "" while each has answered or is still busy."""
+    for name, actor in self.actors.items():
+      ping = self._pings.get(name)
+      if ping is not None:
+        if not ray.wait([ping], timeout=0)[0]:
+          continue
+        try:
+          ray.get(ping)
+        except ray.exceptions.RayActorError as e:
+          return f"the {name} is gone ({type(e).__name__}: {str(e).splitlines()[0]})"
+      self._pings[name] = actor.__ray_ready__.remote()
+    return ""
+
+
 class RayBackend:
   """The `ray` backend (`backends.Backend`): the learner, the store and each rollout worker as
   Ray actors (a worker of `rollout.num_processes` processes each). With `loop.ray_pin_cores`
@@ -92,11 +119,15 @@ class RayBackend:
   the plan chose, with its meshes."""
 
   CLUSTER_CHECK_S = 2.0  # how often `replan_rollout` reads the Ray cluster's nodes
+  LIVENESS_CHECK_S = 2.0  # how often `raise_if_lost` pings the learner's and store's actors
 
   def __init__(self, parts: JobParts, placement: RayPlacement | None = None):
     self.parts = parts
     self.placement = placement
     self._next_check = 0.0
+    self._next_liveness_check = 0.0
+    self._learner_node: str | None = None  # the node of the learner's rank 0, once made
+    self._watch: tuple[object, object, ActorWatch] | None = None  # (learner, store, watch)
     pin = parts.cfg.loop.ray_pin_cores
     self._learner_cores, self._worker_cores = core_split() if pin else (None, None)
     self._made = itertools.count()
@@ -118,17 +149,29 @@ class RayBackend:
     cfg = self.parts.cfg
     if self.placement is not None:
       slots = self.placement.learner
-      return RayLearner(
+      learner = RayLearner(
         cfg,
         self.placement.train_mesh,
         num_processes=len(slots),
         rank_options=[s.actor_options for s in slots],
       )
-    shape = dict(self.parts.placement.train_mesh.shape)
-    return RayLearner(cfg, shape, num_processes=cfg.train.num_processes, cores=self._learner_cores)
+    else:
+      shape = dict(self.parts.placement.train_mesh.shape)
+      learner = RayLearner(
+        cfg, shape, num_processes=cfg.train.num_processes, cores=self._learner_cores
+      )
+    self._learner_node = learner.node_ids()[0]
+    return learner
 
   def make_store(self) -> RayWeightStore:
-    return RayWeightStore()
+    """The store actor, on the node of the learner's first process once a learner was made
+    (Ray's choice otherwise, or if that node is full): placed by Ray alone it could land on a
+    rollout node, often preemptible capacity, whose loss then took the store and stopped the
+    job's weights (every worker's next version) with it."""
+    if self._learner_node is None:
+      return RayWeightStore()
+    beside = NodeAffinitySchedulingStrategy(self._learner_node, soft=True)
+    return RayWeightStore(WeightStoreActor.options(num_cpus=0, scheduling_strategy=beside).remote())
 
   def attach_learner(self, learner: RayLearner, timeline: StageTimeline) -> None:
     learner.timeline = timeline  # the actor's spans come back with its results
@@ -156,6 +199,25 @@ class RayBackend:
       return None
     self.placement = replanned[0]
     return list(self.placement.rollout)
+
+  def raise_if_lost(self, learner: RayLearner, store: RayWeightStore) -> None:
+    """Raises `LearnerLost` once a learner process or the store actor is gone (pinged at most
+    every `LIVENESS_CHECK_S`, without waiting), after killing what is left of both. Without
+    it a loop waiting for rollouts learned of a lost learner only at its next call, and not at
+    all while the workers waited for a version the lost learner or store never delivered: the
+    job then waited forever."""
+    now = time.monotonic()
+    if now < self._next_liveness_check:
+      return
+    self._next_liveness_check = now + self.LIVENESS_CHECK_S
+    if self._watch is None or self._watch[0] is not learner or self._watch[1] is not store:
+      ranks = {f"learner process {r}": actor for r, actor in enumerate(learner.actors)}
+      self._watch = (learner, store, ActorWatch({**ranks, "weight store actor": store.actor}))
+    why = self._watch[2].lost()
+    if why:
+      learner.kill()
+      ray.kill(store.actor, no_restart=True)
+      raise LearnerLost(f"{why}; the learner's processes and the weight store were stopped")
 
   def make_worker(self, name: str, slot, store: RayWeightStore) -> RayWorker:
     """A worker in `slot` (a planned instance), or, without one, anywhere Ray finds room

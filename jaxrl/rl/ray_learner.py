@@ -365,6 +365,11 @@ class RayLearner:
     """The Ray node each rank runs on."""
     return [self._get(a.node_id.remote()) for a in self._actors]
 
+  @property
+  def actors(self) -> list:
+    """Its processes' actors, rank 0 first."""
+    return list(self._actors)
+
   def kill(self) -> None:
     for actor in self._actors:
       ray.kill(actor, no_restart=True)

@@ -268,6 +268,8 @@ class WorkerPool:
     if ev.kind == "store_unreachable":
       # Its weights are too old to generate with and it cannot get newer ones: withdraw it so
       # its requests continue elsewhere. It may be added again once the store is reachable.
+      if ev.worker in self.leaving:
+        return  # said again before it read its notice (a newer floor reached it meanwhile)
       self.counters["store_unreachable"] += 1
       log.warning(
         "Rollout worker %s cannot reach the weight store (%s); withdrawing it.",

@@ -290,7 +290,7 @@ class LocalWorker:
       needs_any = e.params is None and (e.has_work or self._held)
       pulled = self.store.pull(-1 if needs_any else e.version)
     except StoreUnreachable as err:
-      if not self._unreachable_reported and e.version < self._min_version:
+      if not self._unreachable_reported and (needs_any or e.version < self._version_needed()):
         self._emit("store_unreachable", [], detail=str(err))
         self._unreachable_reported = True
       return
@@ -306,6 +306,16 @@ class LocalWorker:
     for record in [*running, *waiting]:
       e.submit(record)
     self._record(start, time.time(), "weight-sync")
+
+  def _version_needed(self) -> int:
+    """The oldest weights it can decode with: the loop's floor (`set_min_version`), and while
+    the engine has no work, what the oldest of the requests it holds allows (a request admitted
+    at a newer version than the engine's waits for that version: without it the worker holds
+    work it can never start)."""
+    needed = self._min_version
+    if self._held and not self.engine.has_work:
+      needed = max(needed, min(a.min_version for a in self._held))
+    return needed
 
   def _record(self, start: float, end: float, kind: str) -> None:
     if self.timeline is not None:

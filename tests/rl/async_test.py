@@ -9,6 +9,8 @@ the controller's copy of a response only ever grows (resumed responses keep thei
 
 import dataclasses
 import os
+import queue
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +23,9 @@ from jaxrl.rl import job
 from jaxrl.rl.backends import LearnerLost
 from jaxrl.rl.timeline import load_segments
 from jaxrl.rl.weights import StoreUnreachable
+from jaxrl.rl.workers import Assignment
+from jaxrl.rollout import SamplingParams
+from jaxrl.rollout.requests import RequestRecord
 
 from .job_test import tiny_config  # noqa: TID252
 
@@ -234,6 +239,35 @@ def test_a_worker_that_cannot_reach_the_store_stops_and_hands_back(tmp_path):
   ledger.check(controller, cfg)
   assert controller.counters["store_unreachable"] == 1
   assert controller.counters["workers_preempted"] == 1
+
+
+def test_a_worker_holding_requests_for_weights_it_cannot_get_says_so(tmp_path):
+  """Requests admitted at a version newer than the worker's weights wait for that version; with
+  the store unreachable they would wait forever, the worker alive and silent (the loop never
+  stops waiting for it): it reports the store unreachable, so the loop withdraws it."""
+  cfg = async_config(**{"loop.rollout_workers": 1})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  worker = controller.initial_workers[0]
+  flaky = FlakyStore(controller.weights)
+  worker.store = flaky
+  controller.weights.publish(controller.learner.params, 0)
+  events = queue.Queue()
+  worker.attach(events, controller.timeline)
+  worker.start()
+  try:
+    deadline = time.monotonic() + 120
+    while worker.engine.version < 0:  # it pulls version 0
+      assert time.monotonic() < deadline, "the worker did not take version 0"
+      time.sleep(0.05)
+    flaky.down = True
+    record = RequestRecord("r0", [5, 6, 7], SamplingParams(max_new_tokens=4), seed=0)
+    worker.submit([Assignment(record, 1)])  # admitted at version 1, which it cannot pull
+    event = events.get(timeout=60)
+    assert event.kind == "store_unreachable" and "store is down" in event.detail, event
+  finally:
+    worker.kill()
+    worker.join(timeout=30)
+    controller.close()
 
 
 class Crash(Exception):

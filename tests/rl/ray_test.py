@@ -104,6 +104,61 @@ def test_a_worker_cannot_reach_a_dead_store(local_ray):
     remote.pull(0)
 
 
+@ray.remote
+class _Process:
+  def ping(self) -> bool:
+    return True
+
+
+class _FakeLearner:
+  """The part of `RayLearner` the backend's watch reads: its processes' actors, and `kill`."""
+
+  def __init__(self, processes: int):
+    self.actors = [_Process.remote() for _ in range(processes)]
+    self.killed = False
+
+  def kill(self) -> None:
+    self.killed = True
+    for actor in self.actors:
+      ray.kill(actor, no_restart=True)
+
+
+def _raises_lost_within(backend, learner, store, seconds: float) -> str:
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline:
+    try:
+      backend.raise_if_lost(learner, store)
+    except LearnerLost as e:
+      return str(e)
+    time.sleep(0.05)
+  raise AssertionError(f"nothing found lost in {seconds} s")
+
+
+@pytest.mark.parametrize("lost", ["learner process 1", "weight store actor"])
+def test_a_lost_learner_process_or_store_is_found_while_the_loop_waits(local_ray, lost):
+  """The loop asks the backend at every turn while it waits for rollouts: a learner process or
+  the store gone raises `LearnerLost` (the job goes on from its checkpoint) within seconds,
+  without a call to the learner, and what is left of both is stopped. Before, a loop whose
+  workers waited for a version the lost learner never published waited forever."""
+  cfg = tiny_config("test", **{"loop.mode": "async", "loop.rollout_workers": 1})
+  tokenizer = make_tokenizer(cfg)
+  rollout_model = Model(rollout_model_config(cfg, model_config(cfg, tokenizer)))
+  backend = RayBackend(JobParts(cfg, place_stages(cfg, 16), rollout_model, tokenizer, 16))
+  backend.LIVENESS_CHECK_S = 0.0  # every call pings
+  learner, store = _FakeLearner(2), RayWeightStore()
+  for _ in range(5):  # all there: pinged and answered, nothing raised
+    backend.raise_if_lost(learner, store)
+    time.sleep(0.05)
+  assert not learner.killed
+  victim = learner.actors[1] if lost.startswith("learner") else store.actor
+  ray.kill(victim, no_restart=True)
+  why = _raises_lost_within(backend, learner, store, seconds=30)
+  assert lost in why, why
+  assert learner.killed
+  with pytest.raises(ray.exceptions.RayActorError):
+    ray.get(store.actor.version.remote(), timeout=30)
+
+
 def _as_f32(tree, rounded_to=None):
   """Host float32 copies of `tree`'s leaves, first rounded to `rounded_to` if given."""
   return jax.tree.map(
