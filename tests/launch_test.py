@@ -93,14 +93,10 @@ def test_main_job_runs_on_one_device_as_shipped(tmp_path):
 
 # `slow` (about 3 minutes on 2 cores: two runs with a supervised warm-up long enough that the
 # RL steps see rewards, so their losses are not all zero). Run with `pytest -m slow`.
-# Open (2026-11-29): with the XLA flags conftest sets for the suite (optimization level 0,
-# no expensive LLVM passes, no fusion emitters), inherited by the job and its Ray actors, the
-# one-process learner actor aborted 1-2 times a run on the 2-core VM: an XLA:CPU all-reduce of
-# its 4 simulated devices waited 40 s for 2 of its 4 participants (`rendezvous.cc`, "Termination
-# timeout"). Each abort is a lost learner (a restart from the checkpoint), and the run then
-# outlasts its 300 s. With all three flags, aborts in 3 runs of 3 (106-175 s); without them,
-# none in 2 runs (34-35 s); with the level flags alone, or the emitter flag alone, none in one
-# run each. Cause not found.
+# On the 2-core VM, with the XLA flags conftest sets (inherited by the job's Ray actors), the
+# learner actor used to abort 1-2 times a run on an XLA:CPU all-reduce that waited 40 s for its
+# participants, and the run outlasted its 300 s: the step's metrics were averaged as ~50 small
+# programs queued behind the update's. One program now (`jaxrl.train.update_metrics`).
 @pytest.mark.slow
 @pytest.mark.xdist_group("ray")
 def test_a_learner_of_two_processes_trains_as_one_process_does(tmp_path):

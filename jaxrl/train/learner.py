@@ -50,6 +50,7 @@ from jaxrl.train.packing import (
   pack_train_batch,
 )
 from jaxrl.train.routing import MoEConfig, plan_micro_batches, replayed_routes
+from jaxrl.train.update_metrics import average_update_metrics
 from jaxrl.train.vocab_blocks import head_vocab_shards
 
 log = logging.getLogger(__name__)
@@ -355,15 +356,10 @@ class Learner:
       all_metrics.append(metrics)
       if planned is not None:
         placement_metrics.append(planned)
-    out = jax.tree.map(lambda *xs: sum(xs) / len(xs), *all_metrics)
-    if "moe_routed" in out:  # MoE with a capacity: the share of assignments it dropped
-      routed, dropped = out.pop("moe_routed"), out.pop("moe_dropped")
-      out["moe_dropped_frac"] = dropped / jnp.maximum(routed, 1)
+    out = average_update_metrics(all_metrics)
     if placement_metrics:
       out |= {k: float(np.mean([m[k] for m in placement_metrics])) for k in placement_metrics[0]}
-    # Effective sample size of the behaviour weights, as a fraction of the tokens.
-    ess = out["behaviour_weight_mean"] ** 2 / jnp.maximum(out["behaviour_weight_sq_mean"], 1e-30)
-    return out | {"skipped": sum(m["skipped"] for m in all_metrics), "behaviour_ess": ess}
+    return out
 
   @property
   def ref_params(self) -> Params | None:
