@@ -123,7 +123,14 @@ class WorkerPool:
     for slot in slots:
       if wanted[repr(slot)] > 0:
         wanted[repr(slot)] -= 1
-        self.add_worker(self.make_worker(f"w{next(self._names)}", slot))
+        self.add_worker(self.make_worker(self._fresh_name(), slot))
+
+  def _fresh_name(self) -> str:
+    """`w<n>` for the next n no running worker holds: a caller may have added workers under
+    such names itself (`add_worker(make_worker("w1"))`), and a name in use is refused."""
+    while (name := f"w{next(self._names)}") in self.workers:
+      pass
+    return name
 
   def add_worker(self, worker: RolloutWorker) -> None:
     """Registers and starts a worker; it provisions itself by pulling the newest weights."""
@@ -196,7 +203,7 @@ class WorkerPool:
       # An error in the worker, not a lost machine: its devices are still there.
       self.restarts_left -= 1
       self.counters["workers_restarted"] += 1
-      new = f"w{next(self._names)}"
+      new = self._fresh_name()
       log.warning("Restarting crashed rollout worker %s as %s on its devices.", name, new)
       self.add_worker(self.make_worker(new, slot))
 

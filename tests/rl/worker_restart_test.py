@@ -117,3 +117,26 @@ def test_a_worker_slow_to_stop_is_waited_for_and_logged_not_abandoned(caplog):
   waits = [r.getMessage() for r in caplog.records if "w3 was told to stop" in r.getMessage()]
   assert len(waits) >= 2, waits
   assert "still in an engine step" in waits[0]
+
+
+def test_a_restarted_worker_takes_a_name_no_running_worker_has(tmp_path):
+  """The pool names workers it adds `w<n>`, counting on from its initial workers; a caller may
+  have added one under the next such name itself. A crash restart then took that name and the
+  loop stopped on "already running" (seen in a Ray test that adds "w1"); it skips it now."""
+  cfg = sync_config(**{"train.steps": 2, "loop.worker_restarts": 1})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  (worker,) = controller.initial_workers  # w0: the pool's next name is w1
+  crash_engine_steps(worker, after=1, times=1)
+  added = []
+
+  def add_a_worker_named_w1(c):
+    if not added:
+      added.append(c.make_worker("w1", c.slot_of["w0"]))  # beside w0, on its devices
+      c.add_worker(added[0])
+
+  controller.hooks += [add_a_worker_named_w1, give_up_after(300)]
+  controller.run()
+  assert controller.state.step == 2
+  assert controller.counters["workers_crashed"] == 1
+  assert controller.counters["workers_restarted"] == 1
+  assert added
