@@ -4,15 +4,11 @@ what a full prefill gives; parked pages yield to work and to new weights."""
 import jax
 import numpy as np
 import pytest
+from helpers.paged_engines import MODEL, engine
 
-from jaxrl.model import Model, get_preset
-from jaxrl.rollout.paged import PagedConfig, PagedEngine
 from jaxrl.rollout.requests import RequestRecord
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.sharding import ROLLOUT_RULES, make_mesh
-
-EOS, PAD = 2, 0
-MODEL = Model(get_preset("tiny"))  # fp32
+from jaxrl.sharding import make_mesh
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +19,6 @@ def mesh():
 @pytest.fixture(scope="module")
 def params():
   return MODEL.init(np.random.randint(1 << 16))
-
-
-def engine(mesh, params, **cfg):
-  e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=PagedConfig(**cfg))
-  e.update_weights(params, 0)
-  return e
 
 
 def turn(rid, tokens, seed, new=8, temperature=1.0):

@@ -6,30 +6,21 @@ import jax
 import numpy as np
 import pytest
 from helpers import tolerance
+from helpers.paged_engines import EOS, MODEL, PAD, engine
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.model import Model, get_preset
 from jaxrl.rollout import SamplingParams
 from jaxrl.rollout.decode_loop import DeviceBatch, RowStart
 from jaxrl.rollout.kv_park import KVPark, Parked
-from jaxrl.rollout.paged import PagedConfig, PagedEngine
 from jaxrl.rollout.requests import PageAllocator
 from jaxrl.sharding import ROLLOUT_RULES, batch_sharding, make_mesh
 
-EOS, PAD = 2, 0
-MODEL = Model(get_preset("tiny"))
 TERMS = tolerance.model_terms(MODEL.config)
 
 
 @pytest.fixture(scope="module")
 def params():
   return MODEL.init(np.random.randint(1 << 16))
-
-
-def engine(mesh, params, **cfg):
-  e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=PagedConfig(**cfg))
-  e.update_weights(params, 0)
-  return e
 
 
 def test_parked_pages_are_evicted_only_from_the_shard_short_of_pages():

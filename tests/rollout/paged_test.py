@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import tolerance
+from helpers.paged_engines import EOS, MODEL, PAD, engine
 from jax._src.array import ArrayImpl
 
 from jaxrl.compile_ahead import abstract
@@ -20,8 +21,6 @@ from jaxrl.rollout.sampling import NO_FILTER, SORT_ALL, TOP_K_CANDIDATES
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig
 
-EOS, PAD = 2, 0
-MODEL = Model(get_preset("tiny"))
 # Log-probs computed two ways (engines, windows, shardings) differ by the rounding of the model.
 TERMS = tolerance.model_terms(MODEL.config)
 
@@ -34,12 +33,6 @@ def mesh():
 @pytest.fixture(scope="module")
 def params():
   return MODEL.init(np.random.randint(1 << 16))
-
-
-def engine(mesh, params, version=0, **cfg):
-  e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=PagedConfig(**cfg))
-  e.update_weights(params, version)
-  return e
 
 
 def prompts(n, rng, longest=20):
@@ -480,12 +473,12 @@ def test_the_grouped_dispatch_generates_as_the_reference_dispatch(axes):
   config = PagedConfig(page_size=8, num_pages=32, max_running=4, prefill_chunk=8, decode_steps=2)
   runs = {}
   for name, model in (("dense", dense), ("grouped", grouped)):
-    for engine in (
+    for generator in (
       PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=config),
       StaticEngine(model, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD),
     ):
-      engine.update_weights(params, 0)
-      runs[name, type(engine).__name__] = engine.generate(prompts, sampling, seed=0)
+      generator.update_weights(params, 0)
+      runs[name, type(generator).__name__] = generator.generate(prompts, sampling, seed=0)
   assert runs["grouped", "PagedEngine"][0].routing is not None
   for kind in ("PagedEngine", "StaticEngine"):
     for want, got in zip(runs["dense", kind], runs["grouped", kind], strict=True):
