@@ -207,10 +207,9 @@ def prefill_admitted(engine: PagedEngine, states: Sequence[Running], starts: Seq
     if routing_btlk is not None:
       routing_btlk = calls.host(routing_btlk)
       for row, i in enumerate(order):
-        if i is not None:
-          record_prompt_routing(
-            [rest[i][0].record], offsets[row] + start, routing_btlk[row : row + 1]
-          )
+        if i is not None:  # columns past the chunk's tokens are padding (width is bucketed)
+          span = routing_btlk[row : row + 1, : stop - start]
+          record_prompt_routing([rest[i][0].record], offsets[row] + start, span)
 
 
 def _prefill_packed(engine: PagedEngine, states: Sequence[Running], seqs: Sequence[list[int]]):
