@@ -12,8 +12,8 @@ Set-ups, the ones a user with a node of GPUs meets:
 - `engine_qwen3-8b_tensor2`: the paged engine of Qwen3-8B over 2 GPUs in tensor parallel
   (bf16 weights and KV, 64 rows, 2,048-token page tables, 4,096 pages of 16, flash attention's
   kernel): its decode window (without a sampling filter, and as shipped only, with top-k:
-  `decode_step_top_k`), and its packed prefill of the most rows (prompts of up to 512 tokens
-  packed into rows of 512).
+  `decode_step_top_k`, and with top-p alone: `decode_step_top_p`), and its packed prefill of
+  the most rows (prompts of up to 512 tokens packed into rows of 512).
 - `learner_qwen3-0.6b_fsdp8`: the learner's micro-step of Qwen3-0.6B over 8 GPUs in fsdp (bf16
   compute, fp32 master weights, remat keeping attention's output and statistics as the HF
   recipe does, flash attention's Pallas kernel, one packed row of 4,096 positions a GPU). Also
@@ -99,7 +99,7 @@ def _engine(target: str) -> dict:
   from jaxrl.model import Model, get_preset
   from jaxrl.rollout.paged import PagedConfig, PagedEngine
   from jaxrl.rollout.precompile import engine_lowerings
-  from jaxrl.rollout.sampling import NO_FILTER, TOP_K_CANDIDATES
+  from jaxrl.rollout.sampling import NO_FILTER, SORT_ALL, TOP_K_CANDIDATES
   from jaxrl.sharding import ROLLOUT_RULES, make_mesh
 
   mesh = make_mesh(_target_devices(target, 2)[:2], {"tensor": 2})
@@ -120,6 +120,9 @@ def _engine(target: str) -> dict:
   # config asks for top_k 20), as shipped only.
   top_k = engine_lowerings(engine, 1, TOP_K_CANDIDATES, params)
   decode_top_k = max(((p.args[2].shape, lower) for p, lower in top_k if p.on_device), key=first)
+  # And with a nucleus of no fixed size (top-p without top-k: `SORT_ALL`), as shipped only.
+  top_p = engine_lowerings(engine, 1, SORT_ALL, params)
+  decode_top_p = max(((p.args[2].shape, lower) for p, lower in top_p if p.on_device), key=first)
   return {
     "decode_step": {
       "rows": decode[0][0],
@@ -129,6 +132,10 @@ def _engine(target: str) -> dict:
     "decode_step_top_k": {
       "rows": decode_top_k[0][0],
       "split": _measure(lambda: decode_top_k[1]().compile()),
+    },
+    "decode_step_top_p": {
+      "rows": decode_top_p[0][0],
+      "split": _measure(lambda: decode_top_p[1]().compile()),
     },
     "packed_prefill": {
       "rows": prefill[0][0],

@@ -239,14 +239,15 @@ def sample_tokens(
   candidates, SORT_ALL sorts the vocabulary; no device-side branch whose predicate a GPU would
   copy back to the host at every step.
 
-  `vocab_split`: logits split over their vocabulary (a tensor-parallel engine's). Without a
-  filter or with TOP_K_CANDIDATES, each device then filters and draws over its own part
-  (`_draw_on_vocab_shards`: the same distribution; the blocks are each device's, so the draws
-  differ from the whole vocabulary's where its part is not a whole number of blocks), where XLA
-  gathered every row's logits onto every device (`[b, v]` float32 a step: 38.9 MB at
-  Qwen3-8B's vocabulary and 64 rows). SORT_ALL still sorts the whole, gathered row.
+  `vocab_split`: logits split over their vocabulary (a tensor-parallel engine's). Each device
+  then filters and draws over its own part (`_draw_on_vocab_shards`: the same distribution; the
+  blocks are each device's, so the draws differ from the whole vocabulary's where its part is
+  not a whole number of blocks), where XLA gathered every row's logits onto every device
+  (`[b, v]` float32 a step: 38.9 MB at Qwen3-8B's vocabulary and 64 rows). SORT_ALL still
+  gathers and sorts the whole row for the filter's threshold, and draws on the parts too: a
+  row's tokens do not depend on which filter its call runs for the rows beside it.
   """
-  if vocab_split is not None and filter_width in (NO_FILTER, TOP_K_CANDIDATES):
+  if vocab_split is not None:
     split = _vocab_shards(vocab_split, logits_bv.shape)
     if split is not None:
       uniforms_b2 = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys_b)
@@ -292,11 +293,11 @@ def _vocab_shards(split: VocabSplit, shape: tuple[int, int]) -> VocabSplit | Non
 def _draw_on_vocab_shards(
   split: VocabSplit, width: int, uniforms_b2, logits_bv, temperature_b, top_k_b, top_p_b
 ):
-  """`sample_tokens` with NO_FILTER or TOP_K_CANDIDATES, each device on its part of the
-  vocabulary: the max and argmax, the filter's threshold (`_threshold_on_vocab_shards`) and
-  each block's mass from its own logits; across devices only each row's maxes and argmaxes
-  (`[b, devices]`), block masses (`[b, blocks]`), the drawn block (`[b, z]`) and, filtering,
-  each device's `width` largest logits and a few sums a row."""
+  """`sample_tokens` with each device on its part of the vocabulary: the max and argmax, the
+  filter's threshold (`_threshold_on_vocab_shards`) and each block's mass from its own logits;
+  across devices only each row's maxes and argmaxes (`[b, devices]`), block masses
+  (`[b, blocks]`), the drawn block (`[b, z]`) and, filtering, each device's `width` largest
+  logits (SORT_ALL: its whole part) and a few sums a row."""
   rows = split.rows or None
   vocab = split.vocab
   z = sample_block(logits_bv.shape[1])  # the whole vocabulary's block size
@@ -359,11 +360,15 @@ def _threshold_on_vocab_shards(scaled_bv, max_b, top_k_b, top_p_b, width: int, v
   """`filter_logits`'s threshold (`_kept_threshold`) for logits split over the mesh axes
   `vocab` (inside a `shard_map`): the row's `width` largest logits are among the `width`
   largest of each device's part, so each device gathers only those (`[b, devices * width]`),
-  and the top-k set's normaliser is a sum over the devices."""
-  local_c = min(width, scaled_bv.shape[1])
-  local_bc = jax.lax.top_k(scaled_bv, local_c)[0]
-  gathered_bc = jax.lax.all_gather(local_bc, vocab, axis=1, tiled=True)
-  candidates_bc = jax.lax.top_k(gathered_bc, min(width, gathered_bc.shape[1]))[0]
+  and the top-k set's normaliser is a sum over the devices. SORT_ALL (a nucleus that may run
+  past any fixed number of candidates) gathers each device's whole part and sorts the row."""
+  if width == SORT_ALL:
+    gathered_bv = jax.lax.all_gather(scaled_bv, vocab, axis=1, tiled=True)
+    candidates_bc = jnp.sort(gathered_bv, axis=-1)[:, ::-1]
+  else:
+    local_bc = jax.lax.top_k(scaled_bv, min(width, scaled_bv.shape[1]))[0]
+    gathered_bc = jax.lax.all_gather(local_bc, vocab, axis=1, tiled=True)
+    candidates_bc = jax.lax.top_k(gathered_bc, min(width, gathered_bc.shape[1]))[0]
 
   def top_k_log_norm(kth_b1):
     exp_bv = jnp.where(scaled_bv >= kth_b1, jnp.exp(scaled_bv - max_b[:, None]), 0.0)

@@ -429,7 +429,14 @@ def _nucleus_probs(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
   return out / out.sum()
 
 
-@pytest.mark.parametrize("width", [NO_FILTER, TOP_K_CANDIDATES])
+FILTERS = {  # per filter width, three rows' (top_k, top_p)
+  NO_FILTER: ([0, 0, 0], [1.0, 1.0, 1.0]),
+  TOP_K_CANDIDATES: ([20, 64, 0], [1.0, 0.6, 1.0]),
+  SORT_ALL: ([0, 100, 0], [0.8, 1.0, 0.5]),
+}
+
+
+@pytest.mark.parametrize("width", [NO_FILTER, TOP_K_CANDIDATES, SORT_ALL])
 def test_vocab_split_sampler_draws_from_the_softmax_where_parts_are_not_whole_blocks(width):
   """1,280 entries in blocks of 256 over 2 devices: 640 each, 2.5 blocks, padded on each; the
   filtered rows draw from their top-k set and nucleus, renormalised."""
@@ -437,8 +444,7 @@ def test_vocab_split_sampler_draws_from_the_softmax_where_parts_are_not_whole_bl
   rng = np.random.default_rng(0)
   logits = np.asarray(rng.normal(size=(3, 1280)) * 2, np.float32)
   temperature = jnp.array([1.0, 0.7, 1.2], jnp.float32)
-  top_k = [0, 0, 0] if width == NO_FILTER else [20, 64, 0]
-  top_p = [1.0, 1.0, 1.0] if width == NO_FILTER else [1.0, 0.6, 1.0]
+  top_k, top_p = FILTERS[width]
   params = [SamplingParams(top_k=k, top_p=p) for k, p in zip(top_k, top_p, strict=True)]
   assert filter_width(params) == width
   split = VocabSplit(mesh, (), ("tensor",))
@@ -495,18 +501,52 @@ def test_vocab_split_top_k_draws_what_the_whole_vocabulary_draws():
   assert gathered and max(gathered) < 64 * b * v // 16, gathered  # no device's [b/2, v/2]
 
 
-def test_vocab_split_filter_keeps_what_the_whole_row_keeps():
-  """Each device's part keeps exactly what `filter_logits` keeps of the whole row, ties at the
-  k-th value included, also where they run past the 64 candidates and over both devices."""
+def test_a_rows_draw_on_a_vocab_split_does_not_depend_on_its_neighbours_filters():
+  """The same keys and logits, unfiltered rows, in calls whose filter is chosen by other rows
+  (none, a top-k, a top-p): the same tokens and log-probs, where parts are not whole blocks
+  (the whole row's blocks would draw differently)."""
   mesh = make_mesh(jax.devices()[:2], {"tensor": 2})
-  top_k = jnp.array([1, 5, 17, 64, 0, 2, 33, 64], jnp.int32)
+  split = VocabSplit(mesh, (), ("tensor",))
+  rng = np.random.default_rng()
+  logits = np.asarray(rng.normal(size=(4, 1280)) * 2, np.float32)
+  sharded = jax.device_put(logits, NamedSharding(mesh, P(None, "tensor")))
+  temperature = jnp.array([1.0, 0.7, 0.0, 1.0], jnp.float32)
+  keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 64 * 4).reshape(64, 4)
+  draws = {}
+  for width, last_row in (
+    (NO_FILTER, (0, 1.0)),
+    (TOP_K_CANDIDATES, (5, 1.0)),
+    (SORT_ALL, (0, 0.5)),
+  ):
+    top_k_b = jnp.array([0, 0, 0, last_row[0]], jnp.int32)
+    top_p_b = jnp.array([1.0, 1.0, 1.0, last_row[1]], jnp.float32)
+    draw = jax.vmap(
+      lambda k, x, w=width, k_b=top_k_b, p_b=top_p_b: sample_tokens(
+        k, x, temperature, k_b, p_b, filter_width=w, vocab_split=split
+      ),
+      in_axes=(0, None),
+    )
+    draws[width] = [np.asarray(a)[:, :3] for a in jax.jit(draw)(keys, sharded)]
+  for width in (TOP_K_CANDIDATES, SORT_ALL):
+    np.testing.assert_array_equal(draws[width][0], draws[NO_FILTER][0], err_msg=f"{width=}")
+    tolerance.assert_close(draws[width][1], draws[NO_FILTER][1], n=1280, scale=8.0)
+
+
+@pytest.mark.parametrize("width", [TOP_K_CANDIDATES, SORT_ALL])
+def test_vocab_split_filter_keeps_what_the_whole_row_keeps(width):
+  """Each device's part keeps exactly what `filter_logits` keeps of the whole row, ties at the
+  k-th value included, also where they run past the 64 candidates and over both devices; with
+  SORT_ALL also top-k sets past 64 and nuclei without a top-k."""
+  mesh = make_mesh(jax.devices()[:2], {"tensor": 2})
+  top_k = (
+    [1, 5, 17, 64, 0, 2, 33, 64] if width == TOP_K_CANDIDATES else [1, 0, 100, 0, 0, 2, 300, 0]
+  )
+  top_k = jnp.array(top_k, jnp.int32)
   top_p = jnp.array([1.0, 0.5, 0.9, 0.95, 1.0, 0.3, 1.0, 0.8], jnp.float32)
 
   def kept(logits_bv):
     max_b = jax.lax.pmax(jnp.max(logits_bv, axis=-1), "tensor")
-    threshold_b1 = _threshold_on_vocab_shards(
-      logits_bv, max_b, top_k, top_p, TOP_K_CANDIDATES, ("tensor",)
-    )
+    threshold_b1 = _threshold_on_vocab_shards(logits_bv, max_b, top_k, top_p, width, ("tensor",))
     return logits_bv >= threshold_b1
 
   split_kept = jax.jit(
