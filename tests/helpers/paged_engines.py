@@ -9,9 +9,9 @@ EOS, PAD = 2, 0
 MODEL = Model(get_preset("tiny"))
 
 
-def engine(mesh, params, version=0, **cfg) -> PagedEngine:
-  """A paged engine of `MODEL` on `mesh` (`cfg`: `PagedConfig`'s fields) holding `params` as
+def engine(mesh, params, version=0, *, model: Model = MODEL, **cfg) -> PagedEngine:
+  """A paged engine of `model` on `mesh` (`cfg`: `PagedConfig`'s fields) holding `params` as
   `version`."""
-  e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=PagedConfig(**cfg))
+  e = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=PagedConfig(**cfg))
   e.update_weights(params, version)
   return e
