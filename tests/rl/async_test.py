@@ -132,9 +132,13 @@ def test_workers_killed_preempted_and_added_at_random_lose_nothing(tmp_path):
   workers of one device took twice as long for as many faults); a fault at 15% of the loop's
   turns. The runs are kept to few shapes (at most 4 running requests) and 8-token responses
   (4 windows of 2 steps: a fault still finds requests part-way, and re-dispatched ones keep
-  their prefixes, which the ledger checks); runs inject about ten faults.
+  their prefixes, which the ledger checks); runs inject about ten faults. A run that added
+  and killed workers faster than they compiled once re-dispatched 48 requests with no token
+  streamed (2026-11-29, seed 60): whether prefixes moved is counted from the kills, not
+  guessed from how many requests moved.
   """
-  seed = int(np.random.default_rng().integers(1 << 31))
+  # A failure names its seed; JAXRL_FAULT_SEED replays it.
+  seed = int(os.environ.get("JAXRL_FAULT_SEED") or np.random.default_rng().integers(1 << 31))
   rng = np.random.default_rng(seed)
   cfg = async_config(
     **{
@@ -151,19 +155,29 @@ def test_workers_killed_preempted_and_added_at_random_lose_nothing(tmp_path):
   ledger = Ledger(1)
   ledger.attach(controller)
   faults = {"kill": 0, "preempt": 0, "add": 0}
+  kills_that_moved_tokens = 0  # kills whose victim's streamed tokens went back to the queue
   names = iter(f"new{i}" for i in range(1000))
 
   noticed = set()
 
+  def held_by(c, name):
+    return [rid for rid, w in c.assigned.items() if w == name]
+
   def inject(c):
+    nonlocal kills_that_moved_tokens
     if rng.random() > 0.15:
       return
     victims = [name for name in c.workers if name not in noticed]
     action = rng.choice(["kill", "preempt", "add"])
     if action != "add" and len(victims) > 1:
-      victim = str(rng.choice(victims))
+      # Workers holding streamed tokens first: losing those is what the ledger checks. (A
+      # worker added by a fault may still be compiling and hold none.)
+      streamed = [v for v in victims if any(ledger.prefix.get(r) for r in held_by(c, v))]
+      victim = str(rng.choice(streamed or victims))
       if action == "kill":
+        held = held_by(c, victim)
         c.kill_worker(victim)
+        kills_that_moved_tokens += any(ledger.prefix.get(r) and r in c.pending for r in held)
       else:
         c.remove_worker(victim)
         noticed.add(victim)
@@ -176,14 +190,18 @@ def test_workers_killed_preempted_and_added_at_random_lose_nothing(tmp_path):
         faults["add"] += 1
 
   controller.hooks.append(inject)
-  controller.run()
-  ledger.check(controller, cfg)
+  try:
+    controller.run()
+    ledger.check(controller, cfg)
+  except BaseException as e:
+    e.add_note(f"JAXRL_FAULT_SEED={seed} replays this run; faults so far: {faults}")
+    raise
   assert sum(faults.values()) > 0, f"seed {seed}: no fault was injected"
   counters = controller.counters
   assert counters["workers_killed"] == faults["kill"], (seed, faults, counters)
   assert counters["workers_preempted"] <= faults["preempt"], (seed, faults, counters)
-  if counters["requests_redispatched"] + counters["requests_handed_back"] >= 8:
-    assert counters["tokens_kept_on_redispatch"] > 0, (seed, counters)  # prefixes moved
+  if kills_that_moved_tokens:  # their prefixes moved with them (the ledger checked each)
+    assert counters["tokens_kept_on_redispatch"] > 0, (seed, counters)
 
 
 # `slow`: 165 s in a loaded full run on 2 cores; re-planning runs by default in replan_test.
@@ -275,7 +293,8 @@ class Crash(Exception):
 
 
 def test_job_crashes_and_resumes_without_skipping_or_repeating_prompts(tmp_path):
-  seed = int(np.random.default_rng().integers(1 << 31))
+  # A failure names its seed; JAXRL_FAULT_SEED replays it.
+  seed = int(os.environ.get("JAXRL_FAULT_SEED") or np.random.default_rng().integers(1 << 31))
   rng = np.random.default_rng(seed)
   steps = 6
   cfg = async_config(
