@@ -469,12 +469,6 @@ class ExperimentConfig:
         "top_p=1.0), or correct for the truncation as for any behaviour policy: "
         "train.loss.proximal='recompute' with train.loss.behaviour_correction='truncate'."
       )
-    if self.env.name and self.train.moe.routing_replay:
-      raise ConfigError(
-        "config.train.moe.routing_replay=True with config.env.name set: multi-turn trajectories "
-        "do not carry their turns' routes yet; set routing_replay=False (and "
-        "train.moe.placement='static')."
-      )
     for stage, what in (("train", "a learner"), ("rollout", "a rollout worker")):
       processes = getattr(self, stage).num_processes
       if processes > 1 and self.loop.backend != "ray":

@@ -70,6 +70,11 @@ class Trajectory:
     last_stop: the stop id the last turn ended on (None: cut off by a length limit), which the
       environment's continuation does not repeat.
     summary: the episode's end reason, rewards and tool calls (`Episode.summary`).
+    routes: MoE models only (else empty): for each id but the last, the experts each layer
+      chose for it as an input (`[layer][k]`), as the engine traced them: the first turn to
+      feed an id routed it (its prefill, or the decode step that sampled the next id), and
+      later turns carry those routes on (`turn_request`). The learner's routing replay sends
+      the trajectory through them.
   """
 
   record: dict[str, Any]
@@ -82,6 +87,7 @@ class Trajectory:
   actions: list[str] = dataclasses.field(default_factory=list)
   last_stop: int | None = None
   summary: EpisodeSummary | None = None
+  routes: list[list[list[int]]] = dataclasses.field(default_factory=list)
 
   @classmethod
   def start(cls, record: dict[str, Any], prompt: Sequence[int]) -> Trajectory:
@@ -132,13 +138,18 @@ def turn_request(
   """The engine request of the trajectory's next model turn: its prompt is the whole
   trajectory so far, and the turn may use what `max_tokens` leaves. `request_id` is the
   trajectory's (the same every turn) and the request keeps its KV pages when it ends
-  (`keep_kv`): the episode may go on, and its next turn then reuses them."""
+  (`keep_kv`): the episode may go on, and its next turn then reuses them. An MoE
+  trajectory's routes so far go with it as the prompt's (`prompt_routing`), so the engine
+  traces only the ids no turn has fed yet: where its pages were dropped (new weights,
+  eviction) and the prompt is prefilled again, the ids the earlier turns sampled keep the
+  routes they were sampled with."""
   room = max_tokens - len(trajectory.token_ids)
   return RequestRecord(
     request_id=request_id,
     prompt_ids=list(trajectory.token_ids),
     sampling=dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room)),
     seed=turn_seed(seed, trajectory.turns),
+    prompt_routing=list(trajectory.routes),
     keep_kv=True,
   )
 
@@ -157,6 +168,15 @@ def end_turn(
   environment gets it (an answer scores; anything it asks for then finds no room)."""
   trajectory.append(record.token_ids, list(record.logprobs), list(record.versions))
   trajectory.turns += 1
+  if record.routing:  # MoE: the turn's trace covers every id it fed, the earlier turns' too
+    routes = [*record.prompt_routing, *record.routing]
+    if len(routes) != len(trajectory.token_ids) - 1:
+      raise ValueError(
+        f"Turn {trajectory.turns} of {record.request_id} traced routes for {len(routes)} "
+        f"inputs; its trajectory feeds {len(trajectory.token_ids) - 1} (a bug in the engine "
+        "or in what the turn's request was given)."
+      )
+    trajectory.routes = routes
   if len(trajectory.token_ids) >= max_tokens and record.finish_reason != "stop":
     return None
   ids = record.token_ids
@@ -358,8 +378,10 @@ def trajectory_batch(
   length: int | None = None,
 ) -> TrainBatch:
   """The learner's batch: each row a trajectory's ids, the loss mask on the targets the policy
-  sampled (every other id is context), rollout log-probs as the behaviour policy's. `length`
-  fixes the padded row length (default: `batch_length` of the longest)."""
+  sampled (every other id is context), rollout log-probs as the behaviour policy's, and (MoE)
+  the routes of its inputs for routing replay (-1 past them: padding, and the environment's
+  last answer where the episode ended after it, which no turn fed and no target follows).
+  `length` fixes the padded row length (default: `batch_length` of the longest)."""
   longest = max(len(t.token_ids) for t in trajectories)
   length = batch_length(longest) if length is None else length
   if longest > length:
@@ -374,4 +396,11 @@ def trajectory_batch(
     # Target position j predicts id j + 1.
     mask_bt[i, : n - 1] = t.sampled[1:]
     old_logp_bt[i, : n - 1] = t.logprobs[1:]
-  return TrainBatch(tokens_bt, mask_bt, old_logp_bt, np.asarray(advantages_b, np.float32))
+  routes_btlk = None
+  if all(t.routes for t in trajectories):
+    layers, k = np.shape(trajectories[0].routes[0])
+    routes_btlk = np.full((b, length - 1, layers, k), -1, np.int32)
+    for i, t in enumerate(trajectories):
+      routes_btlk[i, : len(t.routes)] = t.routes
+  advantages_b = np.asarray(advantages_b, np.float32)
+  return TrainBatch(tokens_bt, mask_bt, old_logp_bt, advantages_b, routes_btlk)

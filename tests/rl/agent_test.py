@@ -249,6 +249,28 @@ def test_a_failing_environment_ends_its_own_episode_in_the_loop(tmp_path, monkey
   check_batches_hold_the_sampled_ids(ledger)
 
 
+def test_an_moe_policy_trains_multi_turn_with_routing_replay(tmp_path):
+  """The tiny MoE model plays the game with `train.moe.routing_replay`: each batch carries its
+  trajectories' routes (every input their turns fed), and the learner replays them."""
+  moe = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_mlp_dim": 128}
+  cfg = agent_config(**moe, **{"train.moe.routing_replay": True, "train.steps": 2})
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  ledger = TurnLedger(controller)
+  controller.run()
+  controller.close()
+  assert check_batches_hold_the_sampled_ids(ledger) == 2 * cfg.rollout.prompts_per_step * (
+    cfg.rollout.group_size
+  )
+  for _, groups, batch in ledger.batches:
+    rows = [t for g in groups for t in g.trajectories]
+    layers, k = cfg.model.num_layers, cfg.model.experts_per_token
+    assert batch.routes_btlk.shape == (len(rows), batch.mask_bt.shape[1], layers, k)
+    for i, t in enumerate(rows):
+      assert len(t.routes) == len(t.token_ids) - 1
+      np.testing.assert_array_equal(batch.routes_btlk[i, : len(t.routes)], t.routes)
+  assert controller.state.step == 2
+
+
 @pytest.mark.parametrize(
   "overrides, message",
   [
@@ -256,7 +278,6 @@ def test_a_failing_environment_ends_its_own_episode_in_the_loop(tmp_path, monkey
     ({"env.name": "no_such_pkg_xyz:Env"}, "no module named 'no_such_pkg_xyz'"),
     ({"env.kwargs": {"guesses": 3}}, "does not take the arguments \\['guesses'\\]"),
     ({"env.max_tokens": -1}, "env.max_tokens=-1"),
-    ({"train.moe.routing_replay": True}, "multi-turn trajectories do not carry"),
   ],
 )
 def test_bad_environment_settings_are_clear_errors(overrides, message):

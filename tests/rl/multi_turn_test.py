@@ -1,6 +1,7 @@
 """Multi-turn rollouts on the paged engine: token in, token out, across turns and a weight update;
 failing environments end their own episode only."""
 
+import collections
 import os
 import threading
 
@@ -138,6 +139,56 @@ def test_kept_turn_pages_give_the_same_trajectories_and_prefill_less():
     np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
   # Every token a kept page held is one the prefill calls did not compute.
   assert kept_off == 0 and kept_on > 0 and prefilled_on == prefilled_off - kept_on
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept-pages", "prefilled-again"])
+def test_an_moe_trajectory_carries_the_routes_that_sampled_each_id(keep):
+  """Routing replay across turns: each id's routes are those of the weights and context that
+  fed it first (its prefill, or the decode step after it), whichever turn that was. New
+  weights after the first turns drop the parked pages, so the next turns prefill again with
+  other weights; the ids the earlier turns fed keep their routes all the same."""
+  moe = Model(get_preset("tiny-moe", vocab_limit=TOKENIZER.vocab_size, max_seq_len=256))
+  weights = [moe.init(3), moe.init(4)]
+  mesh = make_mesh(jax.devices()[:2], {"data": 2})
+  config = PagedConfig(page_size=8, num_pages=160, max_running=8, decode_steps=4,
+                       keep_turn_kv=keep)  # fmt: skip
+  e = PagedEngine(moe, mesh, ROLLOUT_RULES, eos_id=TOKENIZER.eos_id, pad_id=0, config=config)
+  e.update_weights(weights[0], 0)
+  rollout = MultiTurnRollout(
+    e, TOKENIZER, lambda: GuessNumberEnv(max_guesses=4),
+    EpisodeLimits(max_turns=4, step_timeout_s=30), max_tokens=240,
+  )  # fmt: skip
+  turns = collections.defaultdict(list)  # trajectory index -> its turns' records
+  fed_at = {}  # trajectory index -> per input position, the version that first fed it
+
+  def on_turn(index, trajectory):
+    record = turns[index][-1]
+    fed = fed_at.setdefault(index, [])
+    prompt_inputs = len(record.prompt_ids) - 1 - len(fed)  # the ids this turn prefilled
+    fed += [record.versions[0]] * prompt_inputs + list(record.versions)
+    if e.version == 0 and trajectory.turns == 2:
+      e.update_weights(weights[1], 1)
+
+  step = e.step
+  e.step = lambda: [turns[int(r.request_id.split(".")[1])].append(r) or r for r in step()]
+  rollout.on_turn.append(on_turn)
+  result = rollout.run(
+    records(6, seed=2), SamplingParams(temperature=1.0, max_new_tokens=6), seed=5
+  )
+  forward = jax.jit(lambda p, t: moe.apply(p, t, return_routing=True)[2])
+  versions = set()
+  for i, t in enumerate(result.trajectories):
+    inputs = np.asarray([t.token_ids[:-1]], np.int32)
+    by_version = [np.sort(np.asarray(forward(w, inputs))[0], -1) for w in weights]
+    assert len(t.routes) == len(t.token_ids) - 1 == len(fed_at[i])
+    want = np.stack([by_version[v][p] for p, v in enumerate(fed_at[i])])
+    np.testing.assert_array_equal(np.sort(t.routes, -1), want, err_msg=f"trajectory {i}")
+    versions.update(fed_at[i])
+  assert versions == {0, 1} and max(t.turns for t in result.trajectories) > 2
+  batch = trajectory_batch(result.trajectories, np.zeros(6), pad_id=0)
+  for i, t in enumerate(result.trajectories):
+    np.testing.assert_array_equal(batch.routes_btlk[i, : len(t.routes)], t.routes)
+    assert (batch.routes_btlk[i, len(t.routes) :] == -1).all()
 
 
 class _Faulty(GuessNumberEnv):
