@@ -108,8 +108,11 @@ def admit_waiting(engine: PagedEngine) -> None:
     engine._prefill_states([s for s, _ in fresh], [reused for _, reused in fresh])
     engine._kv = engine._calls.copy(engine._kv, leader_copies, ring_copies)
     for state, leader, reused in admitted:
-      if leader is not None:
-        state.record.prompt_routing = [list(x) for x in leader.record.prompt_routing]
+      if leader is not None:  # the routes its record came with stay (a later turn's)
+        own = state.record.prompt_routing
+        state.record.prompt_routing = own + [
+          list(x) for x in leader.record.prompt_routing[len(own) :]
+        ]
         engine.num_shared_prefill_tokens += reused
     engine._place([s for s, _, _ in admitted])
 

@@ -462,6 +462,33 @@ def test_moe_routing_trace_matches_a_full_forward_and_survives_snapshot(mesh, pr
   assert one_token_prompt.prompt_routing.shape == (0, *trace_shape)
 
 
+def test_a_request_sharing_a_leaders_prompt_keeps_the_routes_it_came_with(mesh):
+  """A multi-turn turn's request comes with the routes its trajectory's earlier turns traced
+  (`multi_turn.turn_request`); sharing a leader's pages with the same ids, it keeps those and
+  takes the leader's for the rest of its prompt only."""
+  moe = Model(get_preset("tiny-moe"))
+  params = moe.init(3)
+  cfg = moe.config
+  e = PagedEngine(moe, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD,
+                  config=PagedConfig(page_size=8, num_pages=16, max_running=4))  # fmt: skip
+  e.update_weights(params, 0)
+  prompt = [int(t) for t in np.random.default_rng(1).integers(3, 60, 12)]
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=2)
+  given = {  # five positions' routes from "earlier turns": not what these weights choose
+    rid: [[[expert, expert + 1]] * cfg.num_layers for _ in range(5)]
+    for rid, expert in (("a", 0), ("b", 4))
+  }
+  for rid, routes in given.items():
+    e.submit(RequestRecord(rid, prompt, sampling, prompt_routing=[list(r) for r in routes]))
+  done = {r.request_id: r for r in e.stream()}
+  assert e.num_shared_prefill_tokens > 0
+  forward = np.asarray(moe.apply(params, np.asarray([prompt[:-1]]), return_routing=True)[2])[0]
+  for rid, routes in given.items():
+    r = done[rid]
+    assert r.prompt_routing[:5] == routes
+    np.testing.assert_array_equal(np.sort(r.prompt_routing[5:], -1), np.sort(forward[5:], -1))
+
+
 @pytest.mark.parametrize("axes", [{}, {"data": 4}], ids=["one-device", "data4"])
 def test_the_grouped_dispatch_generates_as_the_reference_dispatch(axes):
   """`model.moe_dispatch="grouped"` (gmm on sorted assignments; on a data mesh each device its
