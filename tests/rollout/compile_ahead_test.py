@@ -4,7 +4,6 @@ threads from its first admission, and its calls run them without compiling them 
 import collections
 import logging
 
-import jax
 import numpy as np
 import pytest
 from helpers.compiles import compiled_functions
@@ -16,7 +15,7 @@ from jaxrl.rollout import precompile as precompile_module
 from jaxrl.rollout.paged import PagedConfig, PagedEngine
 from jaxrl.rollout.precompile import compile_engine_ahead, engine_programs
 from jaxrl.rollout.sampling import NO_FILTER
-from jaxrl.sharding import ROLLOUT_RULES, make_mesh
+from jaxrl.sharding import ROLLOUT_RULES
 
 EOS, PAD = 2, 0
 MODEL = Model(get_preset("tiny"))
@@ -28,11 +27,6 @@ PROGRAMS = {
   "jit(_copy_pages)",
 }
 SMALL = dict(page_size=4, num_pages=64, max_running=4, prefill_chunk=8, decode_steps=2)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-  return make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
 
 
 @pytest.fixture(scope="module")

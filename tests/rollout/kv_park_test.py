@@ -16,11 +16,6 @@ def mesh():
   return make_mesh(jax.devices()[:2], {"data": 2})
 
 
-@pytest.fixture(scope="module")
-def params():
-  return MODEL.init(np.random.randint(1 << 16))
-
-
 def turn(rid, tokens, seed, new=8, temperature=1.0):
   sampling = SamplingParams(temperature=temperature, max_new_tokens=new, ignore_eos=True)
   return RequestRecord(rid, [int(t) for t in tokens], sampling, seed=seed, keep_kv=True)

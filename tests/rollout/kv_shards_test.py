@@ -18,11 +18,6 @@ from jaxrl.sharding import ROLLOUT_RULES, batch_sharding, make_mesh
 TERMS = tolerance.model_terms(MODEL.config)
 
 
-@pytest.fixture(scope="module")
-def params():
-  return MODEL.init(np.random.randint(1 << 16))
-
-
 def test_parked_pages_are_evicted_only_from_the_shard_short_of_pages():
   allocator = PageAllocator(4, shards=2)
   park = KVPark(allocator)

@@ -19,16 +19,6 @@ from jaxrl.sharding import ROLLOUT_RULES, make_mesh
 TERMS = tolerance.model_terms(MODEL.config)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  return make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
-
-
-@pytest.fixture(scope="module")
-def params():
-  return MODEL.init(np.random.randint(1 << 16))
-
-
 # Chunks of 5 tokens run in calls 8 columns wide: the routes of the padding columns are not a
 # prompt token's (they were recorded as the next chunk's until 2026-11-29).
 @pytest.mark.parametrize("prefill_chunk", [8, 5])

@@ -25,16 +25,6 @@ from jaxrl.train import Learner, LossConfig, OptimizerConfig
 TERMS = tolerance.model_terms(MODEL.config)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  return make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
-
-
-@pytest.fixture(scope="module")
-def params():
-  return MODEL.init(np.random.randint(1 << 16))
-
-
 def prompts(n, rng, longest=20):
   return [list(rng.integers(3, 60, rng.integers(1, longest))) for _ in range(n)]
 

@@ -22,7 +22,6 @@ A failing run names its seed: `JAXRL_SCHEDULE_SEED=<seed>` replays it.
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 from helpers import tolerance
@@ -31,7 +30,6 @@ from helpers.paged_engines import MODEL, engine
 from jaxrl.model import Model, get_preset
 from jaxrl.rollout.requests import RequestRecord
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.sharding import make_mesh
 
 MODELS = {
   "dense": MODEL,
@@ -46,11 +44,6 @@ MODELS = {
 LONGEST_PROMPT, MOST_NEW = 30, 20  # a request of 50 tokens must fit one device's pool
 # The reference: every request admitted at once, nothing shared, kept or preempted.
 ROOMY = dict(page_size=8, num_pages=256, max_running=64, prefill_chunk=64, decode_steps=1)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-  return make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
 
 
 def copied(record: RequestRecord) -> RequestRecord:

@@ -4,7 +4,6 @@ chunked prefill, decode windows, shared prompts, preemption, kept turns, snapsho
 
 import itertools
 
-import jax
 import numpy as np
 import pytest
 from helpers import tolerance
@@ -14,7 +13,7 @@ from jaxrl.rollout import SamplingParams
 from jaxrl.rollout.paged import PagedConfig, PagedEngine
 from jaxrl.rollout.requests import RequestRecord
 from jaxrl.rollout.window_kv import ring_size, ring_table, window_pool
-from jaxrl.sharding import ROLLOUT_RULES, make_mesh
+from jaxrl.sharding import ROLLOUT_RULES
 
 EOS, PAD = 2, 0
 # Gemma 3's layout in small: a 5-position window in layers 0, 1 and 3, global layer 2.
@@ -33,11 +32,6 @@ SMALL = dict(
   page_size=4, num_pages=96, max_running=6, prefill_chunk=8, decode_steps=3, max_tokens=64,
   compile_ahead=False,
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def mesh():
-  return make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
 
 
 @pytest.fixture(scope="module")
