@@ -223,11 +223,18 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       head_dim=head_dim,
       original=known.PHI3_ORIGINAL if model_type == "phi3" else None,
     )
-  partial_ok = model_type == "phi3" or (model_type == "glm4" and "rope_scaling" not in rope)
-  if ("rotary_dim" in rope or rope.get("rope_scaling") == "longrope") and not partial_ok:
+  # A partial rotation needs the architecture to rotate only part of each head (transformers'
+  # Phi-3 and GLM-4 do; its others rotate the whole head whatever the config says).
+  if "rotary_dim" in rope and model_type not in ("phi3", "glm4"):
     raise CheckpointError(
-      f"config.json: {model_type} with a partial rotation or longrope RoPE is not supported: "
-      "jaxrl reads those for phi3 (Phi-3.5, Phi-4-mini) and a partial rotation for glm4 only."
+      f"config.json: partial_rotary_factor rotates {rope['rotary_dim']} of {head_dim} "
+      f"dimensions a head, which {model_type} does not: jaxrl reads a partial rotation for "
+      "phi3 (Phi-3.5, Phi-4-mini) and glm4 only."
+    )
+  if rope.get("rope_scaling") == "longrope" and model_type != "phi3":
+    raise CheckpointError(
+      f"config.json: longrope RoPE is not supported for {model_type}: jaxrl reads it for phi3 "
+      "(Phi-3.5, Phi-4-mini) only."
     )
   max_positions = context_length(rope, max_positions)
   kv_heads = config.get("num_key_value_heads") or known.KV_HEADS.get(model_type, heads)
@@ -500,8 +507,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
       out["norm_topk_prob"] = cfg.norm_topk_prob
   if model_type in ("mistral", "mixtral", "phi3"):
     out["sliding_window"] = cfg.sliding_window or None
-  if model_type == "glm4" and cfg.rotary_dim:
-    out["partial_rotary_factor"] = partial_rotary_factor(cfg)
+  if model_type == "glm4":  # without it, GLM-4 rotates half of each head
+    out["partial_rotary_factor"] = partial_rotary_factor(cfg) if cfg.rotary_dim else 1.0
   if model_type == "phi3":  # Phi-3 reads these at the top level
     if cfg.rotary_dim:
       out["partial_rotary_factor"] = partial_rotary_factor(cfg)

@@ -89,8 +89,10 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray | None:
 
 
 def _yarn(powers: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-  """`powers` is `theta ** (2i / head_dim)`, float32 (the plain wavelengths over 2 pi)."""
-  dim, base, old_len = cfg.head_dim, cfg.rope_theta, cfg.rope_original_max_position_embeddings
+  """`powers` is `theta ** (2i / dim)`, float32 (the plain wavelengths over 2 pi), `dim` the
+  rotated width (`rotary_dim`, or the head's)."""
+  dim, base = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta
+  old_len = cfg.rope_original_max_position_embeddings
 
   def dim_turning(turns: float) -> float:  # the dimension that turns `turns` times in old_len
     return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))

@@ -465,19 +465,23 @@ def rel_err(got, want) -> float:
 
 
 def router_margin(model, tokens_bt: np.ndarray) -> float:
-  """The smallest gap, over tokens and MoE layers, between the router probability of the last
-  expert chosen and the best one left out (inf for a dense model). Near 0, two float32
-  implementations (which differ by ~1e-7) may route that token differently, so a logits
-  comparison would fail on a tie, not on a bug."""
+  """The smallest gap, over tokens and MoE layers, between the router logit of the last expert
+  chosen and the best one left out (inf for a dense model, or one whose every expert takes
+  every token). Near 0, two float32 implementations (whose logits differ by ~1e-6) may route
+  that token differently, so a logits comparison would fail on a tie, not on a bug. (Logits,
+  not probabilities: a saturated softmax puts experts far apart in logits within 1e-6 of each
+  other in probability.)"""
   if not getattr(model.config, "num_experts_per_tok", 0):
     return float("inf")
   k = model.config.num_experts_per_tok
+  experts = getattr(model.config, "num_experts", None) or model.config.num_local_experts
+  if k >= experts:
+    return float("inf")
   with torch.no_grad():
     out = model(torch.as_tensor(np.asarray(tokens_bt), dtype=torch.long), output_router_logits=True)
   margin = float("inf")
   for logits_nx in out.router_logits:
-    probs = torch.softmax(logits_nx.float(), dim=-1)
-    top = torch.topk(probs, k + 1, dim=-1).values
+    top = torch.topk(logits_nx.float(), k + 1, dim=-1).values
     margin = min(margin, float((top[:, k - 1] - top[:, k]).min()))
   return margin
 

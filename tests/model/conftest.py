@@ -1,5 +1,6 @@
 """Fixtures of the Hugging Face checkpoint tests (`hf_test.py`, `hf_errors_test.py`)."""
 
+import json
 import pathlib
 
 import pytest
@@ -12,7 +13,7 @@ def checkpoints(tmp_path_factory):
   made = {}
 
   def get(arch, tied=False, **overrides):
-    key = (arch, tied, tuple(sorted(overrides.items())))
+    key = (arch, tied, json.dumps(overrides, sort_keys=True))
     if key not in made:
       directory = tmp_path_factory.mktemp(arch)
       made[key] = pathlib.Path(hc.write_checkpoint(directory, arch, tied=tied, **overrides))

@@ -380,3 +380,34 @@ def test_exaone4_windows_and_nope_layers_follow_its_pattern():
     config_from_hf(base | {"sliding_window_pattern": "LLXG"})
   with pytest.raises(ValueError, match="exaone4 needs model.nope_layers"):
     model_type_of(dataclasses.replace(plain, nope_layers=(1,)))
+
+
+def test_glm4_rotating_whole_heads_saves_and_reads_back_whole():
+  """GLM-4 rotates half of each head unless config.json says otherwise, so a model rotating
+  whole heads is written with `partial_rotary_factor` 1.0 (it was left out: read back, the
+  model rotated half)."""
+  whole = config_from_hf(
+    hc.hf_config("glm4", rope_parameters={"partial_rotary_factor": 1.0}).to_dict()
+  )
+  assert whole.rotary_dim == 0
+  written = config_to_hf(whole, "float32")
+  assert written["partial_rotary_factor"] == 1.0
+  assert config_from_hf(written) == whole
+  half = config_from_hf(hc.hf_config("glm4").to_dict())
+  assert half.rotary_dim == half.head_dim // 2
+  assert config_from_hf(config_to_hf(half, "float32")) == half
+
+
+def test_a_partial_rotation_with_a_scaling_reads_for_glm4_only():
+  """A partial rotation goes with any RoPE scaling on GLM-4 (as on Phi-3); another
+  architecture rotates whole heads, so asking it for part is refused, naming the key."""
+  yarn = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64)
+  cfg = config_from_hf(
+    hc.hf_config("glm4", rope_parameters=yarn | {"partial_rotary_factor": 0.5}).to_dict()
+  )
+  assert (cfg.rope_scaling, cfg.rotary_dim) == ("yarn", cfg.head_dim // 2)
+  llama = hc.hf_config("llama", rope_parameters=yarn | {"partial_rotary_factor": 0.5}).to_dict()
+  with pytest.raises(
+    CheckpointError, match="partial_rotary_factor rotates 16 of 32 .* which llama does not"
+  ):
+    config_from_hf(llama)

@@ -82,7 +82,8 @@ def test_partial_rotary_order_pairs_the_rotated_dimensions_a_half_head_apart():
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48}}, r"long_factor=None"),
     ({"rope_scaling": {"type": "longrope", "short_factor": [0.0] * 48, "long_factor": [1] * 48}},
      "short_factor=.*numbers > 0"),
-    ({"model_type": "llama", "architectures": None}, "partial rotation or longrope"),
+    ({"model_type": "llama", "architectures": None}, "rotates 96 of 128 .* which llama does not"),
+    ({"model_type": "glm4", "architectures": None}, "longrope RoPE is not supported for glm4"),
   ],
 )  # fmt: skip
 def test_bad_longrope_configs_are_clear_errors(change, error):
