@@ -9,6 +9,8 @@ GRPO-like groups submitted, requests snapshotted and continued on the same engin
 second one (sharing flipped), requests aborted for good, next turns of finished multi-turn
 requests, and new weights (the same values under a new version: parked pages must go, tokens
 must not change). The pool is small, so preemption and eviction of parked pages happen too.
+MoE models run with the reference dispatch on the data 2 x tensor 2 mesh, and with the
+expert-parallel layer: over an expert axis, and grouped on one device's experts.
 
 Sampled tokens depend only on a request's seed, its position and the logits, so every
 request's tokens (and MoE routes) must equal those a roomy engine gives it from its first
@@ -20,8 +22,10 @@ A failing run names its seed: `JAXRL_SCHEDULE_SEED=<seed>` replays it.
 """
 
 import json
+import math
 import os
 
+import jax
 import numpy as np
 import pytest
 from helpers import tolerance
@@ -30,6 +34,7 @@ from helpers.paged_engines import MODEL, engine
 from jaxrl.model import Model, get_preset
 from jaxrl.rollout.requests import RequestRecord
 from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.sharding import make_mesh
 
 MODELS = {
   "dense": MODEL,
@@ -40,7 +45,13 @@ MODELS = {
       "tiny", num_layers=4, sliding_window=5, sliding_layers=(0, 1, 3), local_rope_theta=100.0
     )
   ),
+  # The expert-parallel layer (`jaxrl.sharding.moe_expert_parallel`): experts over an expert
+  # axis, and grouped matmuls over one device's experts.
+  "moe-expert": Model(get_preset("tiny-moe")),
+  "moe-grouped": Model(get_preset("tiny-moe", moe_dispatch="grouped")),
 }
+# Kinds run on a mesh of their own, not the data 2 x tensor 2 one.
+MESHES = {"moe-expert": {"data": 2, "expert": 2}, "moe-grouped": {"data": 2}}
 LONGEST_PROMPT, MOST_NEW = 30, 20  # a request of 50 tokens must fit one device's pool
 # The reference: every request admitted at once, nothing shared, kept or preempted.
 ROOMY = dict(page_size=8, num_pages=256, max_running=64, prefill_chunk=64, decode_steps=1)
@@ -188,6 +199,9 @@ class Schedule:
 def run_schedule(kind, mesh, operations):
   seed = int(os.environ.get("JAXRL_SCHEDULE_SEED") or np.random.default_rng().integers(1 << 31))
   model = MODELS[kind]
+  if kind in MESHES:
+    shape = MESHES[kind]
+    mesh = make_mesh(jax.devices()[: math.prod(shape.values())], shape)
   schedule = Schedule(model, mesh, model.init(seed % 1000), np.random.default_rng(seed))
   try:
     schedule.run(operations)
@@ -203,7 +217,7 @@ def test_a_random_schedule_gives_every_request_its_tokens(mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dense", "moe", "window"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "window", "moe-expert", "moe-grouped"])
 @pytest.mark.parametrize("run", range(4))
 def test_random_schedules_of_each_model_kind(mesh, kind, run):
   run_schedule(kind, mesh, operations=100)
