@@ -91,7 +91,8 @@ def pytest_sessionfinish(session, exitstatus):
   """Fails the run when selected tests did not run (a crashed worker's remaining tests:
   pyproject.toml does not replace crashed workers); `pytest_terminal_summary` says so."""
   config = session.config
-  if hasattr(config, "workerinput") or config.option.maxfail:  # an xdist worker, or -x
+  # An xdist worker, -x, or --collect-only (which runs nothing by design).
+  if hasattr(config, "workerinput") or config.option.maxfail or config.option.collectonly:
     return
   reporter = config.pluginmanager.get_plugin("terminalreporter")
   if reporter is None:
