@@ -42,3 +42,14 @@ class TrainBatch:
   @property
   def size(self) -> int:
     return self.tokens_bt.shape[0]
+
+  def split(self, parts: int) -> list[TrainBatch]:
+    """The batch as `parts` runs of consecutive rows, one per optimizer update (the learner's
+    split of a step's batch); rows an uneven split leaves over form one more part."""
+    rows = max(self.size // parts, 1)
+    return [
+      TrainBatch(
+        *(None if x is None else x[start : start + rows] for x in dataclasses.astuple(self))
+      )
+      for start in range(0, self.size, rows)
+    ]

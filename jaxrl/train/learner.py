@@ -342,17 +342,9 @@ class Learner:
     routes_btlk = self._replayed_routes(batch)
     run = self._packed_update if self.pack_length else self._padded_update
     all_metrics, placement_metrics = [], []
-    for u in range(self.updates_per_step):
-      rows = slice(u * per_update, (u + 1) * per_update)
-      part = dataclasses.replace(
-        batch,
-        tokens_bt=batch.tokens_bt[rows],
-        mask_bt=batch.mask_bt[rows],
-        old_logp_bt=proximal_bt[rows],
-        advantages_b=batch.advantages_b[rows],
-        routes_btlk=None if routes_btlk is None else routes_btlk[rows],
-      )
-      metrics, planned = run(part, behaviour_bt[rows])
+    scored = dataclasses.replace(batch, old_logp_bt=proximal_bt, routes_btlk=routes_btlk)
+    for u, part in enumerate(scored.split(self.updates_per_step)):
+      metrics, planned = run(part, behaviour_bt[u * per_update : (u + 1) * per_update])
       all_metrics.append(metrics)
       if planned is not None:
         placement_metrics.append(planned)
@@ -390,7 +382,9 @@ class Learner:
 
   def _plan(self, routes_mbtlk: np.ndarray | None):
     """Expert placements per micro-batch (expert-parallel routing replay), or (None, None)."""
-    if routes_mbtlk is None or not self.spreads_experts:
+    # No micro-batch (packed, a mini-batch without a trained target): no placement to plan, and
+    # none to stack (a TypeError); its update then reports no placement metrics.
+    if routes_mbtlk is None or not self.spreads_experts or len(routes_mbtlk) == 0:
       return None, None
     return plan_micro_batches(
       routes_mbtlk, self.model.config.num_experts, self.mesh.shape["expert"], self.moe_cfg

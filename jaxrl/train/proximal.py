@@ -24,15 +24,24 @@ def proximal_logprobs(learner, batch: TrainBatch) -> np.ndarray:
   """`[b, t]` log-probs of the batch's targets under `learner.params`, 0 off the mask."""
   routes_btlk = learner._replayed_routes(batch)
   if learner.pack_length:
-    packable = dataclasses.replace(batch, routes_btlk=routes_btlk)
-    layout, packed = learner._pack(packable, batch.old_logp_bt)
-    placement_m, _ = learner._plan(packed.routes_btlk)
-    chunks = [
-      learner._packed_logprobs(learner.params, micro, micro_placement(placement_m, i))
-      for i, micro in enumerate(learner._put_micro_batches(packed))
-    ]  # all dispatched before any is read
-    packed_logp = np.stack([np.asarray(c) for c in chunks]) if chunks else np.zeros(layout.shape)
-    return layout.scatter(packed_logp.astype(np.float32)) * (batch.mask_bt > 0)
+    # Each optimizer update's rows packed apart, as `Learner.update` packs them: packed all at
+    # once, the sequences met others in their micro-batches, and with an expert capacity other
+    # drops (the first update of a step started away from ratio 1).
+    parts = []
+    routed = dataclasses.replace(batch, routes_btlk=routes_btlk)
+    for part in routed.split(learner.updates_per_step):
+      layout, packed = learner._pack(part, part.old_logp_bt)
+      placement_m, _ = learner._plan(packed.routes_btlk)
+      chunks = [
+        learner._packed_logprobs(learner.params, micro, micro_placement(placement_m, i))
+        for i, micro in enumerate(learner._put_micro_batches(packed))
+      ]  # all dispatched before any is read
+      parts.append((layout, chunks))
+    out = []
+    for layout, chunks in parts:
+      packed_logp = np.stack([np.asarray(c) for c in chunks]) if chunks else np.zeros(layout.shape)
+      out.append(layout.scatter(packed_logp.astype(np.float32)))
+    return np.concatenate(out) * (batch.mask_bt > 0)
   mbs = learner.micro_batch_size
   stacked = None if routes_btlk is None else routes_btlk.reshape(-1, mbs, *routes_btlk.shape[1:])
   placement_m, _ = learner._plan(stacked)

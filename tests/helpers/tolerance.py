@@ -124,12 +124,15 @@ def update_terms(cfg, params, tokens: int) -> int:
   return model_terms(cfg, backward=True, tokens=tokens) + size
 
 
-def assert_same_update(got_params, want_params, params, *, n: int) -> None:
+def assert_same_update(got_params, want_params, params, *, n: int, updates: int = 1) -> None:
   """Two updates of the same `params` (pytrees) agree to within rounding.
 
   For steps proportional to the gradient (Adam with a large eps, whose first step is about
   lr * gradient): gradient rounding shows in the steps, so each leaf's scale is its largest step;
-  the stored parameters add their own rounding (the `u |expected|` terms of `assert_close`).
+  the stored parameters add their own rounding (the `u |expected|` terms of `assert_close`),
+  once per optimizer update: after `updates` of them, each run's parameters were rounded to
+  float32 that many times, by up to u |p| each (two runs whose steps differ by rounding can
+  round apart each time: a fuzzed learner's four updates, 2 ulps).
   """
   leaves = zip(
     jax.tree_util.tree_leaves_with_path(got_params),
@@ -138,9 +141,13 @@ def assert_same_update(got_params, want_params, params, *, n: int) -> None:
     strict=True,
   )
   for (path, got), want, before in leaves:
-    step = np.asarray(want, np.float64) - np.asarray(before, np.float64)
+    want64 = np.asarray(want, np.float64)
+    scale = np.abs(want64 - np.asarray(before, np.float64)).max(initial=0.0)
+    # The roundings of the updates before the last, as a scale: atol(n, this) is
+    # 2 * (updates - 1) * u * |p|.
+    scale = scale + (updates - 1) * np.abs(want64) / (LAMBDA * math.sqrt(n))
     err_msg = jax.tree_util.keystr(path)
-    assert_close(got, want, n=n, scale=np.abs(step).max(initial=0.0), err_msg=err_msg)
+    assert_close(got, want, n=n, scale=scale, err_msg=err_msg)
 
 
 def policy_loss_scale(

@@ -189,21 +189,60 @@ def test_a_capacity_reports_its_drops_and_ignores_right_padding(rollout):
   assert dropped[1] == dropped[0]
 
 
-def test_the_proximal_policy_is_computed_as_the_update_computes_it_under_a_capacity(rollout):
+# Packed with 2 updates a step: the proximal log-probs pack each update's rows apart, as the
+# update does (they packed the whole batch at once: other micro-batches, other drops; found by
+# tests/train/learner_fuzz_test.py, JAXRL_LEARNER_SEED=130 and 139).
+@pytest.mark.parametrize(("pack", "updates"), [(0, 1), (24, 2)], ids=["padded", "packed-2-updates"])
+def test_the_proximal_policy_is_computed_as_the_update_computes_it_under_a_capacity(
+  rollout, pack, updates
+):
   """Decoupled PPO recomputes the proximal log-probs with the current weights: with an expert
   capacity they must see the update's real positions and placements (the same drops), or the
   first update starts away from ratio 1. Learning rate 0: the ratio stays exactly 1."""
   params, _, whole = rollout
-  batch = TrainBatch(*(None if x is None else x[:8] for x in dataclasses.astuple(whole)))
+  batch = TrainBatch(*(None if x is None else x[: 8 * updates] for x in dataclasses.astuple(whole)))
   mesh = make_mesh(jax.devices()[4:], {"fsdp": 2, "expert": 2})
   ep = Learner(
     MODEL, mesh, TRAIN_RULES,
     loss=LossConfig(proximal="recompute", behaviour_correction="truncate"),
-    optimizer=OptimizerConfig(learning_rate=0.0), updates_per_step=1, micro_batch_size=8,
-    temperature=1.0, params=params,
-    moe=dataclasses.replace(REPLAY, capacity_factor=0.5),
+    optimizer=OptimizerConfig(learning_rate=0.0), updates_per_step=updates,
+    micro_batch_size=8 // updates, temperature=1.0, params=params,
+    moe=dataclasses.replace(REPLAY, capacity_factor=0.5), pack_length=pack,
   )  # fmt: skip
   metrics = jax.device_get(ep.update(batch))
   assert metrics["moe_dropped_frac"] > 0
   assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
   assert metrics["clip_frac"] == 0
+
+
+def test_a_packed_update_with_nothing_to_train_plans_no_placement(rollout):
+  """Packed, a mini-batch whose sequences have no trained target packs into no micro-batch:
+  there is no placement to plan for it (planning stacked none and raised a TypeError; found by
+  tests/train/learner_fuzz_test.py, JAXRL_LEARNER_SEED=100 and 145), and the step trains as the
+  padded learner does, the decoupled proximal log-probs included."""
+  params, _, batch = rollout
+  batch = dataclasses.replace(batch, mask_bt=batch.mask_bt.copy())
+  batch.mask_bt[8:] = 0.0  # the second update's rows
+  loss = LossConfig(proximal="recompute", behaviour_correction="truncate")
+  learners = {}
+  with jax.default_matmul_precision("highest"):
+    for pack in (24, 0):
+      ep = Learner(
+        MODEL, make_mesh(jax.devices()[4:], {"fsdp": 2, "expert": 2}), TRAIN_RULES, loss=loss,
+        optimizer=OptimizerConfig(learning_rate=1e-3, eps=1.0), updates_per_step=2,
+        micro_batch_size=4, temperature=1.0, params=params, moe=REPLAY, pack_length=pack,
+      )  # fmt: skip
+      logp_bt = ep.logprobs(ep.params, batch.tokens_bt, ep._replayed_routes(batch))
+      learners[pack] = ep, jax.device_get(ep.update(batch))
+  (packed, got), (padded, want) = learners[24], learners[0]
+  assert got["skipped"] == want["skipped"] == 0
+  assert float(got["moe_imbalance_planned"]) <= float(got["moe_imbalance_static"])
+  terms = tolerance.model_terms(MODEL.config, tokens=batch.mask_bt.size)
+  # Ratios against the recomputed proximal policy (about 1), behaviour weights up to their cap.
+  scale = loss.behaviour_cap * tolerance.policy_loss_scale(
+    logp_bt, logp_bt, batch.advantages_b, batch.mask_bt, computed_logp=True
+  )
+  tolerance.assert_close(got["loss"], want["loss"], n=terms, scale=scale, err_msg="loss")
+  terms = 2 * tolerance.model_terms(MODEL.config, backward=True, tokens=batch.mask_bt.size)
+  terms += tolerance.update_terms(MODEL.config, params, 0)
+  tolerance.assert_same_update(packed.params, padded.params, params, n=terms)
