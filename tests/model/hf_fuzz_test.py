@@ -204,7 +204,13 @@ def check(seed: int, tmp_path: pathlib.Path) -> None:
 
 def run(rng, arch: str, tied: bool, overrides: dict, length: int, tmp_path) -> None:
   source = tmp_path / "source"
-  hc.write_checkpoint(source, arch, tied=tied, seed=int(rng.integers(1 << 16)), **overrides)
+  # Stored in bfloat16 or float32 (both read as float32, the same values), in one file or
+  # shards with an index.
+  hc.write_checkpoint(
+    source, arch, tied=tied, seed=int(rng.integers(1 << 16)),
+    dtype=_choice(rng, ["float32", "bfloat16"]), max_shard_size=_choice(rng, [None, "40KB"]),
+    **overrides,
+  )  # fmt: skip
   reference = hc.load_model(source)
   vocab = overrides["vocab_size"]
   tokens = _tokens(rng, vocab, length)

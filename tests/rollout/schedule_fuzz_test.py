@@ -16,22 +16,27 @@ Sampled tokens depend only on a request's seed, its position and the logits, so 
 request's tokens (and MoE routes) must equal those a roomy engine gives it from its first
 prompt, and its log-probs theirs to rounding; an aborted request's partial tokens are a prefix
 of them; its tokens' weight versions never go down; nothing is lost or returned twice; every
-page is free at the end.
+page is free at the end. (MoE: up to a router near-tie, an input whose k-th and next best
+experts are within float32 rounding, where two right runs may route, and then sample, apart.)
 
 A failing run names its seed: `JAXRL_SCHEDULE_SEED=<seed>` replays it.
 """
 
+import dataclasses
 import json
 import math
 import os
+from unittest import mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tolerance
 from helpers.paged_engines import MODEL, engine
 
-from jaxrl.model import Model, get_preset
+from jaxrl.model import Model, get_preset, moe
+from jaxrl.model.moe import route as moe_route
 from jaxrl.rollout.requests import RequestRecord
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.sharding import make_mesh
@@ -179,21 +184,59 @@ class Schedule:
       assert len(got.logprobs) == len(got.versions) == n, where
       assert got.versions == sorted(got.versions), where
       assert all(0 <= v <= self.version for v in got.versions), where
-      if got is self.aborted.get(first.request_id):
+      aborted = got is self.aborted.get(first.request_id)
+      routes, expected = got.prompt_routing + got.routing, w.prompt_routing + w.routing[:n]
+      expected = expected[: len(routes)]  # an aborted prompt may be partly prefilled
+      same = (got.token_ids == w.token_ids[:n]) if aborted else (
+        got.token_ids == w.token_ids and got.finish_reason == w.finish_reason
+      )  # fmt: skip
+      same = same and np.array_equal(np.sort(routes, -1), np.sort(expected, -1))
+      tie = None if same else first_router_tie(self.model, self.params, first, w)
+      if tie is not None:  # both are right from the tie on: compared up to it
+        where += f", router near-tie at input {tie}"
+        n = max(0, tie - len(first.prompt_ids) + 1)  # the tokens sampled before the tie
+        routes, expected = routes[:tie], expected[:tie]
+        assert got.token_ids[:n] == w.token_ids[:n], where
+      elif aborted:
         assert got.token_ids == w.token_ids[:n], where
       else:
         assert got.token_ids == w.token_ids and got.finish_reason == w.finish_reason, where
-      tolerance.assert_close(got.logprobs, w.logprobs[:n], n=terms)
+      tolerance.assert_close(got.logprobs[:n], w.logprobs[:n], n=terms)
       if w.routing:  # MoE: the routes of every input the learner will feed (so far)
-        routes, expected = got.prompt_routing + got.routing, w.prompt_routing + w.routing[:n]
-        if got is self.aborted.get(first.request_id):  # its prompt may be partly prefilled
-          expected = expected[: len(routes)]
         np.testing.assert_array_equal(np.sort(routes, -1), np.sort(expected, -1), err_msg=where)
     for e in self.engines:
       e.drain()
       assert e.allocator.num_free == e.allocator.num_pages
       if e.ring_allocator is not None:
         assert e.ring_allocator.num_free == e.ring_allocator.num_pages
+
+
+# Router-logit gaps within float32 rounding of two runs of the same weights in batches of other
+# shapes (which sum in other orders: the grouped dispatch groups a call's rows by expert).
+ROUTER_TIE = 1e-5
+
+
+def first_router_tie(model, params, first: RequestRecord, want: RequestRecord) -> int | None:
+  """The first input position of the roomy engine's sequence (`first`'s prompt, then `want`'s
+  tokens) where an MoE layer's k-th and (k+1)-th best router logits are within `ROUTER_TIE`:
+  from there on two right runs may route, and then sample, apart. None for a dense model, or
+  where no input is that close."""
+  if not model.config.is_moe:
+    return None
+  logits = []
+
+  def route(logits_btx, *args, **kwargs):
+    logits.append(np.asarray(logits_btx, np.float32)[0])
+    return moe_route(logits_btx, *args, **kwargs)
+
+  ids = jnp.asarray([first.prompt_ids + want.token_ids], jnp.int32)
+  reference = Model(dataclasses.replace(model.config, moe_dispatch="dense"))
+  with mock.patch.object(moe, "route", route), jax.disable_jit():
+    reference.apply(params, ids)
+  k = model.config.experts_per_token
+  best = -np.sort(-np.stack(logits), axis=-1)  # [layers, positions, experts], descending
+  near = (best[..., k - 1] - best[..., k] < ROUTER_TIE).any(0)
+  return int(np.argmax(near)) if near.any() else None
 
 
 def run_schedule(kind, mesh, operations):
