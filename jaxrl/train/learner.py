@@ -334,17 +334,18 @@ class Learner:
       compiling, self._compiling = self._compiling, None
       compiling.result()
     self.recall_lent()  # the update donates the parameters
-    per_update = batch.size // self.updates_per_step
-    behaviour_bt = batch.old_logp_bt
-    proximal_bt = behaviour_bt
+    proximal_bt = batch.old_logp_bt
     if self.loss_cfg.proximal == "recompute":  # decoupled PPO: the policy before this step
       proximal_bt = self.proximal_logprobs(batch)
     routes_btlk = self._replayed_routes(batch)
     run = self._packed_update if self.pack_length else self._padded_update
     all_metrics, placement_metrics = [], []
     scored = dataclasses.replace(batch, old_logp_bt=proximal_bt, routes_btlk=routes_btlk)
-    for u, part in enumerate(scored.split(self.updates_per_step)):
-      metrics, planned = run(part, behaviour_bt[u * per_update : (u + 1) * per_update])
+    parts = zip(
+      scored.split(self.updates_per_step), batch.split(self.updates_per_step), strict=True
+    )
+    for part, sampled in parts:  # `sampled`: the same rows with the behaviour log-probs
+      metrics, planned = run(part, sampled.old_logp_bt)
       all_metrics.append(metrics)
       if planned is not None:
         placement_metrics.append(planned)

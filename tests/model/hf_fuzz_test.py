@@ -1,5 +1,6 @@
 """Random Hugging Face configurations of every architecture jaxrl reads: loaded, they give
-transformers' logits; saved, transformers reads back the same model.
+transformers' logits (also on a mesh), greedy tokens and log-probs (in the learner's packed
+rows); saved, with and without their source, transformers and jaxrl read back the same model.
 
 `hf_test.py` checks one tiny configuration of each architecture. A user's checkpoint differs in
 its shapes and options, so each run here draws them: widths, heads and KV heads (multi-query to
@@ -98,7 +99,6 @@ def _rope_scaling(rng, theta: float, *, max_positions: int) -> dict:
 def draw(rng) -> tuple[str, bool, dict, int]:
   """(architecture, tied, transformers config overrides, sequence length) of one run."""
   arch = _choice(rng, hc.ARCHS)
-  fields = dict(hc._ARCH[arch][1])
   heads = int(_choice(rng, [2, 4, 6, 8]))
   kv_heads = int(_choice(rng, [k for k in range(1, heads + 1) if heads % k == 0]))
   layers = int(rng.integers(1, 5))
@@ -143,7 +143,7 @@ def draw(rng) -> tuple[str, bool, dict, int]:
     local = {"rope_type": "default", "rope_theta": float(_choice(rng, [1e3, 1e4]))}
     ov["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
   elif arch == "gpt_oss":
-    rope = dict(fields["rope_parameters"], rope_theta=theta)
+    rope = dict(hc.hf_config(arch).rope_parameters, rope_theta=theta)
     rope["factor"] = float(_choice(rng, [2.0, 4.0]))
     ov["rope_parameters"] = rope
   window = int(_choice(rng, [8, 16, 40]))
@@ -236,11 +236,11 @@ def run(rng, arch: str, tied: bool, overrides: dict, length: int, tmp_path) -> N
   assert hc.rel_err(hc.logits(reloaded, tokens), want) < 1e-6
 
   save_pretrained(model, params, tmp_path / "bare")  # without its source: a config of our own
-  bare = json.loads((tmp_path / "bare" / "config.json").read_text())
-  assert config_from_hf(bare) == cfg, {
-    f.name: (getattr(config_from_hf(bare), f.name), getattr(cfg, f.name))
+  bare = config_from_hf(json.loads((tmp_path / "bare" / "config.json").read_text()))
+  assert bare == cfg, {  # the fields that differ
+    f.name: (getattr(bare, f.name), getattr(cfg, f.name))
     for f in dataclasses.fields(cfg)
-    if getattr(config_from_hf(bare), f.name) != getattr(cfg, f.name)
+    if getattr(bare, f.name) != getattr(cfg, f.name)
   }
   got = hc.logits(hc.load_model(tmp_path / "bare"), tokens)
   tolerance.assert_close(got, want, n=tolerance.model_terms(cfg), err_msg="bare save's logits")
@@ -290,20 +290,6 @@ def greedy(rng, source, reference, vocab: int, new_tokens: int = 12) -> None:
     assert tokens[:agree] == want[:agree], (prompt, tokens, want)
 
 
-def _seed() -> int:
-  return int(os.environ.get("JAXRL_HF_SEED") or np.random.default_rng().integers(1 << 31))
-
-
-def test_a_random_configuration_loads_and_saves_as_transformers_reads_it(tmp_path):
-  check(_seed(), tmp_path)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("run_index", range(12))
-def test_random_configurations(tmp_path, run_index):
-  check(_seed(), tmp_path)
-
-
 def learner_logprobs(rng, source, tokens, want) -> None:
   """The learner's log-probs of packed sequences (prefixes of the rows `want` scores, of
   random lengths and prompts, some longer than the packed rows) are transformers'."""
@@ -326,8 +312,7 @@ def learner_logprobs(rng, source, tokens, want) -> None:
   tokens_bt = np.zeros((5, int(ends.max())), np.int32)
   mask_bt = np.zeros((5, int(ends.max()) - 1), np.float32)
   expected = np.zeros_like(mask_bt)
-  shifted = want - want.max(-1, keepdims=True)
-  logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # float32 log-softmax
+  logp = np.asarray(jax.nn.log_softmax(want, axis=-1))
   for i, (row, end) in enumerate(zip(rows, ends, strict=True)):
     tokens_bt[i, :end] = tokens[row, :end]
     prompt = int(rng.integers(1, end))
@@ -340,3 +325,17 @@ def learner_logprobs(rng, source, tokens, want) -> None:
     got * mask_bt, expected * mask_bt, n=tolerance.model_terms(model.config),
     scale=np.abs(want).max(), err_msg=f"learner log-probs (rows of {learner.pack_length})",
   )  # fmt: skip
+
+
+def _seed() -> int:
+  return int(os.environ.get("JAXRL_HF_SEED") or np.random.default_rng().integers(1 << 31))
+
+
+def test_a_random_configuration_loads_and_saves_as_transformers_reads_it(tmp_path):
+  check(_seed(), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_index", range(12))
+def test_random_configurations(tmp_path, run_index):
+  check(_seed(), tmp_path)

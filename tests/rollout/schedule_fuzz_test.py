@@ -41,9 +41,10 @@ from jaxrl.rollout.requests import RequestRecord
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.sharding import make_mesh
 
+MOE = Model(get_preset("tiny-moe"))
 MODELS = {
   "dense": MODEL,
-  "moe": Model(get_preset("tiny-moe")),
+  "moe": MOE,
   # Three of four layers with a window of 5 positions: their own ring pool (`window_kv`).
   "window": Model(
     get_preset(
@@ -52,7 +53,7 @@ MODELS = {
   ),
   # The expert-parallel layer (`jaxrl.sharding.moe_expert_parallel`): experts over an expert
   # axis, and grouped matmuls over one device's experts.
-  "moe-expert": Model(get_preset("tiny-moe")),
+  "moe-expert": MOE,
   "moe-grouped": Model(get_preset("tiny-moe", moe_dispatch="grouped")),
 }
 # Kinds run on a mesh of their own, not the data 2 x tensor 2 one.
@@ -187,20 +188,18 @@ class Schedule:
       aborted = got is self.aborted.get(first.request_id)
       routes, expected = got.prompt_routing + got.routing, w.prompt_routing + w.routing[:n]
       expected = expected[: len(routes)]  # an aborted prompt may be partly prefilled
-      same = (got.token_ids == w.token_ids[:n]) if aborted else (
+      same_tokens = (got.token_ids == w.token_ids[:n]) if aborted else (
         got.token_ids == w.token_ids and got.finish_reason == w.finish_reason
       )  # fmt: skip
-      same = same and np.array_equal(np.sort(routes, -1), np.sort(expected, -1))
+      same = same_tokens and np.array_equal(np.sort(routes, -1), np.sort(expected, -1))
       tie = None if same else first_router_tie(self.model, self.params, first, w)
       if tie is not None:  # both are right from the tie on: compared up to it
         where += f", router near-tie at input {tie}"
         n = max(0, tie - len(first.prompt_ids) + 1)  # the tokens sampled before the tie
         routes, expected = routes[:tie], expected[:tie]
         assert got.token_ids[:n] == w.token_ids[:n], where
-      elif aborted:
-        assert got.token_ids == w.token_ids[:n], where
       else:
-        assert got.token_ids == w.token_ids and got.finish_reason == w.finish_reason, where
+        assert same_tokens, where
       tolerance.assert_close(got.logprobs[:n], w.logprobs[:n], n=terms)
       if w.routing:  # MoE: the routes of every input the learner will feed (so far)
         np.testing.assert_array_equal(np.sort(routes, -1), np.sort(expected, -1), err_msg=where)
