@@ -361,7 +361,8 @@ class LoopConfig:
     rollout_workers: the rollout devices are split into this many workers, each with its own
       engine on its own sub-mesh (the rollout mesh's axes but `data`, which takes the rest).
       0 (the default): one worker over all of them in sync mode (as one engine), two in async
-      mode where the devices split evenly, else one.
+      mode where the devices split evenly into two workers of whole engine replicas (each
+      worker's devices a multiple of the rollout mesh's axes but `data`), else one.
   """
 
   mode: str = "auto"

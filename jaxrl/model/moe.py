@@ -113,7 +113,16 @@ class ExpertParallel:
     grouped = cfg.moe_dispatch == "grouped" and mesh.shape.get("tensor", 1) == 1
     if not (spread or grouped):
       return None
-    return cls(mesh, config or ExpertParallelConfig())
+    config = config or ExpertParallelConfig()
+    platform = mesh.devices.flat[0].platform
+    if spread and config.exchange == "ragged_all_to_all" and platform == "cpu":
+      # Caught here: XLA:CPU compiles it and fails at the first run ("UNIMPLEMENTED").
+      raise ValueError(
+        "train.moe.exchange='ragged_all_to_all' runs on TPU and GPU only: XLA:CPU cannot run "
+        "a ragged all-to-all, and this mesh's expert axis spans CPU devices. Use "
+        "exchange='all_to_all' (the same results)."
+      )
+    return cls(mesh, config)
 
   @property
   def spreads_experts(self) -> bool:

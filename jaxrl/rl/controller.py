@@ -52,7 +52,7 @@ from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline
 from jaxrl.rl.worker_pool import WorkerPool
 from jaxrl.rl.workers import Assignment, copy_record
 from jaxrl.rollout.engine import RolloutEngine
-from jaxrl.rollout.requests import RequestRecord, record_completion
+from jaxrl.rollout.requests import RequestRecord, pages_for, record_completion
 from jaxrl.scheduler.staleness import admission_cap, choose_batch
 from jaxrl.train.advantages import group_advantages
 
@@ -279,8 +279,9 @@ class Controller(CheckpointedController, WorkerPool):
         self.prompts.extend(next(self.loader))
       prompt = self.prompts.popleft()
       ids = [] if self.episodes is not None else self.encode_prompts([prompt])[0]
-      if len(ids) >= self.rollout.model.config.max_seq_len:  # no room for one token: skipped
-        self._skip_long_prompt(prompt, len(ids))
+      too_long = self._too_long(len(ids))
+      if too_long:
+        self._skip_long_prompt(prompt, len(ids), too_long)
         continue
       gid = self.next_group
       self.next_group += 1
@@ -306,13 +307,27 @@ class Controller(CheckpointedController, WorkerPool):
 
   # -- training ----------------------------------------------------------------------------------
 
-  def _skip_long_prompt(self, prompt: dict, length: int) -> None:
+  def _too_long(self, length: int) -> str:
+    """Why a prompt of `length` ids can never run (the workers would refuse it and crash,
+    again and again, until the run stops), or "". The job refuses a page budget too small
+    for its longest sampled prompt (`job.build_controller`); this catches a longer one."""
+    max_seq_len = self.rollout.model.config.max_seq_len
+    if length >= max_seq_len:
+      return f"no fewer than the model's max_seq_len={max_seq_len}"
+    paged = self.rollout.cfg  # the workers' page settings, as the eval engine's
+    cached = min(length + self.sampling.max_new_tokens, max_seq_len) - 1
+    if pages_for(cached, paged.page_size) > paged.num_pages:
+      return (
+        f"with its response more than config.rollout.paged.num_pages={paged.num_pages} pages "
+        f"of {paged.page_size} hold"
+      )
+    return ""
+
+  def _skip_long_prompt(self, prompt: dict, length: int, why: str) -> None:
     self.counters["prompts_too_long"] += 1
     log.warning(
-      "Skipped a training prompt of %d tokens, no fewer than the model's max_seq_len=%d (%d "
-      "skipped so far): %.80r",
-      length, self.rollout.model.config.max_seq_len, self.counters["prompts_too_long"],
-      prompt.get("prompt", prompt),
+      "Skipped a training prompt of %d tokens, %s (%d skipped so far): %.80r",
+      length, why, self.counters["prompts_too_long"], prompt.get("prompt", prompt),
     )  # fmt: skip
 
   def _choose_batch(self) -> list[Group] | None:

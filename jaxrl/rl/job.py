@@ -20,6 +20,7 @@ from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.pipeline import PromptLoader
 from jaxrl.data.prompts import encode_prompt, renders_chat
 from jaxrl.data.tasks import make_task
+from jaxrl.data.tokenizer import TokenizerError
 from jaxrl.envs.render import end_of_turn_id
 from jaxrl.metrics import MetricsWriter, plot_reward_curve, read_metrics
 from jaxrl.model import Model
@@ -29,7 +30,7 @@ from jaxrl.rl.controller import Controller
 from jaxrl.rl.episodes import check_environment, scripted_trajectories, trajectory_max_tokens
 from jaxrl.rl.experience import batch_lengths, pad_sequences
 from jaxrl.rl.multi_turn import trajectory_batch
-from jaxrl.rl.placement import Placement, place_stages
+from jaxrl.rl.placement import Placement, check_model_fits, place_stages
 from jaxrl.rl.policy import (
   PolicyExporter,
   make_rollout_engine,
@@ -40,6 +41,7 @@ from jaxrl.rl.policy import (
 )
 from jaxrl.rl.stages import JobParts
 from jaxrl.rl.timeline import plot_stage_timeline
+from jaxrl.rollout.requests import pages_for
 from jaxrl.train.packing import auto_pack_length
 
 log = logging.getLogger(__name__)
@@ -75,19 +77,20 @@ def build_controller(
   train_records = task.records("train", None, cfg.seed)
   # Prompt lengths from a large sample of the task's prompts (a longer one, should it come,
   # gets a training shape of its own then).
-  sample = None
-  if cfg.train.precompile or cfg.train.pack_length < 0 or cfg.rollout.paged.max_tokens < 0:
-    sample = [len(encode_prompt(tokenizer, r, chat)) for r in train_records[:1024]]
+  sample = _prompt_lengths(cfg, tokenizer, train_records[:1024], chat)
   # Multi-turn: a sequence is a whole trajectory, at most `max_tokens` ids (`episodes.py`).
   max_trajectory = trajectory_max_tokens(cfg, model.config.max_seq_len) if cfg.env.name else 0
   if cfg.env.name:
     check_environment(cfg, tokenizer, chat, train_records[0])
+  # The longest sequence a request may grow to: a whole trajectory (multi-turn turns are
+  # bounded by it), else the longest sampled prompt and a full response.
+  longest = max_trajectory or max(sample) + cfg.rollout.sampling.max_new_tokens
+  longest = min(longest, model.config.max_seq_len)
+  _check_page_budget(cfg, longest, max(sample))
   if cfg.rollout.paged.max_tokens < 0:
     # On accelerators the rollout engine's shapes are sized for the longest sequence expected
     # (one program per row count; the decode kernels stop at each row's length). On CPU the
     # reference attention reads the whole table: bucketed shapes there (`PagedConfig`).
-    longest = max_trajectory or max(sample) + cfg.rollout.sampling.max_new_tokens
-    longest = min(longest, model.config.max_seq_len)
     sized = jax.default_backend() != "cpu"
     paged = dataclasses.replace(cfg.rollout.paged, max_tokens=longest if sized else 0)
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, paged=paged))
@@ -100,10 +103,10 @@ def build_controller(
       )
     log.info("config.train.pack_length=-1: packed rows of %d positions.", pack_length)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pack_length=pack_length))
-  prompts = train_records[:64]
-  prompt_len = max(len(encode_prompt(tokenizer, r, chat)) for r in prompts)
+  prompt_len = max(sample[:64])
   if placement is None:
     placement = place_stages(cfg, prompt_len)
+  check_model_fits(placement, model, rollout_model)
   mode = resolve_loop_mode(cfg, placement)
   local_cpu = cfg.loop.backend == "local" and jax.default_backend() == "cpu"
   if mode == "async" and placement.shares_devices and local_cpu:
@@ -159,6 +162,42 @@ def build_controller(
   )
   return Controller(
     **kwargs, free_rollout_during_train=cfg.rollout.free_during_train and placement.shares_devices
+  )
+
+
+def _prompt_lengths(cfg: ExperimentConfig, tokenizer, records, chat: dict) -> list[int]:
+  """The token counts of `records`' prompts; a prompt the tokenizer cannot encode (a character
+  outside the char tokenizer's alphabet) stops the run here, naming the two settings."""
+  try:
+    return [len(encode_prompt(tokenizer, r, chat)) for r in records]
+  except TokenizerError:  # a chat template that fails: reported as a tokenizer's error
+    raise
+  except ValueError as e:
+    raise ConfigError(
+      f"config.tokenizer={cfg.tokenizer!r} cannot encode the prompts of config.task.name="
+      f"{cfg.task.name!r}: {e}"
+    ) from None
+
+
+def _check_page_budget(cfg: ExperimentConfig, longest: int, longest_prompt: int) -> None:
+  """Refuses a page budget that cannot hold one request of `longest` tokens, which every rollout
+  worker would otherwise refuse, crash on and be restarted for, until the run stops."""
+  paged = cfg.rollout.paged
+  pages = pages_for(longest - 1, paged.page_size)  # the last sampled token is never cached
+  if pages <= paged.num_pages:
+    return
+  if cfg.env.name:
+    what = f"a trajectory of up to {longest} tokens (config.env.max_tokens={cfg.env.max_tokens})"
+  else:
+    what = (
+      f"the longest of the task's first prompts ({longest_prompt} tokens) and a response of "
+      f"config.rollout.sampling.max_new_tokens={cfg.rollout.sampling.max_new_tokens}"
+    )
+  raise ConfigError(
+    f"config.rollout.paged.num_pages={paged.num_pages} pages of config.rollout.paged.page_size="
+    f"{paged.page_size} tokens cannot hold one request of this run: {what} may cache "
+    f"{longest - 1} tokens, {pages} pages (on each device of the rollout mesh's data axis). "
+    f"Raise num_pages to at least {pages}, or shorten the sequences."
   )
 
 

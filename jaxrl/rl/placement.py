@@ -9,10 +9,11 @@ from collections.abc import Sequence
 import jax
 
 from jaxrl.config import ConfigError, ExperimentConfig, MeshConfig, PlacementConfig
+from jaxrl.model import Model
 from jaxrl.scheduler.local import plan_for_experiment
 from jaxrl.scheduler.plan import Plan
 from jaxrl.scheduler.problem import PlanningError
-from jaxrl.sharding import make_mesh, split_devices
+from jaxrl.sharding import STAGE_RULES, make_mesh, split_devices, tree_shardings
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,27 @@ def make_placement(
     except ValueError as e:
       raise ConfigError(f"config.placement.{key}: {e}") from None
   return Placement(mode=cfg.mode, rollout_mesh=meshes[0], train_mesh=meshes[1])
+
+
+def check_model_fits(placement: Placement, model: Model, rollout_model: Model) -> None:
+  """Raises a `ConfigError` naming the mesh whose axes do not divide the dimensions they
+  split: the training mesh holds the learner (training layout) and the eval engine (rollout
+  layout), the rollout mesh the rollout workers (whose sub-meshes keep its model axes).
+  Checked before anything is built, so that the error names the config key, not a weight."""
+  stages = (
+    ("train_mesh", placement.train_mesh, model, "train"),
+    ("train_mesh", placement.train_mesh, rollout_model, "rollout"),
+    ("rollout_mesh", placement.rollout_mesh, rollout_model, "rollout"),
+  )
+  for key, mesh, stage_model, stage in stages:
+    shapes = jax.tree.map(lambda x: x.shape, stage_model.abstract_params())
+    try:
+      tree_shardings(stage_model.logical_axes, mesh, STAGE_RULES[stage], shapes)
+    except ValueError as e:
+      planned = " (as planned)" if placement.mode == "planned" else ""
+      raise ConfigError(
+        f"config.placement.{key}{planned} = {dict(mesh.shape)} does not fit the model: {e}"
+      ) from None
 
 
 def _planned(cfg: PlacementConfig, plan: Plan) -> PlacementConfig:

@@ -5,6 +5,7 @@ workers."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -30,23 +31,34 @@ class JobParts:
   prompt_len: int
 
 
-def worker_count(cfg: ExperimentConfig, num_devices: int) -> int:
+def worker_count(cfg: ExperimentConfig, num_devices: int, replica_devices: int = 1) -> int:
   """Rollout workers over `num_devices` rollout devices: `config.loop.rollout_workers`, or for
   0 one in sync mode (all devices, as one engine) and two in async mode where the devices
-  split evenly (a worker switching weights then leaves the other decoding), else one."""
+  split evenly into two workers of whole engine replicas (`replica_devices`: the devices of
+  the rollout mesh's axes but `data`), so that a worker switching weights leaves the other
+  decoding; else one."""
   if cfg.loop.rollout_workers:
     return cfg.loop.rollout_workers
-  return 2 if cfg.loop.mode == "async" and num_devices % 2 == 0 else 1
+  halves = num_devices % (2 * replica_devices) == 0
+  return 2 if cfg.loop.mode == "async" and halves else 1
 
 
 def rollout_device_groups(parts: JobParts) -> list[list[jax.Device]]:
   """The rollout devices split evenly among the workers (`worker_count`)."""
-  devices = list(parts.placement.rollout_mesh.devices.flat)
-  n = worker_count(parts.cfg, len(devices))
+  mesh = parts.placement.rollout_mesh
+  devices = list(mesh.devices.flat)
+  replica = math.prod(size for axis, size in mesh.shape.items() if axis != "data")
+  n = worker_count(parts.cfg, len(devices), replica)
   if len(devices) % n:
+    planned = parts.cfg.placement.mode == "planned"
     raise ConfigError(
-      f"config.loop.rollout_workers={n} does not divide the {len(devices)} rollout devices; "
-      "choose a divisor."
+      f"config.loop.rollout_workers={n} does not divide the {len(devices)} rollout devices"
+      + (
+        " the planner chose (config.placement.mode='planned'); set rollout_workers=0 (chosen "
+        "by the loop mode), or place the stages by hand (placement.mode='disaggregated')."
+        if planned
+        else "; choose a divisor."
+      )
     )
   return split_devices(devices, [len(devices) // n] * n)
 
@@ -79,5 +91,5 @@ def make_learner(cfg: ExperimentConfig, model: Model, mesh) -> Learner:
   try:
     learner.check_batch_size(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
   except ValueError as e:
-    raise ConfigError(str(e)) from None
+    raise ConfigError(f"config.train: {e}") from None
   return learner

@@ -137,6 +137,19 @@ def test_expert_parallel_is_chosen_only_for_moe_models_on_an_expert_axis():
   assert ExpertParallel.for_mesh(get_preset("tiny"), mesh) is None
 
 
+def test_the_ragged_exchange_is_refused_on_an_expert_axis_of_cpu_devices():
+  """XLA:CPU compiles a ragged all-to-all and fails when it runs: refused when the path is
+  chosen, not at the first update."""
+  ragged = ExpertParallelConfig(exchange="ragged_all_to_all")
+  mesh = make_mesh(jax.devices()[:4], {"data": 2, "expert": 2})
+  with pytest.raises(ValueError, match=r"exchange='ragged_all_to_all' runs on TPU and GPU only"):
+    ExpertParallel.for_mesh(CFG, mesh, ragged)
+  # No exchange on a one-device expert axis (the grouped dispatch): nothing to refuse.
+  grouped = dataclasses.replace(CFG, moe_dispatch="grouped")
+  one = make_mesh(jax.devices()[:1], {})
+  assert not ExpertParallel.for_mesh(grouped, one, ragged).spreads_experts
+
+
 def test_the_grouped_dispatch_is_chosen_on_meshes_without_tensor_parallelism():
   grouped = dataclasses.replace(CFG, moe_dispatch="grouped")
   flat = make_mesh(jax.devices()[:8], {"data": 2, "fsdp": 4})

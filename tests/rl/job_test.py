@@ -15,6 +15,7 @@ from jaxrl.metrics import read_metrics
 from jaxrl.rl import job
 from jaxrl.rl.checkpoint import Checkpointer
 from jaxrl.rl.placement import make_placement, place_stages
+from jaxrl.rl.stages import worker_count
 from jaxrl.rl.timeline import load_segments
 from jaxrl.scheduler.local import plan_for_experiment
 
@@ -314,6 +315,55 @@ def test_malformed_dataset_row_is_reported_with_file_and_line(tmp_path):
     job.build_controller(cfg, str(tmp_path / "run"), show_progress=False)
 
 
+def test_prompts_the_tokenizer_cannot_encode_are_refused_naming_both_settings(tmp_path):
+  path = tmp_path / "rows.jsonl"
+  path.write_text('{"question": "What is 1+1?", "answer": "#### 2"}\n')
+  cfg = tiny_config(**{"task.name": "gsm8k", "task.path": str(path)})  # the char tokenizer
+  with pytest.raises(ConfigError, match=r"config.tokenizer='char' cannot encode the prompts of "
+                     r"config.task.name='gsm8k': CharTokenizer cannot encode 'W'"):  # fmt: skip
+    job.build_controller(cfg, str(tmp_path / "run"), show_progress=False)
+
+
+@pytest.mark.parametrize("stage", ["train", "rollout"])
+def test_a_mesh_that_does_not_divide_the_model_is_refused_naming_it(tmp_path, stage):
+  """The tiny model's 2 KV heads over a tensor axis of 4: refused before anything is built, the
+  error naming the mesh's key (the training mesh also holds the eval engine)."""
+  cfg = tiny_config("fixed", **{f"placement.{stage}_mesh.tensor": 4})
+  with pytest.raises(ConfigError, match=rf"config.placement.{stage}_mesh = .*'tensor': 4.*"
+                     r"'kv_heads'"):  # fmt: skip
+    job.build_controller(cfg, str(tmp_path), show_progress=False)
+
+
+def test_workers_that_do_not_split_the_planned_rollout_devices_are_refused(tmp_path):
+  cfg = tiny_config(**{"loop.rollout_workers": 3})  # planned: 4 rollout devices of 8
+  with pytest.raises(ConfigError, match=r"rollout_workers=3 does not divide the 4 rollout "
+                     r"devices the planner chose .*rollout_workers=0"):  # fmt: skip
+    job.build_controller(cfg, str(tmp_path), show_progress=False)
+
+
+def test_async_splits_the_rollout_devices_into_two_workers_only_of_whole_replicas(tmp_path):
+  """6 rollout devices of tensor 2: two workers of 3 devices could not hold a replica each, so
+  the loop's default is one worker of all 6 (it was two, and the job refused to start)."""
+  cfg = tiny_config(
+    "fixed",
+    **{
+      "placement.rollout_devices": 6,
+      "placement.train_devices": 2,
+      "placement.rollout_mesh.tensor": 2,
+      "loop.mode": "async",
+    },
+  )
+  controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
+  try:
+    (worker,) = controller.initial_workers
+    assert dict(worker.engine.mesh.shape) == {"data": 3, "fsdp": 1, "tensor": 2, "expert": 1}
+  finally:
+    controller.close()
+  even = tiny_config("fixed", **{"placement.rollout_mesh.tensor": 2, "loop.mode": "async"})
+  assert worker_count(even, 4, 2) == 2 and worker_count(even, 6, 2) == 1
+  assert worker_count(even, 6, 1) == 2
+
+
 @dataclasses.dataclass(frozen=True)
 class _Device:
   platform: str
@@ -350,22 +400,49 @@ def test_pinned_cores_split_in_halves_and_need_two(monkeypatch):
     core_split()
 
 
-def test_a_training_prompt_too_long_for_the_model_is_skipped_and_counted(tmp_path, caplog):
-  """The workers would refuse it (no room for a token): it must not crash them, again and
-  again, until the run stops; it is skipped with a warning and the next prompt released."""
-  cfg = tiny_config(**{"warmup.steps": 0, "eval.every": 0})
+def test_a_page_budget_that_cannot_hold_one_request_is_refused(tmp_path):
+  """The workers would refuse every such request and crash on it, again after each restart,
+  until the run stops with no worker (73 s in the run that found it)."""
+  cfg = tiny_config(**{"rollout.paged.page_size": 2, "rollout.paged.num_pages": 6})
+  want = (
+    r"config.rollout.paged.num_pages=6 pages of config.rollout.paged.page_size=2 tokens cannot "
+    r"hold one request of this run: the longest of the task's first prompts \((\d+) tokens\) and "
+    r"a response of config.rollout.sampling.max_new_tokens=8 may cache (\d+) tokens, (\d+) "
+    r"pages .* at least \3"
+  )
+  with pytest.raises(ConfigError, match=want):
+    job.build_controller(cfg, str(tmp_path), show_progress=False)
+  game = load_config(os.path.join(REPO, "configs", "grpo_agent.py"), "test", {
+    "rollout.paged.page_size": 2, "rollout.paged.num_pages": 24, "env.max_tokens": 96,
+  })  # fmt: skip
+  with pytest.raises(ConfigError, match=r"a trajectory of up to 96 tokens \(config.env.max_tokens"
+                     r"=96\) may cache 95 tokens, 48 pages"):  # fmt: skip
+    job.build_controller(game, str(tmp_path / "game"), show_progress=False)
+
+
+@pytest.mark.parametrize("limit", ["max_seq_len", "num_pages"])
+def test_a_training_prompt_too_long_for_the_model_is_skipped_and_counted(tmp_path, caplog, limit):
+  """The workers would refuse it (no room for a token, or for its response in the page
+  budget): it must not crash them, again and again, until the run stops; it is skipped with a
+  warning and the next prompt released. 2 pages of 16 hold the task's prompts and responses."""
+  pages = {"rollout.paged.num_pages": 2} if limit == "num_pages" else {}
+  cfg = tiny_config(**{"warmup.steps": 0, "eval.every": 0, **pages})
   controller = job.build_controller(cfg, str(tmp_path), show_progress=False)
   records = [dict(r) for r in next(controller.loader)]
   max_seq_len = controller.rollout.model.config.max_seq_len
-  records[1]["prompt"] = "7" * (max_seq_len + 5)
+  # Past the page budget: 26 prompt ids (27 with a BOS) and 8 new tokens cache 33 or more.
+  length = max_seq_len + 5 if limit == "max_seq_len" else 26
+  records[1]["prompt"] = "7" * length
   records[1].pop("messages", None)
   controller.prompts.extend(records)
   controller._release()
   assert controller.counters["prompts_too_long"] == 1
   assert "Skipped a training prompt" in caplog.text
+  why = "max_seq_len=64" if limit == "max_seq_len" else "num_pages=2 pages of 16 hold"
+  assert why in caplog.text
   released = [g.records[0].prompt_ids for g in controller.groups.values()]
   assert len(released) == cfg.rollout.prompts_per_step  # the next batch's first took its place
-  assert max(map(len, released)) < max_seq_len
+  assert max(map(len, released)) < 20
   controller.close()
 
 
