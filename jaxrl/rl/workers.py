@@ -185,8 +185,13 @@ class LocalWorker:
       log.warning("Rollout worker %s did not free its memory within %.0f s.", self.name, timeout_s)
 
   def kill(self) -> None:
-    """Dies without notice: stops at once and says nothing more (a crashed machine)."""
+    """Dies without notice: stops at once and says nothing more (a crashed machine). A
+    precompilation its engine is running (`PagedConfig.precompile`, at its first weights)
+    ends after the program under way."""
     self._killed.set()
+    stop_precompiling = getattr(self.engine, "stop_precompiling", None)
+    if stop_precompiling is not None:
+      stop_precompiling()
     self._inbox.put(("wake", None))
 
   @property
@@ -223,7 +228,9 @@ class LocalWorker:
           return  # left on a preemption notice
         if self._killed.is_set():
           return
-        self._pull_weights()
+        self._pull_weights()  # the engine's first weights may precompile it
+        if self._killed.is_set():
+          return
         self._release_held()
         if self._can_decode():
           start = time.time()

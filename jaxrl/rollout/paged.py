@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import threading
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -109,6 +110,8 @@ class PagedEngine:
     # released (`release_memory`).
     self._kv = None
     self._precompiled = False
+    # Set by `stop_precompiling` (from another thread): `precompile` ends after its program.
+    self._stop_precompiling = threading.Event()
     self._compiled_ahead = False  # `PagedConfig.compile_ahead` started (at most once)
     # The rows split over `shards` devices (groups of devices along the rows' axes), each
     # with `num_pages` pages of its own and at most `rows_per_shard` running requests.
@@ -184,9 +187,17 @@ class PagedEngine:
     Needs weights. Returns the number of shapes run."""
     if self.params is None:
       raise ValueError("PagedEngine.precompile needs weights first: call update_weights.")
-    shapes = precompile_engine(self, stop_widths, filter_widths, max_tokens)
-    self._precompiled = True
+    shapes = precompile_engine(
+      self, stop_widths, filter_widths, max_tokens, self._stop_precompiling.is_set
+    )
+    self._precompiled = not self._stop_precompiling.is_set()
     return shapes
+
+  def stop_precompiling(self) -> None:
+    """For an engine whose owner is stopping (any thread): a `precompile` under way ends after
+    the program it is compiling, and none runs from now on. Over a hundred programs can take
+    minutes, which a stopping rollout worker would otherwise wait out."""
+    self._stop_precompiling.set()
 
   @property
   def kv_pool_bytes(self) -> int:

@@ -29,7 +29,8 @@ class PagedConfig:
       weights (`PagedEngine.precompile`), so that no compilation stalls generation later; a
       long-tail workload otherwise meets a new shape now and then, mid-run. It compiles one
       function per (row bucket, page-table width, window or prefill width): over a hundred for
-      `max_running=128`, a cost that pays off in long runs only.
+      `max_running=128`, a cost that pays off in long runs only. A rollout worker that stops
+      meanwhile stops it after the program under way (`PagedEngine.stop_precompiling`).
     share_prefix: requests admitted together with the same tokens so far (GRPO's G responses
       to one prompt) are prefilled once and share its full KV pages (reference-counted); each
       gets its own copy of the last, partly filled page, which its decode writes into.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -124,13 +124,19 @@ def precompile_engine(
   stop_widths: Sequence[int],
   filter_widths: Sequence[int],
   max_tokens: int | None,
+  stopped: Callable[[], bool] = lambda: False,
 ) -> int:
-  """Runs each program of `engine_programs` once; returns how many. A part of `PagedEngine`,
-  apart for the module's length: it uses the engine's calls and updates its KV cache."""
+  """Runs each program of `engine_programs` once, until `stopped()`; returns how many ran. A
+  part of `PagedEngine`, apart for the module's length: it uses the engine's calls and updates
+  its KV cache."""
   calls, params, kv = engine._calls, engine.params, engine._kv
   programs = engine_programs(engine, stop_widths, filter_widths, max_tokens)
+  ran = 0
   try:
     for program in programs:
+      if stopped():
+        break
+      ran += 1
       args = program.args
       if program.on_device:
         state, sampling, *tables = args
@@ -144,7 +150,7 @@ def precompile_engine(
     jax.block_until_ready(kv)
   finally:
     engine._kv = kv  # each call donated the cache it was given
-  return len(programs)
+  return ran
 
 
 def compile_engine_ahead(

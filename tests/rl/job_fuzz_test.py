@@ -14,7 +14,10 @@ placement), the warm-up, eval and checkpoints.
 A run must then either end after its steps with finite metrics for every step, eval at the
 start and the end, and a summary; or stop at once with a `ConfigError` whose message names a
 config key (`config.<section>...`). With a checkpoint of its last step, it resumes for one more
-step. Anything else (another exception, a hang past the test's timeout, a missing step) fails.
+step; where the loop is synchronous with one rollout worker (so that every run batches the
+same requests), that step must be the one a run of all the steps trains (the same rewards and
+lengths, the same loss and gradient norm to float32 rounding). Anything else (another
+exception, a hang past the test's timeout, a missing step) fails.
 
 A failing run names its seed: `JAXRL_JOB_SEED=<seed>` replays it.
 """
@@ -355,7 +358,8 @@ def _write_checkpoint(overrides: dict, workdir: str) -> dict:
 
 
 def run_configuration(seed: int, workdir: str) -> str:
-  """Runs configuration `seed` in `workdir`; returns "finished", "resumed" or "refused"."""
+  """Runs configuration `seed` in `workdir`; returns what it checked: "refused", "finished",
+  "resumed" or "resumed as run straight"."""
   overrides = _write_checkpoint(draw(seed), workdir)
   try:
     cfg = load_config(TINY, "test", overrides)
@@ -365,13 +369,38 @@ def run_configuration(seed: int, workdir: str) -> str:
     return "refused"
   _check_finished(workdir, cfg, summary)
   if cfg.checkpoint.every and cfg.train.steps % cfg.checkpoint.every == 0:
-    more = {**overrides, "train.steps": cfg.train.steps + 1, "resume": True}
-    resumed = job.run(load_config(TINY, "test", more), workdir, show_progress=False)
+    more = {**overrides, "train.steps": cfg.train.steps + 1}
+    resumed = job.run(
+      load_config(TINY, "test", more | {"resume": True}), workdir, show_progress=False
+    )
     assert resumed["steps"] == cfg.train.steps + 1
-    records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-    assert [r["step"] for r in records if r["kind"] == "train"][-1] == cfg.train.steps + 1
+    last = _train_records(workdir)[-1]
+    assert last["step"] == cfg.train.steps + 1
+    # On CPU every loop but "async" is sync; one worker batches the same requests each run.
+    if cfg.loop.mode != "async" and cfg.loop.rollout_workers <= 1:
+      straight = workdir + "_straight"
+      job.run(load_config(TINY, "test", more), straight, show_progress=False)
+      _assert_same_step(_train_records(straight)[-1], last)
+      return "resumed as run straight"
     return "resumed"
   return "finished"
+
+
+def _train_records(workdir: str) -> list[dict]:
+  return [r for r in read_metrics(os.path.join(workdir, "metrics.jsonl")) if r["kind"] == "train"]
+
+
+def _assert_same_step(straight: dict, resumed: dict) -> None:
+  """A sync run resumed from its checkpoint trains the step it would have trained: the same
+  prompts, responses and rewards, the same update (float32 rounding aside: the learner's
+  programs compile anew in the resumed process)."""
+  assert straight["step"] == resumed["step"]
+  for key in ("reward_mean", "response_length", "truncated_frac"):
+    assert straight[key] == resumed[key], (key, straight[key], resumed[key])
+  for key in ("loss", "grad_norm", "entropy", "kl", "clip_frac", "ratio_mean"):
+    assert math.isclose(straight[key], resumed[key], rel_tol=1e-4, abs_tol=1e-6), (
+      key, straight[key], resumed[key]
+    )  # fmt: skip
 
 
 def _run_seeded(seed: int, workdir: str) -> str:

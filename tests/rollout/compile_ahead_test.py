@@ -145,3 +145,33 @@ def test_bucketed_shapes_and_precompiled_engines_compile_nothing_ahead(mesh, par
   ):
     e.generate(ps[:2], sp[:2], seed=0)
     assert not e._compiled_ahead
+
+
+def test_a_precompilation_told_to_stop_ends_after_its_program(mesh, params, monkeypatch):
+  """A rollout worker told to stop (the run's end) stops its engine's precompilation, which
+  would otherwise run its every program first (minutes for a hundred of them): the program
+  under way finishes, no other runs, and the engine is left to compile as calls come."""
+  config = PagedConfig(**{**SMALL, "precompile": True, "max_tokens": 32})
+  e = PagedEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=config)
+  listing = precompile_module.engine_programs
+  assert len(listing(e, (1,), (NO_FILTER,), None)) > 3
+  ran = []
+
+  def programs(*args):
+    def run(program, *call_args):
+      ran.append(program)
+      if len(ran) == 2:  # the owner stops it while the second program compiles
+        e.stop_precompiling()
+      return program.call(*call_args)
+
+    return [p._replace(call=lambda *a, p=p: run(p, *a)) for p in listing(*args)]
+
+  monkeypatch.setattr(precompile_module, "engine_programs", programs)
+  e.update_weights(params, 0)  # the first weights precompile the engine
+  assert len(ran) == 2 and not e._precompiled
+  ps, sp = workload()
+  want = engine(mesh, params).generate(ps, sp, seed=0)
+  for a, b in zip(e.generate(ps, sp, seed=0), want, strict=True):
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+  e.update_weights(params, 1)  # stopped for good: new weights precompile nothing
+  assert len(ran) == 2
