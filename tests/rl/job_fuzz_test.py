@@ -273,6 +273,12 @@ def draw(seed: int) -> dict:
     loop["loop.rollout_workers"] = 0
   # The task's settings come last: they win over the rollout's (a multi-turn game's turns).
   o |= loop | _rollout(rng, valid) | _task(rng, valid, "pretrained.path" in o)
+  if (
+    valid
+    and batch_shards
+    and o["rollout.prompts_per_step"] * o["rollout.group_size"] % batch_shards
+  ):
+    o["rollout.prompts_per_step"] = batch_shards  # micro-batches split over the batch axes
   batch = o["rollout.prompts_per_step"] * o["rollout.group_size"]
   o |= _train(rng, batch, moe, valid, batch_shards, train_mesh.get("expert", 1) > 1)
   if valid:
