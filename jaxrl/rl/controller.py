@@ -52,7 +52,12 @@ from jaxrl.rl.timeline import LEARNER_LANE, StageTimeline
 from jaxrl.rl.worker_pool import WorkerPool
 from jaxrl.rl.workers import Assignment, copy_record
 from jaxrl.rollout.engine import RolloutEngine
-from jaxrl.rollout.requests import RequestRecord, pages_for, record_completion
+from jaxrl.rollout.requests import (
+  RequestRecord,
+  longest_cached,
+  pages_for,
+  record_completion,
+)
 from jaxrl.scheduler.staleness import admission_cap, choose_batch
 from jaxrl.train.advantages import group_advantages
 
@@ -315,7 +320,7 @@ class Controller(CheckpointedController, WorkerPool):
     if length >= max_seq_len:
       return f"no fewer than the model's max_seq_len={max_seq_len}"
     paged = self.rollout.cfg  # the workers' page settings, as the eval engine's
-    cached = min(length + self.sampling.max_new_tokens, max_seq_len) - 1
+    cached = longest_cached(length, self.sampling.max_new_tokens, max_seq_len)
     if pages_for(cached, paged.page_size) > paged.num_pages:
       return (
         f"with its response more than config.rollout.paged.num_pages={paged.num_pages} pages "

@@ -86,7 +86,7 @@ def build_controller(
   # bounded by it), else the longest sampled prompt and a full response.
   longest = max_trajectory or max(sample) + cfg.rollout.sampling.max_new_tokens
   longest = min(longest, model.config.max_seq_len)
-  _check_page_budget(cfg, longest, max(sample))
+  _check_page_budget(cfg, longest - 1, max(sample))  # the last sampled token is never cached
   if cfg.rollout.paged.max_tokens < 0:
     # On accelerators the rollout engine's shapes are sized for the longest sequence expected
     # (one program per row count; the decode kernels stop at each row's length). On CPU the
@@ -179,15 +179,16 @@ def _prompt_lengths(cfg: ExperimentConfig, tokenizer, records, chat: dict) -> li
     ) from None
 
 
-def _check_page_budget(cfg: ExperimentConfig, longest: int, longest_prompt: int) -> None:
-  """Refuses a page budget that cannot hold one request of `longest` tokens, which every rollout
-  worker would otherwise refuse, crash on and be restarted for, until the run stops."""
+def _check_page_budget(cfg: ExperimentConfig, cached: int, longest_prompt: int) -> None:
+  """Refuses a page budget that cannot hold one request's `cached` tokens (its longest
+  sequence's, `longest_cached`), which every rollout worker would otherwise refuse, crash on
+  and be restarted for, until the run stops."""
   paged = cfg.rollout.paged
-  pages = pages_for(longest - 1, paged.page_size)  # the last sampled token is never cached
+  pages = pages_for(cached, paged.page_size)
   if pages <= paged.num_pages:
     return
   if cfg.env.name:
-    what = f"a trajectory of up to {longest} tokens (config.env.max_tokens={cfg.env.max_tokens})"
+    what = f"a trajectory of up to {cached + 1} tokens (config.env.max_tokens={cfg.env.max_tokens})"
   else:
     what = (
       f"the longest of the task's first prompts ({longest_prompt} tokens) and a response of "
@@ -196,7 +197,7 @@ def _check_page_budget(cfg: ExperimentConfig, longest: int, longest_prompt: int)
   raise ConfigError(
     f"config.rollout.paged.num_pages={paged.num_pages} pages of config.rollout.paged.page_size="
     f"{paged.page_size} tokens cannot hold one request of this run: {what} may cache "
-    f"{longest - 1} tokens, {pages} pages (on each device of the rollout mesh's data axis). "
+    f"{cached} tokens, {pages} pages (on each device of the rollout mesh's data axis). "
     f"Raise num_pages to at least {pages}, or shorten the sequences."
   )
 

@@ -140,6 +140,12 @@ def pages_for(num_tokens: int, page_size: int) -> int:
   return -(-num_tokens // page_size)
 
 
+def longest_cached(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
+  """The most tokens a request's pages may hold: its prompt and every new token but the last
+  (the last sampled token is never attended to), within the model's `max_seq_len`."""
+  return min(prompt_len + max_new_tokens, max_seq_len) - 1
+
+
 def check_request(record: RequestRecord, max_seq_len: int, page_size: int, num_pages: int) -> None:
   """Raises, saying what to change, if the request could never run: an empty prompt, no room
   for a new token (the model's `max_seq_len`, or `max_new_tokens` already generated), a seed
@@ -160,9 +166,8 @@ def check_request(record: RequestRecord, max_seq_len: int, page_size: int, num_p
     )
   if not 0 <= record.seed < 2**32:
     raise ValueError(f"Request {rid}: seed must be in [0, 2**32), got {record.seed}.")
-  # Every token but the final one is cached (the last sampled token is never attended to).
-  longest = min(len(record.prompt_ids) + record.sampling.max_new_tokens, max_seq_len)
-  pages = pages_for(longest - 1, page_size)
+  cached = longest_cached(len(record.prompt_ids), record.sampling.max_new_tokens, max_seq_len)
+  pages = pages_for(cached, page_size)
   if pages > num_pages:
     fix = (
       "raise rollout.paged.num_pages or shorten the prompt"
@@ -171,7 +176,7 @@ def check_request(record: RequestRecord, max_seq_len: int, page_size: int, num_p
       f"{num_pages * page_size - len(record.prompt_ids) + 1}"
     )
     raise ValueError(
-      f"Request {rid} may cache {longest - 1} tokens = {pages} pages of {page_size}, more "
+      f"Request {rid} may cache {cached} tokens = {pages} pages of {page_size}, more "
       f"than the page budget of {num_pages}; {fix}."
     )
 
