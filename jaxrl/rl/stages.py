@@ -31,7 +31,7 @@ class JobParts:
   prompt_len: int
 
 
-def worker_count(cfg: ExperimentConfig, num_devices: int, replica_devices: int = 1) -> int:
+def worker_count(cfg: ExperimentConfig, num_devices: int, replica_devices: int) -> int:
   """Rollout workers over `num_devices` rollout devices: `config.loop.rollout_workers`, or for
   0 one in sync mode (all devices, as one engine) and two in async mode where the devices
   split evenly into two workers of whole engine replicas (`replica_devices`: the devices of

@@ -189,9 +189,7 @@ class LocalWorker:
     precompilation its engine is running (`PagedConfig.precompile`, at its first weights)
     ends after the program under way."""
     self._killed.set()
-    stop_precompiling = getattr(self.engine, "stop_precompiling", None)
-    if stop_precompiling is not None:
-      stop_precompiling()
+    self.engine.stop_precompiling()
     self._inbox.put(("wake", None))
 
   @property

@@ -167,7 +167,7 @@ def _loop(rng, colocated: bool, data: int) -> dict:
   }
 
 
-def _rollout(rng, valid: bool) -> dict:
+def _rollout(rng) -> dict:
   prompts, group = int(rng.integers(2, 5)), int(rng.integers(2, 5))
   o = {
     "rollout.prompts_per_step": prompts,
@@ -272,7 +272,7 @@ def draw(seed: int) -> dict:
   if valid and not rollout_mesh:  # planned: the planner's device count may be odd
     loop["loop.rollout_workers"] = 0
   # The task's settings come last: they win over the rollout's (a multi-turn game's turns).
-  o |= loop | _rollout(rng, valid) | _task(rng, valid, "pretrained.path" in o)
+  o |= loop | _rollout(rng) | _task(rng, valid, "pretrained.path" in o)
   if (
     valid
     and batch_shards
