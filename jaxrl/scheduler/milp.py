@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array
+from scipy.sparse import coo_array, diags
 
 from jaxrl.scheduler.problem import PlannerConfig, PlanningError, Problem
 
@@ -171,22 +171,37 @@ class PlanMilp:
     upper = np.full(nv, np.inf)
     upper[: self.nr] = [o.max_instances for o in self.p.rollout]
     upper[self.nr : self.base] = 1
-    # HiGHS now and then stops with "Solve error" (status 4) on a model it solves without
-    # presolve; only "infeasible" (status 2) means that no plan exists.
-    for presolve in (True, False):
-      with _solver_prints_to_stderr():
-        res = milp(
-          cost,
-          constraints=LinearConstraint(a, lb, ub),
-          integrality=integrality,
-          bounds=Bounds(np.zeros(nv), upper),
-          options={"mip_rel_gap": self.cfg.mip_rel_gap, "presolve": presolve},
-        )
-      if res.status != 4:
-        break
-    if res.x is None and res.status not in (2, 3):
-      raise PlanningError(f"the MILP solver failed: {res.message} (status {res.status}).")
-    return res.x
+    # HiGHS (scipy 1.17.1) now and then reports "optimal" for a plan short of the best: with
+    # its presolve on some models, without it on others (tests/scheduler/planner_test.py's
+    # seeds). Both answers are feasible points of the same model, so each model is solved both
+    # ways and the better kept. It also stops with "Solve error" (status 4: "claims
+    # optimality, but with primal infeasibilities" of its own tolerance) on a few models either
+    # way; the same model with the continuous variables in other units (X or C counted in
+    # halves or doubles: exact in floating point) then solves. Only "infeasible" (status 2) or
+    # "unbounded" (3) means that no plan exists.
+    results = []
+    for scale in (1.0, 0.5, 2.0):
+      units = np.ones(nv)
+      units[self.base :] = scale  # a continuous variable's value is `scale` x the solver's
+      for presolve in (True, False):
+        with _solver_prints_to_stderr():
+          res = milp(
+            cost * units,
+            constraints=LinearConstraint(a @ diags(units), lb, ub),
+            integrality=integrality,
+            bounds=Bounds(np.zeros(nv), upper / units),
+            options={"mip_rel_gap": self.cfg.mip_rel_gap, "presolve": presolve},
+          )
+        results.append(res)
+        if res.x is not None:
+          res.x = res.x * units
+      solved = [res for res in results if res.x is not None]
+      if solved:
+        return min(solved, key=lambda res: res.fun).x
+    if any(res.status in (2, 3) for res in results):
+      return None
+    why = "; ".join(sorted({f"{res.message} (status {res.status})" for res in results}))
+    raise PlanningError(f"the MILP solver failed on every attempt: {why}.")
 
   def _decode(self, x):
     counts = {i: int(round(x[self.n(i)])) for i in range(self.nr) if round(x[self.n(i)]) > 0}

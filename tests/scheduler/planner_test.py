@@ -67,7 +67,7 @@ def _small_problem(rng):
   problem = build_problem(cluster, get_preset("qwen3-0.6b"), workload)
   # Keep up to 3 rollout options per pool, at least one of which can host the tail.
   keep = []
-  for name in {o.pool for o in problem.rollout}:
+  for name in sorted({o.pool for o in problem.rollout}):  # sorted: a seed gives one problem
     idx = [i for i, o in enumerate(problem.rollout) if o.pool == name]
     chosen = list(rng.choice(idx, size=min(3, len(idx)), replace=False))
     hosts = [i for i in idx if problem.tail_host_ok(i)]
@@ -81,7 +81,20 @@ def _small_problem(rng):
 def test_planner_reaches_99_percent_of_exhaustive_search(case):
   # A fresh instance each run, its seed in any failure: HiGHS once stopped with "Solve error"
   # (status 4, with and without presolve) on an instance 3,000 seeded ones did not reproduce.
-  seed = int(np.random.SeedSequence().entropy % (1 << 32))
+  _check_against_exhaustive_search(int(np.random.SeedSequence().entropy % (1 << 32)))
+
+
+# Seeds of the test above on which HiGHS (scipy 1.17.1) reported "optimal" for a plan up to
+# 34% short of the best: the first five with its presolve, the next four without (of 5,000
+# seeds each way). The planner solves each model both ways and keeps the better
+# (`PlanMilp._milp`). On the last, both ways stopped with "Solve error" (status 4) within
+# a budget; the model then solves with its continuous variables in other units.
+@pytest.mark.parametrize("seed", [944, 1419, 2876, 2892, 4048, 54, 776, 2615, 2855, 6610])
+def test_planner_reaches_exhaustive_search_where_the_solver_fell_short(seed):
+  _check_against_exhaustive_search(seed)
+
+
+def _check_against_exhaustive_search(seed: int) -> None:
   rng = np.random.default_rng(seed)
   try:
     problem = _small_problem(rng)
@@ -99,8 +112,9 @@ def test_planner_reaches_99_percent_of_exhaustive_search(case):
         plan(problem, PlannerConfig(budget_per_hour=budget))
       continue
     got = plan(problem, PlannerConfig(budget_per_hour=budget))
-    assert got.cost_per_hour <= budget + 1e-6
+    assert got.cost_per_hour <= budget + 1e-6, f"seed {seed}"
     assert got.throughput_samples_per_s >= 0.99 * best.throughput_samples_per_s, (
+      f"seed {seed}, budget {budget}",
       problem.workload,
       got.table(),
       best.table(),
