@@ -259,14 +259,36 @@ def warmup(controller: Controller, cfg: ExperimentConfig, show_progress: bool = 
   controller.learner.reset_reference()
 
 
+def _check_fresh_or_resumed(cfg: ExperimentConfig, workdir: str) -> None:
+  """Refuses a workdir that holds checkpoints unless the run resumes them."""
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.max_to_keep)
+  try:
+    latest = checkpointer.latest_step()
+  finally:
+    checkpointer.close()
+  if latest is not None and not cfg.resume:
+    raise ConfigError(
+      f"{workdir} already holds checkpoints (latest step {latest}); pass "
+      "--config.resume=True to continue that run, or choose an empty --workdir."
+    )
+
+
+def _release(controller: Controller) -> None:
+  """Closes what a controller holds open whether its run ended or failed: the task's and the
+  environments' processes and threads, the metrics file with TensorBoard's writer (a thread
+  and a pipe), the checkpoint manager. A process that runs job after job (a notebook, the
+  tests) keeps none of them."""
+  controller.close()
+  controller.writer.close()
+  controller.checkpointer.close()
+
+
 def _restart(
   lost: Controller, cfg: ExperimentConfig, workdir: str, show_progress: bool, why: str
 ) -> Controller:
   """A new controller, learner and workers, from the last checkpoint: its released groups and
   their tokens come back, and prompts after it are released again, so every group is trained
   once on the line of weights the run goes on with."""
-  lost.writer.close()
-  lost.checkpointer.close()
   controller = build_controller(cfg, workdir, show_progress=show_progress)
   step = controller.checkpointer.latest_step()
   log.warning(
@@ -281,42 +303,37 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
   """Runs (or resumes) the job; returns a summary with the eval reward at RL start and end."""
   os.makedirs(workdir, exist_ok=True)
   start = time.perf_counter()
+  _check_fresh_or_resumed(cfg, workdir)  # before anything is built
   use_compile_cache(cfg.compile_cache_dir)
   controller = build_controller(cfg, workdir, show_progress=show_progress)
-  latest = controller.checkpointer.latest_step()
-  if latest is not None and not cfg.resume:
-    raise ConfigError(
-      f"{workdir} already holds checkpoints (latest step {latest}); pass "
-      "--config.resume=True to continue that run, or choose an empty --workdir."
-    )
-  if latest is not None:
-    controller.restore(latest)
-    log.info("Resumed from step %d of %s.", latest, workdir)
-  else:
-    if cfg.warmup.steps:
-      warmup(controller, cfg, show_progress)
-    controller.save()  # step 0: the checkpoint RL starts from
-  restarts = 0
-  while True:
-    try:
-      evals = controller.run()
-      break
-    except LearnerLost as e:
-      controller.close()  # the math task's answer-checking processes
-      if restarts >= cfg.loop.learner_restarts:
-        raise RuntimeError(
-          f"{e}; the learner was restarted {restarts} times already "
-          f"(config.loop.learner_restarts={cfg.loop.learner_restarts}). Resume with "
-          "--config.resume=True once the cluster is whole."
-        ) from None
-      restarts += 1
-      controller = _restart(controller, cfg, workdir, show_progress, str(e))
-    except BaseException:
-      controller.close()
-      raise
-  controller.close()
-  controller.writer.close()
-  controller.checkpointer.close()
+  try:
+    latest = controller.checkpointer.latest_step()
+    if latest is not None:
+      controller.restore(latest)
+      log.info("Resumed from step %d of %s.", latest, workdir)
+    else:
+      if cfg.warmup.steps:
+        warmup(controller, cfg, show_progress)
+      controller.save()  # step 0: the checkpoint RL starts from
+    restarts = 0
+    while True:
+      try:
+        evals = controller.run()
+        break
+      except LearnerLost as e:
+        if restarts >= cfg.loop.learner_restarts:
+          raise RuntimeError(
+            f"{e}; the learner was restarted {restarts} times already "
+            f"(config.loop.learner_restarts={cfg.loop.learner_restarts}). Resume with "
+            "--config.resume=True once the cluster is whole."
+          ) from None
+        restarts += 1
+        lost, controller = controller, None
+        _release(lost)
+        controller = _restart(lost, cfg, workdir, show_progress, str(e))
+  finally:
+    if controller is not None:
+      _release(controller)
   metrics_path = controller.writer.path
   plot_reward_curve(metrics_path, os.path.join(workdir, "reward_curve.png"))
   controller.timeline.save(os.path.join(workdir, "timeline.json"))

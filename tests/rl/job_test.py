@@ -11,9 +11,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxrl.config import ConfigError, load_config
-from jaxrl.metrics import read_metrics
+from jaxrl.metrics import MetricsWriter, read_metrics
 from jaxrl.rl import job
 from jaxrl.rl.checkpoint import Checkpointer
+from jaxrl.rl.controller import Controller
 from jaxrl.rl.placement import make_placement, place_stages
 from jaxrl.rl.stages import worker_count
 from jaxrl.rl.timeline import load_segments
@@ -272,6 +273,38 @@ def test_resume_reproduces_the_next_step(tmp_path):
     job.run(tiny_config(**again, **{"rollout.group_size": 8}), str(tmp_path / "full"))
   with pytest.raises(ConfigError, match=r"checkpoints/3 does not fit this run's model"):
     job.run(tiny_config(**again, **{"model.mlp_dim": 256}), str(tmp_path / "full"))
+
+
+def test_a_refused_or_failed_run_leaves_nothing_open(tmp_path, monkeypatch):
+  """A process that runs job after job (a notebook, these tests) keeps nothing of one that
+  failed: a workdir of checkpoints without `resume` is refused before anything is built, and a
+  run whose loop raises closes its task, its metrics writer (TensorBoard's writer holds a
+  thread and a pipe) and its checkpoint manager (each refused or failed run kept them)."""
+  cfg = tiny_config(**{"train.steps": 1, "eval.every": 0, "checkpoint.every": 1})
+  job.run(cfg, str(tmp_path / "done"), show_progress=False)
+  built = []
+  with monkeypatch.context() as m:
+    m.setattr(job, "build_controller", lambda *args, **kwargs: built.append(args))
+    with pytest.raises(ConfigError, match="resume=True"):
+      job.run(cfg, str(tmp_path / "done"), show_progress=False)
+  assert built == []
+  closed = []
+  for cls in (Controller, MetricsWriter, Checkpointer):
+
+    def close(self, _close=cls.close, _name=cls.__name__):
+      closed.append(_name)
+      _close(self)
+
+    monkeypatch.setattr(cls, "close", close)
+
+  def fail(self, until=None):
+    raise RuntimeError("the loop failed")
+
+  monkeypatch.setattr(Controller, "run", fail)
+  with pytest.raises(RuntimeError, match="the loop failed"):
+    job.run(cfg, str(tmp_path / "failed"), show_progress=False)
+  # The first Checkpointer: the workdir's check for checkpoints, before the controller's.
+  assert sorted(closed) == ["Checkpointer", "Checkpointer", "Controller", "MetricsWriter"]
 
 
 def test_mesh_sizes_that_do_not_fit_are_reported():
