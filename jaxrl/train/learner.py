@@ -194,8 +194,10 @@ class Learner:
     self._apply = jax.jit(
       self._apply_impl, donate_argnums=(0, 1), out_shardings=state_out, compiler_options=options
     )
-    self._logprobs = jax.jit(self._logprobs_impl)
-    self._packed_logprobs = jax.jit(self._packed_logprobs_impl)
+    # Log-probs the host reads (the proximal policy's, the train/inference mismatch's) come out
+    # whole on every device: in a learner of several processes a host reads only its own.
+    self._logprobs = jax.jit(self._logprobs_impl, out_shardings=replicated)
+    self._packed_logprobs = jax.jit(self._packed_logprobs_impl, out_shardings=replicated)
     self._warned_lengths: set[int] = set()
     self._lent = None  # (store, version) the live parameters were lent to (`publish_to`)
     self._compiling = None  # the future of the programs `compile_ahead` is compiling

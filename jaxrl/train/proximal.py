@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.train.batch import TrainBatch
@@ -49,7 +48,7 @@ def proximal_logprobs(learner, batch: TrainBatch) -> np.ndarray:
   for m, i in enumerate(range(0, batch.size, mbs)):
     valid_bt = input_positions(batch.mask_bt[i : i + mbs]) if learner._capacity else None
     routes = None if routes_btlk is None else routes_btlk[i : i + mbs]
-    tokens_bt = jnp.asarray(batch.tokens_bt[i : i + mbs])
+    tokens_bt = np.asarray(batch.tokens_bt[i : i + mbs])  # host data: global in any process
     placement = micro_placement(placement_m, m)
     chunks.append(learner._logprobs(learner.params, tokens_bt, routes, valid_bt, placement))
   return np.concatenate([np.asarray(c) for c in chunks]) * (batch.mask_bt > 0)
