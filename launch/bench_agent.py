@@ -104,8 +104,6 @@ def run_mode(overrides: dict, steps: int) -> dict:
     controller.run()
     wall = time.perf_counter() - start["t"]
     controller.close()
-    controller.writer.close()
-    controller.checkpointer.close()
   samples = (steps - 1) * cfg.rollout.prompts_per_step * cfg.rollout.group_size
   return {
     "mode": cfg.loop.mode,

@@ -172,8 +172,7 @@ def _bench_workload(workload: Workload, modes: dict[str, dict]):
     evals = c.run()
     timelines[name] = c.timeline.segments()
     c.timeline.save(os.path.join(workdir, "timeline.json"))
-    c.writer.close()
-    c.checkpointer.close()
+    c.close()
     if hasattr(c.learner, "kill"):  # a Ray learner: give its cores back for the next mode
       c.learner.kill()
     # Each mode compiles its own engines; drop their executables before the next mode (a

@@ -133,8 +133,6 @@ class Ledger:
 def _discard(controller) -> None:
   """Drops a controller whose run ended in a fault: its files closed, its actors gone."""
   controller.close()
-  controller.writer.close()
-  controller.checkpointer.close()
   for kill in (controller.learner.kill, controller.stop_workers):
     with contextlib.suppress(Exception):  # already dead: nothing more to free
       kill()

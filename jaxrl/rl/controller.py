@@ -476,11 +476,15 @@ class Controller(CheckpointedController, WorkerPool):
     return metrics["eval_reward"]
 
   def close(self) -> None:
-    """Closes the task (the math task's answer-checking processes) and the environments'
-    threads; the controller cannot run after."""
+    """Closes what the controller holds open: the task (the math task's answer-checking
+    processes), the environments' threads, the metrics writer (TensorBoard's writer: a thread
+    and a pipe) and the checkpoint manager. The controller cannot run after; its metrics stay
+    readable at `writer.path`."""
     self.task.close()
     if self.episodes is not None:
       self.episodes.close()
+    self.writer.close()
+    self.checkpointer.close()
 
   # -- the loop ----------------------------------------------------------------------------------
 

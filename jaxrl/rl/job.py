@@ -273,16 +273,6 @@ def _check_fresh_or_resumed(cfg: ExperimentConfig, workdir: str) -> None:
     )
 
 
-def _release(controller: Controller) -> None:
-  """Closes what a controller holds open whether its run ended or failed: the task's and the
-  environments' processes and threads, the metrics file with TensorBoard's writer (a thread
-  and a pipe), the checkpoint manager. A process that runs job after job (a notebook, the
-  tests) keeps none of them."""
-  controller.close()
-  controller.writer.close()
-  controller.checkpointer.close()
-
-
 def _restart(
   lost: Controller, cfg: ExperimentConfig, workdir: str, show_progress: bool, why: str
 ) -> Controller:
@@ -329,11 +319,13 @@ def run(cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True) -> d
           ) from None
         restarts += 1
         lost, controller = controller, None
-        _release(lost)
+        lost.close()
         controller = _restart(lost, cfg, workdir, show_progress, str(e))
   finally:
+    # However the run ends: a process that runs job after job (a notebook, the tests) keeps
+    # no thread, process or file of it.
     if controller is not None:
-      _release(controller)
+      controller.close()
   metrics_path = controller.writer.path
   plot_reward_curve(metrics_path, os.path.join(workdir, "reward_curve.png"))
   controller.timeline.save(os.path.join(workdir, "timeline.json"))

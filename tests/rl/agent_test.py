@@ -168,8 +168,6 @@ def test_in_flight_episodes_survive_killed_workers_and_a_resumed_job(tmp_path):
   with pytest.raises(Crash):
     controller.run()
   controller.close()
-  controller.writer.close()
-  controller.checkpointer.close()
   assert killed and controller.counters["workers_killed"] == 1
 
   resumed = job.build_controller(cfg, workdir, show_progress=False)

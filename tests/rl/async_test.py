@@ -330,8 +330,7 @@ def test_job_crashes_and_resumes_without_skipping_or_repeating_prompts(tmp_path)
       crashes += 1
       assert crashes < 20, f"seed {seed}: too many crashes"
     finally:
-      controller.writer.close()
-      controller.checkpointer.close()
+      controller.close()
   ledger.check(controller, cfg)
   assert os.path.isdir(os.path.join(workdir, "checkpoints"))
 

@@ -237,8 +237,7 @@ def test_a_node_lost_mid_run_is_re_planned_and_loses_no_sample(rig, tmp_path):
       assert len(learner_lost) == 1, learner_lost
     finally:
       counters.update(controller.counters)
-      controller.writer.close()
-      controller.checkpointer.close()
+      controller.close()
       controller.learner.kill()
   ledger.check(controller, cfg)
   # The node joining, then the node lost: re-planned by the loop, or, where the learner was
