@@ -13,6 +13,7 @@ the caller's thread runs other work."""
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -37,19 +38,26 @@ def with_shardings(shapes, shardings):
 
 
 def compile_in_background(
-  lowerings: Sequence[Callable[[], jax.stages.Lowered]], workers: int | None = None
+  lowerings: Sequence[Callable[[], jax.stages.Lowered]],
+  workers: int | None = None,
+  stop: threading.Event | None = None,
 ) -> list[Future]:
   """Starts compiling each of `lowerings` (functions that trace and lower one program) on
   threads of their own (`workers` at most; default one a program); returns a future a
   program, done when it is compiled. Each runs in a copy of the caller's context, so traced
-  settings (`jaxrl.kernels.common`) apply there too."""
+  settings (`jaxrl.kernels.common`) apply there too. Once `stop` is set, programs not begun
+  are skipped (their futures end with None) and the threads end after the ones under way:
+  an owner that stops does not leave threads compiling for minutes beside whatever the
+  process runs next."""
   if not lowerings:
     return []
   pool = ThreadPoolExecutor(workers or len(lowerings), thread_name_prefix=COMPILE_AHEAD_THREADS)
-  futures = [pool.submit(contextvars.copy_context().run, _compile, f) for f in lowerings]
+  run = lambda f: contextvars.copy_context().run(_compile, f, stop)  # noqa: E731
+  futures = [pool.submit(run, f) for f in lowerings]
   pool.shutdown(wait=False)  # its threads end with the last program
   return futures
 
 
-def _compile(lower) -> None:
-  lower().compile()  # kept by JAX's caches, where the program's calls find it
+def _compile(lower, stop: threading.Event | None = None) -> None:
+  if stop is None or not stop.is_set():
+    lower().compile()  # kept by JAX's caches, where the program's calls find it

@@ -90,6 +90,9 @@ class PolicyLearner(Protocol):
     """Starts compiling the update's programs for these lengths (packed: its rows) in the
     background, running nothing; the next update waits for them."""
 
+  def stop_compiling_ahead(self) -> None:
+    """Skips `compile_ahead`'s programs not begun (its owner is done with it)."""
+
 
 class Backend(Protocol):
   """Makes a job's learner, weight store and rollout workers."""

@@ -479,7 +479,9 @@ class Controller(CheckpointedController, WorkerPool):
     """Closes what the controller holds open: the task (the math task's answer-checking
     processes), the environments' threads, the metrics writer (TensorBoard's writer: a thread
     and a pipe) and the checkpoint manager. The controller cannot run after; its metrics stay
-    readable at `writer.path`."""
+    readable at `writer.path`. The learner's threads compiling ahead skip what they have not
+    begun (rollout workers' engines stop theirs when the workers stop)."""
+    self.learner.stop_compiling_ahead()
     self.task.close()
     if self.episodes is not None:
       self.episodes.close()

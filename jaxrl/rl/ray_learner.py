@@ -159,6 +159,9 @@ class LearnerActor:
   def compile_ahead(self, batch_size: int, lengths: list[int]) -> None:
     self.learner.compile_ahead(batch_size, lengths)  # the actor's next update waits for it
 
+  def stop_compiling_ahead(self) -> None:
+    self.learner.stop_compiling_ahead()
+
   def publish_part(self, store_actor, version: int, dtypes=None) -> None:
     """Sends the shards this process owns to the store actor (not through the controller),
     cast to `dtypes` on its devices first (bf16 readers: half the bytes)."""
@@ -308,6 +311,10 @@ class RayLearner:
 
   def compile_ahead(self, batch_size: int, lengths: list[int] = ()) -> None:
     self._all(lambda a: a.compile_ahead.remote(batch_size, list(lengths)))
+
+  def stop_compiling_ahead(self) -> None:
+    for actor in self._actors:  # not waited for: an actor already gone compiles nothing either
+      actor.stop_compiling_ahead.remote()
 
   def publish_to(
     self, store, version: int, *, lend: bool = False, dtypes=None, on_device: bool = False

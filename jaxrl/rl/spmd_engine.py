@@ -134,6 +134,10 @@ class MirroredEngine:
   def release_memory(self) -> None:
     self._call(("release_memory",), self.engine.release_memory)
 
+  def stop_precompiling(self) -> None:
+    # Host-only, this rank's: the worker that stops (any thread) ends with its gang's processes.
+    self.engine.stop_precompiling()
+
   def drop_kept(self, request_id: str) -> bool:
     # Frees pages: every rank's allocator must do the same, or their page tables diverge.
     return self._call(("drop_kept", request_id), lambda: self.engine.drop_kept(request_id))

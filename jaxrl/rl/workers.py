@@ -242,6 +242,8 @@ class LocalWorker:
     except Exception as e:  # a crash is reported; the controller re-dispatches the requests
       log.exception("Rollout worker %s crashed.", self.name)
       self._emit("crashed", [], detail=repr(e))
+    finally:  # a worker that stopped for any reason compiles nothing more for its engine
+      self.engine.stop_precompiling()
 
   def _can_decode(self) -> bool:
     e = self.engine

@@ -195,8 +195,10 @@ class PagedEngine:
 
   def stop_precompiling(self) -> None:
     """For an engine whose owner is stopping (any thread): a `precompile` under way ends after
-    the program it is compiling, and none runs from now on. Over a hundred programs can take
-    minutes, which a stopping rollout worker would otherwise wait out."""
+    the program it is compiling, the threads compiling ahead (`PagedConfig.compile_ahead`)
+    after theirs, and none runs from now on. Over a hundred programs can take minutes, which
+    a stopping rollout worker would otherwise wait out, or leave compiling beside what the
+    process runs next."""
     self._stop_precompiling.set()
 
   @property

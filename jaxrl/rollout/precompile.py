@@ -167,11 +167,12 @@ def compile_engine_ahead(
   meanwhile). A call that needs a program while a thread compiles it waits for that compile
   (JAX's caches let one compile run for both); one that comes before its thread began
   compiles it itself, and the thread then finds it compiled. A failure is logged: the call
-  that needs the program compiles it again, and fails there if it fails again. `params`: the
-  weights' shapes on their shardings (default: the engine's weights')."""
+  that needs the program compiles it again, and fails there if it fails again. The programs
+  not begun are skipped once the engine's owner stops it (`PagedEngine.stop_precompiling`).
+  `params`: the weights' shapes on their shardings (default: the engine's weights')."""
   params = abstract(engine.params) if params is None else params
   lowerings = [lower for _, lower in engine_lowerings(engine, stop_width, filter_width, params)]
-  futures = compile_in_background(lowerings, workers=_workers())
+  futures = compile_in_background(lowerings, _workers(), engine._stop_precompiling)
   for future in futures:
     future.add_done_callback(_log_failure)
   return futures

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -201,6 +202,7 @@ class Learner:
     self._warned_lengths: set[int] = set()
     self._lent = None  # (store, version) the live parameters were lent to (`publish_to`)
     self._compiling = None  # the future of the programs `compile_ahead` is compiling
+    self._stop_compiling = threading.Event()  # `stop_compiling_ahead`
 
   def publish_to(
     self, store, version: int, *, lend: bool = False, dtypes=None, on_device: bool = False
@@ -487,7 +489,12 @@ class Learner:
     `pack_length` positions too) on background threads, without running anything, so that
     they compile while the run does other work (its first rollout); the next `update` waits
     for them and raises what failed (`update_plan.compile_ahead`)."""
-    self._compiling = update_plan.compile_ahead(self, batch_size, lengths)
+    self._compiling = update_plan.compile_ahead(self, batch_size, lengths, self._stop_compiling)
+
+  def stop_compiling_ahead(self) -> None:
+    """For a learner its owner is done with (any thread): `compile_ahead`'s programs not begun
+    are skipped, its threads end after those under way."""
+    self._stop_compiling.set()
 
   def proximal_logprobs(self, batch: TrainBatch) -> np.ndarray:
     """The current weights' log-probs of the batch's targets (0 off the mask), as the update

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import math
 import re
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
@@ -86,14 +87,17 @@ def compiled_update(learner, batch_size: int, length: int) -> list:
   return [lower().compile() for lower in update_lowerings(learner, batch_size, length)]
 
 
-def compile_ahead(learner, batch_size: int, lengths: Sequence[int]) -> Future | None:
+def compile_ahead(
+  learner, batch_size: int, lengths: Sequence[int], stop: threading.Event | None = None
+) -> Future | None:
   """Compiles the update's programs for a step's batches of `batch_size` sequences of these
   token lengths (packed: also rows of `pack_length` positions, and the zeros the sums start from)
   on background threads, one a program; returns a future that is done when all are, or None
   where there is nothing to compile ahead (`Learner.compile_ahead`; how: `jaxrl.compile_ahead`).
   The update's first call then runs them without compiling. The learner's arrays are only
   read for their shapes (now, before the threads start), so the learner may update, lend or
-  restore its state meanwhile. A learner with an
+  restore its state meanwhile; once `stop` is set, programs not begun are skipped (the
+  update compiles what it needs itself). A learner with an
   expert placement per micro-batch (MoE routing replay, expert-parallel) is compiled by its
   first update as before: its placement's shapes come from the batch."""
   if learner.spreads_experts and learner.moe_cfg.routing_replay:
@@ -103,7 +107,8 @@ def compile_ahead(learner, batch_size: int, lengths: Sequence[int]) -> Future | 
   state = abstract_state(learner)
 
   def compile_all() -> None:
-    for done in compile_in_background(ahead_programs(learner, batch_size, lengths, state)):
+    programs = ahead_programs(learner, batch_size, lengths, state)
+    for done in compile_in_background(programs, stop=stop):
       done.result()
 
   driver = ThreadPoolExecutor(1, thread_name_prefix=f"{COMPILE_AHEAD_THREADS}-driver")

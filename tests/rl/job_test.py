@@ -19,6 +19,7 @@ from jaxrl.rl.placement import make_placement, place_stages
 from jaxrl.rl.stages import worker_count
 from jaxrl.rl.timeline import load_segments
 from jaxrl.scheduler.local import plan_for_experiment
+from jaxrl.train.learner import Learner
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -279,7 +280,8 @@ def test_a_refused_or_failed_run_leaves_nothing_open(tmp_path, monkeypatch):
   """A process that runs job after job (a notebook, these tests) keeps nothing of one that
   failed: a workdir of checkpoints without `resume` is refused before anything is built, and a
   run whose loop raises closes its task, its metrics writer (TensorBoard's writer holds a
-  thread and a pipe) and its checkpoint manager (each refused or failed run kept them)."""
+  thread and a pipe) and its checkpoint manager (each refused or failed run kept them), and
+  its learner compiles nothing more ahead (its threads went on compiling)."""
   cfg = tiny_config(**{"train.steps": 1, "eval.every": 0, "checkpoint.every": 1})
   job.run(cfg, str(tmp_path / "done"), show_progress=False)
   built = []
@@ -301,10 +303,16 @@ def test_a_refused_or_failed_run_leaves_nothing_open(tmp_path, monkeypatch):
     raise RuntimeError("the loop failed")
 
   monkeypatch.setattr(Controller, "run", fail)
+  stop_compiling = Learner.stop_compiling_ahead
+  monkeypatch.setattr(
+    Learner, "stop_compiling_ahead", lambda self: closed.append("Learner") or stop_compiling(self)
+  )
   with pytest.raises(RuntimeError, match="the loop failed"):
     job.run(cfg, str(tmp_path / "failed"), show_progress=False)
   # The first Checkpointer: the workdir's check for checkpoints, before the controller's.
-  assert sorted(closed) == ["Checkpointer", "Checkpointer", "Controller", "MetricsWriter"]
+  assert sorted(closed) == [
+    "Checkpointer", "Checkpointer", "Controller", "Learner", "MetricsWriter"
+  ]  # fmt: skip
 
 
 def test_mesh_sizes_that_do_not_fit_are_reported():

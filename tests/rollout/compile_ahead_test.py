@@ -147,6 +147,33 @@ def test_bucketed_shapes_and_precompiled_engines_compile_nothing_ahead(mesh, par
     assert not e._compiled_ahead
 
 
+def test_an_engine_told_to_stop_compiles_nothing_more_ahead(mesh, params, monkeypatch):
+  """A worker that stops (the run's end, a preemption, a crash) stops its engine: the threads
+  compiling ahead skip the programs they have not begun, instead of compiling them (minutes
+  for a hundred) beside whatever the process runs next. Beside it, an engine not stopped
+  lowers and compiles them all."""
+  lowered = collections.Counter()
+  listing = precompile_module.engine_lowerings
+
+  def recorded(e, *args):
+    def lower(f, e=e):
+      lowered[e.name] += 1
+      return f()
+
+    return [(p, lambda f=f, e=e: lower(f, e)) for p, f in listing(e, *args)]
+
+  monkeypatch.setattr(precompile_module, "engine_lowerings", recorded)
+  stopped, going_on = engine(mesh, params, max_tokens=32), engine(mesh, params, max_tokens=32)
+  stopped.name, going_on.name = "stopped", "going on"
+  stopped.stop_precompiling()
+  for e in (stopped, going_on):
+    futures = compile_engine_ahead(e, 1, NO_FILTER)
+    for future in futures:
+      future.result(timeout=600)
+  assert len(futures) > 3
+  assert dict(lowered) == {"going on": len(futures)}
+
+
 def test_a_precompilation_told_to_stop_ends_after_its_program(mesh, params, monkeypatch):
   """A rollout worker told to stop (the run's end) stops its engine's precompilation, which
   would otherwise run its every program first (minutes for a hundred of them): the program

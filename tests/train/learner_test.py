@@ -281,7 +281,7 @@ def test_the_first_update_runs_what_compile_ahead_compiled(axes, pack, kl, updat
 
 
 def test_a_failed_compile_ahead_surfaces_at_the_next_update(monkeypatch):
-  def broken(lower):
+  def broken(lower, stop=None):
     raise RuntimeError("out of memory while compiling")
 
   monkeypatch.setattr(compile_ahead, "_compile", broken)
