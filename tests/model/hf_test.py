@@ -86,6 +86,22 @@ def _tokens(rng, batch=2, length=SEQ):
   return rng.integers(0, hc.VOCAB_SIZE, (batch, length)).astype(np.int32)
 
 
+def _decisive_tokens(reference, rng=None, **shape):
+  """Random tokens that no MoE router of `reference` (a transformers model) is near a tie on.
+  A token at a tie may go to either expert in float32 (seen in CI's runs), so such draws are
+  redrawn (up to 50 times) and a comparison with transformers fails on a bug, not on a tie.
+  (Random tiny MoE checkpoints: router logits up to ~15, the smallest gap of a draw has a
+  median of 4e-4 to 2e-3, under 1e-4 in up to a quarter of draws; fp32 differences move
+  router logits by ~1e-5.)"""
+  rng = rng or np.random.default_rng()
+  tokens = _tokens(rng, **shape)
+  for _ in range(50):
+    if hc.router_margin(reference, tokens) > 1e-4:
+      break
+    tokens = _tokens(rng, **shape)
+  return tokens
+
+
 def _load_json(path) -> dict:
   return json.loads(pathlib.Path(path).read_text())
 
@@ -106,17 +122,7 @@ def test_logits_match_transformers(checkpoints, case):
   arch, tied, overrides = case
   path = checkpoints(arch, tied, **overrides)
   reference = hc.load_model(path)
-  rng = np.random.default_rng()
-  tokens = _tokens(rng)
-  # A token at a router tie may go to either expert in float32 (seen once in CI's runs): such
-  # draws are redrawn, so the comparison fails on a bug, not on a tie.
-  # (Random tiny MoE checkpoints: router logits up to ~15, the smallest gap of a draw has a
-  # median of 4e-4 to 2e-3, under 1e-4 in up to a quarter of draws; fp32 differences move
-  # router logits by ~1e-5.)
-  for _ in range(50):
-    if hc.router_margin(reference, tokens) > 1e-4:
-      break
-    tokens = _tokens(rng)
+  tokens = _decisive_tokens(reference)
   want = hc.logits(reference, tokens)
   model, params = load_pretrained(path, dtype="float32")
   assert model.config.tie_embeddings == tied and ("lm_head_dv" in params) == (not tied)
@@ -210,8 +216,9 @@ def test_logits_match_transformers(checkpoints, case):
 def test_expert_parallel_raw_topk_matches_transformers(checkpoints):
   """The expert-parallel layer routes itself: without renormalisation too."""
   path = checkpoints("qwen3_moe", norm_topk_prob=False, num_hidden_layers=1)
-  tokens = _tokens(np.random.default_rng())
-  want = hc.logits(hc.load_model(path), tokens)
+  reference = hc.load_model(path)
+  tokens = _decisive_tokens(reference)
+  want = hc.logits(reference, tokens)
   model, params = load_pretrained(path, dtype="float32")
   mesh = make_mesh(jax.devices()[:2], {"expert": 2})
   moe = MoEInputs(expert_parallel=ExpertParallel(mesh))
@@ -337,8 +344,9 @@ def test_reads_transformers_shards(tmp_path):
   path = _write(tmp_path / "sharded", "qwen3_moe", max_shard_size="40KB")
   files = os.listdir(path)
   assert "model.safetensors.index.json" in files and "model.safetensors" not in files
-  tokens = _tokens(np.random.default_rng())
-  want = hc.logits(hc.load_model(path), tokens)
+  reference = hc.load_model(path)
+  tokens = _decisive_tokens(reference)
+  want = hc.logits(reference, tokens)
   model, params = load_pretrained(path, dtype="float32")
   assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want) < 1e-4
 
@@ -387,8 +395,9 @@ def test_loads_onto_a_mesh_in_its_sharding(checkpoints, arch):
   # Sharded, not replicated: each device holds an eighth of the embedding.
   shard = params["embed_vd"].addressable_shards[0].data
   assert shard.shape == (hc.VOCAB_SIZE // 2, 64 // 4)
-  tokens = _tokens(np.random.default_rng())
-  want_logits = hc.logits(hc.load_model(path), tokens)
+  reference = hc.load_model(path)
+  tokens = _decisive_tokens(reference)
+  want_logits = hc.logits(reference, tokens)
   assert hc.rel_err(hc.jaxrl_logits(model, params, tokens), want_logits) < 1e-4
 
 
