@@ -293,7 +293,9 @@ def test_a_failed_compile_ahead_surfaces_at_the_next_update(monkeypatch):
     raise RuntimeError("out of memory while compiling")
 
   monkeypatch.setattr(compile_ahead, "_compile", broken)
-  learner, batch = make_learner(4, pack=24), random_batch(np.random.default_rng(2))
+  # Data-parallel, as the publication test below and for the same reason (XLA:CPU's deadlock).
+  learner = make_learner(4, pack=24, axes={"data": 4})
+  batch = random_batch(np.random.default_rng(2))
   learner.compile_ahead(16)
   with pytest.raises(RuntimeError, match="out of memory while compiling"):
     learner.update(batch)
