@@ -486,6 +486,21 @@ def router_margin(model, tokens_bt: np.ndarray) -> float:
   return margin
 
 
+def decisive_tokens(model, draw, tries: int = 50) -> tuple[np.ndarray, bool]:
+  """Tokens from `draw()` that no MoE router of `model` (a transformers model) is near a tie
+  on (`router_margin` over 1e-4), redrawn up to `tries` times; and whether they are. A token
+  at a tie may go to either expert in float32 (seen in CI's runs), so a logits comparison on
+  such a draw would fail on the tie, not on a bug. (Random tiny MoE checkpoints: router
+  logits up to ~15, the smallest gap of a draw has a median of 4e-4 to 2e-3, under 1e-4 in up
+  to a quarter of draws; fp32 differences move router logits by ~1e-5.)"""
+  tokens = draw()
+  for _ in range(tries):
+    if router_margin(model, tokens) > 1e-4:
+      return tokens, True
+    tokens = draw()
+  return tokens, False
+
+
 def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
   """transformers' greedy continuation of one prompt, exactly `max_new_tokens` long (no stop
   token ends it early)."""

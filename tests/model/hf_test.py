@@ -86,20 +86,10 @@ def _tokens(rng, batch=2, length=SEQ):
   return rng.integers(0, hc.VOCAB_SIZE, (batch, length)).astype(np.int32)
 
 
-def _decisive_tokens(reference, rng=None, **shape):
-  """Random tokens that no MoE router of `reference` (a transformers model) is near a tie on.
-  A token at a tie may go to either expert in float32 (seen in CI's runs), so such draws are
-  redrawn (up to 50 times) and a comparison with transformers fails on a bug, not on a tie.
-  (Random tiny MoE checkpoints: router logits up to ~15, the smallest gap of a draw has a
-  median of 4e-4 to 2e-3, under 1e-4 in up to a quarter of draws; fp32 differences move
-  router logits by ~1e-5.)"""
-  rng = rng or np.random.default_rng()
-  tokens = _tokens(rng, **shape)
-  for _ in range(50):
-    if hc.router_margin(reference, tokens) > 1e-4:
-      break
-    tokens = _tokens(rng, **shape)
-  return tokens
+def _decisive_tokens(reference, **shape):
+  """Random tokens no MoE router of `reference` is near a tie on (`hc.decisive_tokens`)."""
+  rng = np.random.default_rng()
+  return hc.decisive_tokens(reference, lambda: _tokens(rng, **shape))[0]
 
 
 def _load_json(path) -> dict:

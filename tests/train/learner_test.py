@@ -18,6 +18,14 @@ from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch, update
 MODEL = Model(get_preset("tiny"))
 
 
+# Data-parallel: its micro-step runs no collective (replicas sum their gradients apart until
+# the apply step). For tests whose subject is not the layout: on fsdp x tensor, XLA:CPU (jax
+# 0.10.2) sometimes deadlocked updates between simulated devices and aborted the worker
+# (README, "Quick start"): two devices ran the loop over the layers and an all-gather outside
+# it in opposite orders.
+NO_LOOP_COLLECTIVES = {"data": 4}
+
+
 def make_learner(
   micro,
   kl_weight=0.0,
@@ -293,8 +301,7 @@ def test_a_failed_compile_ahead_surfaces_at_the_next_update(monkeypatch):
     raise RuntimeError("out of memory while compiling")
 
   monkeypatch.setattr(compile_ahead, "_compile", broken)
-  # Data-parallel, as the publication test below and for the same reason (XLA:CPU's deadlock).
-  learner = make_learner(4, pack=24, axes={"data": 4})
+  learner = make_learner(4, pack=24, axes=NO_LOOP_COLLECTIVES)
   batch = random_batch(np.random.default_rng(2))
   learner.compile_ahead(16)
   with pytest.raises(RuntimeError, match="out of memory while compiling"):
@@ -313,11 +320,7 @@ def test_a_published_copy_is_in_the_readers_dtype_and_outlives_the_next_update(d
   kept there (no device-to-host transfer) or brought to the host; the next update donates the
   parameters and the copy stays whole; each publication runs one compiled program."""
   rng = np.random.default_rng(0)
-  # Data-parallel: its micro-step runs no collective. On fsdp x tensor, XLA:CPU (jax 0.10.2)
-  # sometimes deadlocked this test's updates between simulated devices and aborted the worker
-  # (README, "Quick start"): two devices ran the loop over the layers and an all-gather outside it
-  # in opposite orders. Publication does not depend on the layout.
-  learner = make_learner(4, pack=24, axes={"data": 4})
+  learner = make_learner(4, pack=24, axes=NO_LOOP_COLLECTIVES)
   store = WeightStore()
   dtypes = None if dtype is None else jax.tree.map(lambda x: np.dtype(dtype), learner.params)
   copies_compiled = []
