@@ -8,6 +8,7 @@ also for devices this process does not have."""
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import re
 import threading
@@ -258,3 +259,61 @@ def collective_traffic(programs) -> dict[str, dict[str, float]]:
       entry["count"] += 1
       entry["mib"] += c.bytes / 2**20
   return out
+
+
+# An HLO computation's first line (`%name (...) -> ... {`, `ENTRY` for the top level), an
+# instruction's name and the computations it calls.
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY )?%(?P<name>[\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<rest>.*)$")
+_CALLED = re.compile(
+  r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation|"
+  r"false_computation)=\{?(?P<names>%[\w.\-]+(?:, %[\w.\-]+)*)"
+)
+_RUNS_COLLECTIVE = re.compile(r" (?:" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def collectives_racing_loops(hlo_text: str) -> list[str]:
+  """Top-level collectives of a compiled program (`compiled.as_text()`) that come after a loop
+  holding collectives without depending on its result: the names of such collectives.
+
+  XLA:CPU (jax 0.10.2) orders such a collective after the loop by scheduling alone, and in a
+  program's first runs two simulated devices sometimes ran them in opposite orders: each then
+  waits in a different collective for the other and the process aborts after the collective
+  timeout. A loop whose result the collective depends on is waited for. On GPUs and TPUs
+  collectives run in program order, so this matters only for CPU meshes."""
+  computations: dict[str, list[str]] = {}
+  entry, lines = None, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      lines = computations.setdefault(header["name"], [])
+      entry = header["name"] if header["entry"] else entry
+    elif line.startswith("}"):
+      lines = None
+    elif lines is not None and line.strip():
+      lines.append(line)
+
+  def called(line: str) -> list[str]:
+    return [n.lstrip("%") for m in _CALLED.finditer(line) for n in m["names"].split(", ")]
+
+  @functools.cache
+  def holds_collective(name: str) -> bool:
+    body = computations.get(name, [])
+    return any(_RUNS_COLLECTIVE.search(line) for line in body) or any(
+      holds_collective(c) for line in body for c in called(line)
+    )
+
+  depends_on: dict[str, set[str]] = {}  # instruction -> every instruction it depends on
+  loops, racing = [], []
+  for line in computations.get(entry, []):
+    instruction = _INSTRUCTION.match(line)
+    if not instruction:
+      continue
+    name, rest = instruction["name"], instruction["rest"].split(", metadata=")[0]
+    operands = {n for n in re.findall(r"%([\w.\-]+)", rest) if n in depends_on}
+    depends_on[name] = operands.union(*(depends_on[n] for n in operands))
+    if " while(" in rest and any(holds_collective(c) for c in called(rest)):
+      loops.append(name)
+    elif _RUNS_COLLECTIVE.search(" " + rest) and any(w not in depends_on[name] for w in loops):
+      racing.append(name)
+  return racing

@@ -16,14 +16,17 @@ from jaxrl.sharding import TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch, update_plan
 
 MODEL = Model(get_preset("tiny"))
+# The same model with its blocks unrolled. Scanned, an fsdp or tensor-parallel micro-step runs
+# all-gathers of the LM head after the loop over the blocks without depending on it
+# (`update_plan.collectives_racing_loops`), and XLA:CPU (jax 0.10.2) sometimes ran the two in
+# opposite orders on two simulated devices: both waited, and the test worker aborted.
+UNROLLED = Model(dataclasses.replace(MODEL.config, scan_layers=False))
 
 
-# Data-parallel: its micro-step runs no collective (replicas sum their gradients apart until
-# the apply step). For tests whose subject is not the layout: on fsdp x tensor, XLA:CPU (jax
-# 0.10.2) sometimes deadlocked updates between simulated devices and aborted the worker
-# (README, "Quick start"): two devices ran the loop over the layers and an all-gather outside
-# it in opposite orders.
-NO_LOOP_COLLECTIVES = {"data": 4}
+def model_for(axes: dict) -> Model:
+  """The scanned model on a data-parallel mesh (its micro-step runs no collective), else the
+  unrolled one (`UNROLLED`)."""
+  return MODEL if set(axes) <= {"data"} else UNROLLED
 
 
 def make_learner(
@@ -37,10 +40,10 @@ def make_learner(
   grad_dtype="float32",
   axes=None,
 ):
-  mesh = make_mesh(jax.devices()[4:], axes or {"fsdp": 2, "tensor": 2})
+  axes = axes or {"fsdp": 2, "tensor": 2}
   return Learner(
-    MODEL,
-    mesh,
+    model_for(axes),
+    make_mesh(jax.devices()[4:], axes),
     TRAIN_RULES,
     loss=loss or LossConfig(kl_weight=kl_weight),
     optimizer=OptimizerConfig(learning_rate=1e-3, eps=eps, grad_accum_dtype=grad_dtype),
@@ -269,7 +272,7 @@ def test_the_first_update_runs_what_compile_ahead_compiled(axes, pack, kl, updat
 
   def learner():
     return Learner(
-      MODEL,
+      model_for(axes),
       make_mesh(jax.devices()[4:], axes),
       TRAIN_RULES,
       loss=LossConfig(kl_weight=kl),
@@ -301,7 +304,7 @@ def test_a_failed_compile_ahead_surfaces_at_the_next_update(monkeypatch):
     raise RuntimeError("out of memory while compiling")
 
   monkeypatch.setattr(compile_ahead, "_compile", broken)
-  learner = make_learner(4, pack=24, axes=NO_LOOP_COLLECTIVES)
+  learner = make_learner(4, pack=24)
   batch = random_batch(np.random.default_rng(2))
   learner.compile_ahead(16)
   with pytest.raises(RuntimeError, match="out of memory while compiling"):
@@ -320,7 +323,7 @@ def test_a_published_copy_is_in_the_readers_dtype_and_outlives_the_next_update(d
   kept there (no device-to-host transfer) or brought to the host; the next update donates the
   parameters and the copy stays whole; each publication runs one compiled program."""
   rng = np.random.default_rng(0)
-  learner = make_learner(4, pack=24, axes=NO_LOOP_COLLECTIVES)
+  learner = make_learner(4, pack=24)
   store = WeightStore()
   dtypes = None if dtype is None else jax.tree.map(lambda x: np.dtype(dtype), learner.params)
   copies_compiled = []
@@ -410,6 +413,70 @@ def test_collective_results_read_combined_and_asynchronous_collectives():
     ("all-gather", ((128, 384),), 128 * 384 * 4),
     ("reduce-scatter", ((16,),), 16),
   ]
+
+
+def test_collectives_racing_loops_are_those_after_a_loop_of_collectives_they_do_not_wait_for():
+  """A top-level collective after a loop that holds a collective (in its body, or in a
+  computation the body calls) races it unless it depends on the loop's result; one before the
+  loop, or after a loop without collectives, does not."""
+  hlo = """
+%inner (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %sum = f32[4]{0} all-reduce(%x), replica_groups={}, to_apply=%add
+}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %v = f32[4]{0} get-tuple-element(%p), index=1
+  %c = f32[4]{0} call(%v), to_apply=%inner
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %c)
+}
+
+%quiet_body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %v)
+}
+
+ENTRY %main (a: f32[4], w: f32[2]) -> f32[8] {
+  %a = f32[4]{0} parameter(0)
+  %w = f32[2]{0} parameter(1)
+  %before = f32[8]{0} all-gather(%w), dimensions={0}
+  %quiet = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%quiet_body
+  %after_quiet = f32[8]{0} all-gather(%before), dimensions={0}
+  %init = (s32[], f32[4]{0}) tuple(%zero, %a)
+  %loop = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
+  %out = f32[4]{0} get-tuple-element(%loop), index=1
+  %waits = f32[4]{0} all-reduce(%out), replica_groups={}, to_apply=%add
+  %races = f32[8]{0} all-gather(%w), dimensions={0}, metadata={op_name="%loop"}
+  ROOT %waits_too = f32[8]{0} all-gather(%waits), dimensions={0}
+}
+"""
+  assert update_plan.collectives_racing_loops(hlo) == ["races"]
+
+
+@pytest.mark.parametrize(
+  ("axes", "pack", "kl"),
+  [({"fsdp": 2, "tensor": 2}, 24, 0.1), ({"fsdp": 4}, 24, 0.0), ({"fsdp": 4}, 0, 0.0)],
+)
+def test_the_test_learners_run_no_collective_racing_a_loop(axes, pack, kl):
+  """The programs the learners of these tests run (`model_for`) have no collective that XLA:CPU
+  may run out of order across devices (`update_plan.collectives_racing_loops`). The scanned
+  model's packed micro-step has four on fsdp x tensor and five on fsdp (the LM head's
+  all-gathers after the loop over the blocks, metrics' all-reduces after the backward loop)."""
+  learner = Learner(
+    model_for(axes),
+    make_mesh(jax.devices()[4:], axes),
+    TRAIN_RULES,
+    loss=LossConfig(kl_weight=kl),
+    optimizer=OptimizerConfig(),
+    updates_per_step=1,
+    micro_batch_size=4,
+    temperature=1.0,
+    pack_length=pack,
+    abstract=True,
+  )
+  for program in update_plan.compiled_update(learner, 16, 25):
+    assert update_plan.collectives_racing_loops(program.as_text()) == []
 
 
 @pytest.mark.parametrize("pack_length", [24, 0], ids=["packed", "padded"])
