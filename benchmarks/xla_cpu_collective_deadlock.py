@@ -11,7 +11,7 @@ RendezvousKey{...}`". Prints the update count every 10 updates and "clean" if no
     python benchmarks/xla_cpu_collective_deadlock.py [--unrolled] [--updates 400]
 
 On a 2-core VM (2026-11-30) the scanned model deadlocked after 55 and 125 updates (once it ran
-410 clean); README, "Quick start", has the unrolled model's runs.
+410 clean); the unrolled one ran 345 and 355 updates in two runs at once with none stuck.
 """
 
 import argparse
