@@ -1,4 +1,4 @@
-"""`ModelConfig.scan_layers` where it is worth its memory: `fit_scan`.
+"""`ModelConfig.scan_layers` where it is worth its memory and safe: `fit_scan`.
 
 A scan over the blocks stacks a copy of their weights, in the compute dtype, inside the
 program, and a training pass also their stacked gradient (`Transformer._scan_blocks`). For
@@ -9,7 +9,14 @@ weights and KV pool (docs/BENCHMARKS.md, `launch/bench.py moe_layer --target h10
 scan buys is compile time (the learner's update compiled 2.3-2.4x as fast there), which is not
 worth a large share of a device. The learner and the paged engine therefore keep the scan
 only where its copies fit in `SCAN_MEMORY_SHARE` of a device's memory, as the device reports
-it (GPUs and TPUs); a CPU reports none, and the setting stays as configured.
+it (GPUs and TPUs); a CPU reports none.
+
+On a mesh of several CPU devices whose programs exchange data (an axis other than `data`
+over more than one device), the blocks run unrolled whatever the memory: XLA:CPU (jax 0.10.2)
+orders a collective that follows the scan, without depending on it, by scheduling alone, and
+in a program's first runs two simulated devices sometimes ran the two in opposite orders and
+deadlocked (`jaxrl.train.update_plan.collectives_racing_loops` finds such collectives; the LM
+head's all-gathers after the scan are some). Accelerators run collectives in program order.
 """
 
 from __future__ import annotations
@@ -51,13 +58,27 @@ def device_memory(device) -> int | None:
   return (stats or {}).get("bytes_limit")
 
 
+def exchanges_on_cpu(mesh: jax.sharding.Mesh) -> bool:
+  """Whether `mesh` is CPU devices whose programs run collectives: an axis but `data` spans
+  more than one (a data-parallel program exchanges nothing until its replicas' sums meet)."""
+  cpu = mesh.devices.flat[0].platform == "cpu"
+  return cpu and any(size > 1 for axis, size in mesh.shape.items() if axis != "data")
+
+
 def fit_scan(model: Model, mesh: jax.sharding.Mesh, shardings, copies: int) -> Model:
   """`model`, or the same model with `scan_layers` off where `copies` stacked copies of its
   blocks' weights (2 for training: the weights and their gradient; 1 for a packed prefill)
-  would take more than `SCAN_MEMORY_SHARE` of a device of `mesh`."""
+  would take more than `SCAN_MEMORY_SHARE` of a device of `mesh`, or where `mesh` is CPU
+  devices that exchange data (`exchanges_on_cpu`, the module's docstring says why)."""
   cfg = model.config
   if not cfg.scan_layers:
     return model
+  if exchanges_on_cpu(mesh):
+    log.info(
+      "model.scan_layers off: on several CPU devices XLA:CPU can deadlock a program that runs "
+      "collectives in and after a scan over the blocks; the blocks run unrolled."
+    )
+    return Model(dataclasses.replace(cfg, scan_layers=False))
   limit = device_memory(mesh.devices.flat[0])
   if limit is None:
     return model

@@ -68,3 +68,21 @@ def test_the_learner_and_the_engine_turn_the_scan_off_on_a_small_device(monkeypa
   assert "while" not in text
   with pytest.raises(AssertionError):
     assert "while" not in jax.jit(MODEL.apply).lower(MODEL.abstract_params(), tokens).as_text()
+
+
+def test_the_scan_is_off_on_cpu_devices_that_exchange_data():
+  """XLA:CPU can deadlock collectives in and after a scan (`scan_fit`'s docstring): on CPU
+  meshes with an fsdp, tensor or expert axis over several devices the blocks run unrolled;
+  data-parallel and one-device meshes keep the scan."""
+  devices = jax.devices()[:4]
+  for axes, exchanges in [
+    ({}, False),
+    ({"data": 4}, False),
+    ({"fsdp": 4}, True),
+    ({"data": 2, "tensor": 2}, True),
+    ({"expert": 4}, True),
+  ]:
+    mesh = make_mesh(devices if axes else devices[:1], axes)
+    assert scan_fit.exchanges_on_cpu(mesh) == exchanges, axes
+    fitted = scan_fit.fit_scan(MODEL, mesh, _shardings(MODEL, mesh), copies=2)
+    assert fitted.config.scan_layers != exchanges, axes

@@ -9,24 +9,13 @@ from helpers import tolerance
 from helpers.compiles import compiled_functions
 
 from jaxrl import compile_ahead
-from jaxrl.model import Model, get_preset
+from jaxrl.model import Model, get_preset, scan_fit
 from jaxrl.rl.experience import batch_lengths, pad_sequences
 from jaxrl.rl.weights import WeightStore
 from jaxrl.sharding import TRAIN_RULES, make_mesh
 from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch, update_plan
 
 MODEL = Model(get_preset("tiny"))
-# The same model with its blocks unrolled. Scanned, an fsdp or tensor-parallel micro-step runs
-# all-gathers of the LM head after the loop over the blocks without depending on it
-# (`update_plan.collectives_racing_loops`), and XLA:CPU (jax 0.10.2) sometimes ran the two in
-# opposite orders on two simulated devices: both waited, and the test worker aborted.
-UNROLLED = Model(dataclasses.replace(MODEL.config, scan_layers=False))
-
-
-def model_for(axes: dict) -> Model:
-  """The scanned model on a data-parallel mesh (its micro-step runs no collective), else the
-  unrolled one (`UNROLLED`)."""
-  return MODEL if set(axes) <= {"data"} else UNROLLED
 
 
 def make_learner(
@@ -42,7 +31,7 @@ def make_learner(
 ):
   axes = axes or {"fsdp": 2, "tensor": 2}
   return Learner(
-    model_for(axes),
+    MODEL,
     make_mesh(jax.devices()[4:], axes),
     TRAIN_RULES,
     loss=loss or LossConfig(kl_weight=kl_weight),
@@ -272,7 +261,7 @@ def test_the_first_update_runs_what_compile_ahead_compiled(axes, pack, kl, updat
 
   def learner():
     return Learner(
-      model_for(axes),
+      MODEL,
       make_mesh(jax.devices()[4:], axes),
       TRAIN_RULES,
       loss=LossConfig(kl_weight=kl),
@@ -458,25 +447,40 @@ ENTRY %main (a: f32[4], w: f32[2]) -> f32[8] {
   ("axes", "pack", "kl"),
   [({"fsdp": 2, "tensor": 2}, 24, 0.1), ({"fsdp": 4}, 24, 0.0), ({"fsdp": 4}, 0, 0.0)],
 )
-def test_the_test_learners_run_no_collective_racing_a_loop(axes, pack, kl):
-  """The programs the learners of these tests run (`model_for`) have no collective that XLA:CPU
-  may run out of order across devices (`update_plan.collectives_racing_loops`). The scanned
-  model's packed micro-step has four on fsdp x tensor and five on fsdp (the LM head's
-  all-gathers after the loop over the blocks, metrics' all-reduces after the backward loop)."""
-  learner = Learner(
-    model_for(axes),
-    make_mesh(jax.devices()[4:], axes),
-    TRAIN_RULES,
-    loss=LossConfig(kl_weight=kl),
-    optimizer=OptimizerConfig(),
-    updates_per_step=1,
-    micro_batch_size=4,
-    temperature=1.0,
-    pack_length=pack,
-    abstract=True,
-  )
-  for program in update_plan.compiled_update(learner, 16, 25):
+def test_a_learner_on_cpu_devices_that_exchange_data_runs_no_collective_racing_a_loop(
+  monkeypatch, axes, pack, kl
+):
+  """On fsdp or tensor-parallel CPU meshes the learner runs the blocks unrolled
+  (`scan_fit.exchanges_on_cpu`), and its programs have no collective that XLA:CPU may run out
+  of order across devices (`update_plan.collectives_racing_loops`). Scanned, the packed
+  micro-step has some (the LM head's all-gathers after the loop over the blocks, metrics'
+  all-reduces after the backward loop); data-parallel, the learner keeps the scan."""
+
+  def learner(mesh_axes):
+    return Learner(
+      MODEL,
+      make_mesh(jax.devices()[4:], mesh_axes),
+      TRAIN_RULES,
+      loss=LossConfig(kl_weight=kl),
+      optimizer=OptimizerConfig(),
+      updates_per_step=1,
+      micro_batch_size=4,
+      temperature=1.0,
+      pack_length=pack,
+      abstract=True,
+    )
+
+  unrolled = learner(axes)
+  assert not unrolled.model.config.scan_layers
+  for program in update_plan.compiled_update(unrolled, 16, 25):
     assert update_plan.collectives_racing_loops(program.as_text()) == []
+  assert learner({"data": 4}).model.config.scan_layers
+  if pack:
+    monkeypatch.setattr(scan_fit, "exchanges_on_cpu", lambda mesh: False)
+    scanned = learner(axes)
+    assert scanned.model.config.scan_layers
+    micro_step = update_plan.compiled_update(scanned, 16, 25)[0]
+    assert update_plan.collectives_racing_loops(micro_step.as_text())
 
 
 @pytest.mark.parametrize("pack_length", [24, 0], ids=["packed", "padded"])
