@@ -29,10 +29,10 @@ def make_learner(
   grad_dtype="float32",
   axes=None,
 ):
-  axes = axes or {"fsdp": 2, "tensor": 2}
+  mesh = make_mesh(jax.devices()[4:], axes or {"fsdp": 2, "tensor": 2})
   return Learner(
     MODEL,
-    make_mesh(jax.devices()[4:], axes),
+    mesh,
     TRAIN_RULES,
     loss=loss or LossConfig(kl_weight=kl_weight),
     optimizer=OptimizerConfig(learning_rate=1e-3, eps=eps, grad_accum_dtype=grad_dtype),
