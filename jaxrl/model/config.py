@@ -162,8 +162,9 @@ class ModelConfig:
       4.75 unrolled, the engine's packed prefill 34.7 against 0.32; docs/BENCHMARKS.md). So
       the learner and the paged engine turn it off where those copies would take more than a
       tenth of a device's memory as the device reports it (GPU, TPU;
-      `jaxrl.model.scan_fit`), and on several CPU devices that exchange data (XLA:CPU can
-      deadlock collectives in and after the scan). False unrolls the blocks, as passes that
+      `jaxrl.model.scan_fit`), and the learner on several CPU devices that exchange data
+      (XLA:CPU can deadlock its collectives in and after the scan). False unrolls the
+      blocks, as passes that
       read a cache (decode, chunked prefill) always do.
     moe_dispatch: how an MoE layer runs its experts on a mesh without an expert axis (size 1;
       with one the layer is expert-parallel, `jaxrl.sharding.moe_expert_parallel`): "dense"

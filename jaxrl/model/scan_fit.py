@@ -12,11 +12,13 @@ only where its copies fit in `SCAN_MEMORY_SHARE` of a device's memory, as the de
 it (GPUs and TPUs); a CPU reports none.
 
 On a mesh of several CPU devices whose programs exchange data (an axis other than `data`
-over more than one device), the blocks run unrolled whatever the memory: XLA:CPU (jax 0.10.2)
-orders a collective that follows the scan, without depending on it, by scheduling alone, and
-in a program's first runs two simulated devices sometimes ran the two in opposite orders and
-deadlocked (`jaxrl.train.update_plan.collectives_racing_loops` finds such collectives; the LM
-head's all-gathers after the scan are some). Accelerators run collectives in program order.
+over more than one device), the learner runs the blocks unrolled whatever the memory: XLA:CPU
+(jax 0.10.2) orders a collective that follows the scan, without depending on it, by scheduling
+alone, and in a program's first runs two simulated devices sometimes ran the two in opposite
+orders and deadlocked (`jaxrl.train.update_plan.collectives_racing_loops` finds such
+collectives; the LM head's all-gathers after the scan in the learner's micro-step are some).
+The paged engine keeps its scan there: none of its programs has such a collective, scanned
+(`tests/rollout/compile_ahead_test.py` checks them). Accelerators run collectives in program order.
 """
 
 from __future__ import annotations
@@ -65,15 +67,18 @@ def exchanges_on_cpu(mesh: jax.sharding.Mesh) -> bool:
   return cpu and any(size > 1 for axis, size in mesh.shape.items() if axis != "data")
 
 
-def fit_scan(model: Model, mesh: jax.sharding.Mesh, shardings, copies: int) -> Model:
+def fit_scan(
+  model: Model, mesh: jax.sharding.Mesh, shardings, copies: int, *, races_on_cpu: bool = False
+) -> Model:
   """`model`, or the same model with `scan_layers` off where `copies` stacked copies of its
   blocks' weights (2 for training: the weights and their gradient; 1 for a packed prefill)
-  would take more than `SCAN_MEMORY_SHARE` of a device of `mesh`, or where `mesh` is CPU
-  devices that exchange data (`exchanges_on_cpu`, the module's docstring says why)."""
+  would take more than `SCAN_MEMORY_SHARE` of a device of `mesh`, or, for programs whose
+  collectives race the scan (`races_on_cpu`: the learner's), where `mesh` is CPU devices that
+  exchange data (`exchanges_on_cpu`; the module's docstring says why)."""
   cfg = model.config
   if not cfg.scan_layers:
     return model
-  if exchanges_on_cpu(mesh):
+  if races_on_cpu and exchanges_on_cpu(mesh):
     log.info(
       "model.scan_layers off: on several CPU devices XLA:CPU can deadlock a program that runs "
       "collectives in and after a scan over the blocks; the blocks run unrolled."

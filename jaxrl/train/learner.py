@@ -125,8 +125,9 @@ class Learner:
     self.temperature = temperature if temperature > 0 else 1.0
     shapes = jax.tree.map(lambda x: x.shape, model.abstract_params())
     self.param_shardings = tree_shardings(model.logical_axes, mesh, rules, shapes)
-    # A scan over the blocks holds their weights and gradient stacked: off where too large.
-    self.model = model = fit_scan(model, mesh, self.param_shardings, copies=2)
+    # A scan over the blocks holds their weights and gradient stacked: off where too large,
+    # and on CPU devices that exchange data, where collectives after it can race it.
+    self.model = model = fit_scan(model, mesh, self.param_shardings, 2, races_on_cpu=True)
     self.vocab_shards = head_vocab_shards(model.lm_head(self.param_shardings), mesh)
     batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
     self._batch_size_multiple = int(np.prod([mesh.shape[a] for a in batch_axes or ()]))

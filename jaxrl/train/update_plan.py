@@ -273,8 +273,9 @@ _RUNS_COLLECTIVE = re.compile(r" (?:" + "|".join(COLLECTIVES) + r")(?:-start)?\(
 
 
 def collectives_racing_loops(hlo_text: str) -> list[str]:
-  """Top-level collectives of a compiled program (`compiled.as_text()`) that come after a loop
-  holding collectives without depending on its result: the names of such collectives.
+  """Collectives of a compiled program (`compiled.as_text()`) that come after a loop holding
+  collectives, in the same computation (the top level, or a loop's body), without depending on
+  the loop's result: the names of such collectives.
 
   XLA:CPU (jax 0.10.2) orders such a collective after the loop by scheduling alone, and in a
   program's first runs two simulated devices sometimes ran them in opposite orders: each then
@@ -303,17 +304,23 @@ def collectives_racing_loops(hlo_text: str) -> list[str]:
       holds_collective(c) for line in body for c in called(line)
     )
 
-  depends_on: dict[str, set[str]] = {}  # instruction -> every instruction it depends on
-  loops, racing = [], []
-  for line in computations.get(entry, []):
-    instruction = _INSTRUCTION.match(line)
-    if not instruction:
-      continue
-    name, rest = instruction["name"], instruction["rest"].split(", metadata=")[0]
-    operands = {n for n in re.findall(r"%([\w.\-]+)", rest) if n in depends_on}
-    depends_on[name] = operands.union(*(depends_on[n] for n in operands))
-    if " while(" in rest and any(holds_collective(c) for c in called(rest)):
-      loops.append(name)
-    elif _RUNS_COLLECTIVE.search(" " + rest) and any(w not in depends_on[name] for w in loops):
-      racing.append(name)
-  return racing
+  def racing_in(lines: list[str]) -> list[str]:
+    depends_on: dict[str, set[str]] = {}  # instruction -> every instruction it depends on
+    loops, racing = [], []
+    for line in lines:
+      instruction = _INSTRUCTION.match(line)
+      if not instruction:
+        continue
+      name, rest = instruction["name"], instruction["rest"].split(", metadata=")[0]
+      operands = {n for n in re.findall(r"%([\w.\-]+)", rest) if n in depends_on}
+      depends_on[name] = operands.union(*(depends_on[n] for n in operands))
+      if " while(" in rest and any(holds_collective(c) for c in called(rest)):
+        loops.append(name)
+      elif _RUNS_COLLECTIVE.search(" " + rest) and any(w not in depends_on[name] for w in loops):
+        racing.append(name)
+    return racing
+
+  # The entry first; a loop's body runs its instructions as the entry does (a scan over the
+  # blocks inside a decode window's loop, say), so each computation is looked at alike.
+  order = [entry] + sorted(c for c in computations if c != entry)
+  return [name for computation in order for name in racing_in(computations.get(computation, []))]

@@ -4,18 +4,21 @@ threads from its first admission, and its calls run them without compiling them 
 import collections
 import logging
 
+import jax
 import numpy as np
 import pytest
 from helpers.compiles import compiled_functions
 
-from jaxrl.model import Model, get_preset
+from jaxrl.compile_ahead import with_shardings
+from jaxrl.model import Model, get_preset, scan_fit
 from jaxrl.rollout import SamplingParams
 from jaxrl.rollout import paged as paged_module
 from jaxrl.rollout import precompile as precompile_module
 from jaxrl.rollout.paged import PagedConfig, PagedEngine
-from jaxrl.rollout.precompile import compile_engine_ahead, engine_programs
+from jaxrl.rollout.precompile import compile_engine_ahead, engine_lowerings, engine_programs
 from jaxrl.rollout.sampling import NO_FILTER
-from jaxrl.sharding import ROLLOUT_RULES
+from jaxrl.sharding import ROLLOUT_RULES, make_mesh
+from jaxrl.train import update_plan
 
 EOS, PAD = 2, 0
 MODEL = Model(get_preset("tiny"))
@@ -202,3 +205,26 @@ def test_a_precompilation_told_to_stop_ends_after_its_program(mesh, params, monk
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
   e.update_weights(params, 1)  # stopped for good: new weights precompile nothing
   assert len(ran) == 2
+
+
+@pytest.mark.parametrize(
+  ("preset", "axes"),
+  [("tiny", {"data": 2, "tensor": 2}), ("tiny-moe", {"data": 2, "expert": 2})],
+)
+def test_an_engine_on_cpu_devices_that_exchange_data_keeps_its_scan_and_races_no_loop(preset, axes):
+  """Unlike the learner's, the engine's programs have no collective that XLA:CPU may run out
+  of order with a loop of collectives across devices (`update_plan.collectives_racing_loops`,
+  which looks inside loops too: the decode window's steps hold the scan over the blocks), so
+  on CPU meshes that exchange data the engine keeps its scan (`scan_fit`)."""
+  model = Model(get_preset(preset))
+  mesh = make_mesh(jax.devices()[:4], axes)
+  config = PagedConfig(**SMALL, keep_turn_kv=True)  # with the chunked prefill of next turns
+  e = PagedEngine(model, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD, config=config)
+  assert scan_fit.exchanges_on_cpu(mesh) and e.model.config.scan_layers
+  one_of_each = {}
+  shapes = with_shardings(e.model.abstract_params(), e.param_shardings)
+  for program, lower in engine_lowerings(e, 1, NO_FILTER, shapes):
+    one_of_each.setdefault(program.jitted, lower)
+  assert len(one_of_each) == 4, one_of_each  # decode window, both prefills, the page copy
+  for lower in one_of_each.values():
+    assert update_plan.collectives_racing_loops(lower().compile().as_text()) == []

@@ -405,9 +405,9 @@ def test_collective_results_read_combined_and_asynchronous_collectives():
 
 
 def test_collectives_racing_loops_are_those_after_a_loop_of_collectives_they_do_not_wait_for():
-  """A top-level collective after a loop that holds a collective (in its body, or in a
-  computation the body calls) races it unless it depends on the loop's result; one before the
-  loop, or after a loop without collectives, does not."""
+  """A collective after a loop that holds a collective (in its body, or in a computation the
+  body calls) races it unless it depends on the loop's result, at the top level as in a loop's
+  body; one before the loop, or after a loop without collectives, does not."""
   hlo = """
 %inner (x: f32[4]) -> f32[4] {
   %x = f32[4]{0} parameter(0)
@@ -426,6 +426,15 @@ def test_collectives_racing_loops_are_those_after_a_loop_of_collectives_they_do_
   ROOT %t = (s32[], f32[4]{0}) tuple(%i, %v)
 }
 
+%outer_body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %inner_loop = (s32[], f32[4]{0}) while(%p), condition=%cond, body=%body
+  %inner_out = f32[4]{0} get-tuple-element(%inner_loop), index=1
+  %waits_in_body = f32[4]{0} all-reduce(%inner_out), replica_groups={}, to_apply=%add
+  %races_in_body = f32[4]{0} all-reduce(%p), replica_groups={}, to_apply=%add
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %waits_in_body)
+}
+
 ENTRY %main (a: f32[4], w: f32[2]) -> f32[8] {
   %a = f32[4]{0} parameter(0)
   %w = f32[2]{0} parameter(1)
@@ -437,10 +446,12 @@ ENTRY %main (a: f32[4], w: f32[2]) -> f32[8] {
   %out = f32[4]{0} get-tuple-element(%loop), index=1
   %waits = f32[4]{0} all-reduce(%out), replica_groups={}, to_apply=%add
   %races = f32[8]{0} all-gather(%w), dimensions={0}, metadata={op_name="%loop"}
-  ROOT %waits_too = f32[8]{0} all-gather(%waits), dimensions={0}
+  %nested = (s32[], f32[4]{0}) while(%loop), condition=%cond, body=%outer_body
+  %nested_out = f32[4]{0} get-tuple-element(%nested), index=1
+  ROOT %waits_too = f32[8]{0} all-gather(%nested_out), dimensions={0}
 }
 """
-  assert update_plan.collectives_racing_loops(hlo) == ["races"]
+  assert update_plan.collectives_racing_loops(hlo) == ["races", "races_in_body"]
 
 
 @pytest.mark.parametrize(
