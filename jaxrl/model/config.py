@@ -164,8 +164,7 @@ class ModelConfig:
       tenth of a device's memory as the device reports it (GPU, TPU;
       `jaxrl.model.scan_fit`), and the learner on several CPU devices that exchange data
       (XLA:CPU can deadlock its collectives in and after the scan). False unrolls the
-      blocks, as passes that
-      read a cache (decode, chunked prefill) always do.
+      blocks, as passes that read a cache (decode, chunked prefill) always do.
     moe_dispatch: how an MoE layer runs its experts on a mesh without an expert axis (size 1;
       with one the layer is expert-parallel, `jaxrl.sharding.moe_expert_parallel`): "dense"
       runs every expert on every token and zeroes the outputs of the experts a token did not

@@ -18,7 +18,8 @@ alone, and in a program's first runs two simulated devices sometimes ran the two
 orders and deadlocked (`jaxrl.train.update_plan.collectives_racing_loops` finds such
 collectives; the LM head's all-gathers after the scan in the learner's micro-step are some).
 The paged engine keeps its scan there: none of its programs has such a collective, scanned
-(`tests/rollout/compile_ahead_test.py` checks them). Accelerators run collectives in program order.
+(`tests/rollout/compile_ahead_test.py` checks them). Accelerators run collectives in program
+order.
 """
 
 from __future__ import annotations

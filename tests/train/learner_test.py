@@ -465,7 +465,8 @@ def test_a_learner_on_cpu_devices_that_exchange_data_runs_no_collective_racing_a
   (`scan_fit.exchanges_on_cpu`), and its programs have no collective that XLA:CPU may run out
   of order across devices (`update_plan.collectives_racing_loops`). Scanned, the packed
   micro-step has some (the LM head's all-gathers after the loop over the blocks, metrics'
-  all-reduces after the backward loop); data-parallel, the learner keeps the scan."""
+  all-reduces after the backward loop), and so has the padded update inside its loop over
+  micro-batches; data-parallel, the learner keeps the scan."""
 
   def learner(mesh_axes):
     return Learner(
@@ -486,12 +487,11 @@ def test_a_learner_on_cpu_devices_that_exchange_data_runs_no_collective_racing_a
   for program in update_plan.compiled_update(unrolled, 16, 25):
     assert update_plan.collectives_racing_loops(program.as_text()) == []
   assert learner({"data": 4}).model.config.scan_layers
-  if pack:
-    monkeypatch.setattr(scan_fit, "exchanges_on_cpu", lambda mesh: False)
-    scanned = learner(axes)
-    assert scanned.model.config.scan_layers
-    micro_step = update_plan.compiled_update(scanned, 16, 25)[0]
-    assert update_plan.collectives_racing_loops(micro_step.as_text())
+  monkeypatch.setattr(scan_fit, "exchanges_on_cpu", lambda mesh: False)
+  scanned = learner(axes)
+  assert scanned.model.config.scan_layers
+  first = update_plan.compiled_update(scanned, 16, 25)[0]  # packed: the micro-step
+  assert update_plan.collectives_racing_loops(first.as_text())
 
 
 @pytest.mark.parametrize("pack_length", [24, 0], ids=["packed", "padded"])
