@@ -8,6 +8,14 @@ import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `python -m pytest` puts the working directory first on sys.path. From the repository's root
+# that makes the top-level `kernels/` folder (installed as `jaxrl.kernels`) importable as
+# `kernels`, the name of Hugging Face's kernel package, which transformers 5.25 depends on and
+# imports as its model classes load: transformers then fails with "cannot import name
+# 'CUDAProperties' from 'kernels'". The tests import the installed package (`jaxrl.*`), so they
+# see the root as its users do: not at all, however pytest was started.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO]
 # Shared test helpers (tiny Hugging Face checkpoints and tokenizers): `from helpers import ...`.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
