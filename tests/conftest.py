@@ -83,35 +83,48 @@ def pytest_unconfigure(config):
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
-def _worth_dropping_executables() -> bool:
-  """Whether this process holds enough compiled executables to free them: over a quarter of
-  the kernel's memory maps (`vm.max_map_count`, 65,530 by default), or over 3 GiB resident.
-  Where /proc cannot tell (not Linux), always."""
+# Resident bytes just after the last drop: freed memory mostly stays with the process, so
+# what counts is growth since then, not the total (which a drop barely lowers).
+_resident_after_drop = 0
+
+
+def _resident_and_maps() -> tuple[int, int, int] | None:
+  """(resident bytes, memory maps, the kernel's limit on maps), or None where /proc cannot
+  tell (not Linux)."""
   try:
-    with open("/proc/sys/vm/max_map_count") as f:
-      max_maps = int(f.read())
-    with open("/proc/self/maps", "rb") as f:
-      maps = sum(1 for _ in f)
     with open("/proc/self/statm") as f:
       resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/maps", "rb") as f:
+      maps = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      return resident, maps, int(f.read())
   except (OSError, ValueError):
-    return True
-  return maps > max_maps // 4 or resident > 3 << 30
+    return None
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_executables():
-  """Frees the compiled executables of the modules run so far when there are many: a suite
-  that keeps them all runs out of memory maps for new ones (XLA:CPU then fails with "Cannot
-  allocate memory"). Freeing them after every module instead cost the next modules their
-  traces and compiles of the same small programs: on the 2-core VM (2026-12-06), `tests/model`
-  with `tests/train` 427 -> 398 s (CPU 13m31s -> 12m36s), the suite 1,674 -> 1,496 s (CPU
-  51m40s -> 45m51s); its workers peaked at 12,710 maps and 4.0 GB resident (before: 16,866
-  and 3.6 GB)."""
+  """Frees the compiled executables of the modules run so far when there are many: over a
+  quarter of the kernel's memory maps (`vm.max_map_count`, 65,530 by default), or 1 GiB more
+  resident than after the last drop (3 GiB before the first); always where /proc cannot tell.
+  A suite that keeps them all runs out of memory maps for new ones (XLA:CPU then fails with
+  "Cannot allocate memory"). Freeing them after every module instead cost the next modules
+  their traces and compiles of the same small programs: on the 2-core VM (2026-12-06),
+  `tests/model` with `tests/train` 427 -> 398 s (CPU 13m31s -> 12m36s), the suite 1,674 ->
+  1,496 s (CPU 51m40s -> 45m51s); its workers peaked at 12,710 maps and 4.0 GB resident
+  (before: 16,866 and 3.6 GB). (Those runs dropped whenever over 3 GiB resident, so once past
+  it, after every module: a drop took one worker from 3.06 to 3.04 GiB.)"""
+  global _resident_after_drop
   yield
-  if _worth_dropping_executables():
-    gc.collect()
-    jax.clear_caches()
+  held = _resident_and_maps()
+  if held is not None:
+    resident, maps, max_maps = held
+    if maps <= max_maps // 4 and resident <= max(3 << 30, _resident_after_drop + (1 << 30)):
+      return
+  gc.collect()
+  jax.clear_caches()
+  held = _resident_and_maps()
+  _resident_after_drop = 0 if held is None else held[0]
 
 
 _NOT_RUN = pytest.StashKey[str]()
