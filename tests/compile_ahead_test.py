@@ -1,11 +1,19 @@
-"""`jaxrl.compile_ahead`: programs compiled on background threads, and their owner stopping them."""
+"""`jaxrl.compile_ahead`: programs compiled on background threads, and their owner stopping them;
+functions whose jits share their traces and programs."""
 
+import collections
+import dataclasses
 import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from jaxrl.compile_ahead import compile_in_background
+from jaxrl.compile_ahead import compile_in_background, shared_function
+from jaxrl.model import Model, get_preset
+from jaxrl.sharding import TRAIN_RULES, make_mesh
+from jaxrl.train import Learner, LossConfig, OptimizerConfig
 
 
 def test_programs_not_begun_when_the_owner_stops_are_skipped():
@@ -40,3 +48,82 @@ def test_without_a_stop_every_program_compiles():
   for future in compile_in_background([lowering(n) for n in range(3)], workers=2):
     future.result(timeout=120)
   assert sorted(lowered) == [0, 1, 2]
+
+
+def _scaled(scale, x):
+  return jnp.sin(x) * scale
+
+
+class _Events:
+  """Counts JAX's trace and compile events of functions whose names hold `name` while it is
+  open ("": every function)."""
+
+  def __init__(self, name=""):
+    self.name, self.counts = name, collections.Counter()
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self.counts
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listen)
+
+  def _listen(self, event, _secs, fun_name="", **_):
+    if self.name in fun_name:
+      self.counts[event.rsplit("/", 1)[-1]] += 1
+
+
+def test_jits_of_a_shared_function_trace_and_compile_once():
+  """Jits made apart (new meshes and shardings, equal by value) of one shared function trace,
+  lower and compile a shape once; another bound value is another function."""
+  assert shared_function(_scaled, 2.0) is shared_function(_scaled, 2.0)
+  assert shared_function(_scaled, 3.0) is not shared_function(_scaled, 2.0)
+  x = np.arange(8, dtype=np.float32)
+  with _Events("_scaled") as counts:
+    for _ in range(3):
+      mesh = make_mesh(jax.devices()[:2], {"data": 2})
+      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+      jitted = jax.jit(shared_function(_scaled, 2.0), out_shardings=sharding)
+      np.testing.assert_allclose(jitted(x), np.sin(x) * 2.0, rtol=1e-6)
+  assert counts["jaxpr_trace_duration"] == 1 and counts["backend_compile_duration"] == 1
+  with _Events("_scaled") as counts:
+    np.testing.assert_allclose(
+      jax.jit(shared_function(_scaled, 3.0))(x), np.sin(x) * 3.0, rtol=1e-6
+    )
+  assert counts["backend_compile_duration"] == 1
+
+
+def test_a_shared_function_binds_only_hashable_values():
+  with pytest.raises(TypeError, match=r"shared_function\('_scaled'\).*hashable"):
+    shared_function(_scaled, [2.0])
+
+
+def test_a_second_learner_of_a_model_compiles_no_initialisation():
+  """Models of equal configs are equal; a learner built again (a job's stages rebuilt after a
+  fault) initialises its parameters and optimizer with the programs the first one made, and
+  gets the same values."""
+  config = get_preset("tiny", num_layers=1, max_seq_len=16)
+  assert Model(config) == Model(config) and hash(Model(config)) == hash(Model(config))
+  assert Model(config) != Model(get_preset("tiny", num_layers=2, max_seq_len=16))
+
+  def learner():
+    mesh = make_mesh(jax.devices()[:2], {"fsdp": 2})
+    optimizer = OptimizerConfig(learning_rate=1e-3)
+    return Learner(
+      Model(config), mesh, TRAIN_RULES, loss=LossConfig(), optimizer=optimizer,
+      updates_per_step=1, micro_batch_size=2, temperature=1.0,
+    )  # fmt: skip
+
+  first = learner()
+  with _Events() as counts:
+    second = learner()
+  assert counts["backend_compile_duration"] == 0, counts  # the parameters' and the optimizer's
+  with _Events() as counts:  # a learner of another model compiles its own
+    Learner(
+      Model(dataclasses.replace(config, num_layers=2)), first.mesh, TRAIN_RULES,
+      loss=LossConfig(), optimizer=OptimizerConfig(learning_rate=1e-3), updates_per_step=1,
+      micro_batch_size=2, temperature=1.0,
+    )  # fmt: skip
+  assert counts["backend_compile_duration"] >= 2, counts
+  for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params), strict=True):
+    np.testing.assert_array_equal(a, b)

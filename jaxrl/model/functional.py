@@ -54,6 +54,14 @@ class Model:
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     self.graphdef, self._abstract_state = nnx.split(abstract)
 
+  # Everything else a Model holds is made from its config: models of equal configs compute
+  # the same functions, and share their traces and programs (`compile_ahead.shared_function`).
+  def __eq__(self, other) -> bool:
+    return type(other) is type(self) and other.config == self.config
+
+  def __hash__(self) -> int:
+    return hash(self.config)
+
   def init(self, seed: int | jax.Array) -> Params:
     """Fresh parameters; jit it with `out_shardings` to build them already sharded."""
     key = (

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.compile_ahead import shared_function
 from jaxrl.kernels.partitioning import local_page_ids, split_call
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PackedPrefillCache, PagedLayerCache
 from jaxrl.rollout.decode_loop import DecodeState, RowSampling, WindowOutput, decode_window
@@ -69,7 +70,8 @@ class PagedCalls:
       spec = kv_pool_pspec(mesh, rules, shape)
       sharding = jax.sharding.NamedSharding(mesh, spec)
       if pages not in makers:
-        makers[pages] = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+        zeros = shared_function(jnp.zeros, shape, dtype)  # engines of one pool: one trace
+        makers[pages] = jax.jit(zeros, out_shardings=sharding)
       kv.append((sharding, sharding))
       pool = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
       self.abstract_kv.append((pool, pool))

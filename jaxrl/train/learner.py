@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.compile_ahead import with_shardings
+from jaxrl.compile_ahead import shared_function, with_shardings
 from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
 from jaxrl.model import ExpertParallel, Model, MoEInputs, Params, copy_params
 from jaxrl.model.scan_fit import fit_scan
@@ -154,7 +154,8 @@ class Learner:
       self.params = with_shardings(model.abstract_params(), self.param_shardings)
     else:
       if params is None:
-        params = jax.jit(model.init, out_shardings=self.param_shardings)(seed)
+        init = shared_function(Model.init, model)  # learners of one model share its trace
+        params = jax.jit(init, out_shardings=self.param_shardings)(seed)
       self.params = jax.device_put(params, self.param_shardings)
     # The state keeps one layout for the whole run: optimizer moments sharded like their
     # parameters, the rest (step counts) replicated, and the update returns it in that layout.

@@ -109,6 +109,9 @@ def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   return optax.join_schedules([warmup, decay], boundaries=[cfg.warmup_steps])
 
 
+# One transformation per config in a process: learners of equal configs then jit the same
+# functions, and share their traces and programs (`compile_ahead.shared_function`).
+@functools.cache
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
   """AdamW on the schedule of `make_schedule`, after global-norm clipping of the gradients.
 
