@@ -10,9 +10,9 @@ while a thread compiles its program waits for that compile: JAX compiles it once
 holds Python's GIL; XLA's compiling, the long part, does not, so the threads compile while
 the caller's thread runs other work.
 
-`shared_function` lets jits made apart share those caches: engines and learners built again in
-a process with the same settings (a rollout worker restarted or added, a job's stages built
-again after a fault) run the programs the first one traced and compiled."""
+`shared_function` lets jits made apart share those caches: engines built again in a process
+with the same settings (a rollout worker restarted or added, a job's stages built again after a
+fault) run the programs the first one traced and compiled; learners, their initialisation."""
 
 from __future__ import annotations
 
@@ -85,8 +85,9 @@ def shared_function(fun: Callable, *bound: Hashable) -> Callable:
   had made before). Jits of the function this returns share those caches.
 
   They share one cache of compiled shapes too: `_cache_size()` of any of them counts every
-  shape compiled in the process for the function. Programs whose compiled shapes are counted
-  per owner (an engine's decode window, a learner's update) keep functions of their own.
+  shape compiled in the process for the function, not one owner's. An owner that reports its
+  own compiled shapes counts them itself (the paged engine: `PagedCalls.compiled`); the
+  learner's update programs keep functions of their own for now.
 
   `fun` must be a module-level function (compared by identity) whose result depends only on
   `bound` and its traced arguments; `bound` holds hashable values compared by value (frozen

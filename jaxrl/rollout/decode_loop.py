@@ -204,11 +204,15 @@ class DeviceBatch:
     # Declared output shardings: the state keeps the layout the decoders expect.
     self._set_rows = jax.jit(set_rows, out_shardings=shardings)
     self._gather_rows = jax.jit(gather_rows, out_shardings=shardings)
+    # (row update, argument shapes) this batch ran: jits of these module-level functions
+    # share JAX's count of compiled shapes with every engine's in the process.
+    self.shapes_met: set = set()
 
-  @property
-  def jitted(self) -> tuple:
-    """Its jitted row updates (for counting compiled shapes)."""
-    return self._set_rows, self._gather_rows
+  def _update(self, jitted, *args) -> None:
+    """The row state and sampling through `jitted` (a row update) with `args`, noted."""
+    shapes = tuple(np.shape(a) for a in jax.tree.leaves((self.state, self.sampling, args)))
+    self.shapes_met.add((jitted, shapes))
+    self.state, self.sampling = jitted(self.state, self.sampling, *args)
 
   @property
   def stop_width(self) -> int:
@@ -251,14 +255,14 @@ class DeviceBatch:
       sampling.seeds_b[i], sampling.temperature_b[i] = start.seed, start.temperature
       sampling.top_k_b[i], sampling.top_p_b[i] = start.top_k, start.top_p
       sampling.stop_ids_bs[i, : len(start.stop_ids)] = start.stop_ids
-    self.state, self.sampling = self._set_rows(self.state, self.sampling, index, state, sampling)
+    self._update(self._set_rows, index, state, sampling)
 
   def kill(self, row: int) -> None:
     """Frees a row and stops it on the device (a row that stopped there needs only `free`)."""
     self.rows[row] = None
     state, sampling = dead_rows(1, self.stop_width, self._pad_id)
     index = np.asarray([row], np.int32)
-    self.state, self.sampling = self._set_rows(self.state, self.sampling, index, state, sampling)
+    self._update(self._set_rows, index, state, sampling)
 
   def free(self, row: int) -> None:
     self.rows[row] = None
@@ -271,7 +275,5 @@ class DeviceBatch:
         holder = keep[k]
         source[i], moved[i], holder.row = holder.row, holder, i
     state, sampling = dead_rows(1, self.stop_width, self._pad_id)
-    self.state, self.sampling = self._gather_rows(
-      self.state, self.sampling, source, state, sampling
-    )
+    self._update(self._gather_rows, source, state, sampling)
     self.rows = moved

@@ -207,8 +207,11 @@ class PagedEngine:
     return 0 if self._kv is None else sum(k.nbytes + v.nbytes for k, v in self._kv)
 
   def compiled_shapes(self) -> int:
-    """Executables compiled so far: decode windows, prefill chunks and row updates."""
-    return sum(f._cache_size() for f in [*self._calls.jitted, *self._batch.jitted])
+    """Programs compiled for this engine so far (by it, or by an engine of the same settings
+    in the process: `PagedCalls.compiled`): decode windows, prefills, page copies and row
+    updates."""
+    calls = self._calls
+    return sum(map(calls.compiled, calls.jitted)) + len(self._batch.shapes_met)
 
   def submit(
     self,

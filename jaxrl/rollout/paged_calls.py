@@ -16,14 +16,14 @@ Glossary: b rows, t tokens per row, n pages per row, k kv heads, p pages, z page
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.compile_ahead import shared_function
-from jaxrl.kernels.partitioning import local_page_ids, split_call
+from jaxrl.kernels.partitioning import KernelMesh, local_page_ids, split_call
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PackedPrefillCache, PagedLayerCache
 from jaxrl.rollout.decode_loop import DecodeState, RowSampling, WindowOutput, decode_window
 from jaxrl.rollout.requests import bucketed_page_pairs
@@ -91,6 +91,13 @@ class PagedCalls:
       (window, state, kv),
     )
     self._steps = config.decode_steps
+    # What the programs compute with besides their arguments: engines of equal settings in a
+    # process share their traces and compiled programs (`shared_function`), and so one count
+    # of compiled shapes per program (`_cache_size`): each engine keeps its own (`compiled`).
+    self._forward = _Forward(
+      model, self._moe, self._kernel_mesh, self.ring_layers, self._vocab_split
+    )
+    self._shapes_met: dict[object, set] = {}
     # Host arrays onto the mesh, and device outputs back (`jaxrl.sharding.hosts`).
     multi = mesh.is_multi_process
     self.put = to_devices if multi else jax.device_put
@@ -100,22 +107,24 @@ class PagedCalls:
     self.decoders: dict[int, jax.stages.Wrapped] = {}
     self._decoder_calls: dict[int, jax.stages.Wrapped] = {}
     self._prefill = jax.jit(
-      self._prefill_impl,
+      shared_function(_prefill_impl, self._forward),
       donate_argnums=(1,),
       in_shardings=(param_shardings, kv, *[matrix] * 4),
       out_shardings=(kv, read_row if mc.is_moe else None),
     )
-    self.prefill = self._counted(self._wrap(self._prefill, (None, None, *[matrix] * 4)))
+    self.prefill = self._counted(
+      self._prefill, self._wrap(self._prefill, (None, None, *[matrix] * 4))
+    )
     # Packed rows (`prefill.PackedCall`): tokens, positions, segment ids, token pages (the
     # main pool's, the window pool's).
     self._prefill_packed = jax.jit(
-      self._prefill_packed_impl,
+      shared_function(_prefill_packed_impl, self._forward),
       donate_argnums=(1,),
       in_shardings=(param_shardings, kv, *[matrix] * 5),
       out_shardings=(kv, read_row if mc.is_moe else None),
     )
     self.prefill_packed = self._counted(
-      self._wrap(self._prefill_packed, (None, None, *[matrix] * 5))
+      self._prefill_packed, self._wrap(self._prefill_packed, (None, None, *[matrix] * 5))
     )
     self.num_prefill_tokens = 0  # tokens (positions >= 0) the prefill calls were given
     # Pages of one shard's main pool and window pool (global ids: shard i holds i * n..).
@@ -124,7 +133,7 @@ class PagedCalls:
     main_layers = frozenset(range(mc.num_layers)) - self.ring_layers
     self.copy_pages, self.copy_ring_pages = (
       jax.jit(
-        functools.partial(_copy_pages, layers=layers, kernel_mesh=self._kernel_mesh),
+        shared_function(_copy_pages, layers, self._kernel_mesh),
         donate_argnums=(0,),
         in_shardings=(kv, None, None),
         out_shardings=kv,
@@ -140,12 +149,24 @@ class PagedCalls:
       self.copy_ring_pages,
     ]  # fmt: skip
 
-  def _counted(self, call):
+  def note(self, jitted, args) -> None:
+    """Records that this engine runs (or compiled ahead) `jitted` on `args`, the arguments
+    after the weights and the KV pool: their shapes are the program's, as the rest are fixed."""
+    shapes = tuple(np.shape(a) for a in jax.tree.leaves(args))
+    self._shapes_met.setdefault(jitted, set()).add(shapes)
+
+  def compiled(self, jitted) -> int:
+    """Shapes of `jitted` this engine ran or compiled ahead: its programs, compiled by it or
+    by an engine of the same settings in the process before."""
+    return len(self._shapes_met.get(jitted, ()))
+
+  def _counted(self, jitted, call):
     """`call` (a prefill: positions are its fourth argument, -1 on padding), counting the
-    tokens it computes: what kept and shared pages save shows here."""
+    tokens it computes (what kept and shared pages save shows here) and noting its shapes."""
 
     def counted(params, kv, tokens_bt, positions_bt, *rest):
       self.num_prefill_tokens += int((positions_bt >= 0).sum())
+      self.note(jitted, (tokens_bt, positions_bt, *rest))
       return call(params, kv, tokens_bt, positions_bt, *rest)
 
     return counted
@@ -164,10 +185,13 @@ class PagedCalls:
         )
     total = self.page_shards
     if pairs:
-      kv = self.copy_pages(kv, *bucketed_page_pairs(pairs, self._num_pages * total))
+      args = bucketed_page_pairs(pairs, self._num_pages * total)
+      self.note(self.copy_pages, args)
+      kv = self.copy_pages(kv, *args)
     if ring_pairs:
-      ring_pairs = list(ring_pairs)
-      kv = self.copy_ring_pages(kv, *bucketed_page_pairs(ring_pairs, self._window_pool * total))
+      args = bucketed_page_pairs(list(ring_pairs), self._window_pool * total)
+      self.note(self.copy_ring_pages, args)
+      kv = self.copy_ring_pages(kv, *args)
     return kv
 
   def decoder(self, width: int):
@@ -177,71 +201,86 @@ class PagedCalls:
     if width not in self.decoders:
       in_shardings, out_shardings = self._decode_shardings
       self.decoders[width] = jax.jit(
-        functools.partial(self._decode_impl, steps=self._steps, width=width),
+        shared_function(_decode_impl, self._forward, self._steps, width),
         donate_argnums=(1,),
         in_shardings=in_shardings,
         out_shardings=out_shardings,
       )
-      self._decoder_calls[width] = self._wrap(self.decoders[width], in_shardings)
+      jitted = self.decoders[width]
+      call = self._wrap(jitted, in_shardings)
+
+      def noted(params, kv, *rest, jitted=jitted, call=call):
+        self.note(jitted, rest)
+        return call(params, kv, *rest)
+
+      self._decoder_calls[width] = noted
     return self._decoder_calls[width]
 
-  def _layers(self, kv, table_bn, ring_table_bn):
+
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+  """The model's forward pass as the engine's programs run it: everything they compute with
+  besides their arguments, compared by value (`shared_function`)."""
+
+  model: Model
+  moe: MoEInputs
+  kernel_mesh: KernelMesh | None
+  ring_layers: frozenset[int]  # layers in the window pool, which read the second page table
+  vocab_split: VocabSplit
+
+  def __call__(self, params, tokens_bt, positions_bt, layers, **kwargs):
+    """(logits, the layers' caches, routes) of `tokens_bt` over the layer caches `layers`."""
+    return self.model.apply(
+      params, tokens_bt, positions_bt, tuple(layers), return_routing=True, moe=self.moe,
+      kernel_mesh=self.kernel_mesh, **kwargs,
+    )  # fmt: skip
+
+  def paged(self, kv, table_bn, ring_table_bn):
     """Each layer's paged cache: the window pool's layers read `ring_table_bn`."""
     return tuple(
       PagedLayerCache(k, v, ring_table_bn if i in self.ring_layers else table_bn)
       for i, (k, v) in enumerate(kv)
     )
 
-  def _prefill_impl(self, params, kv, tokens_bt, positions_bt, table_bn, ring_table_bn):
-    _, cache, routing_btlk = self.model.apply(
-      params,
-      tokens_bt,
-      positions_bt,
-      self._layers(kv, table_bn, ring_table_bn),
-      return_routing=True,
-      moe=self._moe,
-      kernel_mesh=self._kernel_mesh,
+
+def _pools(cache) -> list:
+  return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
+
+
+def _prefill_impl(forward: _Forward, params, kv, tokens_bt, positions_bt, table_bn, ring_table_bn):
+  layers = forward.paged(kv, table_bn, ring_table_bn)
+  _, cache, routing_btlk = forward(params, tokens_bt, positions_bt, layers)
+  return _pools(cache), routing_btlk
+
+
+def _prefill_packed_impl(
+  forward: _Forward, params, kv, tokens_bt, positions_bt, segment_ids_bt, pages_bt, ring_pages_bt
+):
+  layers = (
+    PackedPrefillCache(k, v, ring_pages_bt if i in forward.ring_layers else pages_bt)
+    for i, (k, v) in enumerate(kv)
+  )
+  _, cache, routing_btlk = forward(
+    params, tokens_bt, positions_bt, layers, segment_ids_bt=segment_ids_bt
+  )
+  return _pools(cache), routing_btlk
+
+
+def _decode_impl(
+  forward: _Forward, steps: int, width: int, params, kv, state, sampling, table_bn, ring_table_bn
+):
+  def step_logits(kv, tokens_b, positions_b):
+    layers = forward.paged(kv, table_bn, ring_table_bn)
+    logits_b1v, cache, routing_b1lk = forward(
+      params, tokens_b[:, None], positions_b[:, None], layers
     )
-    return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
+    routing_blk = None if routing_b1lk is None else routing_b1lk[:, 0]
+    return logits_b1v[:, 0], routing_blk, _pools(cache)
 
-  def _prefill_packed_impl(
-    self, params, kv, tokens_bt, positions_bt, segment_ids_bt, pages_bt, ring_pages_bt
-  ):
-    _, cache, routing_btlk = self.model.apply(
-      params,
-      tokens_bt,
-      positions_bt,
-      tuple(
-        PackedPrefillCache(k, v, ring_pages_bt if i in self.ring_layers else pages_bt)
-        for i, (k, v) in enumerate(kv)
-      ),
-      return_routing=True,
-      moe=self._moe,
-      kernel_mesh=self._kernel_mesh,
-      segment_ids_bt=segment_ids_bt,
-    )
-    return [(c.k_pages_kpze, c.v_pages_kpze) for c in cache], routing_btlk
-
-  def _decode_impl(
-    self, params, kv, state, sampling, table_bn, ring_table_bn, *, steps: int, width: int
-  ):
-    def step_logits(kv, tokens_b, positions_b):
-      logits_b1v, cache, routing_b1lk = self.model.apply(
-        params,
-        tokens_b[:, None],
-        positions_b[:, None],
-        self._layers(kv, table_bn, ring_table_bn),
-        return_routing=True,
-        moe=self._moe,
-        kernel_mesh=self._kernel_mesh,
-      )
-      routing_blk = None if routing_b1lk is None else routing_b1lk[:, 0]
-      return logits_b1v[:, 0], routing_blk, [(c.k_pages_kpze, c.v_pages_kpze) for c in cache]
-
-    return decode_window(
-      step_logits, kv, state, sampling, steps=steps, filter_width=width,
-      vocab_split=self._vocab_split,
-    )  # fmt: skip
+  return decode_window(
+    step_logits, kv, state, sampling, steps=steps, filter_width=width,
+    vocab_split=forward.vocab_split,
+  )  # fmt: skip
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -265,7 +304,7 @@ def _global_inputs(jitted, in_shardings):
   return call
 
 
-def _copy_pages(kv, source_c, target_c, *, layers: frozenset[int], kernel_mesh):
+def _copy_pages(layers: frozenset[int], kernel_mesh, kv, source_c, target_c):
   """The keys and values of pages `source_c` copied into pages `target_c` in the pools of
   `layers` (the others as they are); targets out of range, the padding of a bucketed call,
   write nothing. On each device's kv heads and pages (`kernels.partitioning`): a pair's pages

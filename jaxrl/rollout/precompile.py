@@ -138,6 +138,7 @@ def precompile_engine(
         break
       ran += 1
       args = program.args
+      calls.note(program.jitted, args)
       if program.on_device:
         state, sampling, *tables = args
         args = (*calls.put((state, sampling), calls.row_state_shardings), *tables)
@@ -188,6 +189,7 @@ def engine_lowerings(engine: PagedEngine, stop_width: int, filter_width: int, pa
   out = []
   for program in engine_programs(engine, (stop_width,), (filter_width,), None, chunked):
     args = program.args
+    calls.note(program.jitted, args)  # compiled for this engine, once its thread gets to it
     if program.on_device:  # laid out as `DeviceBatch` keeps them
       state, sampling, *tables = args
       args = (*with_shardings((state, sampling), calls.row_state_shardings), *tables)

@@ -160,7 +160,7 @@ def test_a_precompiled_engine_compiles_nothing_for_a_next_turn_on_kept_pages(mes
   e = engine(mesh, params, precompile=True, max_tokens=32, **small)
 
   def compiled():  # decode windows, prefills, page copies (row updates are not precompiled)
-    return [f._cache_size() for f in e._calls.jitted]
+    return [e._calls.compiled(f) for f in e._calls.jitted]
 
   before = compiled()
   first = run(e, [turn("a", rng.integers(3, 60, 6), 0, new=4)])["a"]  # caches 9: 2 pages + 1

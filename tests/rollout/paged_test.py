@@ -244,9 +244,9 @@ def test_out_of_pages_preemption_loses_no_request(mesh, params, decode_steps):
   assert set(done) == set(ids)
   # Shapes are bucketed: rows in {2, 4, 8, 16} x page-table widths in {1, 2, 4, 8, 16}, one
   # window size, one sampler filter (no top-k or top-p).
-  assert steps > 40 // decode_steps and e._calls._prefill._cache_size() <= 20
+  assert steps > 40 // decode_steps and e._calls.compiled(e._calls._prefill) <= 20
   assert set(e._calls.decoders) == {NO_FILTER}
-  assert e._calls.decoders[NO_FILTER]._cache_size() <= 20
+  assert e._calls.compiled(e._calls.decoders[NO_FILTER]) <= 20
   for rid, p, m in zip(ids, ps, budgets, strict=True):
     r = done[rid]
     assert r.prompt_ids == p
@@ -420,8 +420,8 @@ def test_precompiled_engine_compiles_nothing_while_it_generates(mesh, params):
 
     def compiled():
       calls = e._calls
-      prefills = calls._prefill._cache_size(), calls._prefill_packed._cache_size()
-      return {w: d._cache_size() for w, d in calls.decoders.items()}, prefills
+      prefills = calls.compiled(calls._prefill), calls.compiled(calls._prefill_packed)
+      return {w: calls.compiled(d) for w, d in calls.decoders.items()}, prefills
 
     before = compiled()
     for i, (prompt, sampling) in enumerate(zip(ps, sp, strict=True)):
@@ -461,10 +461,10 @@ def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row
   for a, b in zip(want, got, strict=True):
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
   row_counts = set(sized._block_row_counts(sized.rows_per_shard))
-  decoded = sized._calls.decoders[NO_FILTER]._cache_size()
-  assert decoded <= len(row_counts) < bucketed._calls.decoders[NO_FILTER]._cache_size()
-  assert sized._calls._prefill._cache_size() <= len(row_counts)
-  assert sized._calls._prefill_packed._cache_size() <= len(row_counts)
+  decoded = sized._calls.compiled(sized._calls.decoders[NO_FILTER])
+  assert decoded <= len(row_counts) < bucketed._calls.compiled(bucketed._calls.decoders[NO_FILTER])
+  assert sized._calls.compiled(sized._calls._prefill) <= len(row_counts)
+  assert sized._calls.compiled(sized._calls._prefill_packed) <= len(row_counts)
   # A precompiled engine sized so: one program per row count and filter, one prefill of each
   # kind (packed rows; chunks, for sequences longer than `prefill_chunk` or after a kept
   # turn's pages) per row count, and a page copy per bucket of copies (1, 2 or 4).
@@ -472,9 +472,9 @@ def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row
   shapes = fresh.precompile(filter_widths=(NO_FILTER,))
   assert shapes == 3 * len(row_counts) + 3
   fresh.generate(ps, sp, seed=3)
-  assert fresh._calls.decoders[NO_FILTER]._cache_size() == len(row_counts)
-  assert fresh._calls._prefill._cache_size() == len(row_counts)
-  assert fresh._calls._prefill_packed._cache_size() == len(row_counts)
+  assert fresh._calls.compiled(fresh._calls.decoders[NO_FILTER]) == len(row_counts)
+  assert fresh._calls.compiled(fresh._calls._prefill) == len(row_counts)
+  assert fresh._calls.compiled(fresh._calls._prefill_packed) == len(row_counts)
   # Past max_tokens: a wider table, compiled when met, and the bucketed engine's tokens.
   long_prompt = [list(rng.integers(3, 60, 30))]
   sampling = SamplingParams(max_new_tokens=12)
@@ -482,3 +482,36 @@ def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row
     sized.generate(long_prompt, sampling, seed=1)[0].token_ids,
     bucketed.generate(long_prompt, sampling, seed=1)[0].token_ids,
   )
+
+
+def test_an_engine_of_the_same_settings_runs_the_first_ones_programs_and_counts_its_own(
+  mesh, params
+):
+  """A second engine of equal settings (a worker restarted in the process) traces and
+  compiles none of the programs the first one compiled, and gives the same tokens; each
+  engine counts the shapes it ran, not the process's (what a third engine compiles into the
+  shared programs is not counted by the first two)."""
+  from helpers.compiles import compiled_functions
+
+  rng = np.random.default_rng(11)
+  ps = [list(rng.integers(3, 60, n)) for n in rng.integers(1, 9, 6)]
+  sp = [SamplingParams(max_new_tokens=int(rng.integers(1, 12)), ignore_eos=True) for _ in ps]
+  # A pool size no other test's engine has: this test's programs are its own.
+  cfg = dict(page_size=4, num_pages=53, max_running=4, prefill_chunk=8, decode_steps=2)
+  first = engine(mesh, params, **cfg)
+  want = first.generate(ps, sp, seed=3)
+  with compiled_functions() as names:
+    second = engine(mesh, params, **cfg)
+    got = second.generate(ps, sp, seed=3)
+  assert not [n for n in names if "_impl" in n or "_copy_pages" in n or "zeros" in n], names
+  for a, b in zip(want, got, strict=True):
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+  counted = first.compiled_shapes()
+  assert second.compiled_shapes() == counted > 0
+  # One request: a row count the others never ran, compiled into the programs they share.
+  decoder = first._calls.decoders[NO_FILTER]
+  shared = decoder._cache_size()  # JAX's count: the process's
+  third = engine(mesh, params, **cfg)
+  third.generate(ps[:1], sp[:1], seed=3)
+  assert decoder._cache_size() > shared
+  assert first.compiled_shapes() == second.compiled_shapes() == counted

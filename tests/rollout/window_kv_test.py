@@ -205,7 +205,7 @@ def test_precompiled_ring_engine_compiles_nothing_while_it_generates(mesh, param
   rng = np.random.default_rng()
   # 2 rows on each of data's 2 shards: a prompt's second sample joins its leader's shard.
   e = engine(mesh, params, precompile=True, max_tokens=40, max_running=4)
-  compiled = lambda: [f._cache_size() for f in e._calls.jitted]  # noqa: E731
+  compiled = lambda: [e._calls.compiled(f) for f in e._calls.jitted]  # noqa: E731
   before = compiled()
   ps = [p for p in prompts(rng, [6, 20]) for _ in range(2)]  # shared prompts: rings copied
   sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
