@@ -1,7 +1,6 @@
 """`jaxrl.compile_ahead`: programs compiled on background threads, and their owner stopping them;
 functions whose jits share their traces and programs."""
 
-import collections
 import dataclasses
 import threading
 
@@ -9,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.compiles import TRACE_EVENT, compiled_functions
 
 from jaxrl.compile_ahead import compile_in_background, shared_function
 from jaxrl.model import Model, get_preset
@@ -54,43 +54,24 @@ def _scaled(scale, x):
   return jnp.sin(x) * scale
 
 
-class _Events:
-  """Counts JAX's trace and compile events of functions whose names hold `name` while it is
-  open ("": every function)."""
-
-  def __init__(self, name=""):
-    self.name, self.counts = name, collections.Counter()
-
-  def __enter__(self):
-    jax.monitoring.register_event_duration_secs_listener(self._listen)
-    return self.counts
-
-  def __exit__(self, *exc):
-    jax.monitoring.unregister_event_duration_listener(self._listen)
-
-  def _listen(self, event, _secs, fun_name="", **_):
-    if self.name in fun_name:
-      self.counts[event.rsplit("/", 1)[-1]] += 1
-
-
 def test_jits_of_a_shared_function_trace_and_compile_once():
   """Jits made apart (new meshes and shardings, equal by value) of one shared function trace,
   lower and compile a shape once; another bound value is another function."""
   assert shared_function(_scaled, 2.0) is shared_function(_scaled, 2.0)
   assert shared_function(_scaled, 3.0) is not shared_function(_scaled, 2.0)
   x = np.arange(8, dtype=np.float32)
-  with _Events("_scaled") as counts:
+  with compiled_functions(TRACE_EVENT) as traced, compiled_functions() as compiled:
     for _ in range(3):
       mesh = make_mesh(jax.devices()[:2], {"data": 2})
       sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
       jitted = jax.jit(shared_function(_scaled, 2.0), out_shardings=sharding)
       np.testing.assert_allclose(jitted(x), np.sin(x) * 2.0, rtol=1e-6)
-  assert counts["jaxpr_trace_duration"] == 1 and counts["backend_compile_duration"] == 1
-  with _Events("_scaled") as counts:
+  assert traced.count("_scaled") == 1 and compiled.count("jit(_scaled)") == 1
+  with compiled_functions() as compiled:
     np.testing.assert_allclose(
       jax.jit(shared_function(_scaled, 3.0))(x), np.sin(x) * 3.0, rtol=1e-6
     )
-  assert counts["backend_compile_duration"] == 1
+  assert compiled.count("jit(_scaled)") == 1
 
 
 def test_a_shared_function_binds_only_hashable_values():
@@ -115,15 +96,15 @@ def test_a_second_learner_of_a_model_compiles_no_initialisation():
     )  # fmt: skip
 
   first = learner()
-  with _Events() as counts:
+  with compiled_functions() as compiled:
     second = learner()
-  assert counts["backend_compile_duration"] == 0, counts  # the parameters' and the optimizer's
-  with _Events() as counts:  # a learner of another model compiles its own
+  assert compiled == [], compiled  # the parameters' and the optimizer's initialisation
+  with compiled_functions() as compiled:  # a learner of another model compiles its own
     Learner(
       Model(dataclasses.replace(config, num_layers=2)), first.mesh, TRAIN_RULES,
       loss=LossConfig(), optimizer=OptimizerConfig(learning_rate=1e-3), updates_per_step=1,
       micro_batch_size=2, temperature=1.0,
     )  # fmt: skip
-  assert counts["backend_compile_duration"] >= 2, counts
+  assert len(compiled) >= 2, compiled
   for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params), strict=True):
     np.testing.assert_array_equal(a, b)

@@ -192,8 +192,10 @@ class DeviceBatch:
     *,
     put=jax.device_put,
     shards: int = 1,
+    note=lambda jitted, args: None,
   ):
-    """`put(tree, shardings)`: host arrays onto the devices (`PagedCalls.put`)."""
+    """`put(tree, shardings)`: host arrays onto the devices (`PagedCalls.put`); `note(jitted,
+    args)`: told of each row update run (`PagedCalls.note`, the engine's count of shapes)."""
     self.rows: list = []
     self.state: DecodeState | None = None
     self.sampling: RowSampling | None = None
@@ -204,14 +206,11 @@ class DeviceBatch:
     # Declared output shardings: the state keeps the layout the decoders expect.
     self._set_rows = jax.jit(set_rows, out_shardings=shardings)
     self._gather_rows = jax.jit(gather_rows, out_shardings=shardings)
-    # (row update, argument shapes) this batch ran: jits of these module-level functions
-    # share JAX's count of compiled shapes with every engine's in the process.
-    self.shapes_met: set = set()
+    self._note = note
 
   def _update(self, jitted, *args) -> None:
     """The row state and sampling through `jitted` (a row update) with `args`, noted."""
-    shapes = tuple(np.shape(a) for a in jax.tree.leaves((self.state, self.sampling, args)))
-    self.shapes_met.add((jitted, shapes))
+    self._note(jitted, (self.state, self.sampling, *args))
     self.state, self.sampling = jitted(self.state, self.sampling, *args)
 
   @property

@@ -134,8 +134,9 @@ class PagedEngine:
     # Read-backs that found no window queued behind them: the device waited for the host.
     self.num_host_waits = 0
     self._batch = DeviceBatch(
-      self._calls.row_state_shardings, pad_id, put=self._calls.put, shards=shards
-    )
+      self._calls.row_state_shardings, pad_id, put=self._calls.put, shards=shards,
+      note=self._calls.note,
+    )  # fmt: skip
     # The smallest page table and prefill chunk of any call (`PagedConfig.max_tokens`).
     sized_for = min(config.max_tokens, model.config.max_seq_len)
     self._min_table_width = (
@@ -210,8 +211,7 @@ class PagedEngine:
     """Programs compiled for this engine so far (by it, or by an engine of the same settings
     in the process: `PagedCalls.compiled`): decode windows, prefills, page copies and row
     updates."""
-    calls = self._calls
-    return sum(map(calls.compiled, calls.jitted)) + len(self._batch.shapes_met)
+    return self._calls.compiled()
 
   def submit(
     self,

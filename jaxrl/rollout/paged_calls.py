@@ -151,13 +151,16 @@ class PagedCalls:
 
   def note(self, jitted, args) -> None:
     """Records that this engine runs (or compiled ahead) `jitted` on `args`, the arguments
-    after the weights and the KV pool: their shapes are the program's, as the rest are fixed."""
+    whose shapes vary (after the weights and the KV pool, whose shapes are fixed)."""
     shapes = tuple(np.shape(a) for a in jax.tree.leaves(args))
     self._shapes_met.setdefault(jitted, set()).add(shapes)
 
-  def compiled(self, jitted) -> int:
-    """Shapes of `jitted` this engine ran or compiled ahead: its programs, compiled by it or
-    by an engine of the same settings in the process before."""
+  def compiled(self, jitted=None) -> int:
+    """Shapes of `jitted` (None: of every program, the row updates' too) this engine ran or
+    compiled ahead: its programs, compiled by it or by an engine of the same settings in the
+    process before."""
+    if jitted is None:
+      return sum(map(len, self._shapes_met.values()))
     return len(self._shapes_met.get(jitted, ()))
 
   def _counted(self, jitted, call):

@@ -5,16 +5,17 @@ import contextlib
 import jax
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 
 
 @contextlib.contextmanager
-def compiled_functions():
+def compiled_functions(event: str = BACKEND_COMPILE_EVENT):
   """Yields a list that gets the name of each function XLA compiles inside the block (e.g.
-  "jit(_apply_impl)"), on any thread."""
+  "jit(_apply_impl)"), on any thread; with `event` (`TRACE_EVENT`), each one JAX traces."""
   names = []
 
-  def listener(event, _secs, fun_name="", **_):
-    if event == BACKEND_COMPILE_EVENT:
+  def listener(name, _secs, fun_name="", **_):
+    if name == event:
       names.append(fun_name)
 
   jax.monitoring.register_event_duration_secs_listener(listener)

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import tolerance
+from helpers.compiles import compiled_functions
 from helpers.paged_engines import EOS, MODEL, PAD, engine
 from jax._src.array import ArrayImpl
 
@@ -491,8 +492,6 @@ def test_an_engine_of_the_same_settings_runs_the_first_ones_programs_and_counts_
   compiles none of the programs the first one compiled, and gives the same tokens; each
   engine counts the shapes it ran, not the process's (what a third engine compiles into the
   shared programs is not counted by the first two)."""
-  from helpers.compiles import compiled_functions
-
   rng = np.random.default_rng(11)
   ps = [list(rng.integers(3, 60, n)) for n in rng.integers(1, 9, 6)]
   sp = [SamplingParams(max_new_tokens=int(rng.integers(1, 12)), ignore_eos=True) for _ in ps]
