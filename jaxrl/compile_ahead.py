@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
+import numpy as np
 
 COMPILE_AHEAD_THREADS = "jaxrl-compile"  # the prefix of the compiling threads' names
 
@@ -86,8 +87,8 @@ def shared_function(fun: Callable, *bound: Hashable) -> Callable:
 
   They share one cache of compiled shapes too: `_cache_size()` of any of them counts every
   shape compiled in the process for the function, not one owner's. An owner that reports its
-  own compiled shapes counts them itself (the paged engine: `PagedCalls.compiled`); the
-  learner's update programs keep functions of their own for now.
+  own compiled shapes counts them itself (`ShapeRecord`: the paged engine's `PagedCalls`, the
+  learner's `compiled_shapes`).
 
   `fun` must be a module-level function (compared by identity) whose result depends only on
   `bound` and its traced arguments; `bound` holds hashable values compared by value (frozen
@@ -106,3 +107,51 @@ def shared_function(fun: Callable, *bound: Hashable) -> Callable:
     if shared is None:
       shared = _SHARED[key] = functools.partial(fun, *bound)
   return shared
+
+
+class ShapeRecord:
+  """The argument shapes each of one owner's programs ran on or was compiled ahead for: that
+  owner's count of compiled shapes, where its programs are shared with others
+  (`shared_function`) and JAX's own count is the process's. A shape is the arguments' tree
+  structure with each leaf's shape and (canonical) dtype; the owner keeps each program's
+  argument layouts fixed, so those are what select a compiled program. Thread-safe: programs
+  compiled ahead are noted from their threads."""
+
+  def __init__(self):
+    self._met: dict[object, set] = {}
+    self._lock = threading.Lock()
+
+  def note(self, program, args) -> None:
+    """Records that `program` runs (or was compiled ahead) on `args` (arrays, abstract arrays,
+    numbers or None, in any tree)."""
+    leaves, tree = jax.tree.flatten(args)
+    key = (tree, *((np.shape(x), jax.dtypes.canonicalize_dtype(_dtype(x))) for x in leaves))
+    with self._lock:
+      self._met.setdefault(program, set()).add(key)
+
+  def count(self, program=None) -> int:
+    """Shapes noted for `program` (None: for every program)."""
+    with self._lock:
+      if program is None:
+        return sum(map(len, self._met.values()))
+      return len(self._met.get(program, ()))
+
+
+def _dtype(x):
+  dtype = getattr(x, "dtype", None)
+  return np.result_type(x) if dtype is None else dtype
+
+
+class Counted:
+  """A jitted function whose calls and lowerings `record` notes, as `program`."""
+
+  def __init__(self, jitted, record: ShapeRecord, program):
+    self.jitted, self._record, self._program = jitted, record, program
+
+  def __call__(self, *args):
+    self._record.note(self._program, args)
+    return self.jitted(*args)
+
+  def lower(self, *args) -> jax.stages.Lowered:
+    self._record.note(self._program, args)
+    return self.jitted.lower(*args)

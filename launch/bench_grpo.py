@@ -135,7 +135,7 @@ def _run(
     **{f"{stage}_compiles_after_first_step": after[stage] for stage in stages},
     "background_compiles_after_first_step": after["background"],
     # Packed: the micro-step's shapes; padded: the scanned update's (one per batch length).
-    "train_shapes_compiled": learner._micro_step._cache_size() + learner._update._cache_size(),
+    "train_shapes_compiled": sum(map(learner.compiled_shapes, ("micro_step", "update"))),
     "rollout_shapes_compiled": engine.compiled_shapes(),
     **{f"median_{stage}_s": statistics.median(t[1:]) for stage, t in times.items()},
     "longest_response": int(cap),

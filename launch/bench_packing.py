@@ -103,11 +103,10 @@ def long_tailed_run(steps: int) -> dict:
       jax.block_until_ready(jax.device_get(trainer.update(batch)))
       times.append(time.perf_counter() - start)
       lengths.append(batch.tokens_bt.shape[1])
-    jitted = trainer._micro_step if pack else trainer._update
     out[name] = {
       "pack_length": pack,
       "batch_lengths": lengths,
-      "compiled_update_shapes": jitted._cache_size(),
+      "compiled_update_shapes": trainer.compiled_shapes("micro_step" if pack else "update"),
       "step_s": [round(t, 3) for t in times],
       "total_s": round(sum(times), 1),
       "median_last6_s": round(float(np.median(times[-6:])), 3),

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.compiles import TRACE_EVENT, compiled_functions
+from helpers.train_batches import random_batch
 
 from jaxrl.compile_ahead import compile_in_background, shared_function
 from jaxrl.model import Model, get_preset
@@ -79,32 +80,44 @@ def test_a_shared_function_binds_only_hashable_values():
     shared_function(_scaled, [2.0])
 
 
-def test_a_second_learner_of_a_model_compiles_no_initialisation():
+def test_a_second_learner_of_equal_settings_compiles_nothing_and_counts_its_own_shapes():
   """Models of equal configs are equal; a learner built again (a job's stages rebuilt after a
-  fault) initialises its parameters and optimizer with the programs the first one made, and
-  gets the same values."""
+  fault, a resume in the same process) initialises its parameters and optimizer and runs its
+  updates and log-probs with the programs the first one traced and compiled, and gets the same
+  values; each learner counts the shapes it ran. A learner of another model, or of another
+  loss, traces its own."""
   config = get_preset("tiny", num_layers=1, max_seq_len=16)
   assert Model(config) == Model(config) and hash(Model(config)) == hash(Model(config))
   assert Model(config) != Model(get_preset("tiny", num_layers=2, max_seq_len=16))
 
-  def learner():
+  recompute = LossConfig(proximal="recompute")  # the update and the log-probs
+
+  def learner(config=config, loss=recompute):
     mesh = make_mesh(jax.devices()[:2], {"fsdp": 2})
     optimizer = OptimizerConfig(learning_rate=1e-3)
     return Learner(
-      Model(config), mesh, TRAIN_RULES, loss=LossConfig(), optimizer=optimizer,
-      updates_per_step=1, micro_batch_size=2, temperature=1.0,
-    )  # fmt: skip
-
-  first = learner()
-  with compiled_functions() as compiled:
-    second = learner()
-  assert compiled == [], compiled  # the parameters' and the optimizer's initialisation
-  with compiled_functions() as compiled:  # a learner of another model compiles its own
-    Learner(
-      Model(dataclasses.replace(config, num_layers=2)), first.mesh, TRAIN_RULES,
-      loss=LossConfig(), optimizer=OptimizerConfig(learning_rate=1e-3), updates_per_step=1,
+      Model(config), mesh, TRAIN_RULES, loss=loss, optimizer=optimizer, updates_per_step=1,
       micro_batch_size=2, temperature=1.0,
     )  # fmt: skip
-  assert len(compiled) >= 2, compiled
+
+  batch = random_batch(np.random.default_rng())
+  first = learner()
+  first_metrics = jax.device_get(first.update(batch))
+  assert (first.compiled_shapes("update"), first.compiled_shapes("logprobs")) == (1, 1)
+  with compiled_functions(TRACE_EVENT) as traced, compiled_functions() as compiled:
+    second = learner()
+    second_metrics = jax.device_get(second.update(batch))
+  # (shapes are still worked out abstractly: the optimizer state's, `jax.eval_shape`)
+  assert compiled == [] and not {"init", "update", "logprobs"} & set(traced), (traced, compiled)
+  assert second.compiled_shapes() == first.compiled_shapes() == 2
+  assert second_metrics == first_metrics
   for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params), strict=True):
     np.testing.assert_array_equal(a, b)
+  with compiled_functions(TRACE_EVENT) as traced:  # another loss: its own update program
+    other = learner(loss=LossConfig(proximal="recompute", clip_high=0.28))
+    other.update(batch)
+  assert {"update", "logprobs"} <= set(traced), traced
+  assert first.compiled_shapes() == 2  # what the others ran is theirs
+  with compiled_functions() as compiled:  # a learner of another model compiles its own
+    learner(dataclasses.replace(config, num_layers=2))
+  assert len(compiled) >= 2, compiled

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.compile_ahead import shared_function
+from jaxrl.compile_ahead import ShapeRecord, shared_function
 from jaxrl.kernels.partitioning import KernelMesh, local_page_ids, split_call
 from jaxrl.model import ExpertParallel, Model, MoEInputs, PackedPrefillCache, PagedLayerCache
 from jaxrl.rollout.decode_loop import DecodeState, RowSampling, WindowOutput, decode_window
@@ -97,7 +97,7 @@ class PagedCalls:
     self._forward = _Forward(
       model, self._moe, self._kernel_mesh, self.ring_layers, self._vocab_split
     )
-    self._shapes_met: dict[object, set] = {}
+    self._shapes = ShapeRecord()
     # Host arrays onto the mesh, and device outputs back (`jaxrl.sharding.hosts`).
     multi = mesh.is_multi_process
     self.put = to_devices if multi else jax.device_put
@@ -152,16 +152,13 @@ class PagedCalls:
   def note(self, jitted, args) -> None:
     """Records that this engine runs (or compiled ahead) `jitted` on `args`, the arguments
     whose shapes vary (after the weights and the KV pool, whose shapes are fixed)."""
-    shapes = tuple(np.shape(a) for a in jax.tree.leaves(args))
-    self._shapes_met.setdefault(jitted, set()).add(shapes)
+    self._shapes.note(jitted, args)
 
   def compiled(self, jitted=None) -> int:
     """Shapes of `jitted` (None: of every program, the row updates' too) this engine ran or
     compiled ahead: its programs, compiled by it or by an engine of the same settings in the
     process before."""
-    if jitted is None:
-      return sum(map(len, self._shapes_met.values()))
-    return len(self._shapes_met.get(jitted, ()))
+    return self._shapes.count(jitted)
 
   def _counted(self, jitted, call):
     """`call` (a prefill: positions are its fourth argument, -1 on padding), counting the

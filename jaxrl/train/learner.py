@@ -14,6 +14,9 @@ Two layouts of the micro-batches:
 - padded (`pack_length` 0): rows of `micro_batch_size` sequences padded to the batch's length,
   all micro-batches in one jitted `lax.scan`: one compilation per batch length.
 
+The programs themselves (log-probs, micro-step, apply step, padded update) are
+`jaxrl.train.update_programs`; learners of equal settings in a process share them.
+
 Glossary: m micro-batches, b sequences (or packed rows), t target positions.
 """
 
@@ -29,21 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.compile_ahead import shared_function, with_shardings
+from jaxrl.compile_ahead import Counted, ShapeRecord, shared_function, with_shardings
 from jaxrl.kernels.flash_attention import CUDNN_MAX_SEGMENTS
-from jaxrl.model import ExpertParallel, Model, MoEInputs, Params, copy_params
+from jaxrl.model import ExpertParallel, Model, Params, copy_params
 from jaxrl.model.scan_fit import fit_scan
 from jaxrl.sharding import kernel_mesh, tree_shardings
 from jaxrl.sharding.expert import ExpertParallelConfig
 from jaxrl.train import proximal, replica_sums, update_plan
 from jaxrl.train.batch import TrainBatch
-from jaxrl.train.losses import LossConfig, chunked_token_logprobs, policy_loss
-from jaxrl.train.optimizer import (
-  apply_if_finite,
-  make_optimizer,
-  optimizer_shardings,
-  training_compiler_options,
-)
+from jaxrl.train.losses import LossConfig
+from jaxrl.train.optimizer import make_optimizer, optimizer_shardings, training_compiler_options
 from jaxrl.train.packing import (
   MicroBatch,
   PackLayout,
@@ -52,16 +50,10 @@ from jaxrl.train.packing import (
 )
 from jaxrl.train.routing import MoEConfig, plan_micro_batches, replayed_routes
 from jaxrl.train.update_metrics import average_update_metrics
+from jaxrl.train.update_programs import UpdatePrograms
 from jaxrl.train.vocab_blocks import head_vocab_shards
 
 log = logging.getLogger(__name__)
-
-
-def _add_gradient(sum_, grad):
-  """`sum_ + grad`, added in the wider of the two dtypes and stored in `sum_`'s (bf16 sums of
-  `grad_accum_dtype` round once per micro-batch, not the gradient before adding)."""
-  wide = jnp.promote_types(sum_.dtype, grad.dtype)
-  return (sum_.astype(wide) + grad.astype(wide)).astype(sum_.dtype)
 
 
 class Learner:
@@ -147,7 +139,6 @@ class Learner:
     # Attention kernels on each device's rows and heads (`jaxrl.kernels.partitioning`).
     self.kernel_mesh = kernel_mesh(mesh, rules)
     self.optimizer = make_optimizer(optimizer)
-    self._grad_accum_dtype = jnp.dtype(optimizer.grad_accum_dtype)
     if abstract:
       if params is not None:
         raise ValueError("An abstract learner builds its parameters' shapes: pass params=None.")
@@ -176,35 +167,76 @@ class Learner:
     self._ref_params = None
     if loss.kl_weight > 0:
       self._ref_params = self.params if abstract else jax.tree.map(jnp.copy, self.params)
-    state_out = (self.param_shardings, self.opt_shardings, replicated)
-    options = training_compiler_options(mesh)
-    self._update = jax.jit(
-      self._update_impl, donate_argnums=(0, 1), out_shardings=state_out, compiler_options=options
-    )
-    # Packed: the micro-step adds into the (gradient, metric) sums it is handed (donated); the
-    # apply step turns the sums into an update. Data parallel: each replica into its own.
-    self._sum_shardings = (self.param_shardings, replicated)
-    micro_step = self._micro_step_impl
-    if self._replicas:
-      self._sum_shardings = replica_sums.sharding(mesh)
-      micro_step = replica_sums.per_replica(micro_step, mesh)
-    self._micro_step = jax.jit(
-      micro_step, donate_argnums=(2,), out_shardings=self._sum_shardings, compiler_options=options
-    )
-    # Not the sums: no output has their place (XLA reuses a donated buffer only for an output,
-    # so donating them only warned, "Some donated buffers were not usable", at each first
-    # update); they are freed when the update returns.
-    self._apply = jax.jit(
-      self._apply_impl, donate_argnums=(0, 1), out_shardings=state_out, compiler_options=options
-    )
-    # Log-probs the host reads (the proximal policy's, the train/inference mismatch's) come out
-    # whole on every device: in a learner of several processes a host reads only its own.
-    self._logprobs = jax.jit(self._logprobs_impl, out_shardings=replicated)
-    self._packed_logprobs = jax.jit(self._packed_logprobs_impl, out_shardings=replicated)
+    self._shapes = ShapeRecord()  # this learner's compiled shapes (`compiled_shapes`)
+    self._programs = UpdatePrograms(
+      model, mesh, self.expert_parallel, self._capacity, self.activation_sharding,
+      self.kernel_mesh, self.vocab_shards, self.temperature, logprob_chunk, loss, self.optimizer,
+      jnp.dtype(optimizer.grad_accum_dtype), self._replicas,
+    )  # fmt: skip
+    self._jit_programs()
     self._warned_lengths: set[int] = set()
     self._lent = None  # (store, version) the live parameters were lent to (`publish_to`)
     self._compiling = None  # the future of the programs `compile_ahead` is compiling
     self._stop_compiling = threading.Event()  # `stop_compiling_ahead`
+
+  def _jit_programs(self) -> None:
+    """Jits the update's programs (`UpdatePrograms`) for this learner's shardings. Learners of
+    equal settings in a process share their traces and compiled programs (`shared_function`);
+    each counts the shapes it runs (`compiled_shapes`)."""
+    programs, mesh, replicated = self._programs, self.mesh, self._replicated
+    state_out = (self.param_shardings, self.opt_shardings, replicated)
+    options = training_compiler_options(mesh)
+
+    def counted(name, method, **jit_settings):
+      jitted = jax.jit(shared_function(method, programs), **jit_settings)
+      return Counted(jitted, self._shapes, name)
+
+    self._update = counted(
+      "update", UpdatePrograms.update, donate_argnums=(0, 1), out_shardings=state_out,
+      compiler_options=options,
+    )  # fmt: skip
+    # Packed: the micro-step adds into the (gradient, metric) sums it is handed (donated); the
+    # apply step turns the sums into an update. Data parallel: each replica into its own.
+    self._sum_shardings = (self.param_shardings, replicated)
+    if self._replicas:
+      self._sum_shardings = replica_sums.sharding(mesh)
+    self._micro_step = counted(
+      "micro_step", UpdatePrograms.micro_step, donate_argnums=(2,),
+      out_shardings=self._sum_shardings, compiler_options=options,
+    )  # fmt: skip
+    # Not the sums: no output has their place (XLA reuses a donated buffer only for an output,
+    # so donating them only warned, "Some donated buffers were not usable", at each first
+    # update); they are freed when the update returns.
+    self._apply = counted(
+      "apply", UpdatePrograms.apply, donate_argnums=(0, 1), out_shardings=state_out,
+      compiler_options=options,
+    )  # fmt: skip
+    # Log-probs the host reads (the proximal policy's, the train/inference mismatch's) come out
+    # whole on every device: in a learner of several processes a host reads only its own.
+    self._logprobs = counted("logprobs", UpdatePrograms.logprobs, out_shardings=replicated)
+    self._packed_logprobs = counted(
+      "packed_logprobs", UpdatePrograms.packed_logprobs, out_shardings=replicated
+    )
+    self.__dict__.pop("_zero_sums", None)  # built again for these programs when next needed
+
+  @property
+  def activation_sharding(self) -> jax.sharding.NamedSharding | None:
+    """The residual stream's layout between blocks (None: XLA's choice). Set, the programs
+    are jitted again with it."""
+    return self._activation_sharding
+
+  @activation_sharding.setter
+  def activation_sharding(self, sharding: jax.sharding.NamedSharding | None) -> None:
+    self._activation_sharding = sharding
+    if hasattr(self, "_programs"):
+      self._programs = dataclasses.replace(self._programs, activation_sharding=sharding)
+      self._jit_programs()
+
+  def compiled_shapes(self, program: str | None = None) -> int:
+    """Argument shapes this learner ran or compiled ahead `program` on ("update",
+    "micro_step", "apply", "logprobs", "packed_logprobs"; None: all of them): its programs,
+    compiled by it or by a learner of the same settings in the process before."""
+    return self._shapes.count(program)
 
   def publish_to(
     self, store, version: int, *, lend: bool = False, dtypes=None, on_device: bool = False
@@ -256,73 +288,6 @@ class Learner:
     `update`); None: every position is a token."""
     valid_bt = None if mask_bt is None or not self._capacity else input_positions(mask_bt)
     return self._logprobs(params, jnp.asarray(tokens_bt), routes_btlk, valid_bt)
-
-  def _logprobs_impl(self, params, tokens_bt, routes_btlk=None, valid_bt=None, placement=None):
-    inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:]
-    stats = self._token_stats
-    return stats(params, inputs_bt, targets_bt, routes_btlk, placement, valid_bt=valid_bt)[0]
-
-  def _packed_logprobs_impl(self, params, micro: MicroBatch, placement=None):
-    return self._token_stats(
-      params,
-      micro.inputs_bt,
-      micro.targets_bt,
-      micro.routes_btlk,
-      placement,
-      micro.positions_bt,
-      micro.segment_ids_bt,
-      self._valid_positions(micro),
-    )[0]
-
-  def _valid_positions(self, micro: MicroBatch):
-    """With an expert capacity: the micro-batch's real input positions (False at padding),
-    else None."""
-    if not self._capacity:
-      return None
-    if micro.segment_ids_bt is not None:
-      return micro.segment_ids_bt >= 0
-    return input_positions(micro.mask_bt)
-
-  def _token_stats(
-    self,
-    params,
-    inputs_bt,
-    targets_bt,
-    routes_btlk=None,
-    placement=None,
-    positions_bt=None,
-    segment_ids_bt=None,
-    valid_bt=None,
-    moe_counts: dict | None = None,
-  ):
-    """(log-probs, entropies) `[b, t]` of the targets at the rollout temperature. `valid_bt`:
-    MoE, the positions that are tokens (`MoEInputs.valid_bt`); `moe_counts`, a dict, gets the
-    MoE layers' routed and dropped assignments."""
-    cfg = self.model.config
-    moe = MoEInputs(self.expert_parallel, routes_btlk, placement, valid_bt) if cfg.is_moe else None
-    hidden_btd, _, *counts = self.model.apply(
-      params,
-      inputs_bt,
-      positions_bt,
-      moe=moe,
-      return_hidden=True,
-      segment_ids_bt=segment_ids_bt,
-      return_moe_counts=moe_counts is not None,
-      activation_sharding=self.activation_sharding,
-      kernel_mesh=self.kernel_mesh,
-    )
-    if moe_counts is not None:
-      moe_counts.update(counts[0])
-    return chunked_token_logprobs(
-      hidden_btd,
-      self.model.lm_head(params),
-      targets_bt,
-      self.temperature,
-      vocab_limit=cfg.vocab_limit,
-      chunk=self.logprob_chunk,
-      vocab_shards=self.vocab_shards,
-      logit_softcap=cfg.final_logit_softcap,
-    )
 
   def _replayed_routes(self, batch: TrainBatch) -> np.ndarray | None:
     if not (self.model.config.is_moe and self.moe_cfg.routing_replay):
@@ -457,22 +422,11 @@ class Learner:
     micro = update_plan.abstract_micro(self, self.pack_length)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     loss, metrics = jax.eval_shape(
-      self._micro_loss, self.params, self.ref_params, micro, scalar, scalar, None
+      self._programs.micro_loss, self.params, self.ref_params, micro, scalar, scalar, None
     )
-    keys = sorted({*metrics, "loss"})
-
-    def zeros(params):
-      sums = self._zero_gradients(params), {k: jnp.zeros((), loss.dtype) for k in keys}
-      return replica_sums.zeros(sums, self._replicas) if self._replicas else sums
-
+    keys = tuple(sorted({*metrics, "loss"}))
+    zeros = shared_function(UpdatePrograms.zero_sums, self._programs, keys, loss.dtype)
     return jax.jit(zeros, out_shardings=self._sum_shardings)
-
-  def _zero_gradients(self, params):
-    """Zeros for the gradient sum: like the parameters, or in `grad_accum_dtype` when that is
-    bf16."""
-    if self._grad_accum_dtype == jnp.float32:
-      return jax.tree.map(jnp.zeros_like, params)
-    return jax.tree.map(lambda p: jnp.zeros(p.shape, self._grad_accum_dtype), params)
 
   def update_memory(self, batch_size: int, length: int) -> dict[str, float]:
     """XLA's buffer plan of one optimizer update, compiled but not run (`update_plan`)."""
@@ -502,97 +456,3 @@ class Learner:
     """The current weights' log-probs of the batch's targets (0 off the mask), as the update
     computes them (`proximal.proximal_logprobs`): the proximal policy of decoupled PPO."""
     return proximal.proximal_logprobs(self, batch)
-
-  def _micro_loss(self, params, ref_params, micro: MicroBatch, num_tokens, num_seqs, placement):
-    """(loss, metrics) of one micro-batch, padded or packed, each normalised by the whole
-    mini-batch's counts so that their sums over the micro-batches are the mini-batch's."""
-    stats = functools.partial(
-      self._token_stats,
-      inputs_bt=micro.inputs_bt,
-      targets_bt=micro.targets_bt,
-      routes_btlk=micro.routes_btlk,
-      placement=placement,
-      positions_bt=micro.positions_bt,
-      segment_ids_bt=micro.segment_ids_bt,
-      valid_bt=self._valid_positions(micro),
-    )
-    counts = {} if self._capacity else None
-    logp_bt, entropy_bt = stats(params, moe_counts=counts)
-    ref_logp_bt = None if ref_params is None else jax.lax.stop_gradient(stats(ref_params)[0])
-    loss, metrics = policy_loss(
-      logp_bt,
-      micro.old_logp_bt,
-      micro.advantages,
-      micro.mask_bt,
-      self.loss_cfg,
-      num_tokens=num_tokens,
-      num_seqs=num_seqs,
-      ref_logp_bt=ref_logp_bt,
-      behaviour_logp_bt=micro.behaviour_logp_bt,
-      segment_ids_bt=micro.segment_ids_bt,
-    )
-    # Mean entropy of the policy over the trained tokens: a collapse shows here first.
-    entropy_sum = jnp.sum(jax.lax.stop_gradient(entropy_bt) * micro.mask_bt)
-    metrics = metrics | {"entropy": entropy_sum / jnp.maximum(num_tokens, 1)}
-    if counts:  # summed over the micro-batches like the rest; `update` divides them
-      metrics |= {f"moe_{k}": v.astype(jnp.float32) for k, v in counts.items()}
-    return loss, metrics
-
-  def _micro_step_impl(self, params, ref_params, sums, micro, num_tokens, num_seqs, placement=None):
-    grad_sums, metric_sums = sums
-    (loss, metrics), grads = jax.value_and_grad(self._micro_loss, has_aux=True)(
-      params, ref_params, micro, num_tokens, num_seqs, placement
-    )
-    metrics = metrics | {"loss": loss}
-    return (
-      jax.tree.map(_add_gradient, grad_sums, grads),
-      {k: metric_sums[k] + metrics[k] for k in metric_sums},
-    )
-
-  def _apply_impl(self, params, opt_state, sums):
-    grads, metrics = replica_sums.total(sums) if self._replicas else sums
-    metrics = dict(metrics)
-    loss = metrics.pop("loss")
-    return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)
-
-  def _update_impl(
-    self,
-    params,
-    opt_state,
-    ref_params,
-    tokens_mbt,
-    mask_mbt,
-    old_logp_mbt,
-    behaviour_logp_mbt,
-    advantages_mb,
-    routes_mbtlk=None,
-    placement_m=None,
-  ):
-    num_tokens = jnp.sum(mask_mbt).astype(jnp.float32)
-    num_seqs = jnp.float32(mask_mbt.shape[0] * mask_mbt.shape[1])
-    micro_m = (tokens_mbt, mask_mbt, old_logp_mbt, behaviour_logp_mbt, advantages_mb, routes_mbtlk,
-               placement_m)  # fmt: skip
-    sum_micro_batches = self._sum_micro_batches
-    if self._replicas:  # each replica its rows of every micro-batch; one all-reduce at the end
-      sum_micro_batches = replica_sums.summed_over_replicas(sum_micro_batches, self.mesh)
-    grads, loss, metrics = sum_micro_batches(params, ref_params, micro_m, num_tokens, num_seqs)
-    return apply_if_finite(self.optimizer, params, opt_state, grads, loss, metrics)
-
-  def _sum_micro_batches(self, params, ref_params, micro_m, num_tokens, num_seqs):
-    """(gradients, loss, metrics) summed over a stack of padded micro-batches, in a scan."""
-
-    def accumulate(grads, xs):
-      tokens_bt, mask_bt, old_bt, behaviour_bt, advantages_b, routes, placement = xs
-      micro = MicroBatch(
-        tokens_bt[:, :-1], tokens_bt[:, 1:], mask_bt, old_bt, behaviour_bt, advantages_b,
-        routes_btlk=routes,
-      )  # fmt: skip
-      (loss, metrics), g = jax.value_and_grad(self._micro_loss, has_aux=True)(
-        params, ref_params, micro, num_tokens, num_seqs, placement
-      )
-      return jax.tree.map(_add_gradient, grads, g), (loss, metrics)
-
-    # Per-micro-batch losses and metrics are whole-batch-normalised, so their sums are the
-    # mini-batch values.
-    grads, (losses_m, metrics_m) = jax.lax.scan(accumulate, self._zero_gradients(params), micro_m)
-    return grads, jnp.sum(losses_m), jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics_m)

@@ -11,7 +11,7 @@ TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 @contextlib.contextmanager
 def compiled_functions(event: str = BACKEND_COMPILE_EVENT):
   """Yields a list that gets the name of each function XLA compiles inside the block (e.g.
-  "jit(_apply_impl)"), on any thread; with `event` (`TRACE_EVENT`), each one JAX traces."""
+  "jit(apply)"), on any thread; with `event` (`TRACE_EVENT`), each one JAX traces."""
   names = []
 
   def listener(name, _secs, fun_name="", **_):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from helpers import tolerance
 from helpers.compiles import compiled_functions
+from helpers.train_batches import random_batch
 
 from jaxrl import compile_ahead
 from jaxrl.model import Model, get_preset, scan_fit
@@ -42,14 +43,6 @@ def make_learner(
     params=params,
     pack_length=pack,
   )
-
-
-def random_batch(rng, size=16):
-  prompts = [list(rng.integers(3, 60, rng.integers(2, 8))) for _ in range(size)]
-  responses = [list(rng.integers(3, 60, rng.integers(1, 9))) for _ in range(size)]
-  tokens, mask = pad_sequences(prompts, responses, 0, length=24)
-  old = np.where(mask > 0, rng.normal(-3.0, 0.3, mask.shape), 0.0).astype(np.float32)
-  return TrainBatch(tokens, mask, old, rng.normal(size=size).astype(np.float32))
 
 
 def loss_scale(learner, batch) -> float:
@@ -100,7 +93,7 @@ def test_gradients_summed_in_bf16_update_like_fp32(pack):
   params = MODEL.init(3)
   wide = make_learner(4, params=params, eps=1.0, pack=pack)
   narrow = make_learner(4, params=params, eps=1.0, pack=pack, grad_dtype="bfloat16")
-  sums = jax.eval_shape(narrow._zero_gradients, params)
+  sums = jax.eval_shape(narrow._programs.zero_gradients, params)
   assert {x.dtype for x in jax.tree.leaves(sums)} == {np.dtype(jax.numpy.bfloat16)}
   mw, mn = jax.device_get(wide.update(batch)), jax.device_get(narrow.update(batch))
   assert mn["skipped"] == 0 and mw["loss"] == mn["loss"]  # the forward is untouched
@@ -237,14 +230,14 @@ def test_precompile_compiles_each_length_and_trains_nothing():
     strict=True,
   ):
     np.testing.assert_array_equal(x, y)
-  compiled = learner._update._cache_size(), learner._logprobs._cache_size()
+  compiled = learner.compiled_shapes("update"), learner.compiled_shapes("logprobs")
   for _ in range(2):  # length 24: no new compilation, with the state the first one returned
     learner.update(random_batch(rng))
-  assert (learner._update._cache_size(), learner._logprobs._cache_size()) == compiled
+  assert (learner.compiled_shapes("update"), learner.compiled_shapes("logprobs")) == compiled
   prompts, responses = [[5] * 3] * 16, [[7] * 2] * 16
   tokens, mask = pad_sequences(prompts, responses, 0, length=32)
   learner.update(TrainBatch(tokens, mask, np.zeros_like(mask), np.ones(16, np.float32)))
-  assert learner._update._cache_size() == compiled[0] + 1  # 32 was not precompiled
+  assert learner.compiled_shapes("update") == compiled[0] + 1  # 32 was not precompiled
 
 
 @pytest.mark.parametrize(
@@ -277,7 +270,7 @@ def test_the_first_update_runs_what_compile_ahead_compiled(axes, pack, kl, updat
   with compiled_functions() as compiled_ahead:
     ahead.compile_ahead(16, [] if pack else [24])  # padded: the batch's length
     ahead._compiling.result()
-  expected = {"jit(_apply_impl)", "jit(zeros)"} if pack else {"jit(_update_impl)"}
+  expected = {"jit(apply)", "jit(zero_sums)"} if pack else {"jit(update)"}
   assert expected <= set(compiled_ahead)
   with compiled_functions() as compiled_by_update:
     got = ahead.update(batch)

@@ -274,7 +274,7 @@ def test_packed_model_loss_and_gradients_equal_the_padded_ones(name):
   num_tokens, num_seqs = np.float32(batch.mask_bt.sum()), np.float32(batch.size)
 
   def grads_of(micro):
-    fn = jax.value_and_grad(learner._micro_loss, has_aux=True)
+    fn = jax.value_and_grad(learner._programs.micro_loss, has_aux=True)
     return jax.jit(fn)(params, ref_params, micro, num_tokens, num_seqs, None)
 
   padded = MicroBatch(
@@ -344,9 +344,9 @@ def test_packed_learner_updates_like_the_padded_one_and_compiles_once(caplog):
 
   def sizes():
     return (
-      packed._micro_step._cache_size(),
-      packed._apply._cache_size(),
-      packed._packed_logprobs._cache_size(),
+      packed.compiled_shapes("micro_step"),
+      packed.compiled_shapes("apply"),
+      packed.compiled_shapes("packed_logprobs"),
     )
 
   assert sizes() == (1, 1, 1)
@@ -370,13 +370,13 @@ def test_packed_precompile_trains_nothing_and_compiles_what_updates_meet():
   after = jax.device_get((learner.params, learner.opt_state))
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
     np.testing.assert_array_equal(x, y)
-  compiled = (learner._micro_step._cache_size(), learner._apply._cache_size())
+  compiled = (learner.compiled_shapes("micro_step"), learner.compiled_shapes("apply"))
   assert compiled == (2, 1)
   for length in (8, 16, 24):
     batch = random_padded(rng, size=16, length=length, prompt=(2, 5), response=(1, length - 4))
     metrics = jax.device_get(learner.update(batch))
     assert metrics["skipped"] == 0
-  assert (learner._micro_step._cache_size(), learner._apply._cache_size()) == compiled
+  assert (learner.compiled_shapes("micro_step"), learner.compiled_shapes("apply")) == compiled
   plan = learner.update_memory(16, 24)
   assert plan["arguments_gib"] > 0 and plan["temporaries_gib"] > 0
 
