@@ -6,7 +6,7 @@
   python launch/bench.py prefix_sharing|prefill_packing [--json] [--presets bench-tiny]
   python launch/bench.py plan|calibrate [--json]
   python launch/bench.py paged_attention|flash_attention|logprobs|gmm|tgmm [--json]
-  python launch/bench.py grpo_step [--json] [--presets bench-tiny]
+  python launch/bench.py grpo_step|learner_rebuild [--json] [--presets bench-tiny]
   python launch/bench.py learner [--json] [--profile] [--lengths 4096] [--attentions flash]
                                 [--logprob-chunks 128,1024]
                                 [--remat-policies full,save_attention]
@@ -54,7 +54,7 @@ from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
 from bench_collectives import bench_collectives  # noqa: E402
 from bench_gmm import bench_gmm, bench_tgmm  # noqa: E402
-from bench_grpo import bench_grpo_step  # noqa: E402
+from bench_grpo import bench_grpo_step, bench_learner_rebuild  # noqa: E402
 from bench_kernel_code import bench_kernel_code  # noqa: E402
 from bench_kernels import bench_kernels  # noqa: E402
 from bench_learner import SETTINGS as bench_learner_settings  # noqa: E402
@@ -460,6 +460,7 @@ BENCHMARKS = {
   "kernels": bench_kernels,
   "kv_shards": bench_kv_shards,
   "learner": bench_learner,
+  "learner_rebuild": bench_learner_rebuild,
   "logprob_mismatch": bench_logprob_mismatch,
   "logprobs": bench_logprobs,
   "memory": bench_memory,

@@ -35,7 +35,7 @@ from jaxrl.model import Model, ModelConfig, get_preset
 from jaxrl.rl.experience import build_batch
 from jaxrl.rollout import PagedConfig, PagedEngine, SamplingParams
 from jaxrl.sharding import ROLLOUT_RULES, TRAIN_RULES, make_mesh
-from jaxrl.train import Learner, LossConfig, OptimizerConfig, group_advantages
+from jaxrl.train import Learner, LossConfig, OptimizerConfig, TrainBatch, group_advantages
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -171,4 +171,44 @@ def bench_grpo_step(
       out[f"{preset}/{name}"] = _run(
         preset, steps, prompts, group, median, cap, prompt_len, pack, max_tokens, counter, seed
       )
+  return out
+
+
+def bench_learner_rebuild(
+  presets=("bench-small",), rebuilds: int = 2, rows: int = 4, length: int = 64, seed: int = 0
+) -> dict:
+  """A learner built again in the same process, as the job does after a learner fault or on a
+  resume: per build, the seconds to build it, its first update (compilation included) and a
+  second one, and the backend compilations each build and its updates caused. One device,
+  the dtype the job's "auto" gives this backend, padded updates of `rows` sequences of
+  `length` tokens in micro-batches of 2."""
+  counter = _CompileCounter()
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, 250, (rows, length)).astype(np.int32)
+  mask = np.zeros((rows, length - 1), np.float32)
+  for i, end in enumerate(rng.integers(length // 2, length, rows)):
+    mask[i, length // 4 : end] = 1  # a prompt of a quarter, a ragged response
+  old = np.where(mask > 0, rng.normal(-3.0, 0.3, mask.shape), 0.0).astype(np.float32)
+  batch = TrainBatch(tokens, mask, old, rng.normal(size=rows).astype(np.float32))
+  out = {}
+  for preset in presets:
+    cfg = _as_the_job_runs(get_preset(preset, max_seq_len=length))
+    for build in range(1 + rebuilds):
+      before = sum(counter.snapshot().values())
+      start = time.perf_counter()
+      learner = Learner(
+        Model(cfg), make_mesh(jax.devices()[:1], {"fsdp": 1}), TRAIN_RULES,
+        loss=LossConfig(proximal="recompute"), optimizer=OptimizerConfig(learning_rate=1e-3),
+        updates_per_step=1, micro_batch_size=2, temperature=1.0,
+      )  # fmt: skip
+      built = time.perf_counter()
+      jax.block_until_ready(learner.update(batch))
+      first = time.perf_counter()
+      jax.block_until_ready(learner.update(batch))
+      out[f"{preset}/{'first' if build == 0 else f'rebuilt {build}'}"] = {
+        "build_s": built - start,
+        "first_update_s": first - built,
+        "second_update_s": time.perf_counter() - first,
+        "compiles": sum(counter.snapshot().values()) - before,
+      }
   return out
