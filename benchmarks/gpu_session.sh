@@ -51,6 +51,10 @@
 # wait and the host round trip; `launch/bench_publish.py`),
 # recipe_cache (its first 2 steps in a process with a cold persistent compilation cache, then in
 # one with the cache the first filled: what `config.compile_cache_dir` saves a resumed run).
+# learner_rebuild (a Qwen3-0.6B learner, then two more of equal settings in the process, as
+# after a lost learner: each one's first update and compilations; the first compiles its
+# programs (53 s in issue 16's GRPO step), the rebuilt ones none; `launch/bench.py
+# learner_rebuild`).
 # Each part runs under its own time limit (seconds, PART:LIMIT overrides it) and appends one
 # JSON line {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the
 # settings it finished, for a part cut short) to $OUT/progress.txt, the end of its log to
@@ -167,6 +171,8 @@ for spec in "$@"; do
       --json --profile ;;
     grpo) run_part grpo "${limit:-200}" python3 launch/bench.py grpo_step --json \
       --presets qwen3-0.6b ;;
+    learner_rebuild) run_part learner_rebuild "${limit:-200}" python3 launch/bench.py \
+      learner_rebuild --json --presets qwen3-0.6b ;;
     train) run_part train "${limit:-240}" python3 launch/train.py --workdir /tmp/train_default ;;
     tests) JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run_part tests "${limit:-360}" \
       python3 -m pytest -v -n 4 --durations=15 -m gpu -p no:cacheprovider tests/kernels ;;

@@ -414,8 +414,8 @@ def _train_records(workdir: str) -> list[dict]:
 
 def _assert_same_step(straight: dict, resumed: dict) -> None:
   """A sync run resumed from its checkpoint trains the step it would have trained: the same
-  prompts, responses and rewards, the same update (float32 rounding aside: the learner's
-  programs compile anew in the resumed process)."""
+  prompts, responses and rewards, the same update to float32 rounding (a job resumed in a
+  process of its own compiles its programs anew; here the runs share one process)."""
   assert straight["step"] == resumed["step"]
   for key in ("reward_mean", "response_length", "truncated_frac"):
     assert straight[key] == resumed[key], (key, straight[key], resumed[key])
