@@ -121,3 +121,33 @@ def test_a_second_learner_of_equal_settings_compiles_nothing_and_counts_its_own_
   with compiled_functions() as compiled:  # a learner of another model compiles its own
     learner(dataclasses.replace(config, num_layers=2))
   assert len(compiled) >= 2, compiled
+
+
+def test_a_second_warm_up_of_equal_settings_compiles_nothing():
+  """A job built again in the process runs its supervised warm-up with the step the first
+  one traced and compiled, and gets the same values; another learning rate traces its own."""
+  from jaxrl.train import SupervisedTrainer
+
+  config = get_preset("tiny", num_layers=1, max_seq_len=16)
+
+  def warmed_up(learning_rate=1e-2):
+    mesh = make_mesh(jax.devices()[:2], {"fsdp": 2})
+    learner = Learner(
+      Model(config), mesh, TRAIN_RULES, loss=LossConfig(), optimizer=OptimizerConfig(),
+      updates_per_step=1, micro_batch_size=2, temperature=1.0,
+    )  # fmt: skip
+    trainer = SupervisedTrainer(learner, learning_rate)
+    metrics = [jax.device_get(trainer.step(batch.tokens_bt, batch.mask_bt)) for _ in range(2)]
+    return metrics, jax.device_get(learner.params)
+
+  batch = random_batch(np.random.default_rng())
+  first_metrics, first_params = warmed_up()
+  with compiled_functions(TRACE_EVENT) as traced, compiled_functions() as compiled:
+    second_metrics, second_params = warmed_up()
+  assert compiled == [] and "step" not in traced, (traced, compiled)
+  assert second_metrics == first_metrics
+  for a, b in zip(jax.tree.leaves(first_params), jax.tree.leaves(second_params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  with compiled_functions(TRACE_EVENT) as traced:
+    warmed_up(learning_rate=3e-3)
+  assert "step" in traced, traced
