@@ -114,7 +114,8 @@ class ShapeRecord:
   owner's count of compiled shapes, where its programs are shared with others
   (`shared_function`) and JAX's own count is the process's. A shape is the arguments' tree
   structure with each leaf's shape and (canonical) dtype; the owner keeps each program's
-  argument layouts fixed, so those are what select a compiled program. Thread-safe: programs
+  argument layouts fixed, so those are what select a compiled program, and it may leave out
+  arguments whose shapes never change (`Counted`'s `fixed`). Thread-safe: programs
   compiled ahead are noted from their threads."""
 
   def __init__(self):
@@ -143,15 +144,17 @@ def _dtype(x):
 
 
 class Counted:
-  """A jitted function whose calls and lowerings `record` notes, as `program`."""
+  """A jitted function whose calls and lowerings `record` notes, as `program`. The first
+  `fixed` arguments (the weights, the optimizer state: hundreds of leaves whose shapes never
+  change for the owner) are left out of the note, which is then a few leaves a call."""
 
-  def __init__(self, jitted, record: ShapeRecord, program):
-    self.jitted, self._record, self._program = jitted, record, program
+  def __init__(self, jitted, record: ShapeRecord, program, fixed: int = 0):
+    self.jitted, self._record, self._program, self._fixed = jitted, record, program, fixed
 
   def __call__(self, *args):
-    self._record.note(self._program, args)
+    self._record.note(self._program, args[self._fixed :])
     return self.jitted(*args)
 
   def lower(self, *args) -> jax.stages.Lowered:
-    self._record.note(self._program, args)
+    self._record.note(self._program, args[self._fixed :])
     return self.jitted.lower(*args)

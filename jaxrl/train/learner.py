@@ -187,12 +187,14 @@ class Learner:
     state_out = (self.param_shardings, self.opt_shardings, replicated)
     options = training_compiler_options(mesh)
 
-    def counted(name, method, **jit_settings):
+    def counted(name, method, fixed, **jit_settings):
+      """`fixed`: the leading arguments of this learner's fixed shapes (weights, optimizer
+      state, reference weights, gradient sums), which the count leaves out."""
       jitted = jax.jit(shared_function(method, programs), **jit_settings)
-      return Counted(jitted, self._shapes, name)
+      return Counted(jitted, self._shapes, name, fixed)
 
     self._update = counted(
-      "update", UpdatePrograms.update, donate_argnums=(0, 1), out_shardings=state_out,
+      "update", UpdatePrograms.update, 3, donate_argnums=(0, 1), out_shardings=state_out,
       compiler_options=options,
     )  # fmt: skip
     # Packed: the micro-step adds into the (gradient, metric) sums it is handed (donated); the
@@ -201,21 +203,21 @@ class Learner:
     if self._replicas:
       self._sum_shardings = replica_sums.sharding(mesh)
     self._micro_step = counted(
-      "micro_step", UpdatePrograms.micro_step, donate_argnums=(2,),
+      "micro_step", UpdatePrograms.micro_step, 3, donate_argnums=(2,),
       out_shardings=self._sum_shardings, compiler_options=options,
     )  # fmt: skip
     # Not the sums: no output has their place (XLA reuses a donated buffer only for an output,
     # so donating them only warned, "Some donated buffers were not usable", at each first
     # update); they are freed when the update returns.
     self._apply = counted(
-      "apply", UpdatePrograms.apply, donate_argnums=(0, 1), out_shardings=state_out,
+      "apply", UpdatePrograms.apply, 3, donate_argnums=(0, 1), out_shardings=state_out,
       compiler_options=options,
     )  # fmt: skip
     # Log-probs the host reads (the proximal policy's, the train/inference mismatch's) come out
     # whole on every device: in a learner of several processes a host reads only its own.
-    self._logprobs = counted("logprobs", UpdatePrograms.logprobs, out_shardings=replicated)
+    self._logprobs = counted("logprobs", UpdatePrograms.logprobs, 1, out_shardings=replicated)
     self._packed_logprobs = counted(
-      "packed_logprobs", UpdatePrograms.packed_logprobs, out_shardings=replicated
+      "packed_logprobs", UpdatePrograms.packed_logprobs, 1, out_shardings=replicated
     )
     self.__dict__.pop("_zero_sums", None)  # built again for these programs when next needed
 
