@@ -1,6 +1,9 @@
 """Test set-up: 8 simulated CPU devices before any JAX backend starts, one compilation cache
 for the whole test session, and XLA:CPU compiling at LLVM's cheapest settings."""
 
+import collections
+import json
+import math
 import os
 import shutil
 import subprocess
@@ -44,11 +47,16 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 # instead of its MLIR fusion emitters halve what is left of compiling (2026-11-27, one process:
 # tests/train/learner_test.py 123 -> 69 s, its compiles 91 -> 41 s); where this jaxlib does
 # not know that flag (an unknown flag aborts the process) the suite goes on without it.
+# Nor does LLVM split each program into parts to compile on several threads: for programs this
+# small the split costs more than it saves, and the two test workers keep both cores busy
+# anyway (2026-12-07, `tests/rollout/kv_park_test.py` in one process: CPU 55-59 s -> 50-51 s,
+# wall 52-55 s -> 49 s; the split changes how a program compiles, not what it computes).
 # Processes the tests start (the main job, Ray actors) inherit the flags. An optimisation
 # level given in XLA_FLAGS is kept as it is, and GPU runs (JAX_PLATFORMS=cuda) compile as
 # users do.
 _CHEAP_LLVM = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _ELEMENTAL_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+_ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
 _ON_CPU = os.environ["JAX_PLATFORMS"] == "cpu"
 
 
@@ -65,8 +73,9 @@ def _xla_accepts(flags: str) -> bool:
 
 if _ON_CPU and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   _flags = f"{os.environ.get('XLA_FLAGS', '')} {_CHEAP_LLVM}".strip()
-  if _xla_accepts(f"{_flags} {_ELEMENTAL_EMITTERS}"):
-    _flags = f"{_flags} {_ELEMENTAL_EMITTERS}"
+  for _flag in (_ELEMENTAL_EMITTERS, _ONE_CODEGEN_PART):
+    if _xla_accepts(f"{_flags} {_flag}"):
+      _flags = f"{_flags} {_flag}"
   os.environ["XLA_FLAGS"] = _flags
 
 import jax  # noqa: E402
@@ -125,6 +134,49 @@ def _drop_compiled_executables():
   jax.clear_caches()
   held = _resident_and_maps()
   _resident_after_drop = 0 if held is None else held[0]
+
+
+# Each test module runs whole on one pytest-xdist worker (an xdist group of its own, unless it
+# names one): its tests then share their traces, lowerings and module fixtures in one process.
+# Spread test by test over both workers, each worker traced and lowered the module's programs
+# (the persistent cache above shares compiled programs, not traces): on the 2-core VM
+# (2026-12-07) `tests/rollout` took 324 s test by test, 285 s module by module (CPU 9m56s ->
+# 9m02s). Groups go out longest first (`module_seconds.json`, a full run's seconds per module;
+# one missing from it goes first), so that a run ends on short modules, not on a worker
+# running a long one alone.
+_MODULE_SECONDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "module_seconds.json")
+
+
+def _group_name(marker) -> str:
+  return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist names each test's group in its node id
+def pytest_collection_modifyitems(config, items):
+  if config.getvalue("dist") != "loadgroup":
+    return
+  try:
+    with open(_MODULE_SECONDS) as f:
+      seconds = json.load(f)
+  except (OSError, ValueError):
+    seconds = {}
+  modules_of = collections.defaultdict(set)
+  groups = []  # each item's group, in collection order
+  for item in items:
+    module = item.nodeid.split("::")[0]
+    marker = item.get_closest_marker("xdist_group")
+    if marker is None:
+      item.add_marker(pytest.mark.xdist_group(module))
+      groups.append(module)
+    else:
+      groups.append(_group_name(marker))
+    modules_of[groups[-1]].add(module)
+  weight = {
+    group: sum(seconds.get(m, math.inf) for m in modules) for group, modules in modules_of.items()
+  }
+  # Every worker sorts alike (xdist stops a run whose workers collected different orders).
+  order = sorted(range(len(items)), key=lambda i: (-weight[groups[i]], groups[i], i))
+  items[:] = [items[i] for i in order]
 
 
 _NOT_RUN = pytest.StashKey[str]()
