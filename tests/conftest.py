@@ -153,7 +153,7 @@ def _group_name(marker) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist names each test's group in its node id
 def pytest_collection_modifyitems(config, items):
-  if config.getvalue("dist") != "loadgroup":
+  if config.getoption("dist", None) != "loadgroup":
     return
   try:
     with open(_MODULE_SECONDS) as f:
