@@ -18,9 +18,6 @@ from jaxrl.model import load_pretrained  # noqa: E402
 from jaxrl.rl import job  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "grpo_hf.py")
-# One worker runs the module: its tests share one run (the module-scoped fixture below), which
-# pytest-xdist would otherwise build on each worker that runs one of them.
-pytestmark = pytest.mark.xdist_group("hf_job")
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def test_greedy_matches_static_engine_under_preemption(mesh, params):
   rng = np.random.default_rng()
   ps = prompts(12, rng)
   # Every request runs its 24 tokens: a draw whose greedy tokens met EOS early ran without a
-  # preemption (1 of 4 runs on 2026-12-07), and the test checked nothing it is named for.
+  # preemption (once in 7 runs of the file on 2026-12-07), and checked nothing it is named for.
   sp = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
   static = StaticEngine(MODEL, mesh, ROLLOUT_RULES, eos_id=EOS, pad_id=PAD)
   static.update_weights(params, 0)

@@ -16,9 +16,6 @@ from jaxrl.train import Learner, LossConfig, MoEConfig, OptimizerConfig, TrainBa
 from jaxrl.train.routing import expert_loads, fill_padding, routes_from_completions
 
 MODEL = Model(get_preset("tiny-moe", num_layers=2))
-# One worker runs the module: the `rollout` fixture (a paged MoE engine's completions) is built
-# once, not on each pytest-xdist worker that runs one of its tests (20 s in a loaded run).
-pytestmark = pytest.mark.xdist_group("routing")
 REPLAY = MoEConfig(routing_replay=True, placement="least_loaded", redundant_slots=1)
 
 
