@@ -30,12 +30,16 @@ log = logging.getLogger(__name__)
 
 def split_of(key: str) -> str:
   """Returns "test" or "train" for a problem's canonical key, from a stable hash."""
-  digest = hashlib.sha256(key.encode("utf-8")).digest()
+  return _split_of_digest(hashlib.sha256(key.encode("utf-8")).digest())
+
+
+def _split_of_digest(digest: bytes) -> str:
   return "test" if int.from_bytes(digest[:8], "little") % _TEST_MODULUS == 0 else "train"
 
 
-def _record_id(task: str, key: str) -> str:
-  return f"{task}-{hashlib.sha256(key.encode('utf-8')).hexdigest()[:12]}"
+def _record_id(task: str, digest: bytes) -> str:
+  """A record's id from its key's digest (the one `split_of` hashes)."""
+  return f"{task}-{digest[:6].hex()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +125,13 @@ class Task:
       if len(out) >= limit or draws >= max_draws:
         break
       key = self.problem_key(record)
-      if key in seen or split_of(key) != split:
+      if key in seen:
+        continue
+      digest = hashlib.sha256(key.encode("utf-8")).digest()  # one hash: the split and the id
+      if _split_of_digest(digest) != split:
         continue
       seen.add(key)
-      record["id"] = _record_id(self.name, key)
+      record["id"] = _record_id(self.name, digest)
       out.append(record)
     if num is not None and len(out) < num and split == "test":  # `config.eval.num_prompts`
       log.warning(
