@@ -264,7 +264,16 @@ def test_flash_attention_gives_the_dense_logits_and_gradients(name, packed):
   """`model.attention="flash"` runs the blockwise kernel where training has no cache: the same
   logits and parameter gradients as dense attention, plain rows and packed rows alike, sliding
   windows and softcapped logits too."""
-  dense_model = Model(dataclasses.replace(VARIANTS[name], max_seq_len=96))
+  cfg = VARIANTS[name]
+  if cfg.mlp_activation == "clamped_swiglu":
+    # gpt-oss-style: a clamp that never binds here. Where it binds, a pre-activation within
+    # rounding of its kink (the gradient jumps between 0 and 1) falls on either side on the two
+    # attentions' paths, and one gradient differs by far more than rounding. Of the about
+    # 650,000 gate and up values here, 12 draws of 12 put one within 1e-5 of the clamp, and a
+    # full run failed so (2026-12-07: 57 of 64 elements of one gradient apart). The clamp's
+    # gradient is checked in tests/model/moe_test.py, on draws clear of the kink.
+    cfg = dataclasses.replace(cfg, swiglu_limit=1e4)
+  dense_model = Model(dataclasses.replace(cfg, max_seq_len=96))
   flash_model = Model(dataclasses.replace(dense_model.config, attention="flash"))
   params = _random_params(dense_model, np.random.randint(1 << 16))
   rng = np.random.default_rng()
