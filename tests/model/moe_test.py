@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import moe_capacity, tolerance
+from helpers import grids, moe_capacity, tolerance
 
 from jaxrl.model import ExpertParallel, Model, MoEInputs, get_preset
 from jaxrl.model import moe as moe_module
@@ -207,9 +207,15 @@ def test_the_grouped_dispatch_is_chosen_on_meshes_without_tensor_parallelism():
 
 # The grouped dispatch is the expert-parallel layer on a one-device expert axis: the tokens
 # split over the data and fsdp axes (3 x 7 do not divide 8: the layer pads them), every device
-# running all experts with `gmm`.
-@pytest.mark.parametrize("cfg", [CFG, OSS, SHARED], ids=["tiny-moe", "gpt-oss", "shared-expert"])
-@pytest.mark.parametrize("axes", [{}, {"data": 2, "fsdp": 4}], ids=["one-device", "fsdp4-data2"])
+# running all experts with `gmm`. The models differ in their experts' maths, the meshes in how
+# tokens are split and padded: by default each model runs on one mesh (`-m slow`: all six).
+@pytest.mark.parametrize(
+  "cfg,axes",
+  grids.covering(
+    {"tiny-moe": CFG, "gpt-oss": OSS, "shared-expert": SHARED},
+    {"one-device": {}, "fsdp4-data2": {"data": 2, "fsdp": 4}},
+  ),
+)
 def test_the_grouped_dispatch_matches_the_reference(cfg, axes, monkeypatch):
   rng = np.random.default_rng()
   model = Model(cfg)

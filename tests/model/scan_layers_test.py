@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tolerance
+from helpers import grids, tolerance
 from helpers.packed_rows import two_packed_rows
 
 from jaxrl.model import Model, PackedPrefillCache, get_preset
@@ -18,8 +18,15 @@ from jaxrl.model import Model, PackedPrefillCache, get_preset
 WINDOWED = {"sliding_window": 5, "sliding_layers": (0, 2)}
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "windowed"])
-@pytest.mark.parametrize("remat", [False, True])
+# By default each preset runs once, windowed rematerialised (the case above); `-m slow` runs
+# every preset both ways.
+@pytest.mark.parametrize(
+  "preset,remat",
+  grids.covering(
+    {"tiny": "tiny", "tiny-moe": "tiny-moe", "windowed": "windowed"},
+    {"remat": True, "no-remat": False},
+  ),
+)
 def test_scanned_blocks_give_the_unrolled_results(preset, remat):
   extra = WINDOWED if preset == "windowed" else {}
   preset = "tiny" if preset == "windowed" else preset
