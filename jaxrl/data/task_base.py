@@ -30,7 +30,12 @@ log = logging.getLogger(__name__)
 
 def split_of(key: str) -> str:
   """Returns "test" or "train" for a problem's canonical key, from a stable hash."""
-  return _split_of_digest(hashlib.sha256(key.encode("utf-8")).digest())
+  return _split_of_digest(_key_digest(key))
+
+
+def _key_digest(key: str) -> bytes:
+  """The stable hash of a problem's key that its split and its record id come from."""
+  return hashlib.sha256(key.encode("utf-8")).digest()
 
 
 def _split_of_digest(digest: bytes) -> str:
@@ -38,7 +43,7 @@ def _split_of_digest(digest: bytes) -> str:
 
 
 def _record_id(task: str, digest: bytes) -> str:
-  """A record's id from its key's digest (the one `split_of` hashes)."""
+  """A record's id from its key's digest (`_key_digest`)."""
   return f"{task}-{digest[:6].hex()}"
 
 
@@ -127,7 +132,7 @@ class Task:
       key = self.problem_key(record)
       if key in seen:
         continue
-      digest = hashlib.sha256(key.encode("utf-8")).digest()  # one hash: the split and the id
+      digest = _key_digest(key)  # one hash: the split and the id
       if _split_of_digest(digest) != split:
         continue
       seen.add(key)

@@ -24,13 +24,17 @@ import time
 import jax
 import pytest
 
+try:
+  from helpers import compiles
+except ImportError:  # run as a script: its own folder is on sys.path, not tests/
+  import compiles
+
 _KINDS = ("trace", "lower", "compile", "gc")
 _EVENTS = {
-  "/jax/core/compile/jaxpr_trace_duration": "trace",
-  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-  "/jax/core/compile/backend_compile_duration": "compile",
+  compiles.TRACE_EVENT: "trace",
+  compiles.LOWER_EVENT: "lower",
+  compiles.BACKEND_COMPILE_EVENT: "compile",
 }
-_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 class Recorder:
@@ -54,7 +58,7 @@ class Recorder:
         self.compiled.append([fun_name, round(secs, 3)])
 
   def _event(self, name, **_):
-    if name == _CACHE_HIT:
+    if name == compiles.CACHE_HIT_EVENT:
       self.cache_hits += 1
 
   def _gc(self, phase, _info):

@@ -6,6 +6,8 @@ import jax
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 @contextlib.contextmanager
