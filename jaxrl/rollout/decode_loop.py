@@ -240,9 +240,7 @@ class DeviceBatch:
       iter(i for i in range(s * block, (s + 1) * block) if self.rows[i] is None)
       for s in range(self.shards)
     ]
-    count = 1 << (len(new) - 1).bit_length()  # a power of two: few compiled shapes
-    index = np.full((count,), len(self.rows), np.int32)  # padding: out of range, dropped
-    state, sampling = dead_rows(count, self.stop_width, self._pad_id)
+    index, state, sampling = self._row_update()
     for i, (holder, start) in enumerate(new):
       row = next(free[holder.shard], None)
       if row is None:
@@ -259,9 +257,19 @@ class DeviceBatch:
   def kill(self, row: int) -> None:
     """Frees a row and stops it on the device (a row that stopped there needs only `free`)."""
     self.rows[row] = None
-    state, sampling = dead_rows(1, self.stop_width, self._pad_id)
-    index = np.asarray([row], np.int32)
+    index, state, sampling = self._row_update()
+    index[0] = row
     self._update(self._set_rows, index, state, sampling)
+
+  def _row_update(self):
+    """(index, state, sampling) of a row update that changes nothing yet: dead rows, each
+    aimed out of range (dropped). It has an entry for every row of the batch, however few it
+    writes, so that one program serves every admission and kill of a row count and stop
+    width (padded to powers of two of the rows written, a batch of 64 rows compiled up to 7
+    shapes, some of them mid-run)."""
+    rows = len(self.rows)
+    state, sampling = dead_rows(rows, self.stop_width, self._pad_id)
+    return np.full((rows,), rows, np.int32), state, sampling
 
   def free(self, row: int) -> None:
     self.rows[row] = None

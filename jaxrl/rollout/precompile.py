@@ -7,7 +7,8 @@
   on background threads while the engine generates (`jaxrl.compile_ahead`).
 
 The row updates between windows (`decode_loop.DeviceBatch`) are not covered: they are small
-programs that compile in well under a second."""
+programs that compile in well under a second, one per row count and stop-id width (and a
+re-layout per change of row count)."""
 
 from __future__ import annotations
 

@@ -67,6 +67,30 @@ def test_greedy_matches_static_engine_under_preemption(mesh, params):
   assert paged.allocator.num_free == paged.allocator.num_pages and not paged.has_work
 
 
+def test_row_updates_of_one_row_count_run_one_program(mesh, params):
+  """Admissions of any number of requests and the kills of preempted ones write rows through
+  one program per row count and stop-id width: every update has an entry for each row, those
+  it does not write aimed out of range. (The preemption test's engine: no program of its
+  own.)"""
+  rng = np.random.default_rng()
+  # As in the preemption test: 8 requests of 25 to 43 tokens do not fit 14 pages of 8 slots.
+  sp = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+  paged = engine(mesh, params, page_size=8, num_pages=14, max_running=8, prefill_chunk=8)
+  set_rows, written = paged._batch._set_rows, []
+
+  def recorded(state, sampling, rows_a, new_state, new_sampling):
+    rows = state.tokens_b.shape[0]
+    assert rows_a.shape == (rows,) and new_state.tokens_b.shape == (rows,)
+    written.append((rows, int((rows_a < rows).sum())))
+    return set_rows(state, sampling, rows_a, new_state, new_sampling)
+
+  paged._batch._set_rows = recorded
+  paged.generate(prompts(12, rng), [sp] * 12, seed=0)
+  assert paged.num_preemptions > 0  # kills wrote rows too
+  assert len({count for _, count in written}) > 1, written  # updates of several sizes
+  assert paged._calls.compiled(recorded) == len({rows for rows, _ in written})
+
+
 def test_attention_sinks_decode_like_the_static_engine(mesh):
   """A model with attention sinks (gpt-oss), windowed every other layer: the paged engine's
   decode (paged attention with sinks, rings of pages) and its chunked and packed prefills
