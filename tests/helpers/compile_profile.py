@@ -8,17 +8,22 @@ With the variable set, `tests/conftest.py` registers a `Recorder`: each test pro
 one JSON line per test phase (setup, call, teardown) to <folder>/<worker>.jsonl: its wall and
 CPU seconds, the seconds Python's garbage collector ran, the seconds JAX spent tracing,
 lowering to MLIR and compiling (persistent-cache reads included), its persistent-cache hits,
-and each compiled function's name and seconds. Traces nest (a trace holds those of the
+and each compiled function's name, seconds and persistent-cache key (the program's identity:
+its MLIR, the compile options and the devices). Traces nest (a trace holds those of the
 functions it calls) and programs compile on several threads, so those sums overlap. The
-summary sums them by module and by compiled function.
+summary sums them by module and by compiled function, and counts the programs compiled more
+than once in the run (in other workers, after a worker dropped its compiled programs, or too
+quick to compile for the persistent cache to keep).
 """
 
 import collections
 import gc
 import glob
 import json
+import logging
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -37,6 +42,21 @@ _EVENTS = {
 }
 
 
+_COMPILER_LOGGER = "jax._src.compiler"  # logs "... CACHE MISS for '<name>' with key '<key>'"
+
+
+class _CacheMissHandler(logging.Handler):
+  """Keeps the key of the last persistent-cache miss logged on each thread (`pending.key`)."""
+
+  def __init__(self, pending: threading.local):
+    super().__init__(logging.DEBUG)
+    self.pending = pending
+
+  def emit(self, record):
+    if "CACHE MISS" in record.msg and len(record.args) == 2:
+      self.pending.key = str(record.args[1])
+
+
 class Recorder:
   """A pytest plugin writing each test phase's profile row to `folder` (one file per worker)."""
 
@@ -46,16 +66,24 @@ class Recorder:
     self.compiled = []
     self.cache_hits = 0
     self._gc_started = 0.0
+    # JAX logs each persistent-cache miss with the program's key on the thread that then
+    # compiles it: the key waits there for that compile's duration event.
+    self._pending_key = threading.local()
     jax.monitoring.register_event_duration_secs_listener(self._duration)
     jax.monitoring.register_event_listener(self._event)
     gc.callbacks.append(self._gc)
+    compiler_log = logging.getLogger(_COMPILER_LOGGER)
+    compiler_log.addHandler(_CacheMissHandler(self._pending_key))
+    compiler_log.setLevel(min(compiler_log.getEffectiveLevel(), logging.DEBUG))
 
   def _duration(self, name, secs, fun_name="", **_):
     kind = _EVENTS.get(name)
     if kind is not None:
       self.seconds[kind] += secs
       if kind == "compile":
-        self.compiled.append([fun_name, round(secs, 3)])
+        key = getattr(self._pending_key, "key", "")
+        self._pending_key.key = ""
+        self.compiled.append([fun_name, round(secs, 3), key])
 
   def _event(self, name, **_):
     if name == compiles.CACHE_HIT_EVENT:
@@ -109,6 +137,7 @@ def summary(rows: list[dict], top: int = 25) -> str:
   by_module = collections.defaultdict(collections.Counter)
   compiled = collections.Counter()
   compiled_seconds = collections.Counter()
+  by_key = collections.defaultdict(list)  # cache key -> (name, seconds) of each compile
   for row in rows:
     module = row["test"].split("::")[0]
     for key in ("wall", "cpu", *_KINDS):
@@ -117,9 +146,11 @@ def summary(rows: list[dict], top: int = 25) -> str:
     by_module[module]["compiles"] += len(row["compiled"])
     total["compiles"] += len(row["compiled"])
     total["cache_hits"] += row.get("cache_hits", 0)
-    for name, secs in row["compiled"]:
+    for name, secs, *key in row["compiled"]:
       compiled[name] += 1
       compiled_seconds[name] += secs
+      if key and key[0]:
+        by_key[key[0]].append((name, secs))
   lines = [
     f"{len(rows)} test phases, {total['wall']:.0f} s wall, {total['cpu']:.0f} s CPU: "
     f"trace {total['trace']:.0f} s, lower {total['lower']:.0f} s, compile "
@@ -139,7 +170,29 @@ def summary(rows: list[dict], top: int = 25) -> str:
   lines += [
     f"{compiled[name]:6d} {secs:8.1f}  {name}" for name, secs in compiled_seconds.most_common(top)
   ]
+  lines += _repeats(by_key, top)
   return "\n".join(lines)
+
+
+def _repeats(by_key: dict, top: int) -> list[str]:
+  """Lines on the programs (by persistent-cache key) compiled more than once in the run."""
+  again = {k: v for k, v in by_key.items() if len(v) > 1}
+  if not by_key:
+    return []
+  extra = collections.Counter()  # function -> seconds of its compiles after the first
+  count = collections.Counter()
+  for compiles in again.values():
+    name = compiles[0][0]
+    extra[name] += sum(secs for _, secs in compiles[1:])
+    count[name] += len(compiles) - 1
+  lines = [
+    "",
+    f"programs compiled more than once: {len(again)} of {len(by_key)} keys, "
+    f"{sum(count.values())} compiles again, {sum(extra.values()):.0f} s "
+    "(compiles again, seconds):",
+  ]
+  lines += [f"{count[name]:6d} {secs:8.1f}  {name}" for name, secs in extra.most_common(top)]
+  return lines
 
 
 if __name__ == "__main__":
