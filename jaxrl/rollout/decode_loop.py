@@ -265,8 +265,7 @@ class DeviceBatch:
     """(index, state, sampling) of a row update that changes nothing yet: dead rows, each
     aimed out of range (dropped). It has an entry for every row of the batch, however few it
     writes, so that one program serves every admission and kill of a row count and stop
-    width (padded to powers of two of the rows written, a batch of 64 rows compiled up to 7
-    shapes, some of them mid-run)."""
+    width (sized to the rows written, they compiled new shapes mid-run)."""
     rows = len(self.rows)
     state, sampling = dead_rows(rows, self.stop_width, self._pad_id)
     return np.full((rows,), rows, np.int32), state, sampling

@@ -176,9 +176,9 @@ def summary(rows: list[dict], top: int = 25) -> str:
 
 def _repeats(by_key: dict, top: int) -> list[str]:
   """Lines on the programs (by persistent-cache key) compiled more than once in the run."""
-  again = {k: v for k, v in by_key.items() if len(v) > 1}
-  if not by_key:
+  if not by_key:  # rows written before the profile kept keys
     return []
+  again = {k: v for k, v in by_key.items() if len(v) > 1}
   extra = collections.Counter()  # function -> seconds of its compiles after the first
   count = collections.Counter()
   for compiles in again.values():
