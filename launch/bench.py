@@ -6,7 +6,7 @@
   python launch/bench.py prefix_sharing|prefill_packing [--json] [--presets bench-tiny]
   python launch/bench.py plan|calibrate [--json]
   python launch/bench.py paged_attention|flash_attention|logprobs|gmm|tgmm [--json]
-  python launch/bench.py grpo_step|learner_rebuild [--json] [--presets bench-tiny]
+  python launch/bench.py grpo_step|learner_rebuild|precompiled_rollout [--json] [--presets ...]
   python launch/bench.py learner [--json] [--profile] [--lengths 4096] [--attentions flash]
                                 [--logprob-chunks 128,1024]
                                 [--remat-policies full,save_attention]
@@ -16,17 +16,11 @@
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
       [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
       [--attention-blocks "2,,2,1;1,,2,1"]
-  python launch/bench.py sampler [--json]
+  python launch/bench.py sampler|async|balance|memory|collectives [--json]
   python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
-  python launch/bench.py async [--json]
-  python launch/bench.py balance [--json]
-  python launch/bench.py memory [--json]
-  python launch/bench.py weight_transfer [--json] [--presets bench-small,qwen3-0.6b]
-  python launch/bench.py publish [--json] [--presets qwen3-0.6b]
+  python launch/bench.py weight_transfer|publish [--json] [--presets bench-small,qwen3-0.6b]
   python launch/bench.py chaos [--json] [--faults 100,10,10] [--steps 30]
-  python launch/bench.py collectives [--json]
-  python launch/bench.py agent [--json] [--steps 6]
-  python launch/bench.py turn_kv [--json] [--steps 2]
+  python launch/bench.py agent|turn_kv [--json] [--steps 6]
   python launch/bench.py window_kv [--json] [--presets gemma3-1b] [--rows 8]
 
 Each benchmark prints a table (or one JSON object with --json) and the machine it ran on.
@@ -54,7 +48,11 @@ from bench_attention import bench_flash_attention  # noqa: E402
 from bench_balance import bench_balance  # noqa: E402
 from bench_collectives import bench_collectives  # noqa: E402
 from bench_gmm import bench_gmm, bench_tgmm  # noqa: E402
-from bench_grpo import bench_grpo_step, bench_learner_rebuild  # noqa: E402
+from bench_grpo import (  # noqa: E402
+  bench_grpo_step,
+  bench_learner_rebuild,
+  bench_precompiled_rollout,
+)
 from bench_kernel_code import bench_kernel_code  # noqa: E402
 from bench_kernels import bench_kernels  # noqa: E402
 from bench_learner import SETTINGS as bench_learner_settings  # noqa: E402
@@ -467,6 +465,7 @@ BENCHMARKS = {
   "moe_layer": bench_moe_layer,
   "paged_attention": bench_paged_attention,
   "plan": bench_plan,
+  "precompiled_rollout": bench_precompiled_rollout,
   "prefill_packing": bench_prefill_packing,
   "prefix_sharing": bench_prefix_sharing,
   "publish": bench_publish,

@@ -1,5 +1,5 @@
 """`python launch/bench.py grpo_step`: a GRPO run's steps on a long-tail workload, and what
-compiles after the first one.
+compiles after the first one (`precompiled_rollout`, `learner_rebuild`: below).
 
 Each step generates `prompts x group` responses with the paged engine (response lengths forced
 to a lognormal long tail: EOS ignored, `max_new_tokens` drawn per request), scores them with a
@@ -21,6 +21,7 @@ engine whenever a page table or prefill chunk does).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import statistics
@@ -48,13 +49,15 @@ class _CompileCounter:
   def __init__(self):
     self.current = "other"
     self.counts: dict[str, int] = {}
+    self.functions: collections.Counter = collections.Counter()  # (stage, function name)
     self._thread = threading.get_ident()
     jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-  def _on_event(self, name: str, _secs: float, **_kwargs) -> None:
+  def _on_event(self, name: str, _secs: float, fun_name: str = "", **_kwargs) -> None:
     if name == _COMPILE_EVENT:
       stage = self.current if threading.get_ident() == self._thread else "background"
       self.counts[stage] = self.counts.get(stage, 0) + 1
+      self.functions[stage, fun_name] += 1
 
   @contextlib.contextmanager
   def stage(self, name: str):
@@ -210,5 +213,64 @@ def bench_learner_rebuild(
         "first_update_s": first - built,
         "second_update_s": time.perf_counter() - first,
         "compiles": sum(counter.snapshot().values()) - before,
+      }
+  return out
+
+
+def bench_precompiled_rollout(
+  presets=("bench-tiny",),
+  generations: int = 8,
+  max_running: int = 16,
+  extra_stop_ids=(0, 2),
+  seed: int = 0,
+) -> dict:
+  """A paged engine precompiled as `rollout.paged.precompile=True` does it (at its first
+  weights, with `precompile`'s defaults), then `generations` generations of 1 to
+  `max_running` requests (prompts of 1-19 tokens, 1-39 new tokens, EOS ignored), so that the
+  batch's row count grows and shrinks between and within them; once per count of stop ids a
+  request has besides the end token (`extra_stop_ids`: a chat tokenizer brings one or two).
+  Reported: the programs precompiled and the seconds it took, and what compiled in the
+  generations after (target: nothing), by function, and in how many generations. One device,
+  the dtype the job's "auto" gives this backend, shapes sized for 64 tokens."""
+  counter = _CompileCounter()
+  out = {}
+  for preset in presets:
+    model = Model(_as_the_job_runs(get_preset(preset)))
+    params = model.init(seed)
+    for extra in extra_stop_ids:
+      engine = PagedEngine(
+        model, make_mesh(jax.devices()[:1], {}), ROLLOUT_RULES, eos_id=2, pad_id=0,
+        config=PagedConfig(
+          page_size=8, num_pages=8 * max_running, max_running=max_running, prefill_chunk=16,
+          decode_steps=4, max_tokens=64, precompile=True, compile_ahead=False,
+        ),
+      )  # fmt: skip
+      start = time.perf_counter()
+      engine.update_weights(params, 0)  # precompiles
+      precompile_s = time.perf_counter() - start
+      precompiled = engine.compiled_shapes()  # the shapes it ran: every program it compiled
+      rng = np.random.default_rng(seed)
+      before, compiled_in = counter.functions.copy(), 0
+      for g in range(generations):
+        count = sum(counter.counts.values())
+        rows = int(rng.integers(1, max_running + 1))
+        prompts = [list(rng.integers(3, 60, int(rng.integers(1, 20)))) for _ in range(rows)]
+        stops = list(range(5, 5 + extra))
+        sampling = [
+          SamplingParams(
+            max_new_tokens=int(rng.integers(1, 40)), ignore_eos=True, stop_token_ids=stops
+          )  # fmt: skip
+          for _ in prompts
+        ]
+        with counter.stage("rollout"):
+          engine.generate(prompts, sampling, seed=g)
+        compiled_in += sum(counter.counts.values()) > count
+      after = counter.functions - before
+      out[f"{preset}/{extra}_extra_stop_ids"] = {
+        "programs_precompiled": precompiled,
+        "precompile_s": precompile_s,
+        "compiles_after_precompile": sum(after.values()),
+        "compiled_functions": {f"{stage}:{name}": n for (stage, name), n in after.items()},
+        "generations_that_compiled": compiled_in,
       }
   return out

@@ -7,6 +7,12 @@ state and returns the advanced state, so consecutive windows chain on the device
 host: the host only admits new requests into free rows (`set_rows`), moves rows when the batch
 grows or shrinks (`gather_rows`) and reads tokens back, one window behind.
 
+The row updates are programs of their own, few and fixed for an engine, so that a precompiled
+engine compiles none mid-run (`precompile.engine_programs`): a `set_rows` per row count and
+stop-id width (every update of a row count has an entry for every row), and a re-layout
+through the engine's largest row count, so a `gather_rows` into and out of it per row count
+(not one per pair of row counts).
+
 Glossary: b rows, w window steps, s stop ids per row, l layers, k experts per token.
 """
 
@@ -50,6 +56,18 @@ class WindowOutput(NamedTuple):
   logprobs_wb: jax.Array
   routing_wblk: jax.Array | None
   taken_b: jax.Array
+
+
+# Stop-id rows are at least this wide: a request's end token and the stop ids of common chat
+# tokenizers (Qwen's <|im_end|> and <|endoftext|>, Llama 3's three) and a stop string or two
+# share one width, so that the stop ids a run's tokenizer brings compile no decode window of
+# another width mid-run; the comparison against 4 ids instead of 1 costs the step nothing.
+MIN_STOP_WIDTH = 4
+
+
+def stop_width(stop_ids: int) -> int:
+  """The stop-id row width of `stop_ids` ids: a power of two, at least `MIN_STOP_WIDTH`."""
+  return max(MIN_STOP_WIDTH, 1 << (max(stop_ids, 1) - 1).bit_length())
 
 
 def dead_rows(rows: int, stop_width: int, pad_id: int):
@@ -190,11 +208,13 @@ class DeviceBatch:
     shardings: tuple[DecodeState, RowSampling],
     pad_id: int,
     *,
+    max_rows: int,
     put=jax.device_put,
     shards: int = 1,
     note=lambda jitted, args: None,
   ):
-    """`put(tree, shardings)`: host arrays onto the devices (`PagedCalls.put`); `note(jitted,
+    """`max_rows`: the largest row count the batch takes, which re-layouts pass through;
+    `put(tree, shardings)`: host arrays onto the devices (`PagedCalls.put`); `note(jitted,
     args)`: told of each row update run (`PagedCalls.note`, the engine's count of shapes)."""
     self.rows: list = []
     self.state: DecodeState | None = None
@@ -203,6 +223,7 @@ class DeviceBatch:
     self._pad_id = pad_id
     self._put = put
     self.shards = shards
+    self.max_rows = max_rows
     # Declared output shardings: the state keeps the layout the decoders expect.
     self._set_rows = jax.jit(set_rows, out_shardings=shardings)
     self._gather_rows = jax.jit(gather_rows, out_shardings=shardings)
@@ -274,12 +295,21 @@ class DeviceBatch:
     self.rows[row] = None
 
   def _relayout(self, keep: list, rows: int) -> None:
+    """Moves the kept holders to their rows in a batch of `rows` rows. Between two row counts
+    below `max_rows` the rows pass through `max_rows` rows unmoved (two gathers): each row
+    count then has a program into and out of the largest, where a gather straight from one
+    count to another would be a program per pair."""
+    if rows > self.max_rows:
+      raise ValueError(f"DeviceBatch: {rows} rows are more than its max_rows={self.max_rows}.")
     source = np.full((rows,), -1, np.int32)
     moved: list = [None] * rows
     for i, k in enumerate(block_order([h.shard for h in keep], self.shards, rows)):
       if k is not None:
         holder = keep[k]
         source[i], moved[i], holder.row = holder.row, holder, i
-    state, sampling = dead_rows(1, self.stop_width, self._pad_id)
-    self._update(self._gather_rows, source, state, sampling)
+    dead = dead_rows(1, self.stop_width, self._pad_id)
+    if self.max_rows not in (rows, len(self.rows)):
+      unmoved = np.arange(self.max_rows, dtype=np.int32)
+      self._update(self._gather_rows, np.where(unmoved < len(self.rows), unmoved, -1), *dead)
+    self._update(self._gather_rows, source, *dead)
     self.rows = moved

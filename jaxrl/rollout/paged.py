@@ -43,7 +43,13 @@ import numpy as np
 from jaxrl.model import Model, Params
 from jaxrl.model.scan_fit import fit_scan
 from jaxrl.rollout.admission import Running, admit_waiting
-from jaxrl.rollout.decode_loop import DeviceBatch, RowStart, WindowOutput, block_order
+from jaxrl.rollout.decode_loop import (
+  DeviceBatch,
+  RowStart,
+  WindowOutput,
+  block_order,
+  stop_width,
+)
 from jaxrl.rollout.engine import Completion, ParamPlacer, bucket
 from jaxrl.rollout.kv_park import KVPark
 from jaxrl.rollout.paged_calls import PagedCalls
@@ -135,7 +141,7 @@ class PagedEngine:
     self.num_host_waits = 0
     self._batch = DeviceBatch(
       self._calls.row_state_shardings, pad_id, put=self._calls.put, shards=shards,
-      note=self._calls.note,
+      max_rows=self._block_row_counts(self.rows_per_shard)[0], note=self._calls.note,
     )  # fmt: skip
     # The smallest page table and prefill chunk of any call (`PagedConfig.max_tokens`).
     sized_for = min(config.max_tokens, model.config.max_seq_len)
@@ -177,9 +183,11 @@ class PagedEngine:
     filter_widths: Sequence[int] = (NO_FILTER, TOP_K_CANDIDATES, SORT_ALL),
     max_tokens: int | None = None,
   ) -> int:
-    """Compiles every decode window, prefill call and page copy this engine can make, running each
-    shape once on padding rows (position -1: they read and write no cache), so that none
-    compiles mid-run. `stop_widths`: the stop-id list widths to cover (1: the end token only);
+    """Compiles every decode window, prefill call, page copy and row update this engine can
+    make, running each shape once on padding rows (position -1: they read and write no cache),
+    so that none compiles mid-run. `stop_widths`: the numbers of stop ids a request may have
+    (its end token and `SamplingParams.stop_token_ids`), to cover (1: the end token only; up
+    to `decode_loop.MIN_STOP_WIDTH` ids share one width);
     `filter_widths`: the sampler variants to cover (`sampling.filter_width`); `max_tokens`:
     the longest sequence (prompt and response) the run will give it, which bounds the page
     tables and prefill chunks to cover (default: `PagedConfig.max_tokens` when set, else the
@@ -354,9 +362,9 @@ class PagedEngine:
     if self._compiled_ahead or not wanted or self.mesh.is_multi_process:
       return
     self._compiled_ahead = True
-    stop_width = bucket(max(len(self._stop_ids(s.record)) for s in admitted), 1)
+    stops = stop_width(max(len(self._stop_ids(s.record)) for s in admitted))
     width = filter_width(s.record.sampling for s in admitted)
-    compile_engine_ahead(self, stop_width, width)
+    compile_engine_ahead(self, stops, width)
 
   def _budget(self, record: RequestRecord) -> int:
     """Tokens the request may still generate before its length limit (as read back so far)."""
@@ -437,8 +445,8 @@ class PagedEngine:
       )
       new.append((state, start))
     rows = self._block_rows([*keep, *(state for state, _ in new)])
-    stop_width = bucket(max(len(x.stop_ids) for _, x in new), 1)
-    self._batch.place(sorted(keep, key=lambda s: s.admitted), new, rows, stop_width)
+    stops = stop_width(max(len(x.stop_ids) for _, x in new))
+    self._batch.place(sorted(keep, key=lambda s: s.admitted), new, rows, stops)
 
   def _table_width(self, pages: int) -> int:
     return max(bucket(pages, 1), self._min_table_width)

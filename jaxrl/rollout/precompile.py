@@ -1,14 +1,11 @@
 """The programs a paged engine can run, compiled before it meets them.
 
-- `precompile_engine` (`PagedEngine.precompile`): every decode window, prefill call and page
-  copy, run once on padding rows (position -1: they read and write no cache), before anything
-  else runs.
+- `precompile_engine` (`PagedEngine.precompile`): every decode window, prefill call, page
+  copy and row update between windows (`decode_loop.DeviceBatch`), run once on padding rows
+  (position -1: they read and write no cache; row updates on a batch of their own), before
+  anything else runs.
 - `compile_engine_ahead` (`PagedConfig.compile_ahead`): the same programs compiled, not run,
-  on background threads while the engine generates (`jaxrl.compile_ahead`).
-
-The row updates between windows (`decode_loop.DeviceBatch`) are not covered: they are small
-programs that compile in well under a second, one per row count and stop-id width (and a
-re-layout per change of row count)."""
+  on background threads while the engine generates (`jaxrl.compile_ahead`)."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxrl.compile_ahead import abstract, compile_in_background, with_shardings
-from jaxrl.rollout.decode_loop import dead_rows
+from jaxrl.rollout.decode_loop import dead_rows, stop_width
 from jaxrl.rollout.engine import bucket
 from jaxrl.rollout.requests import pages_for
 from jaxrl.rollout.window_kv import ring_table
@@ -35,14 +32,18 @@ log = logging.getLogger(__name__)
 
 
 class EngineProgram(NamedTuple):
-  """One program of the engine: `PagedCalls`' jitted function, the call that runs it and its
-  arguments after the weights and the KV pool (host arrays; a decode window's row state and
-  sampling as the device holds them, `on_device`)."""
+  """One program of the engine: its jitted function (`PagedCalls`', or a row update's of
+  `DeviceBatch`), the call that runs it and its arguments after what it `reads` first
+  ("weights": the weights and the KV pool; "pool": the KV pool, a page copy; "rows": nothing,
+  a row update), host arrays but for a decode window's or row update's first two, the rows'
+  state and sampling, which the device holds laid out as `DeviceBatch` keeps them
+  (`on_device`)."""
 
   jitted: object
   call: object
   args: tuple
   on_device: bool = False
+  reads: str = "weights"
 
 
 def engine_programs(
@@ -52,12 +53,14 @@ def engine_programs(
   max_tokens: int | None,
   chunked: bool = True,
 ) -> list[EngineProgram]:
-  """Every program `engine` can run for requests of these stop-id widths and sampler filters
+  """Every program `engine` can run for requests of these stop-id counts and sampler filters
   (`PagedEngine.precompile`'s arguments): a decode window per (row count, page-table width),
-  prefill calls per (row count, chunk width), a page copy per bucket of copies. `chunked`
-  False leaves out the chunked prefill (one sequence to a row: sequences longer than a packed
-  row, a next turn after its kept pages)."""
+  prefill calls per (row count, chunk width), a page copy per bucket of copies, and the row
+  updates: a `set_rows` per row count and a re-layout into and out of the largest
+  (`decode_loop.DeviceBatch`). `chunked` False leaves out the chunked prefill (one sequence
+  to a row: sequences longer than a packed row, a next turn after its kept pages)."""
   cfg, mc = engine.cfg, engine.model.config
+  stop_widths = sorted({stop_width(n) for n in stop_widths})
   calls, pad = engine._calls, engine.pad_id
   max_tokens = max_tokens or (cfg.max_tokens if cfg.max_tokens > 0 else mc.max_seq_len)
   max_tokens = min(max_tokens, mc.max_seq_len)
@@ -105,7 +108,20 @@ def engine_programs(
   for copy, pool, counts in copy_programs if copies else ():
     for count in sorted(counts):
       nowhere = np.full((count,), pool, np.int32)
-      programs.append(EngineProgram(copy, copy, (np.zeros((count,), np.int32), nowhere)))
+      args = (np.zeros((count,), np.int32), nowhere)
+      programs.append(EngineProgram(copy, copy, args, reads="pool"))
+  batch = engine._batch  # the row updates between windows: admissions, kills, re-layouts
+  for stops in stop_widths:
+    dead, largest = dead_rows(1, stops, pad), dead_rows(batch.max_rows, stops, pad)
+    for rows in row_counts:
+      state, sampling = dead_rows(rows, stops, pad)
+      nowhere = np.full((rows,), rows, np.int32)  # every entry out of range: writes nothing
+      args = (state, sampling, nowhere, state, sampling)
+      programs.append(EngineProgram(batch._set_rows, batch._set_rows, args, True, "rows"))
+    for rows in row_counts[1:]:  # into and out of the largest, `max_rows` (first)
+      for source, into in ((dead_rows(rows, stops, pad), batch.max_rows), (largest, rows)):
+        args = (*source, np.full((into,), -1, np.int32), *dead)
+        programs.append(EngineProgram(batch._gather_rows, batch._gather_rows, args, True, "rows"))
   for rows, width in itertools.product(row_counts, widths):
     for stops, filters in itertools.product(stop_widths, filter_widths):
       call = calls.decoder(filters)  # made on first use
@@ -143,7 +159,9 @@ def precompile_engine(
       if program.on_device:
         state, sampling, *tables = args
         args = (*calls.put((state, sampling), calls.row_state_shardings), *tables)
-      if program.jitted in (calls.copy_pages, calls.copy_ring_pages):
+      if program.reads == "rows":  # a row update of a batch of its own
+        program.call(*args)
+      elif program.reads == "pool":
         kv = program.call(kv, *args)
       elif program.on_device:  # a decode window: (output, state, kv)
         *_, kv = program.call(params, kv, *args)
@@ -194,7 +212,7 @@ def engine_lowerings(engine: PagedEngine, stop_width: int, filter_width: int, pa
     if program.on_device:  # laid out as `DeviceBatch` keeps them
       state, sampling, *tables = args
       args = (*with_shardings((state, sampling), calls.row_state_shardings), *tables)
-    head = (kv,) if program.jitted in (calls.copy_pages, calls.copy_ring_pages) else (params, kv)
+    head = {"weights": (params, kv), "pool": (kv,), "rows": ()}[program.reads]
     out.append((program, lambda jitted=program.jitted, a=head + args: jitted.lower(*a)))
   return out
 

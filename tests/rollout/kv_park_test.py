@@ -159,8 +159,8 @@ def test_a_precompiled_engine_compiles_nothing_for_a_next_turn_on_kept_pages(mes
   small = dict(page_size=4, num_pages=64, prefill_chunk=32, decode_steps=2, max_running=2)
   e = engine(mesh, params, precompile=True, max_tokens=32, **small)
 
-  def compiled():  # decode windows, prefills, page copies (row updates are not precompiled)
-    return [e._calls.compiled(f) for f in e._calls.jitted]
+  def compiled():  # decode windows, prefills, page copies; the last, every program's shapes
+    return [*(e._calls.compiled(f) for f in e._calls.jitted), e._calls.compiled()]
 
   before = compiled()
   first = run(e, [turn("a", rng.integers(3, 60, 6), 0, new=4)])["a"]  # caches 9: 2 pages + 1

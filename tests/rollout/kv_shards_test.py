@@ -10,7 +10,7 @@ from helpers.paged_engines import EOS, MODEL, PAD, engine
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.rollout import SamplingParams
-from jaxrl.rollout.decode_loop import DeviceBatch, RowStart
+from jaxrl.rollout.decode_loop import DecodeState, DeviceBatch, RowSampling, RowStart
 from jaxrl.rollout.kv_park import KVPark, Parked
 from jaxrl.rollout.requests import PageAllocator
 from jaxrl.sharding import ROLLOUT_RULES, batch_sharding, make_mesh
@@ -35,10 +35,8 @@ def test_device_batch_keeps_each_request_in_its_shards_rows():
   mesh = make_mesh(jax.devices()[:2], {"data": 2})
   row = batch_sharding(mesh, ROLLOUT_RULES, 1)
   matrix = batch_sharding(mesh, ROLLOUT_RULES, 2)
-  from jaxrl.rollout.decode_loop import DecodeState, RowSampling
-
   batch = DeviceBatch(
-    (DecodeState(*[row] * 5), RowSampling(row, row, row, row, matrix)), PAD, shards=2
+    (DecodeState(*[row] * 5), RowSampling(row, row, row, row, matrix)), PAD, shards=2, max_rows=8
   )
   start = RowStart(token=5, position=3, budget=4, index=0, seed=1, temperature=1.0, top_k=0,
                    top_p=1.0, stop_ids=(EOS,))  # fmt: skip
@@ -55,6 +53,62 @@ def test_device_batch_keeps_each_request_in_its_shards_rows():
   assert np.asarray(batch.state.positions_b).tolist() == [3, 3, -1, -1, 3, 3, 3, -1]
   with pytest.raises(ValueError, match="no free row in shard 1's 4 rows"):
     batch.place([*first, *more], [(h, start) for h in holders(1, 1)], rows=8, stop_width=1)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_re_layout_between_two_smaller_row_counts_passes_through_the_largest(shards):
+  """A batch that grows from 2 to 4 rows a shard with 8 the largest moves its rows through 8
+  (one program into and one out of the largest row count, not one per pair of counts); each
+  row keeps its state, and the largest count is re-laid out into in one gather."""
+  mesh = make_mesh(jax.devices()[:shards], {"data": shards})
+  row = batch_sharding(mesh, ROLLOUT_RULES, 1)
+  matrix = batch_sharding(mesh, ROLLOUT_RULES, 2)
+  ran = []  # (program, rows in, rows out) of each gather
+  batch = DeviceBatch(
+    (DecodeState(*[row] * 5), RowSampling(row, row, row, row, matrix)), PAD, shards=shards,
+    max_rows=8 * shards,
+    note=lambda jitted, args: ran.append((jitted, args[0].positions_b.shape[0], args[2].shape[0])),
+  )  # fmt: skip
+
+  def holders(n, first_position):
+    made = [type("H", (), {"shard": i % shards, "row": -1})() for i in range(n)]
+    starts = [
+      RowStart(
+        token=5,
+        position=first_position + i,
+        budget=4,
+        index=0,
+        seed=i,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        stop_ids=(EOS,),
+      )  # fmt: skip
+      for i in range(n)
+    ]
+    return made, list(zip(made, starts, strict=True))
+
+  first, new = holders(2 * shards, 10)
+  batch.place([], new, rows=2 * shards, stop_width=4)
+  more, new = holders(2 * shards, 20)
+  batch.place(first, new, rows=4 * shards, stop_width=4)
+  gathers = [(into, out) for jitted, into, out in ran if jitted is batch._gather_rows]
+  assert gathers == [(2 * shards, 8 * shards), (8 * shards, 4 * shards)]
+  positions = np.asarray(batch.state.positions_b)
+  for i, h in enumerate(first):
+    assert positions[h.row] == 10 + i and batch.rows[h.row] is h
+  for i, h in enumerate(more):
+    assert positions[h.row] == 20 + i and batch.rows[h.row] is h
+  assert (positions >= 0).sum() == 4 * shards  # the rest dead
+  ran.clear()
+  last, new = holders(2 * shards, 30)
+  batch.place([*first, *more], new, rows=8 * shards, stop_width=4)  # into the largest: one
+  gathers = [(into, out) for jitted, into, out in ran if jitted is batch._gather_rows]
+  assert gathers == [(4 * shards, 8 * shards)]
+  positions = np.asarray(batch.state.positions_b)
+  assert sorted(positions[h.row] for h in [*first, *more, *last]) == sorted(
+    [*range(10, 10 + 2 * shards), *range(20, 20 + 2 * shards), *range(30, 30 + 2 * shards)]
+  )
 
 
 def test_an_engine_over_data_holds_a_pool_on_each_device(params):

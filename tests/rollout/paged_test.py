@@ -38,7 +38,9 @@ def test_the_decode_step_runs_its_kernels_on_each_devices_heads(mesh, params):
   def decode_text(on):
     e = engine(on, params, page_size=8, num_pages=16, max_running=4)
     lower = next(
-      lower for p, lower in engine_lowerings(e, 1, NO_FILTER, abstract(e.params)) if p.on_device
+      lower
+      for p, lower in engine_lowerings(e, 1, NO_FILTER, abstract(e.params))
+      if p.jitted in e._calls.decoders.values()
     )
     return lower().as_text()
 
@@ -433,7 +435,9 @@ def test_bad_requests_are_rejected_at_submit(mesh, params):
 
 
 def test_precompiled_engine_compiles_nothing_while_it_generates(mesh, params):
-  """Every shape a run can meet is compiled when the engine first gets weights."""
+  """Every program a run can meet is compiled when the engine first gets weights: decode
+  windows, prefills and the row updates between windows, for requests with up to
+  `MIN_STOP_WIDTH` stop ids (the default covers them all)."""
   rng = np.random.default_rng()
   # 16 positions of 8-slot pages: page tables of 1 or 2 pages; rows of 2 and 4.
   small = Model(get_preset("tiny", max_seq_len=16))
@@ -449,24 +453,32 @@ def test_precompiled_engine_compiles_nothing_while_it_generates(mesh, params):
     def compiled():
       calls = e._calls
       prefills = calls.compiled(calls._prefill), calls.compiled(calls._prefill_packed)
-      return {w: calls.compiled(d) for w, d in calls.decoders.items()}, prefills
+      # The last: shapes of every program, row updates too (whichever engine compiled them).
+      return {w: calls.compiled(d) for w, d in calls.decoders.items()}, prefills, calls.compiled()
 
     before = compiled()
-    for i, (prompt, sampling) in enumerate(zip(ps, sp, strict=True)):
-      e.submit(prompt, sampling, request_id=str(i), seed=i)
-    done = {r.request_id: r.token_ids for r in e.stream()}
-    return before, compiled(), done
+    with compiled_functions() as names:
+      for i, (prompt, sampling) in enumerate(zip(ps, sp, strict=True)):
+        e.submit(prompt, sampling, request_id=str(i), seed=i)
+      done = {r.request_id: r.token_ids for r in e.stream()}
+    return before, compiled(), done, names
 
   ps = [list(rng.integers(3, 60, n)) for n in rng.integers(1, 9, 6)]
-  # Half the requests use top-k: windows with and without the sampler's filter.
-  sp = [SamplingParams(max_new_tokens=16 - len(p), top_k=5 * (i % 2)) for i, p in enumerate(ps)]
-  before, after, tokens = run(precompile=True)
+  # Half the requests use top-k: windows with and without the sampler's filter. Stop ids:
+  # none, one or two besides the end token. Six requests in four rows: the batch grows and
+  # shrinks (admissions, kills, re-layouts).
+  sp = [
+    SamplingParams(max_new_tokens=16 - len(p), top_k=5 * (i % 2), stop_token_ids=[3, 4][: i % 3])
+    for i, p in enumerate(ps)
+  ]
+  before, after, tokens, names = run(precompile=True)
   assert sorted(before[0]) == [SORT_ALL, NO_FILTER, TOP_K_CANDIDATES]
   assert all(before[0].values()) and all(before[1])  # chunked and packed prefills
-  assert after == before  # nothing compiled while generating
-  _, plain_after, plain_tokens = run(precompile=False)
+  assert after == before and names == []  # nothing compiled while generating
+  _, plain_after, plain_tokens, _ = run(precompile=False)
   # A plain run meets a subset of the shapes.
   assert all(a <= b for a, b in zip(plain_after[1], before[1], strict=True))
+  assert 0 < plain_after[2] <= before[2]
   assert tokens == plain_tokens and len(tokens) == 6  # precompiling wrote nothing
 
 
@@ -495,10 +507,13 @@ def test_shapes_sized_for_max_tokens_give_the_same_tokens_in_one_program_per_row
   assert sized._calls.compiled(sized._calls._prefill_packed) <= len(row_counts)
   # A precompiled engine sized so: one program per row count and filter, one prefill of each
   # kind (packed rows; chunks, for sequences longer than `prefill_chunk` or after a kept
-  # turn's pages) per row count, and a page copy per bucket of copies (1, 2 or 4).
+  # turn's pages) per row count, a page copy per bucket of copies (1, 2 or 4), and the row
+  # updates: an admission per row count, a re-layout into and out of the largest from each
+  # smaller one.
   fresh = engine(mesh, params, max_tokens=32, **cfg)
   shapes = fresh.precompile(filter_widths=(NO_FILTER,))
-  assert shapes == 3 * len(row_counts) + 3
+  n = len(row_counts)
+  assert shapes == 3 * n + 3 + n + 2 * (n - 1)
   fresh.generate(ps, sp, seed=3)
   assert fresh._calls.compiled(fresh._calls.decoders[NO_FILTER]) == len(row_counts)
   assert fresh._calls.compiled(fresh._calls._prefill) == len(row_counts)
