@@ -26,11 +26,13 @@ class PagedConfig:
       host's per-step cost less often; a request that finishes inside a window leaves its row
       idle until the window ends, and waiting requests are admitted only between windows.
     precompile: compile every decode and prefill shape the engine can meet when it first gets
-      weights (`PagedEngine.precompile`), so that no compilation stalls generation later; a
-      long-tail workload otherwise meets a new shape now and then, mid-run. It compiles one
-      function per (row bucket, page-table width, window or prefill width): over a hundred for
-      `max_running=128`, a cost that pays off in long runs only. A rollout worker that stops
-      meanwhile stops it after the program under way (`PagedEngine.stop_precompiling`).
+      weights (`PagedEngine.precompile`), and the row updates between windows, for requests
+      of up to 4 stop ids (end token included), so that no compilation stalls generation
+      later; a long-tail workload otherwise meets a new shape now and then, mid-run. It
+      compiles one function per (row bucket, page-table width, window or prefill width):
+      over a hundred for `max_running=128`, a cost that pays off in long runs only. A
+      rollout worker that stops meanwhile stops it after the program under way
+      (`PagedEngine.stop_precompiling`).
     share_prefix: requests admitted together with the same tokens so far (GRPO's G responses
       to one prompt) are prefilled once and share its full KV pages (reference-counted); each
       gets its own copy of the last, partly filled page, which its decode writes into.
@@ -55,12 +57,12 @@ class PagedConfig:
       4,096 tokens a call still keeps an accelerator's matrix units busy.
     compile_ahead: with shapes sized (`max_tokens` > 0), no `precompile` and a mesh of one
       process: at its first admission the engine starts compiling, not running, every decode
-      window, packed prefill and page copy it can meet for that admission's stop-id width and
-      sampler filter, on background threads (`jaxrl.rollout.precompile`), while it
-      generates; a call whose program is compiling waits for that compile, one whose thread
-      has not begun compiles it as before. A single-turn run then meets no new program
-      mid-run (on an H100 the HF recipe's fourth step stalled 13 s to compile a packed
-      prefill of more rows than before).
+      window, packed prefill, page copy and row update it can meet for that admission's
+      stop-id width and sampler filter, on background threads (`jaxrl.rollout.precompile`),
+      while it generates; a call whose program is compiling waits for that compile, one
+      whose thread has not begun compiles it as before. A single-turn run then meets no new
+      program mid-run (on an H100 the HF recipe's fourth step stalled 13 s to compile a
+      packed prefill of more rows than before).
       The chunked prefill (prompts longer than a packed row, a preempted request's) still
       compiles when met, but for a next turn's after its kept pages (`keep_turn_kv`: the
       multi-turn job's engines), which is compiled ahead too. Bucketed shapes are compiled
