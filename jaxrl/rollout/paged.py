@@ -525,15 +525,17 @@ class PagedEngine:
       if s is None or self.running.get(s.record.request_id) is not s:
         continue  # a free row, or a request that finished in an earlier window
       s.pending -= window.steps
-      r, stops = s.record, self._stop_ids(s.record)
-      for j in range(int(taken_b[i])):
-        token = int(tokens_wb[j, i])
-        r.token_ids.append(token)
-        r.logprobs.append(float(logprobs_wb[j, i]))
-        r.versions.append(window.version)
+      r, taken = s.record, int(taken_b[i])
+      if taken:
+        # A row stops on the device after a stop token or at its budget, so only its last
+        # token can end it (a column's tokens at once: per token, this loop was a fifth of
+        # the host's time on the `micro` preset).
+        r.token_ids.extend(tokens_wb[:taken, i].tolist())
+        r.logprobs.extend(logprobs_wb[:taken, i].tolist())
+        r.versions.extend([window.version] * taken)
         if routing_wblk is not None:
-          r.routing.append(routing_wblk[j, i].tolist())
-        if token in stops:
+          r.routing.extend(routing_wblk[:taken, i].tolist())
+        if r.token_ids[-1] in self._stop_ids(r):
           r.finish_reason = "stop"
         elif self._budget(r) <= 0:
           r.finish_reason = "length"
