@@ -57,7 +57,8 @@
 # learner_rebuild`).
 # precompiled (a precompiled Qwen3-0.6B engine, then 8 generations of a batch that grows and
 # shrinks: what the precompile took and what compiled after it, target nothing;
-# `launch/bench.py precompiled_rollout`).
+# `launch/bench.py precompiled_rollout`; not yet run: some 40 programs of a 28-layer model,
+# minutes of compiling).
 # Each part runs under its own time limit (seconds, PART:LIMIT overrides it) and appends one
 # JSON line {"part", "rc", "seconds", "result"} to $OUT/results.jsonl, its progress lines (the
 # settings it finished, for a part cut short) to $OUT/progress.txt, the end of its log to
@@ -176,7 +177,7 @@ for spec in "$@"; do
       --presets qwen3-0.6b ;;
     learner_rebuild) run_part learner_rebuild "${limit:-200}" python3 launch/bench.py \
       learner_rebuild --json --presets qwen3-0.6b ;;
-    precompiled) run_part precompiled "${limit:-240}" python3 launch/bench.py \
+    precompiled) run_part precompiled "${limit:-420}" python3 launch/bench.py \
       precompiled_rollout --json --presets qwen3-0.6b ;;
     train) run_part train "${limit:-240}" python3 launch/train.py --workdir /tmp/train_default ;;
     tests) JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run_part tests "${limit:-360}" \
