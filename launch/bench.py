@@ -1,10 +1,8 @@
 """Benchmarks behind docs/BENCHMARKS.md.
 
-  python launch/bench.py logprob_mismatch [--json]
   python launch/bench.py rollout [--json] [--presets micro,bench-tiny,bench-small] [--rows 64]
       [--dtype bfloat16]
-  python launch/bench.py prefix_sharing|prefill_packing [--json] [--presets bench-tiny]
-  python launch/bench.py plan|calibrate [--json]
+  python launch/bench.py prefix_sharing|prefill_packing|decode_floor [--json] [--presets ...]
   python launch/bench.py paged_attention|flash_attention|logprobs|gmm|tgmm [--json]
   python launch/bench.py grpo_step|learner_rebuild|precompiled_rollout [--json] [--presets ...]
   python launch/bench.py learner [--json] [--profile] [--lengths 4096] [--attentions flash]
@@ -16,8 +14,8 @@
   python launch/bench.py decode_profile [--json] [--presets qwen3-0.6b] [--rows 64]
       [--prompt-len 32] [--reference qk_rope_write,paged_attention] [--trace-dir DIR]
       [--attention-blocks "2,,2,1;1,,2,1"]
-  python launch/bench.py sampler|async|balance|memory|collectives [--json]
-  python launch/bench.py decode_floor [--json] [--presets bench-tiny,bench-small]
+  python launch/bench.py logprob_mismatch|plan|calibrate|sampler|async|balance|memory [--json]
+  python launch/bench.py collectives [--json]
   python launch/bench.py weight_transfer|publish [--json] [--presets bench-small,qwen3-0.6b]
   python launch/bench.py chaos [--json] [--faults 100,10,10] [--steps 30]
   python launch/bench.py agent|turn_kv [--json] [--steps 6]
@@ -53,7 +51,7 @@ from bench_grpo import (  # noqa: E402
   bench_learner_rebuild,
   bench_precompiled_rollout,
 )
-from bench_kernel_code import bench_kernel_code  # noqa: E402
+from bench_kernel_code import bench_kernel_code, parse_flash_blocks  # noqa: E402
 from bench_kernels import bench_kernels  # noqa: E402
 from bench_learner import SETTINGS as bench_learner_settings  # noqa: E402
 from bench_learner import bench_learner  # noqa: E402
@@ -69,7 +67,6 @@ from bench_sampler import bench_sampler  # noqa: E402
 from bench_scheduler import bench_calibrate, bench_plan  # noqa: E402
 from bench_window_kv import bench_window_kv  # noqa: E402
 
-from jaxrl.kernels.flash_attention import BlockSizes  # noqa: E402
 from jaxrl.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxrl.model import Model, get_preset  # noqa: E402
 from jaxrl.rl.experience import logprob_mismatch  # noqa: E402
@@ -230,14 +227,17 @@ def bench_rollout(
   roofline_seqs: int = 16,
   dtype: str | None = None,
   one_step_per_call: bool = True,
+  repeats: int | None = None,
 ) -> dict:
   """Generated tokens/s of the paged engine and the static-batch baseline, one device.
 
   Response lengths are forced (EOS ignored, max_new_tokens = target) so both engines do the
   same work: a long tail (lognormal, median `median`, capped at `cap`) and equal lengths.
-  Each engine runs every workload once to compile, then once timed. The `micro` preset's
-  device work is negligible: there the host's per-token overhead decides. Each row also gives
-  the device-to-host waits per generated token and the executables each engine compiled.
+  Each engine runs every workload once to compile, then `repeats` times timed, alternating
+  with the other (default: 3 on CPU, whose rates drift, 1 on accelerators): the medians. The
+  `micro` preset's device work is negligible: there the host's per-token overhead decides.
+  Each row also gives the device-to-host waits per generated token (the device idle until
+  the host answers) and the executables each engine compiled.
   `dtype` replaces the preset's compute and parameter dtypes; the decode step of
   `roofline_seqs` sequences is timed against its roofline (and, with `one_step_per_call`, with
   one token per device call); `hbm_roofline_fraction` is weights + KV bytes over the copy
@@ -285,21 +285,25 @@ def bench_rollout(
       ),
     )
     static = StaticEngine(model, mesh, ROLLOUT_RULES, eos_id=2, pad_id=0, max_batch=max_running)
-    row = {}
-    for name, engine in (("paged", paged), ("static", static)):
+    row, engines = {}, {"paged": paged, "static": static}
+    for engine in engines.values():
       engine.update_weights(params, 0)
-      for workload, lengths in workloads.items():
-        sampling = [
-          SamplingParams(temperature=1.0, max_new_tokens=int(n), ignore_eos=True) for n in lengths
-        ]
+    for workload, lengths in workloads.items():
+      sampling = [
+        SamplingParams(temperature=1.0, max_new_tokens=int(n), ignore_eos=True) for n in lengths
+      ]
+      for engine in engines.values():
         timed_generate(engine, prompts, sampling)  # compile every shape once
-        waits = engine.num_host_waits
-        seconds, tokens = timed_generate(engine, prompts, sampling)
-        assert tokens == int(lengths.sum()), (name, workload, tokens)
-        row[f"{name}_{workload}_tokens_per_s"] = tokens / seconds
-        # Device-to-host waits (the device idle until the host answers) per generated token.
-        row[f"{name}_{workload}_host_syncs_per_token"] = (engine.num_host_waits - waits) / tokens
-      row[f"{name}_compiled_shapes"] = engine.compiled_shapes()
+      rates = {name: [] for name in engines}
+      for _ in range(repeats or (3 if jax.default_backend() == "cpu" else 1)):
+        for name, engine in engines.items():  # alternated: the machine's drift hits both
+          waits = engine.num_host_waits
+          seconds, tokens = timed_generate(engine, prompts, sampling)
+          assert tokens == int(lengths.sum()), (name, workload, tokens)
+          rates[name].append(tokens / seconds)
+          row[f"{name}_{workload}_host_syncs_per_token"] = (engine.num_host_waits - waits) / tokens
+      row.update({f"{n}_{workload}_tokens_per_s": float(np.median(r)) for n, r in rates.items()})
+    row.update({f"{name}_compiled_shapes": e.compiled_shapes() for name, e in engines.items()})
     # Roofline of one decode step of `roofline_seqs` equal-length sequences, at their mean
     # context over the timed steps.
     sampling = [SamplingParams(temperature=1.0, max_new_tokens=median, ignore_eos=True)] * (
@@ -479,23 +483,6 @@ BENCHMARKS = {
 }
 
 
-def _flash_blocks(text: str) -> tuple[dict, ...]:
-  """`--flash-blocks "block_q=64,num_warps=4;block_kv_bwd=128"` -> BlockSizes fields per
-  tiling; a clear exit for anything else."""
-  tilings = []
-  for tiling in text.split(";"):
-    try:
-      fields = {k.strip(): int(v) for k, v in (field.split("=") for field in tiling.split(","))}
-      BlockSizes(**fields)
-    except (ValueError, TypeError) as e:
-      raise SystemExit(
-        f"--flash-blocks: {tiling!r} is not BlockSizes fields as name=int separated by commas "
-        f'(tilings by semicolons), e.g. "block_q_bwd=32,block_kv_bwd=128": {e}'
-      ) from None
-    tilings.append(fields)
-  return tuple(tilings)
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -567,7 +554,7 @@ def main() -> None:
   if args.attention_blocks:
     kwargs["attention_blocks"] = tuple(args.attention_blocks.split(";"))
   if args.flash_blocks:
-    kwargs["flash_blocks"] = _flash_blocks(args.flash_blocks)
+    kwargs["flash_blocks"] = parse_flash_blocks(args.flash_blocks)
   if args.faults:
     kwargs["faults"] = tuple(int(n) for n in args.faults.split(","))
   if args.steps:

@@ -229,3 +229,22 @@ def bench_kernel_code(
     except RuntimeError as e:
       out[name] = {"error": str(e)}
   return out
+
+
+def parse_flash_blocks(text: str) -> tuple[dict, ...]:
+  """`--flash-blocks "block_q=64,num_warps=4;block_kv_bwd=128"` -> BlockSizes fields per
+  tiling; a clear exit for anything else."""
+  from jaxrl.kernels.flash_attention import BlockSizes  # as this module's programs: when run
+
+  tilings = []
+  for tiling in text.split(";"):
+    try:
+      fields = {k.strip(): int(v) for k, v in (field.split("=") for field in tiling.split(","))}
+      BlockSizes(**fields)
+    except (ValueError, TypeError) as e:
+      raise SystemExit(
+        f"--flash-blocks: {tiling!r} is not BlockSizes fields as name=int separated by commas "
+        f'(tilings by semicolons), e.g. "block_q_bwd=32,block_kv_bwd=128": {e}'
+      ) from None
+    tilings.append(fields)
+  return tuple(tilings)
