@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.rollout.engine import bucket
 from jaxrl.rollout.sampling import VocabSplit, sample_tokens
 
 
@@ -67,7 +68,7 @@ MIN_STOP_WIDTH = 4
 
 def stop_width(stop_ids: int) -> int:
   """The stop-id row width of `stop_ids` ids: a power of two, at least `MIN_STOP_WIDTH`."""
-  return max(MIN_STOP_WIDTH, 1 << (max(stop_ids, 1) - 1).bit_length())
+  return bucket(stop_ids, MIN_STOP_WIDTH)
 
 
 def dead_rows(rows: int, stop_width: int, pad_id: int):
